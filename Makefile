@@ -1,0 +1,54 @@
+# rlmem: every user-facing command. `make help` (the default) lists them.
+# Targets take EXP=<experiment> and ARGS="<hydra overrides>".
+.DEFAULT_GOAL := help
+SHELL := /bin/bash
+
+PYTHON_BOOT ?= python3
+VENV        ?= .venv
+PY          := $(VENV)/bin/python
+# CPU build by default; CUDA clusters override, e.g. TORCH_SPEC="torch==2.13.0 --index-url <their wheel index>".
+TORCH_SPEC  ?= torch==2.13.0
+EXTRAS      ?= dev
+EXP         ?= tiny_cpu
+ARGS        ?=
+TINY_DIR    ?= tiny_models
+HF          ?= $(TINY_DIR)/qwen2
+TP          ?= 1
+PP          ?= 1
+PYTEST_ARGS ?=
+
+STAMP := $(VENV)/.installed-$(EXTRAS)
+
+.PHONY: help install test test-gpu test-slow lint tiny-models clean
+
+help: ## list the targets
+	@echo "usage: make <target> [EXP=<experiment>] [ARGS=\"<hydra overrides>\"]"
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sort | awk 'BEGIN {FS = ":.*## "}; {printf "  %-14s %s\n", $$1, $$2}'
+
+install: $(STAMP) ## create .venv, install torch ($(TORCH_SPEC)) then this repo with [$(EXTRAS)]; idempotent
+
+$(STAMP): setup.cfg pyproject.toml
+	@test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	@touch $@
+	@echo "installed into $(VENV)"
+
+test: $(STAMP) ## run the CPU test suite (excludes gpu, slow and slurm tests)
+	$(PY) -m pytest -q -m "not gpu and not slow and not slurm" $(PYTEST_ARGS)
+
+test-slow: $(STAMP) ## run the slow end-to-end tests
+	$(PY) -m pytest -q -m "slow" $(PYTEST_ARGS)
+
+test-gpu: $(STAMP) ## run the gpu-marked tests (needs CUDA; `make install EXTRAS=dev,gpu` for vLLM)
+	$(PY) -m pytest -q -m "gpu" $(PYTEST_ARGS)
+
+lint: $(STAMP) ## ruff over the whole repo
+	$(PY) -m ruff check .
+
+tiny-models: $(STAMP) ## write the tiny Qwen2 / Llama / Qwen3 HF checkpoints to $(TINY_DIR)/
+	$(PY) -m rl.tiny_models --out $(TINY_DIR)
+
+clean: ## remove caches and run outputs (keeps .venv)
+	rm -rf .pytest_cache .ruff_cache outputs multirun

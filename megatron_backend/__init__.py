@@ -1,0 +1,1 @@
+"""Everything that touches megatron-core and ``parallel_state`` lives in this package."""

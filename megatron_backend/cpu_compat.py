@@ -1,0 +1,133 @@
+"""megatron-core 0.16 on CPU: the one place that papers over its hard-coded CUDA.
+
+Active only when ``torch.cuda.is_available()`` is False; on a GPU machine :func:`apply` is a no-op.
+We never fork or vendor megatron-core. Instead, inside the few megatron modules listed in
+``PATCHED_MODULES`` (and nowhere else), the module-global name ``torch`` is rebound to
+:class:`_TorchOnCpu`, a thin proxy that forwards everything to the real ``torch`` except:
+
+- factory functions (``zeros``, ``ones``, ``empty``, ...) called with ``device="cuda"`` build on CPU
+  (``get_default_causal_mask``; ``total_num_tokens = torch.zeros(..., device="cuda")`` in the
+  pipeline schedules; the p2p shape buffers);
+- ``torch.cuda`` is :class:`_CudaOnCpu`: ``current_device()`` is the CPU (RoPE ``inv_freq``, p2p,
+  the global memory buffer that local-spec attention takes its matmul input from),
+  ``synchronize()`` is a no-op (p2p), and the RNG calls use the CPU default generator (the
+  model-parallel RNG tracker's ``add``/``fork``; on CPU dropout draws from that generator).
+
+The RNG tracker's ``fork`` also reads ``_get_cuda_rng_state``/``_set_cuda_rng_state``; those two
+module functions are rebound to the CPU generator's state. ``fork`` warns when the CPU RNG state
+changes inside a fork, which on CPU is exactly what a fork is for, so that one message is filtered.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import types
+
+import torch
+
+# module -> the CUDA assumption it makes in megatron-core 0.16
+PATCHED_MODULES = {
+    "megatron.core.models.common.embeddings.rotary_pos_embedding": "inv_freq on torch.cuda.current_device()",
+    "megatron.core.transformer.utils": 'get_default_causal_mask builds on device="cuda"',
+    "megatron.core.tensor_parallel.random": "RNG tracker add()/fork() use the CUDA generator",
+    "megatron.core.pipeline_parallel.schedules": 'torch.zeros(..., device="cuda") for token counts',
+    "megatron.core.pipeline_parallel.p2p_communication": "torch.cuda.synchronize(), shape buffers on cuda",
+    "megatron.core.utils": "GlobalMemoryBuffer.get_tensor (attention matmul buffer) on torch.cuda.current_device()",
+}
+
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint")
+_applied = False
+
+
+def _cpu_device(device):
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return torch.device("cpu")
+    if torch.device(device).type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class _CudaOnCpu:
+    """Stands in for ``torch.cuda`` inside the patched modules."""
+
+    @staticmethod
+    def is_available() -> bool:
+        return False
+
+    @staticmethod
+    def current_device() -> torch.device:
+        return torch.device("cpu")
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        return None
+
+    @staticmethod
+    def get_rng_state(device=None) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state: torch.Tensor, device=None) -> None:
+        torch.set_rng_state(state)
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+class _TorchOnCpu:
+    """Stands in for the ``torch`` module inside the patched megatron modules."""
+
+    cuda = _CudaOnCpu()
+
+    def __getattr__(self, name):
+        attr = getattr(torch, name)
+        if name in _FACTORIES:
+
+            def factory(*args, _fn=attr, **kwargs):
+                if "device" in kwargs:
+                    kwargs["device"] = _cpu_device(kwargs["device"])
+                return _fn(*args, **kwargs)
+
+            return factory
+        return attr
+
+
+class _DropForkWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def _get_cpu_rng_state(device="cuda", clone=False, graph_safe=False):
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state, device=-1, graph_safe=False):
+    torch.set_rng_state(new_state)
+
+
+def is_active() -> bool:
+    return _applied
+
+
+def apply() -> bool:
+    """Patch the modules in ``PATCHED_MODULES`` if CUDA is absent. Idempotent; returns whether active."""
+    global _applied
+    if _applied or torch.cuda.is_available():
+        return _applied
+    proxy = _TorchOnCpu()
+    for name in PATCHED_MODULES:
+        module: types.ModuleType = importlib.import_module(name)
+        module.torch = proxy
+    random_module = importlib.import_module("megatron.core.tensor_parallel.random")
+    random_module._get_cuda_rng_state = _get_cpu_rng_state
+    random_module._set_cuda_rng_state = _set_cpu_rng_state
+    logging.getLogger(random_module.__name__).addFilter(_DropForkWarning())
+    _applied = True
+    return True

@@ -1,0 +1,107 @@
+"""Process groups for the actor: torch.distributed init plus megatron-core's ``parallel_state``.
+
+Callers get a :class:`ParallelDims` with the tp/pp/dp groups and pass them on explicitly; nothing
+outside ``megatron_backend`` reads ``parallel_state``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron_backend import cpu_compat
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """This rank's place in the actor's TP x PP x DP grid, and its groups."""
+
+    rank: int
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    vpp: int | None
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    device: torch.device
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_distributed(timeout_minutes: int = 10) -> None:
+    """Join the default process group from the usual env (RANK, WORLD_SIZE, MASTER_ADDR/PORT).
+
+    NCCL on CUDA, gloo otherwise. Idempotent.
+    """
+    if dist.is_initialized():
+        return
+    device = default_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
+
+
+def initialize_model_parallel(tp: int, pp: int, vpp: int | None = None, seed: int = 1234) -> ParallelDims:
+    """Set up megatron-core's TP/PP/DP groups (order tp-dp-pp as in megatron) and the RNG tracker."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    init_distributed()
+    cpu_compat.apply()
+    world_size = dist.get_world_size()
+    if world_size % (tp * pp) != 0:
+        raise ValueError(f"world size {world_size} is not divisible by actor.tp x actor.pp = {tp} x {pp}")
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return ParallelDims(
+        rank=dist.get_rank(),
+        world_size=world_size,
+        tp=tp,
+        pp=pp,
+        dp=world_size // (tp * pp),
+        vpp=vpp,
+        tp_rank=mpu.get_tensor_model_parallel_rank(),
+        pp_rank=mpu.get_pipeline_model_parallel_rank(),
+        dp_rank=mpu.get_data_parallel_rank(),
+        tp_group=mpu.get_tensor_model_parallel_group(),
+        pp_group=mpu.get_pipeline_model_parallel_group(),
+        dp_group=mpu.get_data_parallel_group(),
+        device=default_device(),
+    )
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state as mpu
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,145 @@
+"""Tiny Hugging Face checkpoints for tests and the CPU experiment, built in-process (no downloads).
+
+Three families, each a normal HF directory (config.json, model.safetensors, tokenizer files):
+
+- ``qwen2``: Qwen2 architecture: qkv bias, GQA (4 q heads / 2 KV heads), untied embeddings.
+- ``llama``: Llama architecture: no bias, tied embeddings, vocab 99 (NOT a multiple of 64, so
+  every vocab-padding path is exercised).
+- ``qwen3``: Qwen3 architecture: q/k RMSNorms, explicit head_dim, untied embeddings.
+
+All share a character-level tokenizer over printable ASCII, saved as ``tokenizer.json`` for
+``PreTrainedTokenizerFast``. Weights come from ``from_config`` under a fixed seed, so the bytes are
+identical on every machine. ``python -m rl.tiny_models --out DIR`` (or ``make tiny-models``) writes
+them; ``resolve_model_path("tiny:<family>")`` builds one on demand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import string
+import tempfile
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TINY_DIR = Path(os.environ.get("RLMEM_TINY_DIR", REPO_ROOT / "tiny_models"))
+TINY_PREFIX = "tiny:"
+SEED = 1234
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
+# 4 specials + 95 printable ASCII characters = 99 tokens.
+CHARACTERS = [c for c in string.printable if c not in "\t\n\r\x0b\x0c"]
+TOKENIZER_VOCAB_SIZE = len(SPECIAL_TOKENS) + len(CHARACTERS)
+
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+# family -> (transformers config class name, config kwargs)
+TINY_FAMILIES: dict[str, tuple[str, dict]] = {
+    "qwen2": (
+        "Qwen2Config",
+        dict(_COMMON, vocab_size=128, rope_theta=1_000_000.0, tie_word_embeddings=False),
+    ),
+    "llama": (
+        "LlamaConfig",
+        dict(
+            _COMMON,
+            vocab_size=TOKENIZER_VOCAB_SIZE,
+            rope_theta=500_000.0,
+            tie_word_embeddings=True,
+            attention_bias=False,
+            mlp_bias=False,
+        ),
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        dict(_COMMON, vocab_size=160, head_dim=16, rope_theta=1_000_000.0, tie_word_embeddings=False),
+    ),
+}
+
+
+def tiny_hf_config(family: str):
+    """The transformers config of one tiny family (no files needed)."""
+    import transformers
+
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"unknown tiny model family {family!r}; choose one of {sorted(TINY_FAMILIES)}")
+    class_name, kwargs = TINY_FAMILIES[family]
+    return getattr(transformers, class_name)(**kwargs)
+
+
+def build_tokenizer():
+    """A character-level fast tokenizer: every printable ASCII char is one token."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def write_tiny_model(family: str, out_dir: str | os.PathLike) -> Path:
+    """Write one tiny checkpoint to ``out_dir`` (atomically: a temp dir renamed into place)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    config = tiny_hf_config(family)
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=out_dir.parent))
+    tmp.chmod(0o755)
+    try:
+        model.save_pretrained(tmp)
+        build_tokenizer().save_pretrained(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def resolve_model_path(path: str, tiny_dir: str | os.PathLike = DEFAULT_TINY_DIR) -> str:
+    """``tiny:<family>`` -> a directory holding that checkpoint (built once); any other path as is."""
+    if not path.startswith(TINY_PREFIX):
+        return path
+    family = path[len(TINY_PREFIX) :]
+    out_dir = Path(tiny_dir) / family
+    if not (out_dir / "config.json").exists():
+        write_tiny_model(family, out_dir)
+    return str(out_dir)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(DEFAULT_TINY_DIR), help="directory to write <family>/ into")
+    parser.add_argument("--families", nargs="+", default=sorted(TINY_FAMILIES), choices=sorted(TINY_FAMILIES))
+    args = parser.parse_args()
+    for family in args.families:
+        print(write_tiny_model(family, Path(args.out) / family))
+
+
+if __name__ == "__main__":
+    main()

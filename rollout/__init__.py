@@ -1,0 +1,1 @@
+"""Rollout engines behind one protocol; never imports ``megatron_backend``."""

@@ -1,0 +1,62 @@
+"""Config of the rollout engine (``rollout.*``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+ENGINES = ("native", "vllm")
+WAKE_STRATEGIES = ("staged", "all_at_once")
+
+
+@dataclass
+class RolloutConfig:
+    """Engine choice, its TP layout, memory budget and sampling (``rollout.*``)."""
+
+    engine: str = "native"
+    tp: int = 1
+    # float in (0, 1]: fraction of device memory the engine may hold (weights + KV cache + reserve);
+    # "auto": the planner picks the largest safe value before launch.
+    gpu_memory_utilization: Any = 0.5
+    wake_strategy: str = "staged"
+    # On CPU there is no device capacity to read; the native engine sizes its KV cache from this.
+    cpu_capacity_gb: float = 2.0
+    n_samples_per_prompt: int = 4
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"rollout.engine={self.engine!r} is not one of {ENGINES}")
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"rollout.tp={self.tp!r} must be a positive integer")
+        util = self.gpu_memory_utilization
+        if util != "auto":
+            try:
+                util = float(util)
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"rollout.gpu_memory_utilization={util!r} must be a float in (0, 1] or 'auto'"
+                ) from None
+            if not 0.0 < util <= 1.0:
+                raise ValueError(
+                    f"rollout.gpu_memory_utilization={util} is outside (0, 1]; use e.g. 0.5, or 'auto' "
+                    "to let the planner pick"
+                )
+            self.gpu_memory_utilization = util
+        if self.wake_strategy not in WAKE_STRATEGIES:
+            raise ValueError(f"rollout.wake_strategy={self.wake_strategy!r} is not one of {WAKE_STRATEGIES}")
+        if self.cpu_capacity_gb <= 0:
+            raise ValueError(f"rollout.cpu_capacity_gb={self.cpu_capacity_gb} must be > 0")
+        if self.n_samples_per_prompt < 1:
+            raise ValueError(f"rollout.n_samples_per_prompt={self.n_samples_per_prompt} must be >= 1")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"rollout.max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"rollout.temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"rollout.top_k={self.top_k} must be -1 (off) or >= 1")

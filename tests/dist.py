@@ -1,0 +1,69 @@
+"""Run a function on N gloo ranks in fresh processes (real torch.distributed, no mocks)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args, result_queue) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        result_queue.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:  # report every failure to the parent, then exit non-zero
+        result_queue.put((rank, "error", traceback.format_exc()))
+        raise
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 300.0) -> list:
+    """Call ``fn(rank, world_size, *args)`` on every rank; return the per-rank results in rank order.
+
+    ``fn`` must be importable (module level). Any rank's exception fails the caller with its traceback.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    try:
+        for _ in range(world_size):
+            rank, status, payload = queue.get(timeout=timeout_s)
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 30)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world_size)]
