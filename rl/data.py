@@ -1,0 +1,97 @@
+"""Prompts and verifiable rewards, no downloads.
+
+- :class:`DigitSumTask`: the synthetic task shipped in the repo for the tiny CPU experiment. A prompt
+  is ``"a+b="`` with single digits; the answer is the decimal sum followed by end-of-sequence. The
+  reward gives partial credit so that a tiny model gets a signal from the first step: 1.0 for the
+  exact answer, else 0.5 x the fraction of answer characters right in position, plus 0.1 if the
+  response is digits only. It is generated from a seed, so every rank sees the same prompts.
+- :class:`Gsm8kTask`: GSM8K-style math over a local ``.jsonl`` or ``.parquet`` file with ``question``
+  and ``answer`` fields (the answer's final number after ``####`` is the ground truth). The verifier
+  takes the number after the response's last ``####``, else its last number.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str
+    answer: str
+
+
+class DigitSumTask:
+    """``"a+b="`` -> ``"<a+b>"``, single digits a and b."""
+
+    name = "digit_sum"
+
+    def __init__(self, seed: int = 0):
+        self.rng = random.Random(seed)
+
+    def sample(self, num_prompts: int) -> list[Problem]:
+        problems = []
+        for _ in range(num_prompts):
+            a, b = self.rng.randrange(10), self.rng.randrange(10)
+            problems.append(Problem(prompt=f"{a}+{b}=", answer=str(a + b)))
+        return problems
+
+    @staticmethod
+    def reward(response: str, answer: str) -> float:
+        response = response.strip()
+        if response == answer:
+            return 1.0
+        in_place = sum(1 for r, a in zip(response, answer) if r == a) / len(answer)
+        digits_only = 0.1 if response and response.isdigit() else 0.0
+        return 0.5 * in_place + digits_only
+
+
+def extract_final_number(text: str) -> str | None:
+    """The number after the last ``####`` if present, else the last number; commas dropped."""
+    tail = text.rsplit("####", 1)[1] if "####" in text else text
+    numbers = _NUMBER.findall(tail)
+    if not numbers:
+        return None
+    value = numbers[0] if "####" in text else numbers[-1]
+    value = value.replace(",", "")
+    return value[:-2] if value.endswith(".0") else value.rstrip(".")
+
+
+class Gsm8kTask:
+    """GSM8K-style problems from a local file; reward 1.0 iff the final numbers match."""
+
+    name = "gsm8k"
+
+    def __init__(self, path: str, seed: int = 0):
+        file = Path(path)
+        if not file.is_file():
+            raise FileNotFoundError(f"data.path={path!r} does not exist; point it at a local .jsonl or .parquet file")
+        if file.suffix == ".jsonl":
+            records = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+        elif file.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            records = pq.read_table(file).to_pylist()
+        else:
+            raise ValueError(f"data.path={path!r}: expected a .jsonl or .parquet file")
+        missing = [i for i, r in enumerate(records) if "question" not in r or "answer" not in r]
+        if missing:
+            raise ValueError(f"data.path={path!r}: records {missing[:5]} lack 'question' or 'answer'")
+        self.problems = [Problem(r["question"], extract_final_number(str(r["answer"])) or "") for r in records]
+        if not self.problems:
+            raise ValueError(f"data.path={path!r} holds no records")
+        self.rng = random.Random(seed)
+
+    def sample(self, num_prompts: int) -> list[Problem]:
+        return [self.rng.choice(self.problems) for _ in range(num_prompts)]
+
+    @staticmethod
+    def reward(response: str, answer: str) -> float:
+        predicted = extract_final_number(response)
+        return 1.0 if predicted is not None and predicted == answer else 0.0

@@ -1,0 +1,147 @@
+"""Run outputs on rank 0: metrics.jsonl, memory_timeline.{csv,png}, summary.json and a W&B run.
+
+W&B is offline unless ``wandb.mode=online`` (``wandb sync <run dir>/wandb/offline-run-*`` uploads later).
+Timeline series are logged as ``memory/<metric>/rank<r>`` against a custom x-axis ``timeline/t_s``
+(seconds since the run started); per-step scalars against ``trainer/step``, among them
+``memory/peak/<phase>`` (max over ranks of the phase's ``device_allocated``).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from rl.memory import METRICS, PEAK_METRIC, PHASES, phase_peaks
+
+CSV_COLUMNS = ("t_s", "step", "phase", "rank", *METRICS)
+
+
+class RunWriter:
+    """Everything rank 0 writes for one run. Other ranks never construct one."""
+
+    def __init__(self, run_dir: Path, config: Any, wandb_mode: str, project: str, entity: str | None, name: str):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.config = asdict(config) if is_dataclass(config) else dict(config)
+        self.timeline_rows: list[dict] = []
+        self._metrics_file = open(self.run_dir / "metrics.jsonl", "a")
+        self._csv_file = open(self.run_dir / "memory_timeline.csv", "w", newline="")
+        self._csv = csv.DictWriter(self._csv_file, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        self._csv.writeheader()
+        self._defined: set[str] = set()
+        self.wandb_run = None
+        if wandb_mode != "disabled":
+            import wandb
+
+            self.wandb_run = wandb.init(
+                mode=wandb_mode,
+                project=project,
+                entity=entity,
+                name=name,
+                dir=str(self.run_dir),
+                config=self.config,
+                reinit="finish_previous",
+            )
+            self.wandb_run.define_metric("trainer/step")
+            self.wandb_run.define_metric("timeline/t_s")
+
+    @property
+    def wandb_dir(self) -> str | None:
+        return str(Path(self.wandb_run.dir).parent) if self.wandb_run is not None else None
+
+    def _define(self, name: str, step_metric: str) -> None:
+        if self.wandb_run is not None and name not in self._defined:
+            self.wandb_run.define_metric(name, step_metric=step_metric)
+            self._defined.add(name)
+
+    def log_timeline(self, rows: list[dict]) -> None:
+        """Append gathered rows (all ranks) to the CSV and to W&B's timeline series."""
+        rows = sorted(rows, key=lambda r: (r["t_s"], r["rank"]))
+        self.timeline_rows.extend(rows)
+        self._csv.writerows(rows)
+        self._csv_file.flush()
+        if self.wandb_run is None:
+            return
+        for row in rows:
+            record = {"timeline/t_s": row["t_s"]}
+            for metric in METRICS:
+                key = f"memory/{metric}/rank{row['rank']}"
+                self._define(key, "timeline/t_s")
+                record[key] = row[metric]
+            self.wandb_run.log(record)
+
+    def log_step(self, step: int, metrics: dict[str, float], step_rows: list[dict]) -> dict[str, int]:
+        """Per-step scalars plus ``memory/peak/<phase>`` from this step's rows; returns those peaks."""
+        peaks = phase_peaks(step_rows)
+        record = {"trainer/step": step, **metrics}
+        record.update({f"memory/peak/{phase}": value for phase, value in peaks.items()})
+        self._metrics_file.write(json.dumps(record) + "\n")
+        self._metrics_file.flush()
+        if self.wandb_run is not None:
+            for key in record:
+                if key != "trainer/step":
+                    self._define(key, "trainer/step")
+            self.wandb_run.log(record)
+        return peaks
+
+    def finish(self, summary: dict) -> dict:
+        """Write the timeline plot and summary.json, close W&B. Returns the summary as written."""
+        png = self.run_dir / "memory_timeline.png"
+        plot_timeline(self.timeline_rows, png)
+        summary = dict(summary, wandb_dir=self.wandb_dir)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        self._metrics_file.close()
+        self._csv_file.close()
+        if self.wandb_run is not None:
+            import wandb
+
+            self.wandb_run.log({"memory/timeline_chart": wandb.Image(str(png))})
+            self.wandb_run.summary.update({k: v for k, v in summary.items() if k != "wandb_dir"})
+            self.wandb_run.finish()
+        return summary
+
+
+def plot_timeline(rows: list[dict], path: Path, max_ranks: int = 4) -> None:
+    """One panel per rank: a line per non-zero metric (MiB), each phase shaded in its own colour."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    ranks = sorted({r["rank"] for r in rows})[:max_ranks] or [0]
+    fig, axes = plt.subplots(len(ranks), 1, figsize=(14, 3.6 * len(ranks)), sharex=True, squeeze=False)
+    cmap = plt.get_cmap("tab20")
+    phase_colors = {phase: cmap(i % 20) for i, phase in enumerate(PHASES)}
+    for ax, rank in zip(axes[:, 0], ranks):
+        rank_rows = [r for r in rows if r["rank"] == rank]
+        # shade each contiguous (step, phase) span
+        spans: dict[tuple[int, str], list[float]] = {}
+        for r in rank_rows:
+            span = spans.setdefault((r["step"], r["phase"]), [r["t_s"], r["t_s"]])
+            span[0], span[1] = min(span[0], r["t_s"]), max(span[1], r["t_s"])
+        for (_, phase), (t_start, t_end) in spans.items():
+            ax.axvspan(t_start, t_end, color=phase_colors.get(phase, "grey"), alpha=0.25, lw=0)
+        for metric in METRICS:
+            values = [r[metric] / 2**20 for r in rank_rows]
+            if any(values):
+                style = "-" if metric == PEAK_METRIC else ("--" if metric.startswith("tag/") else ":")
+                ax.plot([r["t_s"] for r in rank_rows], values, style, lw=1.4, label=metric)
+        ax.set_ylabel(f"rank {rank}: MiB")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper left", fontsize=7, ncol=2, framealpha=0.8)
+    seen = [p for p in PHASES if any(r["phase"] == p for r in rows)]
+    fig.legend(
+        handles=[Patch(color=phase_colors[p], alpha=0.4, label=p) for p in seen],
+        loc="upper center",
+        ncol=min(7, max(1, len(seen))),
+        fontsize=8,
+        title="phases (shaded)",
+    )
+    axes[-1, 0].set_xlabel("seconds since start")
+    fig.tight_layout(rect=(0, 0, 1, 0.9 if len(ranks) > 1 else 0.82))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

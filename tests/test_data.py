@@ -1,0 +1,76 @@
+"""Synthetic task and GSM8K-style verifier."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rl.data import DigitSumTask, Gsm8kTask, extract_final_number
+
+
+def test_digit_sum_prompts_are_seeded_and_correct():
+    a, b = DigitSumTask(seed=3).sample(20), DigitSumTask(seed=3).sample(20)
+    assert a == b
+    for p in a:
+        x, y = p.prompt.rstrip("=").split("+")
+        assert int(p.answer) == int(x) + int(y)
+
+
+@pytest.mark.parametrize(
+    "response,answer,reward",
+    [
+        ("12", "12", 1.0),
+        (" 12 ", "12", 1.0),
+        ("13", "12", 0.25 + 0.1),
+        ("ab", "12", 0.0),
+        ("7", "7", 1.0),
+        ("9x", "9", 0.5),
+        ("", "5", 0.0),
+    ],
+)
+def test_digit_sum_reward_partial_credit(response, answer, reward):
+    assert DigitSumTask.reward(response, answer) == pytest.approx(reward)
+
+
+@pytest.mark.parametrize(
+    "text,number",
+    [
+        ("so 3+4 = 7. #### 7", "7"),
+        ("The answer is 1,234.", "1234"),
+        ("#### -5 apples", "-5"),
+        ("no digits", None),
+        ("first 3 then 12.0", "12"),
+        ("#### 42\nthen 7", "42"),
+    ],
+)
+def test_extract_final_number(text, number):
+    assert extract_final_number(text) == number
+
+
+def test_gsm8k_from_jsonl(tmp_path):
+    path = tmp_path / "train.jsonl"
+    rows = [
+        {"question": "Tom has 2 apples and buys 3. How many?", "answer": "2+3=5\n#### 5"},
+        {"question": "What is 10*100?", "answer": "#### 1,000"},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    task = Gsm8kTask(str(path), seed=0)
+    assert sorted(p.answer for p in task.problems) == ["1000", "5"]
+    assert task.reward("2 and 3 make 5. #### 5", "5") == 1.0
+    assert task.reward("It is 1,000", "1000") == 1.0
+    assert task.reward("It is 6", "5") == 0.0
+    assert len(task.sample(7)) == 7
+
+
+def test_gsm8k_bad_input(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Gsm8kTask(str(tmp_path / "missing.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"q": "x"}))
+    with pytest.raises(ValueError, match="lack 'question' or 'answer'"):
+        Gsm8kTask(str(bad))
+    other = tmp_path / "data.csv"
+    other.write_text("a,b")
+    with pytest.raises(ValueError, match="expected a .jsonl or .parquet"):
+        Gsm8kTask(str(other))
