@@ -1,0 +1,73 @@
+"""Start the ranks of a run: locally (one process per rank, spawned here) or under torchrun / srun.
+
+``python -m rl.main`` composes and validates the config in the parent first (bad input fails in
+one line before any process group starts), prepares the run directory, then either
+
+- spawns ``cluster.procs_per_node`` local ranks (``cluster.num_nodes == 1``; CPU gloo or one GPU
+  per rank), watching them: if one fails, the others are stopped and the exit code is non-zero; or
+- runs as one rank when the environment already says so (``WORLD_SIZE`` set by torchrun / srun).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launched_externally() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def _rank_entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+    fn(*args)
+
+
+def spawn_local(fn: Callable, world_size: int, args: tuple[Any, ...] = ()) -> int:
+    """Run ``fn(*args)`` on ``world_size`` local ranks (env set as torchrun would); returns an exit code."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_entry, args=(r, world_size, port, fn, args), name=f"rank{r}")
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    exit_code = 0
+    try:
+        while any(p.is_alive() for p in procs):
+            failed = [p for p in procs if p.exitcode not in (None, 0)]
+            if failed:
+                exit_code = failed[0].exitcode or 1
+                print(f"rank {procs.index(failed[0])} failed (exit {exit_code}); stopping the others", file=sys.stderr)
+                break
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        exit_code = 130
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=10)
+    return exit_code or max((p.exitcode or 0 for p in procs), default=0)

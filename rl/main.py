@@ -1,0 +1,71 @@
+"""``make run``: compose + validate the config, prepare the run directory, start the ranks.
+
+    python -m rl.main [--exp tiny_cpu] [--run-dir DIR] [key=value ...]
+
+Under torchrun / srun (``WORLD_SIZE`` and ``RANK`` set) this process is one rank and ``--run-dir``
+must name the directory every rank shares; otherwise it spawns the local ranks itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from rl.config import ConfigError, RunConfig, compose, resolve_path
+from rl.launch import launched_externally, spawn_local
+from rl.tiny_models import resolve_model_path
+
+
+def prepare(cfg: RunConfig, run_dir: str | None) -> Path:
+    """Materialize tiny checkpoints, pick and create the run directory, save the composed config."""
+    import yaml
+
+    cfg.model.path = resolve_model_path(resolve_path(cfg.model.path))
+    if run_dir is None:
+        run_dir = Path(resolve_path(cfg.output_dir)) / cfg.exp / time.strftime("%Y%m%d-%H%M%S")
+    path = Path(run_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.yaml").write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--exp", default="tiny_cpu", help="experiment under experiments/conf/exp/")
+    parser.add_argument("--run-dir", default=None, help="shared run directory (required under torchrun/srun)")
+    parser.add_argument(
+        "overrides", nargs="*", help="Hydra overrides, e.g. actor.tp=2 rollout.wake_strategy=all_at_once"
+    )
+    args = parser.parse_args(argv)
+    try:
+        cfg = compose(args.exp, args.overrides)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+
+    from rl.loop import run_rank
+
+    if launched_externally():
+        if args.run_dir is None:
+            print("config error: --run-dir is required under torchrun/srun so all ranks share one", file=sys.stderr)
+            return 2
+        run_dir = prepare(cfg, args.run_dir)
+        run_rank(cfg, str(run_dir))
+        return 0
+    if cfg.cluster.num_nodes > 1:
+        print(
+            f"config error: cluster.num_nodes={cfg.cluster.num_nodes} needs a multi-node launcher; "
+            "use `make sbatch` (Slurm) or torchrun on each node",
+            file=sys.stderr,
+        )
+        return 2
+    run_dir = prepare(cfg, args.run_dir)
+    print(f"run directory: {run_dir}", flush=True)
+    return spawn_local(run_rank, cfg.cluster.world_size, (cfg, str(run_dir)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""Who holds what, per global rank: the actor grid (megatron order tp-dp-pp) and the engine replicas.
+
+Thin glue over each side's own layout module: ``megatron_backend.layout`` says what an actor rank
+holds, ``rollout.layout`` what an engine rank needs. Colocated: global rank r is actor rank r and
+engine rank r on the same device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_backend import layout as actor_layout
+from rollout import layout as engine_layout
+
+
+def actor_coords(rank: int, tp: int, pp: int, world_size: int) -> tuple[int, int, int]:
+    """(tp_rank, pp_rank, dp_rank) of a global rank in megatron-core's default order tp-cp-ep-dp-pp."""
+    dp = world_size // (tp * pp)
+    return rank % tp, rank // (tp * dp), (rank // tp) % dp
+
+
+def actor_sources(hf_config: Any, tp: int, pp: int, vpp: int | None, world_size: int) -> dict[int, list]:
+    shape = actor_layout.ModelShape.from_hf(hf_config)
+    out = {}
+    for rank in range(world_size):
+        tp_rank, pp_rank, _ = actor_coords(rank, tp, pp, world_size)
+        out[rank] = actor_layout.rank_pieces(shape, actor_layout.RankLayout(tp, pp, vpp, tp_rank, pp_rank))
+    return out
+
+
+def engine_destinations(hf_config: Any, rollout_tp: int, world_size: int) -> dict[int, list]:
+    """Engine rank r is TP rank r % rollout_tp of replica r // rollout_tp."""
+    return {
+        rank: engine_layout.vllm_param_layouts(hf_config, rollout_tp, rank % rollout_tp) for rank in range(world_size)
+    }

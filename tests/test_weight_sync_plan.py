@@ -1,0 +1,165 @@
+"""The resharding plan, checked bit-exact against an independent slicing of the HF weights."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from rl.tiny_models import tiny_hf_config
+from rl.weight_sync.layouts import actor_coords, actor_sources, engine_destinations
+from rl.weight_sync.plan import plan_sync
+
+WORLD = 4
+TRAIN_LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (4, 1, None), (1, 4, None), (2, 2, 2)]
+ROLLOUT_TPS = [1, 2, 4]
+
+
+def model_config(family: str):
+    """A tiny family, or ``llama_kv4`` (8 q / 4 KV heads) so that train TP=4 fits too."""
+    if family == "llama_kv4":
+        cfg = tiny_hf_config("llama")
+        cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 8, 4, 8
+        return cfg
+    return tiny_hf_config(family)
+
+
+def hf_weights(family: str) -> dict[str, torch.Tensor]:
+    """Random full HF tensors of the tiny family's shapes (distinct values so misplacement shows)."""
+    from megatron_backend.layout import ModelShape, hf_tensor_shapes
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = hf_tensor_shapes(ModelShape.from_hf(model_config(family)))
+    return {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
+
+
+def megatron_shards(hf: dict, family: str, tp: int, pp: int, vpp, rank: int) -> dict:
+    """(vp_stage, megatron name) -> local shard, built from megatron's layout pieces."""
+    from megatron_backend.layout import ModelShape, RankLayout, local_param_shapes, rank_pieces
+
+    shape = ModelShape.from_hf(model_config(family))
+    tp_rank, pp_rank, _ = actor_coords(rank, tp, pp, WORLD)
+    layout = RankLayout(tp, pp, vpp, tp_rank, pp_rank)
+    shards = {key: torch.zeros(s) for key, s in local_param_shapes(shape, layout).items()}
+    for p in rank_pieces(shape, layout):
+        shards[(p.vp_stage, p.megatron_name)].narrow(p.dim, p.local_start, p.length).copy_(
+            hf[p.hf_name].narrow(p.dim, p.hf_start, p.length)
+        )
+    return shards
+
+
+def reference_vllm_shard(hf: dict, cfg, name: str, rtp: int, r: int) -> torch.Tensor:
+    """vLLM's layout written out by hand from the HF tensors (independent of rollout.layout)."""
+    d = cfg.head_dim if getattr(cfg, "head_dim", None) else cfg.hidden_size // cfg.num_attention_heads
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    vocab_padded = -(-cfg.vocab_size // 64) * 64
+
+    def vocab_rows(t):
+        full = torch.zeros(vocab_padded, t.shape[1])
+        full[: t.shape[0]] = t
+        return full.chunk(rtp, 0)[r]
+
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return vocab_rows(hf[name])
+    prefix, _, leaf = name.rpartition(".")  # leaf: weight | bias
+    if prefix.endswith("qkv_proj"):
+        base = prefix[: -len("qkv_proj")]
+        q = hf[f"{base}q_proj.{leaf}"].reshape(hq, d, *hf[f"{base}q_proj.{leaf}"].shape[1:])
+        k = hf[f"{base}k_proj.{leaf}"].reshape(hkv, d, *hf[f"{base}k_proj.{leaf}"].shape[1:])
+        v = hf[f"{base}v_proj.{leaf}"].reshape(hkv, d, *hf[f"{base}v_proj.{leaf}"].shape[1:])
+        q_local = q.chunk(rtp, 0)[r]
+        kv_heads = [r * hkv // rtp] if rtp >= hkv else list(range(r * hkv // rtp, (r + 1) * hkv // rtp))
+        parts = [q_local, k[kv_heads], v[kv_heads]]
+        return torch.cat([p.reshape(-1, *p.shape[2:]) for p in parts])
+    if prefix.endswith("gate_up_proj"):
+        base = prefix[: -len("gate_up_proj")]
+        return torch.cat([hf[f"{base}gate_proj.weight"].chunk(rtp, 0)[r], hf[f"{base}up_proj.weight"].chunk(rtp, 0)[r]])
+    if prefix.endswith(("o_proj", "down_proj")):
+        return hf[name].chunk(rtp, 1)[r]
+    return hf[name]  # norms: replicated
+
+
+def unwritten(param) -> torch.Tensor:
+    """NaN wherever the sync must write, 0 in the vocab padding it must leave alone."""
+    t = torch.zeros(param.local_shape)
+    for spec in param.slices:
+        t.narrow(spec.dim, spec.local_start, spec.length).fill_(float("nan"))
+    return t
+
+
+def simulate(plan, sources: dict, destinations: dict) -> None:
+    """Apply every transfer of every bucket in-process (the executor's data movement, minus transport)."""
+    for bucket in plan.buckets:
+        for t in bucket:
+            src = sources[t.src_rank][t.src_key].narrow(t.dim, t.src_start, t.length)
+            destinations[t.dst_rank][t.dst_name].narrow(t.dim, t.dst_start, t.length).copy_(src)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "llama_kv4"])
+def test_plan_reshards_every_layout_bit_exact(family):
+    cfg = model_config(family)
+    hf = hf_weights(family)
+    num_checked = 0
+    for (tp, pp, vpp), rtp in itertools.product(TRAIN_LAYOUTS, ROLLOUT_TPS):
+        if cfg.num_key_value_heads % tp:
+            continue  # megatron needs TP | KV heads: the tiny families have 2, llama_kv4 covers TP=4
+        num_checked += 1
+        sources = {r: megatron_shards(hf, family, tp, pp, vpp, r) for r in range(WORLD)}
+        layouts = engine_destinations(cfg, rtp, WORLD)
+        dests = {r: {p.name: unwritten(p) for p in layouts[r]} for r in range(WORLD)}
+        plan = plan_sync(actor_sources(cfg, tp, pp, vpp, WORLD), layouts, bucket_bytes=64 << 10, element_bytes=4)
+        simulate(plan, sources, dests)
+        for r in range(WORLD):
+            for name, got in dests[r].items():
+                want = reference_vllm_shard(hf, cfg, name, rtp, r % rtp)
+                assert torch.equal(got, want), (
+                    f"{family} train (tp={tp}, pp={pp}, vpp={vpp}) -> rtp={rtp}: rank {r} {name}"
+                )
+        # no rank stages more than one bucket
+        assert plan.max_extra_bytes() <= 64 << 10
+    assert num_checked == (len(TRAIN_LAYOUTS) - (1 if cfg.num_key_value_heads < 4 else 0)) * len(ROLLOUT_TPS)
+
+
+def test_colocated_slices_are_local_copies_and_nothing_moves_twice():
+    cfg = tiny_hf_config("qwen2")
+    # identical layouts on both sides (TP=2 -> rollout TP=2, DP=2): almost everything is local;
+    # only vocab rows move, because megatron pads to 128*TP and vLLM to 64 (different split points)
+    plan = plan_sync(actor_sources(cfg, 2, 1, None, WORLD), engine_destinations(cfg, 2, WORLD), 1 << 20, 4)
+    moved = [t for t in plan.transfers if not t.is_local]
+    assert plan.bytes_local > 0
+    assert all("embed_tokens" in t.hf_name or "lm_head" in t.hf_name for t in moved)
+    # each (dst rank, dst element) is written exactly once
+    covered = {}
+    for t in plan.transfers:
+        key = (t.dst_rank, t.dst_name, t.dim)
+        for i in range(t.dst_start, t.dst_start + t.length):
+            assert (key, i) not in covered
+            covered[(key, i)] = t
+
+
+def test_pp_only_source_sends_to_every_rank_and_load_spreads_over_dp():
+    cfg = tiny_hf_config("llama")
+    plan = plan_sync(actor_sources(cfg, 1, 2, None, WORLD), engine_destinations(cfg, 1, WORLD), 1 << 20, 4)
+    sent = {r: sum(t.numel for t in plan.transfers if t.src_rank == r and not t.is_local) for r in range(WORLD)}
+    # PP=2, DP=2: ranks 0,1 hold stage 0 and ranks 2,3 stage 1; both replicas of a stage share the sending
+    assert all(v > 0 for v in sent.values())
+    assert max(sent.values()) <= 1.5 * min(sent.values())
+
+
+def test_buckets_bound_staging_and_split_large_transfers():
+    cfg = tiny_hf_config("qwen2")
+    bucket = 4 << 10  # smaller than the embedding slices, so they are split
+    plan = plan_sync(actor_sources(cfg, 1, 4, None, WORLD), engine_destinations(cfg, 4, WORLD), bucket, 4)
+    assert len(plan.buckets) > 1
+    assert plan.max_extra_bytes() <= bucket
+    with pytest.raises(ValueError, match="raise weight_sync.bucket_mb"):
+        plan_sync(actor_sources(cfg, 1, 4, None, WORLD), engine_destinations(cfg, 4, WORLD), 128, 4)
+
+
+def test_layouts_that_disagree_fail_naming_the_tensor():
+    cfg = tiny_hf_config("qwen2")
+    sources = actor_sources(cfg, 1, 1, None, WORLD)
+    sources = {r: [p for p in pieces if "layers.3.mlp.up_proj" not in p.hf_name] for r, pieces in sources.items()}
+    with pytest.raises(ValueError, match=r"no actor rank holds model.layers.3.mlp.up_proj.weight"):
+        plan_sync(sources, engine_destinations(cfg, 2, WORLD), 1 << 20, 4)
