@@ -40,6 +40,15 @@ def _dst_view(dst: dict, t: Transfer) -> torch.Tensor:
     return dst[t.dst_name].narrow(t.dim, t.dst_start, t.length)
 
 
+DIRECT_MIN_BYTES = 1 << 20
+
+
+def _is_direct(t: Transfer, element_bytes: int, direct_min_bytes: int) -> bool:
+    """Large row slices are contiguous on both sides: sent from the shard and received into the engine
+    parameter as they are, with no staging copy. Everything else is packed per peer."""
+    return t.dim == 0 and t.numel * element_bytes >= direct_min_bytes
+
+
 @torch.no_grad()
 def execute_sync(
     plan: SyncPlan,
@@ -48,11 +57,17 @@ def execute_sync(
     dst_tensors: dict[str, torch.Tensor],
     group: dist.ProcessGroup | None = None,
     device: torch.device | None = None,
+    direct_min_bytes: int = DIRECT_MIN_BYTES,
 ) -> SyncStats:
     """Move this rank's part of ``plan``. ``src_tensors``: (vp_stage, megatron name) -> local shard;
-    ``dst_tensors``: vLLM name -> engine parameter (written in place)."""
+    ``dst_tensors``: vLLM name -> engine parameter (written in place). Both sides must use the same
+    dtype (the plan's ``element_bytes``); cast the actor's export first if they differ."""
     device = device or next(iter(dst_tensors.values())).device
     dtype = next(iter(src_tensors.values())).dtype if src_tensors else next(iter(dst_tensors.values())).dtype
+    for tensors in (src_tensors, dst_tensors):
+        for name, tensor in tensors.items():
+            if tensor.element_size() != plan.element_bytes or not tensor.is_contiguous():
+                raise ValueError(f"weight sync: {name} must be contiguous with {plan.element_bytes}-byte elements")
     stats = SyncStats()
     start = time.perf_counter()
     for bucket in plan.buckets:
@@ -67,35 +82,46 @@ def execute_sync(
                 sends[t.dst_rank].append(t)
             elif t.dst_rank == rank:
                 recvs[t.src_rank].append(t)
-        ops, recv_buffers, extra = [], {}, 0
+        # Per peer, in plan order on both sides: one packed message (if any), then the direct ones.
+        ops, unpack, extra = [], [], 0
         for peer in sorted(sends):
-            buffer = torch.empty(sum(t.numel for t in sends[peer]), dtype=dtype, device=device)
-            offset = 0
-            for t in sends[peer]:  # pack straight into the buffer: no second copy of column slices
-                view = _src_view(src_tensors, t)
-                buffer[offset : offset + t.numel].view(view.shape).copy_(view)
-                offset += t.numel
-            extra += buffer.numel() * buffer.element_size()
-            ops.append(dist.P2POp(dist.isend, buffer, peer, group))
-            stats.bytes_sent += buffer.numel() * buffer.element_size()
+            packed = [t for t in sends[peer] if not _is_direct(t, plan.element_bytes, direct_min_bytes)]
+            if packed:
+                buffer = torch.empty(sum(t.numel for t in packed), dtype=dtype, device=device)
+                offset = 0
+                for t in packed:
+                    view = _src_view(src_tensors, t)
+                    buffer[offset : offset + t.numel].view(view.shape).copy_(view)
+                    offset += t.numel
+                extra += buffer.numel() * buffer.element_size()
+                ops.append(dist.P2POp(dist.isend, buffer, peer, group))
+            for t in sends[peer]:
+                if _is_direct(t, plan.element_bytes, direct_min_bytes):
+                    ops.append(dist.P2POp(dist.isend, _src_view(src_tensors, t), peer, group))
+            stats.bytes_sent += sum(t.numel for t in sends[peer]) * plan.element_bytes
         for peer in sorted(recvs):
-            buffer = torch.empty(sum(t.numel for t in recvs[peer]), dtype=dtype, device=device)
-            extra += buffer.numel() * buffer.element_size()
-            recv_buffers[peer] = buffer
-            ops.append(dist.P2POp(dist.irecv, buffer, peer, group))
+            packed = [t for t in recvs[peer] if not _is_direct(t, plan.element_bytes, direct_min_bytes)]
+            if packed:
+                buffer = torch.empty(sum(t.numel for t in packed), dtype=dtype, device=device)
+                extra += buffer.numel() * buffer.element_size()
+                ops.append(dist.P2POp(dist.irecv, buffer, peer, group))
+                unpack.append((buffer, packed))
+            for t in recvs[peer]:
+                if _is_direct(t, plan.element_bytes, direct_min_bytes):
+                    ops.append(dist.P2POp(dist.irecv, _dst_view(dst_tensors, t), peer, group))
+            stats.bytes_received += sum(t.numel for t in recvs[peer]) * plan.element_bytes
         stats.peak_extra_bytes = max(stats.peak_extra_bytes, extra)
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
             stats.num_messages += len(ops)
-        for peer, buffer in recv_buffers.items():
+        for buffer, packed in unpack:
             offset = 0
-            for t in recvs[peer]:
+            for t in packed:
                 view = _dst_view(dst_tensors, t)
                 view.copy_(buffer[offset : offset + t.numel].view(view.shape))
                 offset += t.numel
-            stats.bytes_received += buffer.numel() * buffer.element_size()
-        del ops, recv_buffers
+        del ops, unpack
         stats.num_buckets += 1
     stats.seconds = time.perf_counter() - start
     return stats

@@ -182,7 +182,7 @@ def _pack(transfers: list[Transfer], max_numel: int) -> list[list[Transfer]]:
         if t.is_local:
             local.append(t)
             continue
-        for bucket, used in zip(buckets, load):
+        for bucket, used in zip(buckets, load):  # noqa: B007 (used after the loop)
             if used[t.src_rank] + t.numel <= max_numel and used[t.dst_rank] + t.numel <= max_numel:
                 break
         else:
@@ -196,3 +196,33 @@ def _pack(transfers: list[Transfer], max_numel: int) -> list[list[Transfer]]:
         buckets.append([])
     buckets[0][:0] = local  # local copies need no staging; do them with the first bucket
     return buckets
+
+
+def min_sync_bytes(
+    sources: dict[int, Sequence[Any]], destinations: dict[int, Sequence[Any]], element_bytes: int
+) -> int:
+    """The least any correct sync must move: every destination element its colocated actor rank lacks.
+
+    Computed straight from the layouts by interval arithmetic, independently of :func:`plan_sync`.
+    """
+    total = 0
+    for rank, params in destinations.items():
+        held: dict[tuple[str, int], list[tuple[int, int]]] = defaultdict(list)
+        for p in sources.get(rank, []):
+            held[(p.hf_name, p.dim)].append((p.hf_start, p.hf_start + p.length))
+        for param in params:
+            for spec in param.slices:
+                per_index = math.prod(s for i, s in enumerate(param.local_shape) if i != spec.dim)
+                covered = _union_length(held.get((spec.hf_name, spec.dim), []), spec.hf_start, spec.hf_stop)
+                total += (spec.hf_stop - spec.hf_start - covered) * per_index
+    return total * element_bytes
+
+
+def _union_length(intervals: list[tuple[int, int]], start: int, stop: int) -> int:
+    clipped = sorted((max(a, start), min(b, stop)) for a, b in intervals if a < stop and b > start)
+    length, reach = 0, start
+    for a, b in clipped:
+        if b > reach:
+            length += b - max(a, reach)
+            reach = b
+    return length
