@@ -109,12 +109,36 @@ class TrainerConfig:
     steps: int = 20
     prompts_per_step: int = 8
     seed: int = 0
+    # supervised steps on the task's format examples before RL (teaches the answer format, not the answers)
+    sft_warmup_steps: int = 0
+    memory_sample_interval_s: float = 0.05  # background memory sampler period inside phases
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"trainer.steps={self.steps} must be >= 1")
         if self.prompts_per_step < 1:
             raise ValueError(f"trainer.prompts_per_step={self.prompts_per_step} must be >= 1")
+        if self.sft_warmup_steps < 0:
+            raise ValueError(f"trainer.sft_warmup_steps={self.sft_warmup_steps} must be >= 0")
+        if self.memory_sample_interval_s <= 0:
+            raise ValueError(f"trainer.memory_sample_interval_s={self.memory_sample_interval_s} must be > 0")
+
+
+TASKS = ("digit_sum", "gsm8k")
+
+
+@dataclass
+class DataConfig:
+    """Prompts and rewards (``data.*``): the shipped synthetic task, or GSM8K-style math from a local file."""
+
+    task: str = "digit_sum"
+    path: str | None = None  # gsm8k: a local .jsonl or .parquet with question/answer fields
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"data.task={self.task!r} is not one of {TASKS}")
+        if self.task == "gsm8k" and not self.path:
+            raise ValueError("data.task=gsm8k needs data.path=<local .jsonl or .parquet file>")
 
 
 @dataclass
@@ -158,6 +182,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     resume: str = "auto"  # auto | never | <checkpoint path>
@@ -223,6 +248,7 @@ def register_configs() -> None:
         ("rollout", RolloutConfig),
         ("weight_sync", WeightSyncConfig),
         ("trainer", TrainerConfig),
+        ("data", DataConfig),
         ("wandb", WandbConfig),
         ("cluster", ClusterConfig),
     ):

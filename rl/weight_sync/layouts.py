@@ -19,12 +19,15 @@ def actor_coords(rank: int, tp: int, pp: int, world_size: int) -> tuple[int, int
     return rank % tp, rank // (tp * dp), (rank // tp) % dp
 
 
-def actor_sources(hf_config: Any, tp: int, pp: int, vpp: int | None, world_size: int) -> dict[int, list]:
+def actor_sources(
+    hf_config: Any, tp: int, pp: int, vpp: int | None, world_size: int, te_norms: bool = False
+) -> dict[int, list]:
     shape = actor_layout.ModelShape.from_hf(hf_config)
     out = {}
     for rank in range(world_size):
         tp_rank, pp_rank, _ = actor_coords(rank, tp, pp, world_size)
-        out[rank] = actor_layout.rank_pieces(shape, actor_layout.RankLayout(tp, pp, vpp, tp_rank, pp_rank))
+        layout = actor_layout.RankLayout(tp, pp, vpp, tp_rank, pp_rank, te_norms=te_norms)
+        out[rank] = actor_layout.rank_pieces(shape, layout)
     return out
 
 
