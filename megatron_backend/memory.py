@@ -1,0 +1,166 @@
+"""The actor's per-tag memory ledger and the storage offloader behind offload/onload.
+
+Tags (DESIGN.md, "Memory: names and sources"): ``actor_params``, ``actor_grads``, ``optimizer``. The
+ledger counts the bytes each tag holds in the actor's working memory (the GPU on CUDA; the original
+tensor storages on CPU) and, separately, the host copies made by offload. Every operation runs inside
+``ledger.op(name)`` and leaves its peak per tag (and peak process RSS) in ``ledger.peaks[name]``.
+
+Offload copies each distinct storage behind a set of tensors into one host buffer (pinned on CUDA),
+then releases the original with ``untyped_storage().resize_(0)``: parameter, ``main_grad`` and
+optimizer-state views keep their identity (and the DDP buffer views stay valid), so onload is
+``resize_`` back + copy, bit-exact. On CPU, ``malloc_trim`` hands the freed pages back to the OS so
+process RSS really drops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import sys
+
+import psutil
+import torch
+
+TAGS = ("actor_params", "actor_grads", "optimizer")
+
+
+def _rss_bytes() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def release_freed_host_memory() -> None:
+    """glibc keeps freed heap pages; ask it to return them so RSS reflects what we released."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+class MemoryLedger:
+    """Bytes per tag, resident (working memory) and offloaded (host copies), with per-op peaks."""
+
+    def __init__(self) -> None:
+        self.resident_bytes = dict.fromkeys(TAGS, 0)
+        self.host_bytes = dict.fromkeys(TAGS, 0)
+        self.peaks: dict[str, dict[str, int]] = {}
+        self._current: dict[str, int] | None = None
+
+    def set(self, tag: str, resident_bytes: int | None = None, host_bytes: int | None = None) -> None:
+        if tag not in TAGS:
+            raise ValueError(f"unknown memory tag {tag!r}; tags are {TAGS}")
+        if resident_bytes is not None:
+            self.resident_bytes[tag] = int(resident_bytes)
+        if host_bytes is not None:
+            self.host_bytes[tag] = int(host_bytes)
+        self._observe()
+
+    def snapshot(self) -> dict[str, int]:
+        """{tag: resident bytes} plus ``host/<tag>`` for offloaded copies."""
+        out = dict(self.resident_bytes)
+        out.update({f"host/{tag}": n for tag, n in self.host_bytes.items()})
+        return out
+
+    def _observe(self) -> None:
+        if self._current is None:
+            return
+        sample = self.snapshot()
+        sample["host_rss"] = _rss_bytes()
+        if torch.cuda.is_available():
+            sample["device_allocated"] = torch.cuda.memory_allocated()
+        for key, value in sample.items():
+            self._current[key] = max(self._current.get(key, 0), value)
+
+    @contextlib.contextmanager
+    def op(self, name: str):
+        """Track the peak of every tag (and RSS) while ``name`` runs; kept in ``peaks[name]``."""
+        outer = self._current
+        self._current = {}
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        self._observe()
+        try:
+            yield
+        finally:
+            self._observe()
+            if torch.cuda.is_available():
+                self._current["device_allocated"] = max(
+                    self._current.get("device_allocated", 0), torch.cuda.max_memory_allocated()
+                )
+            self.peaks[name] = self._current
+            if outer is not None:
+                for key, value in self._current.items():
+                    outer[key] = max(outer.get(key, 0), value)
+            self._current = outer
+
+
+def unique_storages(tensors) -> list[torch.UntypedStorage]:
+    """Distinct non-empty storages behind ``tensors`` (views of one buffer count once)."""
+    seen, out = set(), []
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0 or storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        out.append(storage)
+    return out
+
+
+def storage_bytes(tensors) -> int:
+    return sum(s.nbytes() for s in unique_storages(tensors))
+
+
+class StorageOffloader:
+    """Moves the storages behind one tag's tensors to a host buffer and back (bit-exact)."""
+
+    def __init__(self, tag: str, ledger: MemoryLedger):
+        self.tag = tag
+        self.ledger = ledger
+        self._saved: list[tuple[torch.UntypedStorage, int, torch.Tensor]] = []  # storage, nbytes, host copy
+
+    @property
+    def offloaded(self) -> bool:
+        return bool(self._saved)
+
+    @torch.no_grad()
+    def offload(self, tensors) -> int:
+        """Copy to host then release the originals; returns the bytes released."""
+        if self._saved:
+            return 0
+        pin = torch.cuda.is_available()
+        released = 0
+        for storage in unique_storages(tensors):
+            nbytes = storage.nbytes()
+            view = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)  # [nbytes] bytes
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+            host.copy_(view)
+            del view
+            self._saved.append((storage, nbytes, host))
+            self.ledger.set(self.tag, host_bytes=self.ledger.host_bytes[self.tag] + nbytes)  # both copies exist
+            storage.resize_(0)
+            released += nbytes
+            self.ledger.set(self.tag, resident_bytes=self.ledger.resident_bytes[self.tag] - nbytes)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        else:
+            release_freed_host_memory()
+        return released
+
+    @torch.no_grad()
+    def onload(self) -> int:
+        """Re-allocate the original storages and copy the host bytes back; returns the bytes restored."""
+        restored = 0
+        for storage, nbytes, host in self._saved:
+            storage.resize_(nbytes)
+            view = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            view.copy_(host, non_blocking=host.is_pinned())
+            restored += nbytes
+            self.ledger.set(self.tag, resident_bytes=self.ledger.resident_bytes[self.tag] + nbytes)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._saved = []
+        self.ledger.set(self.tag, host_bytes=0)
+        if not torch.cuda.is_available():
+            release_freed_host_memory()
+        return restored
