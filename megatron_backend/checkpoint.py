@@ -122,8 +122,13 @@ def gather_hf_state_dict(
     full_shapes = hf_tensor_shapes(shape)
     out: dict[str, torch.Tensor] = {}
     filled: dict[str, int] = defaultdict(int)
+    seen: set[tuple] = set()  # replicated pieces (norms) arrive from every TP rank: count once
     for rank_blocks in gathered:
         for piece, block in rank_blocks:
+            key = (piece.hf_name, piece.dim, piece.hf_start, piece.length)
+            if key in seen:
+                continue
+            seen.add(key)
             if piece.hf_name not in out:
                 out[piece.hf_name] = torch.empty(full_shapes[piece.hf_name], dtype=block.dtype)
             out[piece.hf_name].narrow(piece.dim, piece.hf_start, piece.length).copy_(block)

@@ -101,6 +101,10 @@ def transformer_config_from_hf(hf_config: Any, dims: ParallelDims, dtype: str = 
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        # gloo matches p2p messages between a pair of ranks in posting order; with PP=2 + VPP the
+        # batched ops post a forward and a backward tensor to the same peer and they cross. The
+        # unbatched path posts even/odd-ordered ops on two communicators, which keeps them apart.
+        batch_p2p_comm=not on_cpu,
     )
 
 
