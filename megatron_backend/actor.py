@@ -79,7 +79,7 @@ class Actor:
         self._offloaders = {what: StorageOffloader(_TAG[what], self.ledger) for what in OFFLOADABLE}
         with self.ledger.op("build"):
             self.chunks = build_gpt_chunks(self.hf_config, dims, dtype)  # raw GPTModel per VPP stage
-            load_hf_into_chunks(self.chunks, hf_dir, self.shape, self.layout)
+            self.num_bytes_loaded = load_hf_into_chunks(self.chunks, hf_dir, self.shape, self.layout)
             self.ledger.set("actor_params", resident_bytes=storage_bytes(self._param_tensors()))
         self.models = self.chunks  # DDP-wrapped when training
         self.optimizer = None
