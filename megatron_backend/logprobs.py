@@ -86,12 +86,15 @@ def vocab_parallel_entropy(
         if pad is not None:
             block = block.masked_fill(pad, float("-inf"))
         block_max = _all_reduce(block.max(dim=-1).values, dist.ReduceOp.MAX, tp_group)  # [n]
-        shifted = block - block_max.unsqueeze(-1)
-        exp = torch.exp(shifted)
+        shifted = block - block_max.unsqueeze(-1)  # [n, V_local]
+        del block
+        exp = torch.exp(shifted)  # [n, V_local]
         sum_exp = _all_reduce(exp.sum(dim=-1), dist.ReduceOp.SUM, tp_group)
-        # sum_v exp * shifted; padding columns are 0 * -inf -> take 0 there
-        weighted = torch.where(exp > 0, exp * shifted, torch.zeros_like(exp)).sum(dim=-1)
-        weighted = _all_reduce(weighted, dist.ReduceOp.SUM, tp_group)
+        # sum_v exp * shifted, in place; padding columns are 0 * -inf = nan -> 0
+        weighted = shifted.mul_(exp)
+        if pad is not None:
+            weighted.nan_to_num_(nan=0.0)
+        weighted = _all_reduce(weighted.sum(dim=-1), dist.ReduceOp.SUM, tp_group)
         out[start : start + step] = torch.log(sum_exp) - weighted / sum_exp
-        del block, shifted, exp
+        del shifted, exp
     return out.reshape(logits.shape[:-1])
