@@ -187,9 +187,13 @@ class Actor:
     def _last_stage_src(self) -> int:
         return dist.get_global_rank(self.dims.pp_group, self.dims.pp - 1)
 
-    def compute_logprobs(self, batch: dict, with_entropy: bool = False):
-        """Forward-only log-probs [B, S-1] (fp32, on every rank); with entropy: (logprobs, entropy)."""
-        with self.ledger.op("logprob"), torch.no_grad():
+    def compute_logprobs(self, batch: dict, with_entropy: bool = False, phase: str = "logprob"):
+        """Forward-only log-probs [B, S-1] (fp32, on every rank); with entropy: (logprobs, entropy).
+
+        ``phase`` names the ledger entry (the loop passes ``old_logprob`` / ``ref_logprob``).
+        """
+        self._require_onloaded("compute_logprobs", ("params",))
+        with self.ledger.op(phase), torch.no_grad():
             micro_batches = self._micro_batches(batch)
 
             def factory(mb):
@@ -367,8 +371,8 @@ class Actor:
                 restored[_TAG[name]] = self._offloaders[name].onload()
         return restored
 
-    def _require_onloaded(self, op: str) -> None:
-        away = [w for w, o in self._offloaders.items() if o.offloaded]
+    def _require_onloaded(self, op: str, needed: tuple[str, ...] = OFFLOADABLE) -> None:
+        away = [w for w in needed if self._offloaders[w].offloaded]
         if away:
             raise RuntimeError(f"{op} needs {away} on the device; call actor.onload({away}) first")
 

@@ -106,3 +106,20 @@ def test_te_spec_names_and_divisibility_errors():
         rank_pieces(shape, RankLayout(1, 2, 4, 0, 0))
     with pytest.raises(ValueError, match="not supported"):
         ModelShape.from_hf({"model_type": "gpt2"})
+
+
+def test_parity_cli_rejects_bad_input_before_launching(tmp_path, tiny_model_dirs, capsys):
+    import json
+
+    from megatron_backend.parity import main
+
+    assert main(["--hf", str(tmp_path / "missing")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (tmp_path / "gpt2" / "model.safetensors").write_bytes(b"")
+    assert main(["--hf", str(tmp_path / "gpt2")]) == 2
+    assert "model_type 'gpt2' is not supported" in capsys.readouterr().err
+    assert main(["--hf", tiny_model_dirs["qwen2"], "--tp", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "TP=4 must divide" in err and len(err.strip().splitlines()) == 1
