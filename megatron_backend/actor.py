@@ -67,7 +67,15 @@ class Actor:
         dtype: str = "float32",
         train: bool = True,
         entropy_chunk_tokens: int = 1024,
+        optimizer_impl: str = "auto",
     ):
+        """``optimizer_impl``: ``auto`` (megatron-core's on CUDA, torch AdamW on CPU), ``megatron`` or
+        ``torch`` (the CPU path, also on CUDA: the two are pinned to the same update by a gpu test)."""
+        if optimizer_impl not in ("auto", "megatron", "torch"):
+            raise ValueError(f"optimizer_impl={optimizer_impl!r} must be auto, megatron or torch")
+        if optimizer_impl == "auto":
+            optimizer_impl = "megatron" if dims.device.type == "cuda" else "torch"
+        self.optimizer_impl = optimizer_impl
         self.config, self.dims, self.dtype = config, dims, dtype
         self.hf_config = load_hf_config(hf_dir)
         self.shape = ModelShape.from_hf(self.hf_config)
@@ -95,8 +103,8 @@ class Actor:
             finalize_model_grads,
         )
 
-        on_cuda = self.dims.device.type == "cuda"
-        use_dist_opt = on_cuda and self.dims.dp > 1
+        use_megatron = self.optimizer_impl == "megatron"
+        use_dist_opt = use_megatron and self.dims.dp > 1
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_dist_opt
         )
@@ -105,7 +113,7 @@ class Actor:
         ]
         config = self.chunks[0].config
         config.finalize_model_grads_func = finalize_model_grads  # DP all-reduce + tied-embedding grads
-        if on_cuda:
+        if use_megatron:
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
             opt_config = OptimizerConfig(
@@ -121,7 +129,7 @@ class Actor:
             self.optimizer = get_megatron_optimizer(opt_config, self.models)
         else:
             if self.dtype != "float32":
-                raise ValueError(f"model.dtype={self.dtype!r}: the CPU optimizer path needs float32 params")
+                raise ValueError(f"model.dtype={self.dtype!r}: the torch AdamW path needs float32 params")
             decay, no_decay = [], []
             for model in self.models:
                 for name, p in model.named_parameters():
@@ -267,7 +275,7 @@ class Actor:
                 box = [metrics]
                 dist.broadcast_object_list(box, src=self._last_stage_src(), group=self.dims.pp_group)
                 metrics = box[0]
-            if self.dims.device.type == "cuda":
+            if self.optimizer_impl == "megatron":
                 _, grad_norm, _ = self.optimizer.step()
             else:
                 grad_norm = self._cpu_clip_and_step()
@@ -292,7 +300,7 @@ class Actor:
 
     @torch.no_grad()
     def _cpu_clip_and_step(self) -> float:
-        norm_sq = torch.zeros((), dtype=torch.float32)
+        norm_sq = torch.zeros((), dtype=torch.float32, device=self.dims.device)
         for p in self._grad_norm_params():
             norm_sq += p.main_grad.float().pow(2).sum()
         for group in (self.dims.tp_group, self.dims.pp_group):  # sum over the model-parallel grid
@@ -337,8 +345,9 @@ class Actor:
             torch_opt = opt if isinstance(opt, torch.optim.Optimizer) else opt.optimizer
             for state in torch_opt.state.values():
                 tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-            for group in getattr(opt, "fp32_from_float16_groups", None) or []:
-                tensors += [p.data for p in group]
+            for attr in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups"):
+                for group in getattr(opt, attr, None) or []:
+                    tensors += [p.data for p in group]
         return tensors
 
     def _tensors_for(self, what: str) -> list[torch.Tensor]:
@@ -390,3 +399,15 @@ class Actor:
     def export_hf(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
         """Full HF state dict on global rank ``dst`` (checkpoints, parity); None elsewhere."""
         return gather_hf_state_dict(self.chunks, self.shape, self.layout, self.dims.dp_rank, dst)
+
+    def save_hf(self, out_dir: str | Path, dst: int = 0) -> None:
+        """Write a HF checkpoint (model.safetensors + config.json) from global rank ``dst``."""
+        from safetensors.torch import save_file
+
+        state = self.export_hf(dst)
+        if state is None:
+            return
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.contiguous() for k, v in state.items()}
+        save_file(tensors, str(Path(out_dir) / "model.safetensors"), metadata={"format": "pt"})
+        self.hf_config.save_pretrained(str(out_dir))

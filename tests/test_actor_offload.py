@@ -27,7 +27,7 @@ def _state(actor):
     return params, grads, optim
 
 
-def _offload_checks(rank, world_size, tiny_dir, wide_dir):
+def _offload_checks(rank, world_size, tiny_dir, wide_dir, saved_dir):
     import psutil
 
     from megatron_backend.actor import Actor
@@ -62,6 +62,10 @@ def _offload_checks(rank, world_size, tiny_dir, wide_dir):
     out["metrics_plain"] = plain.train_step(batch, loss_fn)
     out["metrics_cycled"] = cycled.train_step(batch, loss_fn)
     out["step_equal"] = all(torch.equal(p, q) for p, q in zip(_state(plain)[0], _state(cycled)[0]))
+    # the trained weights export to a HF checkpoint that transformers reads back to the same log-probs
+    plain.save_hf(saved_dir)
+    out["trained_logprobs"] = plain.compute_logprobs(batch)
+    out["batch_input_ids"] = batch["input_ids"]
     del plain, cycled
 
     # 2) a wider model: the ledger reaches zero per tag and process RSS drops by what was released
@@ -104,7 +108,7 @@ def _write_wide_checkpoint(path):
 
 def test_offload_onload_bit_exact_ledger_and_rss(tiny_model_dirs, tmp_path):
     wide_dir = _write_wide_checkpoint(tmp_path / "wide")
-    out = run_ranks(_offload_checks, 1, tiny_model_dirs["qwen2"], wide_dir)[0]
+    out = run_ranks(_offload_checks, 1, tiny_model_dirs["qwen2"], wide_dir, str(tmp_path / "trained"))[0]
     assert all(out["released"][tag] > 0 for tag in TAGS), out["released"]
     assert all(out["offloaded_memory"][tag] == 0 for tag in TAGS), out["offloaded_memory"]
     assert all(out["offloaded_memory"][f"host/{tag}"] == out["released"][tag] for tag in TAGS)
@@ -121,4 +125,12 @@ def test_offload_onload_bit_exact_ledger_and_rss(tiny_model_dirs, tmp_path):
     after = out["wide_memory_after_onload"]
     assert all(after[tag] == out["wide_rss"][tag]["resident_bytes"] and after[f"host/{tag}"] == 0 for tag in TAGS)
     assert {"build", "train", "logprob", "onload_params", "onload_grads", "onload_optimizer"} <= set(out["peaks"])
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "trained", dtype=torch.float32).eval()
+    ids = out["batch_input_ids"]
+    with torch.no_grad():
+        logits = trained(input_ids=ids).logits
+    reference = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    assert (reference - out["trained_logprobs"]).abs().max() < 1e-4
     print({tag: {k: v for k, v in row.items() if k != "peak"} for tag, row in out["wide_rss"].items()})
