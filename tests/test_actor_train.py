@@ -22,7 +22,7 @@ def _batch(vocab_size: int) -> dict:
     return {"input_ids": input_ids, "loss_mask": loss_mask}
 
 
-def _train_layouts(rank, world_size, hf_dir):
+def _train_layouts(rank, world_size, model_dirs):
     from megatron_backend.actor import Actor
     from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
@@ -41,13 +41,18 @@ def _train_layouts(rank, world_size, hf_dir):
         return batch
 
     results = {}
-    for name, tp, pp, vpp, lr, num_steps in [
-        ("tp1", 1, 1, None, 1e-5, 1),
-        ("tp2", 2, 1, None, 1e-5, 1),
-        ("pp2", 1, 2, None, 1e-5, 1),
-        ("pp2vpp2", 1, 2, 2, 1e-5, 1),
-        ("tp2_descent", 2, 1, None, 1e-3, 3),
+    for name, family, tp, pp, vpp, lr, num_steps in [
+        ("tp1", "qwen2", 1, 1, None, 1e-5, 1),
+        ("tp2", "qwen2", 2, 1, None, 1e-5, 1),
+        ("pp2", "qwen2", 1, 2, None, 1e-5, 1),
+        ("pp2vpp2", "qwen2", 1, 2, 2, 1e-5, 1),
+        # tied embeddings: the last stage's output_layer copy must get the same update (embedding grads
+        # all-reduced between first and last stage by megatron's finalize_model_grads)
+        ("llama_tp1", "llama", 1, 1, None, 1e-5, 2),
+        ("llama_pp2", "llama", 1, 2, None, 1e-5, 2),
+        ("tp2_descent", "qwen2", 2, 1, None, 1e-3, 3),
     ]:
+        hf_dir = model_dirs[family]
         dims = initialize_model_parallel(tp=tp, pp=pp, vpp=vpp)
         config = ActorConfig(tp=tp, pp=pp, vpp=vpp, micro_batch_size=1 if vpp else 2, lr=lr, grad_clip=1.0)
         actor = Actor(hf_dir, config, dims)
@@ -63,11 +68,10 @@ def _train_layouts(rank, world_size, hf_dir):
 
 
 def test_train_step_tp_pp_equal_and_loss_decreases(tiny_model_dirs):
-    results = run_ranks(_train_layouts, 2, tiny_model_dirs["qwen2"])[0]
-    ref = results["tp1"]
-    assert ref["metrics"]["grad_norm"] > 0 and ref["metrics"]["kl"] > 0
-    for name in ("tp2", "pp2", "pp2vpp2"):
-        got = results[name]
+    results = run_ranks(_train_layouts, 2, tiny_model_dirs)[0]
+    assert results["tp1"]["metrics"]["grad_norm"] > 0 and results["tp1"]["metrics"]["kl"] > 0
+    for name, ref_name in [("tp2", "tp1"), ("pp2", "tp1"), ("pp2vpp2", "tp1"), ("llama_pp2", "llama_tp1")]:
+        got, ref = results[name], results[ref_name]
         for key in ("loss", "pg_loss", "kl", "grad_norm", "entropy"):
             assert abs(got["metrics"][key] - ref["metrics"][key]) < 1e-5 * max(1.0, abs(ref["metrics"][key])), (
                 name,
