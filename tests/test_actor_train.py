@@ -86,3 +86,4 @@ def test_train_step_tp_pp_equal_and_loss_decreases(tiny_model_dirs):
     losses = results["tp2_descent"]["losses"]
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
     assert losses[-1] < losses[0] - 0.05, losses
+    print({name: [round(x, 5) for x in r["losses"]] for name, r in results.items()})
