@@ -76,6 +76,11 @@ class Actor:
         if optimizer_impl == "auto":
             optimizer_impl = "megatron" if dims.device.type == "cuda" else "torch"
         self.optimizer_impl = optimizer_impl
+        if (config.tp, config.pp, config.vpp) != (dims.tp, dims.pp, dims.vpp):
+            raise ValueError(
+                f"actor.tp/pp/vpp = {config.tp}/{config.pp}/{config.vpp} but the process groups are "
+                f"{dims.tp}/{dims.pp}/{dims.vpp}; initialize_model_parallel with the actor config's sizes"
+            )
         self.config, self.dims, self.dtype = config, dims, dtype
         self.hf_config = load_hf_config(hf_dir)
         self.shape = ModelShape.from_hf(self.hf_config)
@@ -388,6 +393,10 @@ class Actor:
     def memory(self) -> dict[str, int]:
         """{tag: bytes resident} (+ ``host/<tag>`` offloaded copies); peaks per op in ``ledger.peaks``."""
         return self.ledger.snapshot()
+
+    def memory_peaks(self) -> dict[str, dict[str, int]]:
+        """op name (build, old_logprob, train, offload_params, ...) -> peak bytes per tag and host_rss."""
+        return {op: dict(peak) for op, peak in self.ledger.peaks.items()}
 
     # ---------------------------------------------------------------- export
     def export_shards(self):

@@ -94,6 +94,24 @@ def test_layer_offset_matches_megatron():
                 assert layer_offset(16, pp, vpp, pp_rank, vp) == expected, (pp, vpp, pp_rank, vp)
 
 
+def test_all_rank_pieces_tile_every_hf_tensor_once():
+    from megatron_backend.layout import all_rank_pieces
+
+    shape = ModelShape.from_hf(tiny_hf_config("llama"))
+    covered: dict[str, int] = {}
+    seen = set()
+    for pieces in all_rank_pieces(shape, tp=2, pp=2, vpp=2).values():
+        for p in pieces:
+            key = (p.hf_name, p.dim, p.hf_start, p.length)
+            if p.primary and key not in seen:  # replicated norms appear on both TP ranks
+                seen.add(key)
+                other = (
+                    torch.Size(hf_tensor_shapes(shape)[p.hf_name]).numel() // hf_tensor_shapes(shape)[p.hf_name][p.dim]
+                )
+                covered[p.hf_name] = covered.get(p.hf_name, 0) + p.length * other
+    assert covered == {n: torch.Size(s).numel() for n, s in hf_tensor_shapes(shape).items()}
+
+
 def test_te_spec_names_and_divisibility_errors():
     shape = ModelShape.from_hf(tiny_hf_config("qwen2"))
     names = {p.megatron_name for p in rank_pieces(shape, RankLayout(1, 1, None, 0, 0, te_norms=True))}
