@@ -15,11 +15,12 @@ TINY_DIR    ?= tiny_models
 HF          ?= $(TINY_DIR)/qwen2
 TP          ?= 1
 PP          ?= 1
+VPP         ?=
 PYTEST_ARGS ?=
 
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: help install test test-gpu test-slow lint tiny-models bench-sync clean
+.PHONY: help install test test-gpu test-slow lint tiny-models parity bench-entropy bench-sync clean
 
 help: ## list the targets
 	@echo "usage: make <target> [EXP=<experiment>] [ARGS=\"<hydra overrides>\"]"
@@ -51,7 +52,13 @@ tiny-models: $(STAMP) ## write the tiny Qwen2 / Llama / Qwen3 HF checkpoints to 
 	$(PY) -m rl.tiny_models --out $(TINY_DIR)
 
 bench-sync: $(STAMP) ## planned reshard vs gather+broadcast baseline on 4 CPU ranks (one JSON line)
-	$(PY) -m rl.weight_sync.bench $(ARGS)
+	@$(PY) -m rl.weight_sync.bench $(ARGS)
+
+parity: $(STAMP) ## megatron (TP x PP [x VPP]) vs transformers log-probs on HF=<dir>: one JSON line
+	@$(PY) -m megatron_backend.parity --hf $(HF) --tp $(TP) --pp $(PP) $(if $(VPP),--vpp $(VPP))
+
+bench-entropy: $(STAMP) ## peak memory of chunked vs unchunked vocab entropy: one JSON line
+	@$(PY) -m megatron_backend.bench_entropy
 
 clean: ## remove caches and run outputs (keeps .venv)
 	rm -rf .pytest_cache .ruff_cache outputs multirun

@@ -1,1 +1,10 @@
-"""Everything that touches megatron-core and ``parallel_state`` lives in this package."""
+"""Everything that touches megatron-core and ``parallel_state`` lives in this package.
+
+- ``layout``: pure HF <-> megatron TP/PP/VPP weight layout (slice pieces per rank; no megatron import).
+- ``checkpoint``: streaming HF safetensors -> shards loader, shards -> HF exporter (uses ``layout``).
+- ``model`` / ``parallel`` / ``cpu_compat``: GPTModel from a HF config, process groups, CPU shims.
+- ``logprobs``: log-probs and chunked entropy from vocab-parallel logits (no full-vocab gather).
+- ``memory``: the per-tag byte ledger (actor_params, actor_grads, optimizer) and the offloader.
+- ``actor``: the :class:`~megatron_backend.actor.Actor` facade the RL loop calls.
+- ``parity`` / ``bench_entropy``: ``make parity`` and ``make bench-entropy``.
+"""

@@ -16,6 +16,10 @@ We never fork or vendor megatron-core. Instead, inside the few megatron modules 
 The RNG tracker's ``fork`` also reads ``_get_cuda_rng_state``/``_set_cuda_rng_state``; those two
 module functions are rebound to the CPU generator's state. ``fork`` warns when the CPU RNG state
 changes inside a fork, which on CPU is exactly what a fork is for, so that one message is filtered.
+
+``LanguageModule.setup_embeddings_and_output_layer`` (tied embeddings with PP > 1) moves the shared
+weight with ``weight.data.cuda()`` before its first-stage/last-stage all-reduce; that method is
+wrapped to skip the ``.cuda()`` and run the same all-reduce on the CPU tensor.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ PATCHED_MODULES = {
     "megatron.core.pipeline_parallel.schedules": 'torch.zeros(..., device="cuda") for token counts',
     "megatron.core.pipeline_parallel.p2p_communication": "torch.cuda.synchronize(), shape buffers on cuda",
     "megatron.core.utils": "GlobalMemoryBuffer.get_tensor (attention matmul buffer) on torch.cuda.current_device()",
+    "megatron.core.distributed.param_and_grad_buffer": "DDP grad buffers on torch.cuda.current_device()",
 }
 
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint")
@@ -112,6 +117,24 @@ def _set_cpu_rng_state(new_state, device=-1, graph_safe=False):
     torch.set_rng_state(new_state)
 
 
+def _patch_tied_embedding_setup() -> None:
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.setup_embeddings_and_output_layer
+
+    def setup_embeddings_and_output_layer(self) -> None:
+        in_group = torch.distributed.is_initialized() and self._is_in_embd_group()
+        self._is_in_embd_group = lambda: False  # instance attribute: skips the weight.data.cuda() branch
+        try:
+            original(self)
+        finally:
+            del self._is_in_embd_group
+        if in_group:  # the all-reduce megatron would have run (first stage + zeroed last-stage copy)
+            torch.distributed.all_reduce(self.shared_embedding_or_output_weight().data, group=self.embd_group)
+
+    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+
 def is_active() -> bool:
     return _applied
 
@@ -129,5 +152,6 @@ def apply() -> bool:
     random_module._get_cuda_rng_state = _get_cpu_rng_state
     random_module._set_cuda_rng_state = _set_cpu_rng_state
     logging.getLogger(random_module.__name__).addFilter(_DropForkWarning())
+    _patch_tied_embedding_setup()
     _applied = True
     return True

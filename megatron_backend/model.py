@@ -6,17 +6,15 @@ Local layer spec on CPU; Transformer Engine spec when TE is importable and CUDA 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from megatron_backend.layout import MAKE_VOCAB_SIZE_DIVISIBLE_BY, SUPPORTED_MODEL_TYPES, padded_vocab_size
 from megatron_backend.parallel import ParallelDims
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3")
-# megatron pads the vocab to a multiple of this x TP (DESIGN.md, weight layouts)
-MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
+__all__ = ["MAKE_VOCAB_SIZE_DIVISIBLE_BY", "SUPPORTED_MODEL_TYPES", "build_gpt_chunks", "padded_vocab_size"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -34,9 +32,20 @@ def rope_theta(hf_config: Any) -> float:
     return float(theta if theta is not None else hf_get(hf_config, "rope_theta", 10000.0))
 
 
-def padded_vocab_size(vocab_size: int, tp: int) -> int:
-    multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp
-    return int(math.ceil(vocab_size / multiple) * multiple)
+def rope_scaling_kwargs(hf_config: Any) -> dict:
+    """GPTModel RoPE-scaling kwargs: none for default RoPE, megatron's llama3 scaling for Llama 3.1+."""
+    params = hf_get(hf_config, "rope_parameters") or hf_get(hf_config, "rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
+    if rope_type in (None, "default"):
+        return {}
+    if rope_type == "llama3":
+        # megatron hard-codes low/high freq factors 1/4 and original max positions 8192 (Llama 3.1)
+        expected = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+        for key, value in expected.items():
+            if key in params and float(params[key]) != value:
+                raise ValueError(f"llama3 rope {key}={params[key]} is not supported (megatron uses {value})")
+        return dict(rope_scaling=True, rope_scaling_factor=float(params.get("factor", 8.0)))
+    raise ValueError(f"rope_type {rope_type!r} is not supported; supported: default, llama3")
 
 
 def te_available() -> bool:
@@ -92,6 +101,10 @@ def transformer_config_from_hf(hf_config: Any, dims: ParallelDims, dtype: str = 
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        # gloo matches p2p messages between a pair of ranks in posting order; with PP=2 + VPP the
+        # batched ops post a forward and a backward tensor to the same peer and they cross. The
+        # unbatched path posts even/odd-ordered ops on two communicators, which keeps them apart.
+        batch_p2p_comm=not on_cpu,
     )
 
 
@@ -127,6 +140,7 @@ def build_gpt_chunks(hf_config: Any, dims: ParallelDims, dtype: str = "float32",
             share_embeddings_and_output_weights=bool(hf_get(hf_config, "tie_word_embeddings", False)),
             position_embedding_type="rope",
             rotary_base=rope_theta(hf_config),
+            **rope_scaling_kwargs(hf_config),
             parallel_output=True,
             vp_stage=vp,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 
@@ -28,7 +29,8 @@ def _entry(rank: int, world_size: int, port: int, fn, args, result_queue) -> Non
 
     torch.set_num_threads(1)
     try:
-        result_queue.put((rank, "ok", fn(rank, world_size, *args)))
+        # plain pickle: tensors travel by value, not as shared-memory fds that die with this process
+        result_queue.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # report every failure to the parent, then exit non-zero
         result_queue.put((rank, "error", traceback.format_exc()))
         raise
@@ -55,7 +57,7 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 300.0) -> list:
         for _ in range(world_size):
             rank, status, payload = queue.get(timeout=timeout_s)
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 errors.append(f"rank {rank}:\n{payload}")
                 break

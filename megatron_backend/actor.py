@@ -1,0 +1,422 @@
+"""The actor facade the RL loop calls: a megatron-core GPTModel (TP x PP x VPP) built from a HF dir.
+
+Batches are dicts of CPU or device tensors, identical on every TP/PP rank of one DP group (each DP
+rank passes its own share):
+
+- ``input_ids`` [B, S] int64, right-padded prompt + response;
+- ``loss_mask`` [B, S-1]: 1 where the target token ``input_ids[:, t+1]`` is a response token;
+- for training, whatever the loss function reads (``old_logprobs`` [B, S-1], ``advantages`` [B] or
+  [B, S-1], ``ref_logprobs`` [B, S-1]).
+
+Log-probs are [B, S-1] fp32: ``logprobs[:, t] = log p(input_ids[:, t+1] | input_ids[:, :t+1])``.
+The loss function comes from ``rl`` (``rl.losses.PolicyLoss``); this package never imports ``rl``.
+
+Optimizer: on CUDA megatron-core's (``get_megatron_optimizer``; distributed optimizer when DP > 1);
+on CPU megatron-core's ``DistributedDataParallel`` grad buffers with ``torch.optim.AdamW`` stepping
+on ``main_grad`` and a TP/PP-aware grad-norm clip (megatron 0.16's optimizers need CUDA, see
+LIBRARY-APIS.md). Both exclude biases and norms from weight decay, like megatron.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_backend.checkpoint import gather_hf_state_dict, load_hf_into_chunks, local_shards
+from megatron_backend.config import ActorConfig
+from megatron_backend.layout import ModelShape, RankLayout, check_divisible, padded_vocab_size
+from megatron_backend.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
+from megatron_backend.memory import MemoryLedger, StorageOffloader, storage_bytes
+from megatron_backend.model import build_gpt_chunks, te_available
+from megatron_backend.parallel import ParallelDims
+
+OFFLOADABLE = ("params", "grads", "optimizer")
+_TAG = {"params": "actor_params", "grads": "actor_grads", "optimizer": "optimizer"}
+
+
+@dataclass(frozen=True)
+class BatchTotals:
+    """Denominators of the whole (DP-local) batch, handed to the loss function of each micro-batch."""
+
+    num_tokens: float
+    num_seqs: int
+
+
+LossFn = Callable[[torch.Tensor, dict, BatchTotals], tuple[torch.Tensor, dict]]
+
+
+def load_hf_config(hf_dir: str | Path):
+    """The transformers config of a checkpoint dir (with the class defaults, e.g. tie_word_embeddings)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(hf_dir))
+
+
+class Actor:
+    """Build from a HF dir; compute log-probs; train; offload/onload; report memory; export shards."""
+
+    def __init__(
+        self,
+        hf_dir: str | Path,
+        config: ActorConfig,
+        dims: ParallelDims,
+        dtype: str = "float32",
+        train: bool = True,
+        entropy_chunk_tokens: int = 1024,
+        optimizer_impl: str = "auto",
+    ):
+        """``optimizer_impl``: ``auto`` (megatron-core's on CUDA, torch AdamW on CPU), ``megatron`` or
+        ``torch`` (the CPU path, also on CUDA: the two are pinned to the same update by a gpu test)."""
+        if optimizer_impl not in ("auto", "megatron", "torch"):
+            raise ValueError(f"optimizer_impl={optimizer_impl!r} must be auto, megatron or torch")
+        if optimizer_impl == "auto":
+            optimizer_impl = "megatron" if dims.device.type == "cuda" else "torch"
+        self.optimizer_impl = optimizer_impl
+        if (config.tp, config.pp, config.vpp) != (dims.tp, dims.pp, dims.vpp):
+            raise ValueError(
+                f"actor.tp/pp/vpp = {config.tp}/{config.pp}/{config.vpp} but the process groups are "
+                f"{dims.tp}/{dims.pp}/{dims.vpp}; initialize_model_parallel with the actor config's sizes"
+            )
+        self.config, self.dims, self.dtype = config, dims, dtype
+        self.hf_config = load_hf_config(hf_dir)
+        self.shape = ModelShape.from_hf(self.hf_config)
+        check_divisible(self.shape, dims.tp, dims.pp, dims.vpp)
+        self.layout = RankLayout(dims.tp, dims.pp, dims.vpp, dims.tp_rank, dims.pp_rank, te_norms=te_available())
+        self.vocab_start = dims.tp_rank * padded_vocab_size(self.shape.vocab_size, dims.tp) // dims.tp
+        self.entropy_chunk_tokens = entropy_chunk_tokens
+        self.ledger = MemoryLedger()
+        self._offloaders = {what: StorageOffloader(_TAG[what], self.ledger) for what in OFFLOADABLE}
+        with self.ledger.op("build"):
+            self.chunks = build_gpt_chunks(self.hf_config, dims, dtype)  # raw GPTModel per VPP stage
+            self.num_bytes_loaded = load_hf_into_chunks(self.chunks, hf_dir, self.shape, self.layout)
+            self.ledger.set("actor_params", resident_bytes=storage_bytes(self._param_tensors()))
+        self.models = self.chunks  # DDP-wrapped when training
+        self.optimizer = None
+        if train:
+            with self.ledger.op("build_optimizer"):
+                self._setup_training()
+
+    # ---------------------------------------------------------------- training setup
+    def _setup_training(self) -> None:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+
+        use_megatron = self.optimizer_impl == "megatron"
+        use_dist_opt = use_megatron and self.dims.dp > 1
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_dist_opt
+        )
+        self.models = [
+            DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk) for chunk in self.chunks
+        ]
+        config = self.chunks[0].config
+        config.finalize_model_grads_func = finalize_model_grads  # DP all-reduce + tied-embedding grads
+        if use_megatron:
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+            opt_config = OptimizerConfig(
+                optimizer="adam",
+                lr=self.config.lr,
+                weight_decay=self.config.weight_decay,
+                clip_grad=self.config.grad_clip,
+                use_distributed_optimizer=use_dist_opt,
+                bf16=self.dtype == "bfloat16",
+                fp16=self.dtype == "float16",
+                params_dtype=config.params_dtype,
+            )
+            self.optimizer = get_megatron_optimizer(opt_config, self.models)
+        else:
+            if self.dtype != "float32":
+                raise ValueError(f"model.dtype={self.dtype!r}: the torch AdamW path needs float32 params")
+            decay, no_decay = [], []
+            for model in self.models:
+                for name, p in model.named_parameters():
+                    if p.requires_grad:
+                        (no_decay if p.dim() == 1 or name.endswith(".bias") else decay).append(p)
+            self.optimizer = torch.optim.AdamW(
+                [
+                    {"params": decay, "weight_decay": self.config.weight_decay},
+                    {"params": no_decay, "weight_decay": 0.0},
+                ],
+                lr=self.config.lr,
+                betas=(0.9, 0.999),
+                eps=1e-8,
+            )
+        self.ledger.set("actor_grads", resident_bytes=storage_bytes(self._grad_tensors()))
+
+    # ---------------------------------------------------------------- forward passes
+    def _micro_batches(self, batch: dict) -> list[dict]:
+        num_seqs = batch["input_ids"].shape[0]
+        mbs = self.config.micro_batch_size
+        if num_seqs % mbs:
+            raise ValueError(f"batch of {num_seqs} sequences is not a multiple of actor.micro_batch_size={mbs}")
+        if self.dims.vpp and num_seqs // mbs < self.dims.pp:
+            raise ValueError(
+                f"the interleaved (VPP) schedule needs >= PP={self.dims.pp} micro-batches, got {num_seqs // mbs}; "
+                f"lower actor.micro_batch_size or send more sequences"
+            )
+        device = self.dims.device
+        return [
+            {k: v[i : i + mbs].to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+            for i in range(0, num_seqs, mbs)
+        ]
+
+    def _run_schedule(self, micro_batches: list[dict], loss_func_factory, forward_only: bool) -> list[dict]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        seq_len = micro_batches[0]["input_ids"].shape[1]
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            tokens = mb["input_ids"]  # [b, S]
+            position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+            output = model(tokens, position_ids, attention_mask=None)  # last stage: logits [b, S, V_local]
+            return output, loss_func_factory(mb)
+
+        many = len(self.models) > 1
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=[iter(micro_batches) for _ in self.models] if many else iter(micro_batches),
+            model=self.models if many else self.models[0],
+            num_microbatches=len(micro_batches),
+            seq_length=seq_len,
+            micro_batch_size=micro_batches[0]["input_ids"].shape[0],
+            forward_only=forward_only,
+        )
+
+    def _token_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        # logits [b, S, V_local] -> log p(tokens[:, t+1]) [b, S-1]
+        return vocab_parallel_logprobs(
+            logits[:, :-1], tokens[:, 1:], self.vocab_start, self.shape.vocab_size, self.dims.tp_group
+        )
+
+    def _last_stage_src(self) -> int:
+        return dist.get_global_rank(self.dims.pp_group, self.dims.pp - 1)
+
+    def compute_logprobs(self, batch: dict, with_entropy: bool = False, phase: str = "logprob"):
+        """Forward-only log-probs [B, S-1] (fp32, on every rank); with entropy: (logprobs, entropy).
+
+        ``phase`` names the ledger entry (the loop passes ``old_logprob`` / ``ref_logprob``).
+        """
+        self._require_onloaded("compute_logprobs", ("params",))
+        with self.ledger.op(phase), torch.no_grad():
+            micro_batches = self._micro_batches(batch)
+
+            def factory(mb):
+                def loss_func(logits):
+                    out = {"logprobs": self._token_logprobs(logits, mb["input_ids"])}
+                    if with_entropy:
+                        out["entropy"] = vocab_parallel_entropy(
+                            logits[:, :-1],
+                            self.vocab_start,
+                            self.shape.vocab_size,
+                            self.dims.tp_group,
+                            self.entropy_chunk_tokens,
+                        )
+                    return torch.zeros((), device=logits.device), out
+
+                return loss_func
+
+            outputs = self._run_schedule(micro_batches, factory, forward_only=True)
+            num_seqs, seq_len = batch["input_ids"].shape
+            keys = ("logprobs", "entropy") if with_entropy else ("logprobs",)
+            results = []
+            for key in keys:
+                if self.dims.is_last_stage:
+                    value = torch.cat([o[key] for o in outputs]).float()
+                else:
+                    value = torch.empty(num_seqs, seq_len - 1, dtype=torch.float32, device=self.dims.device)
+                if self.dims.pp > 1:
+                    dist.broadcast(value, src=self._last_stage_src(), group=self.dims.pp_group)
+                results.append(value)
+        return tuple(results) if with_entropy else results[0]
+
+    # ---------------------------------------------------------------- training
+    def train_step(self, batch: dict, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over ``batch`` split in micro-batches (grad accumulation); returns metrics."""
+        if self.optimizer is None:
+            raise RuntimeError("this Actor was built with train=False")
+        self._require_onloaded("train_step")
+        with self.ledger.op("train"):
+            micro_batches = self._micro_batches(batch)
+            num_micro = len(micro_batches)
+            totals = BatchTotals(num_tokens=float(batch["loss_mask"].sum()), num_seqs=batch["input_ids"].shape[0])
+            for model in self.models:
+                model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+
+            def factory(mb):
+                def loss_func(logits):
+                    logprobs = self._token_logprobs(logits, mb["input_ids"])
+                    loss, metrics = loss_fn(logprobs, mb, totals)
+                    entropy = vocab_parallel_entropy(
+                        logits[:, :-1].detach(),
+                        self.vocab_start,
+                        self.shape.vocab_size,
+                        self.dims.tp_group,
+                        self.entropy_chunk_tokens,
+                    )
+                    metrics = {k: torch.as_tensor(v).detach().clone().float() for k, v in metrics.items()}
+                    metrics["entropy"] = (entropy * mb["loss_mask"]).sum() / max(totals.num_tokens, 1.0)
+                    # the schedule divides by the number of micro-batches; the loss is already batch-scaled
+                    return loss * num_micro, metrics
+
+                return loss_func
+
+            outputs = self._run_schedule(micro_batches, factory, forward_only=False)
+            metrics = {}
+            if self.dims.is_last_stage:
+                for out in outputs:
+                    for k, v in out.items():
+                        metrics[k] = metrics.get(k, 0.0) + float(v)
+            if self.dims.pp > 1:
+                box = [metrics]
+                dist.broadcast_object_list(box, src=self._last_stage_src(), group=self.dims.pp_group)
+                metrics = box[0]
+            if self.optimizer_impl == "megatron":
+                _, grad_norm, _ = self.optimizer.step()
+            else:
+                grad_norm = self._cpu_clip_and_step()
+            metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+            metrics["num_tokens"] = totals.num_tokens
+            self.ledger.set("optimizer", resident_bytes=storage_bytes(self._optimizer_tensors()))
+        return metrics
+
+    def _grad_norm_params(self) -> list[torch.nn.Parameter]:
+        """Each gradient counted once across TP (replicated params on TP rank 0) and the tied copy skipped."""
+        out = []
+        for model in self.models:
+            for p in model.parameters():
+                if not p.requires_grad:
+                    continue
+                if getattr(p, "shared", False):  # tied output_layer copy on the last stage
+                    continue
+                if not getattr(p, "tensor_model_parallel", False) and self.dims.tp_rank != 0:
+                    continue
+                out.append(p)
+        return out
+
+    @torch.no_grad()
+    def _cpu_clip_and_step(self) -> float:
+        norm_sq = torch.zeros((), dtype=torch.float32, device=self.dims.device)
+        for p in self._grad_norm_params():
+            norm_sq += p.main_grad.float().pow(2).sum()
+        for group in (self.dims.tp_group, self.dims.pp_group):  # sum over the model-parallel grid
+            dist.all_reduce(norm_sq, group=group)
+        grad_norm = float(norm_sq.sqrt())
+        params = [p for model in self.models for p in model.parameters() if p.requires_grad]
+        clip = self.config.grad_clip
+        coef = clip / (grad_norm + 1e-6) if clip > 0 else 1.0
+        for p in params:
+            p.grad = p.main_grad
+            if coef < 1.0:
+                p.grad.mul_(coef)
+        self.optimizer.step()
+        for p in params:
+            p.grad = None
+        return grad_norm
+
+    # ---------------------------------------------------------------- offload / onload
+    def _param_tensors(self) -> list[torch.Tensor]:
+        return [p.data for chunk in self.chunks for p in chunk.parameters()]
+
+    def _grad_tensors(self) -> list[torch.Tensor]:
+        if self.optimizer is None:
+            return []
+        return [
+            buf.grad_data
+            for model in self.models
+            for buf in list(model.buffers) + list(model.expert_parallel_buffers)
+            if buf.grad_data is not None
+        ]
+
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        """Adam moments (and megatron's fp32 master copies of bf16/fp16 params)."""
+        if self.optimizer is None:
+            return []
+        tensors, stack = [], [self.optimizer]
+        while stack:  # megatron: ChainedOptimizer -> MegatronOptimizer -> torch optimizer
+            opt = stack.pop()
+            if hasattr(opt, "chained_optimizers"):
+                stack.extend(opt.chained_optimizers)
+                continue
+            torch_opt = opt if isinstance(opt, torch.optim.Optimizer) else opt.optimizer
+            for state in torch_opt.state.values():
+                tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+            for attr in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups"):
+                for group in getattr(opt, attr, None) or []:
+                    tensors += [p.data for p in group]
+        return tensors
+
+    def _tensors_for(self, what: str) -> list[torch.Tensor]:
+        return {"params": self._param_tensors, "grads": self._grad_tensors, "optimizer": self._optimizer_tensors}[
+            what
+        ]()
+
+    def _selected(self, what: str | Iterable[str] | None) -> list[str]:
+        if what is None:  # the switches of actor.offload
+            return [w for w in OFFLOADABLE if getattr(self.config.offload, w)]
+        names = [what] if isinstance(what, str) else list(what)
+        bad = [w for w in names if w not in OFFLOADABLE]
+        if bad:
+            raise ValueError(f"cannot offload {bad}; choose from {OFFLOADABLE}")
+        return names
+
+    def offload(self, what: str | Iterable[str] | None = None) -> dict[str, int]:
+        """Move params / grad buffers / optimizer states to host; returns bytes released per tag."""
+        released = {}
+        for name in self._selected(what):
+            with self.ledger.op(f"offload_{name}"):
+                released[_TAG[name]] = self._offloaders[name].offload(self._tensors_for(name))
+        return released
+
+    def onload(self, what: str | Iterable[str] | None = None) -> dict[str, int]:
+        """Bring back what :meth:`offload` moved (bit-exact); returns bytes restored per tag."""
+        restored = {}
+        for name in self._selected(what):
+            with self.ledger.op(f"onload_{name}"):
+                restored[_TAG[name]] = self._offloaders[name].onload()
+        return restored
+
+    def _require_onloaded(self, op: str, needed: tuple[str, ...] = OFFLOADABLE) -> None:
+        away = [w for w in needed if self._offloaders[w].offloaded]
+        if away:
+            raise RuntimeError(f"{op} needs {away} on the device; call actor.onload({away}) first")
+
+    def memory(self) -> dict[str, int]:
+        """{tag: bytes resident} (+ ``host/<tag>`` offloaded copies); peaks per op in ``ledger.peaks``."""
+        return self.ledger.snapshot()
+
+    def memory_peaks(self) -> dict[str, dict[str, int]]:
+        """op name (build, old_logprob, train, offload_params, ...) -> peak bytes per tag and host_rss."""
+        return {op: dict(peak) for op, peak in self.ledger.peaks.items()}
+
+    # ---------------------------------------------------------------- export
+    def export_shards(self):
+        """This rank's [(SlicePiece, local block view)] in HF naming, for weight sync (no copies)."""
+        if self._offloaders["params"].offloaded:
+            raise RuntimeError("export_shards needs the params on the device; call actor.onload('params') first")
+        return local_shards(self.chunks, self.shape, self.layout)
+
+    def export_hf(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
+        """Full HF state dict on global rank ``dst`` (checkpoints, parity); None elsewhere."""
+        return gather_hf_state_dict(self.chunks, self.shape, self.layout, self.dims.dp_rank, dst)
+
+    def save_hf(self, out_dir: str | Path, dst: int = 0) -> None:
+        """Write a HF checkpoint (model.safetensors + config.json) from global rank ``dst``."""
+        from safetensors.torch import save_file
+
+        state = self.export_hf(dst)
+        if state is None:
+            return
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.contiguous() for k, v in state.items()}
+        save_file(tensors, str(Path(out_dir) / "model.safetensors"), metadata={"format": "pt"})
+        self.hf_config.save_pretrained(str(out_dir))

@@ -1,0 +1,139 @@
+"""HF safetensors <-> megatron TP x PP (x VPP) shards, driven by :mod:`megatron_backend.layout`.
+
+Loading streams: each rank opens only the safetensors files that hold its tensors and reads only its
+slices through ``safe_open(...).get_slice`` (never the whole model). Exporting gathers the primary
+pieces of every rank to one rank and assembles full HF tensors (checkpoints, parity, tests).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_backend.layout import (
+    ModelShape,
+    RankLayout,
+    SlicePiece,
+    hf_tensor_shapes,
+    local_param_shapes,
+    num_covered,
+    rank_pieces,
+)
+
+
+def safetensors_index(hf_dir: str | Path) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file holding it (sharded or single-file checkpoints)."""
+    from safetensors import safe_open
+
+    hf_dir = Path(hf_dir)
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: hf_dir / file for name, file in weight_map.items()}
+    single = hf_dir / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json")
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def _read_block(handle, piece: SlicePiece) -> torch.Tensor:
+    """The HF block of one piece, read as a slice (only these bytes are materialized)."""
+    sl = handle.get_slice(piece.hf_name)
+    stop = piece.hf_start + piece.length
+    if piece.dim == 0:
+        return sl[piece.hf_start : stop]
+    return sl[:, piece.hf_start : stop]
+
+
+def _chunk_params(chunks) -> dict[tuple[int, str], torch.nn.Parameter]:
+    return {(vp, name): p for vp, chunk in enumerate(chunks) for name, p in chunk.named_parameters()}
+
+
+def check_params_match_layout(chunks, shape: ModelShape, layout: RankLayout) -> None:
+    """The built model and the layout module must agree on every name and local shape."""
+    params = _chunk_params(chunks)
+    expected = local_param_shapes(shape, layout)
+    got = {key: tuple(p.shape) for key, p in params.items()}
+    if got != expected:
+        missing = sorted(set(expected) - set(got))
+        extra = sorted(set(got) - set(expected))
+        wrong = sorted(k for k in set(got) & set(expected) if got[k] != expected[k])
+        raise RuntimeError(f"model/layout mismatch: missing {missing}, unexpected {extra}, wrong shape {wrong}")
+
+
+@torch.no_grad()
+def load_hf_into_chunks(chunks, hf_dir: str | Path, shape: ModelShape, layout: RankLayout) -> int:
+    """Fill this rank's chunks from the HF checkpoint; returns the number of bytes read from disk."""
+    from safetensors import safe_open
+
+    check_params_match_layout(chunks, shape, layout)
+    params = _chunk_params(chunks)
+    pieces = rank_pieces(shape, layout)
+    index = safetensors_index(hf_dir)
+    missing = sorted({p.hf_name for p in pieces} - set(index))
+    if missing:
+        raise KeyError(f"{hf_dir} lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    covered = num_covered(pieces, local_param_shapes(shape, layout))
+    for key, param in params.items():
+        if covered.get(key, 0) != param.numel():  # vocab padding rows: zero (their logits are masked)
+            param.zero_()
+    by_file: dict[Path, list[SlicePiece]] = defaultdict(list)
+    for piece in pieces:
+        by_file[index[piece.hf_name]].append(piece)
+    num_bytes_read = 0
+    for file, file_pieces in by_file.items():
+        with safe_open(str(file), framework="pt") as handle:
+            for piece in file_pieces:
+                block = _read_block(handle, piece)
+                num_bytes_read += block.numel() * block.element_size()
+                target = params[(piece.vp_stage, piece.megatron_name)]
+                target.data.narrow(piece.dim, piece.local_start, piece.length).copy_(block)
+    return num_bytes_read
+
+
+def local_shards(chunks, shape: ModelShape, layout: RankLayout, primary_only: bool = True):
+    """This rank's (piece, local block view) pairs: what a weight-sync planner moves, no copies."""
+    params = _chunk_params(chunks)
+    out = []
+    for piece in rank_pieces(shape, layout):
+        if primary_only and not piece.primary:
+            continue
+        param = params[(piece.vp_stage, piece.megatron_name)]
+        out.append((piece, param.detach().narrow(piece.dim, piece.local_start, piece.length)))
+    return out
+
+
+def gather_hf_state_dict(
+    chunks, shape: ModelShape, layout: RankLayout, dp_rank: int = 0, dst: int = 0
+) -> dict[str, torch.Tensor] | None:
+    """Full HF tensors on global rank ``dst`` (None elsewhere). Only DP rank 0 contributes."""
+    blocks = []
+    if dp_rank == 0:
+        blocks = [(piece, block.cpu().clone()) for piece, block in local_shards(chunks, shape, layout)]
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(blocks, gathered, dst=dst)
+    if dist.get_rank() != dst:
+        return None
+    full_shapes = hf_tensor_shapes(shape)
+    out: dict[str, torch.Tensor] = {}
+    filled: dict[str, int] = defaultdict(int)
+    seen: set[tuple] = set()  # replicated pieces (norms) arrive from every TP rank: count once
+    for rank_blocks in gathered:
+        for piece, block in rank_blocks:
+            key = (piece.hf_name, piece.dim, piece.hf_start, piece.length)
+            if key in seen:
+                continue
+            seen.add(key)
+            if piece.hf_name not in out:
+                out[piece.hf_name] = torch.empty(full_shapes[piece.hf_name], dtype=block.dtype)
+            out[piece.hf_name].narrow(piece.dim, piece.hf_start, piece.length).copy_(block)
+            filled[piece.hf_name] += block.numel()
+    incomplete = [n for n, s in full_shapes.items() if filled.get(n, 0) != torch.Size(s).numel()]
+    if incomplete:
+        raise RuntimeError(f"export did not cover every element of {incomplete[:5]}")
+    return out

@@ -1,0 +1,324 @@
+"""The single source of megatron-core weight-layout knowledge (pure: plain python + torch, no megatron).
+
+Given a Hugging Face config and one rank's place in the TP x PP (x VPP) grid, this module says which
+megatron parameters that rank holds, their local shapes, and how each local shard is built from the
+full HF tensors. The loader (:mod:`megatron_backend.checkpoint`), the exporter and a future weight-sync
+planner all read the same :class:`SlicePiece` list, so the layout lives in exactly one place.
+
+A shard is described as a list of pieces; each piece copies one contiguous block along ``dim``::
+
+    local[vp_stage][megatron_name].narrow(dim, local_start, length)
+        <- hf[hf_name].narrow(dim, hf_start, length)
+
+Layouts (megatron-core 0.16, local spec; H hidden, F ffn, d head_dim, nq/ng query/KV heads,
+qpg = nq // ng query heads per KV group, V vocab, Vp = V padded to a multiple of 128 * TP):
+
+- ``embedding.word_embeddings.weight`` / ``output_layer.weight`` [Vp/TP, H]: rows of the padded vocab,
+  split across TP; rows >= V are padding (zero on load, dropped on export). Tied embeddings: the first
+  stage has no ``output_layer``; the last stage (if it is not also the first) holds a copy as
+  ``output_layer.weight`` (``primary=False``: the exporter skips it, the loader fills it).
+- ``linear_qkv.{weight,bias}`` [ng/TP * (qpg + 2) * d, H]: per KV group g, rows [q heads of g; k_g; v_g]
+  (grouped interleave); the groups are split across TP.
+- ``linear_proj.weight`` [H, nq*d/TP]: o_proj split on columns.
+- ``linear_fc1.weight`` [2F/TP, H]: per TP rank [gate shard; up shard]; ``linear_fc2.weight`` [H, F/TP].
+- norms replicated: ``input_layernorm`` / ``pre_mlp_layernorm`` (Transformer Engine spec:
+  ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``), ``q_layernorm`` /
+  ``k_layernorm`` [d], ``decoder.final_layernorm`` [H].
+- layers: chunk (pp_rank, vp_stage) holds L / (PP * VPP) consecutive layers starting at
+  ``vp_stage * L / VPP + pp_rank * L / (PP * VPP)`` (megatron's ``get_transformer_layer_offset`` for an
+  even split); megatron names them by local index.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # megatron pads the vocab to a multiple of this x TP
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3")
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def _get(hf_config: Any, key: str, default: Any = None) -> Any:
+    if isinstance(hf_config, dict):
+        return hf_config.get(key, default)
+    return getattr(hf_config, key, default)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a HF decoder that decide the weight layout."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tied_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> ModelShape:
+        model_type = _get(hf_config, "model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+        heads = _get(hf_config, "num_attention_heads")
+        hidden = _get(hf_config, "hidden_size")
+        return cls(
+            model_type=model_type,
+            num_layers=_get(hf_config, "num_hidden_layers"),
+            hidden_size=hidden,
+            ffn_hidden_size=_get(hf_config, "intermediate_size"),
+            num_heads=heads,
+            num_kv_heads=_get(hf_config, "num_key_value_heads") or heads,
+            head_dim=_get(hf_config, "head_dim") or hidden // heads,
+            vocab_size=_get(hf_config, "vocab_size"),
+            tied_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(_get(hf_config, "attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+        )
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """One rank's place in the actor grid (DP ranks hold identical shards)."""
+
+    tp: int
+    pp: int
+    vpp: int | None
+    tp_rank: int
+    pp_rank: int
+    te_norms: bool = False  # Transformer Engine spec: norms fused into linear_qkv / linear_fc1
+
+    @property
+    def num_chunks(self) -> int:
+        return self.vpp or 1
+
+    def is_first_chunk(self, vp_stage: int) -> bool:
+        return self.pp_rank == 0 and vp_stage == 0
+
+    def is_last_chunk(self, vp_stage: int) -> bool:
+        return self.pp_rank == self.pp - 1 and vp_stage == self.num_chunks - 1
+
+
+def check_divisible(shape: ModelShape, tp: int, pp: int, vpp: int | None) -> None:
+    """ValueError naming the field and the fix when the layout cannot split this model."""
+    if shape.num_heads % tp or shape.num_kv_heads % tp:
+        raise ValueError(
+            f"TP={tp} must divide num_attention_heads={shape.num_heads} and num_key_value_heads="
+            f"{shape.num_kv_heads}; pick a common divisor"
+        )
+    if shape.ffn_hidden_size % tp:
+        raise ValueError(f"TP={tp} must divide intermediate_size={shape.ffn_hidden_size}")
+    if shape.num_layers % (pp * (vpp or 1)):
+        raise ValueError(f"PP x VPP = {pp}x{vpp or 1} must divide num_hidden_layers={shape.num_layers}")
+
+
+def layer_offset(num_layers: int, pp: int, vpp: int | None, pp_rank: int, vp_stage: int) -> int:
+    """Global index of the first layer of chunk (pp_rank, vp_stage); even split as in megatron."""
+    layers_per_chunk = num_layers // (pp * (vpp or 1))
+    return vp_stage * (num_layers // (vpp or 1)) + pp_rank * layers_per_chunk
+
+
+def chunk_layers(shape: ModelShape, layout: RankLayout, vp_stage: int) -> range:
+    """Global layer indices held by one chunk, in local order."""
+    per_chunk = shape.num_layers // (layout.pp * layout.num_chunks)
+    start = layer_offset(shape.num_layers, layout.pp, layout.vpp, layout.pp_rank, vp_stage)
+    return range(start, start + per_chunk)
+
+
+def hf_tensor_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the HF checkpoint (full, unsharded) and its shape."""
+    h, f, d, v = shape.hidden_size, shape.ffn_hidden_size, shape.head_dim, shape.vocab_size
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+    for layer in range(shape.num_layers):
+        p = f"model.layers.{layer}."
+        out[p + "input_layernorm.weight"] = (h,)
+        out[p + "self_attn.q_proj.weight"] = (shape.num_heads * d, h)
+        out[p + "self_attn.k_proj.weight"] = (shape.num_kv_heads * d, h)
+        out[p + "self_attn.v_proj.weight"] = (shape.num_kv_heads * d, h)
+        if shape.qkv_bias:
+            out[p + "self_attn.q_proj.bias"] = (shape.num_heads * d,)
+            out[p + "self_attn.k_proj.bias"] = (shape.num_kv_heads * d,)
+            out[p + "self_attn.v_proj.bias"] = (shape.num_kv_heads * d,)
+        if shape.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = (d,)
+            out[p + "self_attn.k_norm.weight"] = (d,)
+        out[p + "self_attn.o_proj.weight"] = (h, shape.num_heads * d)
+        out[p + "post_attention_layernorm.weight"] = (h,)
+        out[p + "mlp.gate_proj.weight"] = (f, h)
+        out[p + "mlp.up_proj.weight"] = (f, h)
+        out[p + "mlp.down_proj.weight"] = (h, f)
+    out["model.norm.weight"] = (h,)
+    if not shape.tied_embeddings:
+        out["lm_head.weight"] = (v, h)
+    return out
+
+
+@dataclass(frozen=True)
+class SlicePiece:
+    """One contiguous block of a HF tensor that lands in one megatron local shard.
+
+    ``local[vp_stage][megatron_name].narrow(dim, local_start, length)`` equals
+    ``hf[hf_name].narrow(dim, hf_start, length)``. ``transform`` names why the block is where it is
+    (``replicate``, ``row_split``, ``column_split``, ``vocab_pad``, ``qkv_interleave``, ``gate_up``).
+    ``primary`` is False for the tied-embedding copy on the last stage: it is loaded but not exported.
+    """
+
+    hf_name: str
+    vp_stage: int
+    megatron_name: str
+    dim: int
+    hf_start: int
+    local_start: int
+    length: int
+    transform: str
+    primary: bool = True
+
+
+def _megatron_layer_pieces(shape: ModelShape, layout: RankLayout, vp_stage: int) -> list[SlicePiece]:
+    tp, r = layout.tp, layout.tp_rank
+    h, f, d = shape.hidden_size, shape.ffn_hidden_size, shape.head_dim
+    qpg = shape.num_heads // shape.num_kv_heads  # query heads per KV group
+    groups_per_rank = shape.num_kv_heads // tp
+    group_rows = (qpg + 2) * d  # rows of one KV group in linear_qkv: [q heads of g; k_g; v_g]
+    pieces: list[SlicePiece] = []
+
+    def add(hf, mg, dim, hf_start, local_start, length, transform):
+        pieces.append(SlicePiece(hf, vp_stage, mg, dim, hf_start, local_start, length, transform))
+
+    for local, layer in enumerate(chunk_layers(shape, layout, vp_stage)):
+        hp, mp = f"model.layers.{layer}.", f"decoder.layers.{local}."
+        in_norm = "self_attention.linear_qkv.layer_norm_weight" if layout.te_norms else "input_layernorm.weight"
+        mlp_norm = "mlp.linear_fc1.layer_norm_weight" if layout.te_norms else "pre_mlp_layernorm.weight"
+        add(hp + "input_layernorm.weight", mp + in_norm, 0, 0, 0, h, "replicate")
+        add(hp + "post_attention_layernorm.weight", mp + mlp_norm, 0, 0, 0, h, "replicate")
+        # linear_qkv [groups_per_rank * group_rows, H] (bias [groups_per_rank * group_rows])
+        kinds = ("weight", "bias") if shape.qkv_bias else ("weight",)
+        for kind in kinds:
+            mg = mp + f"self_attention.linear_qkv.{kind}"
+            for j in range(groups_per_rank):
+                g = r * groups_per_rank + j
+                base = j * group_rows
+                add(hp + f"self_attn.q_proj.{kind}", mg, 0, g * qpg * d, base, qpg * d, "qkv_interleave")
+                add(hp + f"self_attn.k_proj.{kind}", mg, 0, g * d, base + qpg * d, d, "qkv_interleave")
+                add(hp + f"self_attn.v_proj.{kind}", mg, 0, g * d, base + (qpg + 1) * d, d, "qkv_interleave")
+        if shape.qk_norm:
+            add(hp + "self_attn.q_norm.weight", mp + "self_attention.q_layernorm.weight", 0, 0, 0, d, "replicate")
+            add(hp + "self_attn.k_norm.weight", mp + "self_attention.k_layernorm.weight", 0, 0, 0, d, "replicate")
+        # linear_proj [H, nq*d/TP]: columns of o_proj
+        cols = shape.num_heads * d // tp
+        add(
+            hp + "self_attn.o_proj.weight",
+            mp + "self_attention.linear_proj.weight",
+            1,
+            r * cols,
+            0,
+            cols,
+            "column_split",
+        )
+        # linear_fc1 [2F/TP, H] = [gate rows of rank r; up rows of rank r]
+        rows = f // tp
+        add(hp + "mlp.gate_proj.weight", mp + "mlp.linear_fc1.weight", 0, r * rows, 0, rows, "gate_up")
+        add(hp + "mlp.up_proj.weight", mp + "mlp.linear_fc1.weight", 0, r * rows, rows, rows, "gate_up")
+        # linear_fc2 [H, F/TP]: columns of down_proj
+        add(hp + "mlp.down_proj.weight", mp + "mlp.linear_fc2.weight", 1, r * rows, 0, rows, "column_split")
+    return pieces
+
+
+def _vocab_piece(shape: ModelShape, layout: RankLayout, vp_stage: int, hf_name: str, mg_name: str, primary: bool):
+    """Rows [r*Vp/TP, (r+1)*Vp/TP) of the padded vocab; only the real rows (< V) come from HF."""
+    rows = padded_vocab_size(shape.vocab_size, layout.tp) // layout.tp
+    start = layout.tp_rank * rows
+    length = min(start + rows, shape.vocab_size) - start
+    if length <= 0:  # this rank holds padding rows only
+        return []
+    return [SlicePiece(hf_name, vp_stage, mg_name, 0, start, 0, length, "vocab_pad", primary)]
+
+
+def rank_pieces(shape: ModelShape, layout: RankLayout) -> list[SlicePiece]:
+    """Everything this rank holds, as HF -> megatron slice pieces (all chunks, in chunk order)."""
+    check_divisible(shape, layout.tp, layout.pp, layout.vpp)
+    pieces: list[SlicePiece] = []
+    for vp_stage in range(layout.num_chunks):
+        first, last = layout.is_first_chunk(vp_stage), layout.is_last_chunk(vp_stage)
+        if first:
+            pieces += _vocab_piece(
+                shape, layout, vp_stage, "model.embed_tokens.weight", "embedding.word_embeddings.weight", True
+            )
+        pieces += _megatron_layer_pieces(shape, layout, vp_stage)
+        if last:
+            h = shape.hidden_size
+            pieces.append(
+                SlicePiece("model.norm.weight", vp_stage, "decoder.final_layernorm.weight", 0, 0, 0, h, "replicate")
+            )
+            if not shape.tied_embeddings:
+                pieces += _vocab_piece(shape, layout, vp_stage, "lm_head.weight", "output_layer.weight", True)
+            elif not first:  # tied: megatron keeps a copy of the embedding on the last stage
+                pieces += _vocab_piece(
+                    shape, layout, vp_stage, "model.embed_tokens.weight", "output_layer.weight", False
+                )
+    return pieces
+
+
+def all_rank_pieces(shape: ModelShape, tp: int, pp: int, vpp: int | None = None) -> dict[tuple[int, int], list]:
+    """(tp_rank, pp_rank) -> that rank's pieces, for a planner that needs the whole grid (no groups)."""
+    return {
+        (tp_rank, pp_rank): rank_pieces(shape, RankLayout(tp, pp, vpp, tp_rank, pp_rank))
+        for pp_rank in range(pp)
+        for tp_rank in range(tp)
+    }
+
+
+def local_param_shapes(shape: ModelShape, layout: RankLayout) -> dict[tuple[int, str], tuple[int, ...]]:
+    """(vp_stage, megatron name) -> local shape of every parameter this rank holds."""
+    tp, h, d = layout.tp, shape.hidden_size, shape.head_dim
+    vocab_rows = padded_vocab_size(shape.vocab_size, tp) // tp
+    qkv_rows = (shape.num_heads + 2 * shape.num_kv_heads) * d // tp
+    out: dict[tuple[int, str], tuple[int, ...]] = {}
+    for vp in range(layout.num_chunks):
+        first, last = layout.is_first_chunk(vp), layout.is_last_chunk(vp)
+        if first:
+            out[(vp, "embedding.word_embeddings.weight")] = (vocab_rows, h)
+        for local in range(len(chunk_layers(shape, layout, vp))):
+            mp = f"decoder.layers.{local}."
+            if layout.te_norms:
+                out[(vp, mp + "self_attention.linear_qkv.layer_norm_weight")] = (h,)
+                out[(vp, mp + "mlp.linear_fc1.layer_norm_weight")] = (h,)
+            else:
+                out[(vp, mp + "input_layernorm.weight")] = (h,)
+                out[(vp, mp + "pre_mlp_layernorm.weight")] = (h,)
+            out[(vp, mp + "self_attention.linear_qkv.weight")] = (qkv_rows, h)
+            if shape.qkv_bias:
+                out[(vp, mp + "self_attention.linear_qkv.bias")] = (qkv_rows,)
+            if shape.qk_norm:
+                out[(vp, mp + "self_attention.q_layernorm.weight")] = (d,)
+                out[(vp, mp + "self_attention.k_layernorm.weight")] = (d,)
+            out[(vp, mp + "self_attention.linear_proj.weight")] = (h, shape.num_heads * d // tp)
+            out[(vp, mp + "mlp.linear_fc1.weight")] = (2 * shape.ffn_hidden_size // tp, h)
+            out[(vp, mp + "mlp.linear_fc2.weight")] = (h, shape.ffn_hidden_size // tp)
+        if last:
+            out[(vp, "decoder.final_layernorm.weight")] = (h,)
+            if not shape.tied_embeddings or not first:
+                out[(vp, "output_layer.weight")] = (vocab_rows, h)
+    return out
+
+
+def num_covered(pieces: list[SlicePiece], local_shapes: dict[tuple[int, str], tuple[int, ...]]) -> dict:
+    """(vp_stage, megatron name) -> number of local elements the pieces fill (the rest is padding)."""
+    covered: dict[tuple[int, str], int] = {}
+    for p in pieces:
+        key = (p.vp_stage, p.megatron_name)
+        local_shape = local_shapes[key]
+        other = math.prod(s for i, s in enumerate(local_shape) if i != p.dim)
+        covered[key] = covered.get(key, 0) + p.length * other
+    return covered

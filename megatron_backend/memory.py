@@ -1,0 +1,213 @@
+"""The actor's per-tag memory ledger and the storage offloader behind offload/onload.
+
+Tags (DESIGN.md, "Memory: names and sources"): ``actor_params``, ``actor_grads``, ``optimizer``. The
+ledger counts the bytes each tag holds in the actor's working memory (the GPU on CUDA; the original
+tensor storages on CPU) and, separately, the host copies made by offload. Every operation runs inside
+``ledger.op(name)`` and leaves its peak per tag (and peak process RSS) in ``ledger.peaks[name]``.
+
+Offload copies each distinct storage behind a set of tensors into one host buffer, then releases the
+original with ``untyped_storage().resize_(0)``: parameter, ``main_grad`` and optimizer-state views keep
+their identity (and the DDP buffer views stay valid), so onload is ``resize_`` back + copy, bit-exact.
+
+The host buffer is pinned host memory on CUDA. On CPU the "device" already is host memory, so the
+host tier is a file-backed shared mapping (a temp file in ``offload_dir``, i.e. the page cache): the
+bytes are written there and the mapping's pages are dropped from this process (``MADV_DONTNEED``), and
+``malloc_trim`` hands the freed original back to the OS, so process RSS really drops by what was
+offloaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import sys
+import tempfile
+
+import psutil
+import torch
+
+TAGS = ("actor_params", "actor_grads", "optimizer")
+
+
+def _rss_bytes() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def release_freed_host_memory() -> None:
+    """glibc keeps freed heap pages; ask it to return them so RSS reflects what we released."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+class MemoryLedger:
+    """Bytes per tag, resident (working memory) and offloaded (host copies), with per-op peaks."""
+
+    def __init__(self) -> None:
+        self.resident_bytes = dict.fromkeys(TAGS, 0)
+        self.host_bytes = dict.fromkeys(TAGS, 0)
+        self.peaks: dict[str, dict[str, int]] = {}
+        self._current: dict[str, int] | None = None
+
+    def set(self, tag: str, resident_bytes: int | None = None, host_bytes: int | None = None) -> None:
+        if tag not in TAGS:
+            raise ValueError(f"unknown memory tag {tag!r}; tags are {TAGS}")
+        if resident_bytes is not None:
+            self.resident_bytes[tag] = int(resident_bytes)
+        if host_bytes is not None:
+            self.host_bytes[tag] = int(host_bytes)
+        self._observe()
+
+    def snapshot(self) -> dict[str, int]:
+        """{tag: resident bytes} plus ``host/<tag>`` for offloaded copies."""
+        out = dict(self.resident_bytes)
+        out.update({f"host/{tag}": n for tag, n in self.host_bytes.items()})
+        out["host_pinned"] = sum(self.host_bytes.values()) if torch.cuda.is_available() else 0
+        return out
+
+    def _observe(self) -> None:
+        if self._current is None:
+            return
+        sample = self.snapshot()
+        sample["host_rss"] = _rss_bytes()
+        if torch.cuda.is_available():
+            sample["device_allocated"] = torch.cuda.memory_allocated()
+        for key, value in sample.items():
+            self._current[key] = max(self._current.get(key, 0), value)
+
+    @contextlib.contextmanager
+    def op(self, name: str):
+        """Track the peak of every tag (and RSS) while ``name`` runs; kept in ``peaks[name]``."""
+        outer = self._current
+        self._current = {}
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        self._observe()
+        try:
+            yield
+        finally:
+            self._observe()
+            if torch.cuda.is_available():
+                self._current["device_allocated"] = max(
+                    self._current.get("device_allocated", 0), torch.cuda.max_memory_allocated()
+                )
+            self.peaks[name] = self._current
+            if outer is not None:
+                for key, value in self._current.items():
+                    outer[key] = max(outer.get(key, 0), value)
+            self._current = outer
+
+
+def unique_storages(tensors) -> list[torch.UntypedStorage]:
+    """Distinct non-empty storages behind ``tensors`` (views of one buffer count once)."""
+    seen, out = set(), []
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0 or storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        out.append(storage)
+    return out
+
+
+def storage_bytes(tensors) -> int:
+    return sum(s.nbytes() for s in unique_storages(tensors))
+
+
+class HostCopy:
+    """The bytes of one storage while offloaded: pinned memory on CUDA, a file-backed mapping on CPU."""
+
+    def __init__(self, view: torch.Tensor, offload_dir: str | None = None):
+        # view: [nbytes] uint8 over the storage being offloaded
+        self.nbytes = view.numel()
+        self.pinned = view.device.type == "cuda"
+        self._file = self._mmap = None
+        if self.pinned:
+            self._host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+            self._host.copy_(view)
+            return
+        self._file = tempfile.TemporaryFile(dir=offload_dir, prefix="actor-offload-")
+        self._file.truncate(max(self.nbytes, 1))
+        self._mmap = mmap.mmap(self._file.fileno(), max(self.nbytes, 1), flags=mmap.MAP_SHARED)
+        host = torch.frombuffer(self._mmap, dtype=torch.uint8, count=self.nbytes)
+        host.copy_(view)
+        del host
+        self._mmap.flush()
+        self._mmap.madvise(mmap.MADV_DONTNEED)  # pages leave this process; the file keeps the bytes
+
+    def copy_to(self, view: torch.Tensor) -> None:
+        if self.pinned:
+            view.copy_(self._host, non_blocking=True)
+            return
+        host = torch.frombuffer(self._mmap, dtype=torch.uint8, count=self.nbytes)
+        view.copy_(host)
+        del host
+
+    def free(self) -> None:
+        if self.pinned:
+            self._host = None
+            return
+        self._mmap.close()
+        self._file.close()
+
+
+class StorageOffloader:
+    """Moves the storages behind one tag's tensors to a host buffer and back (bit-exact)."""
+
+    def __init__(self, tag: str, ledger: MemoryLedger, offload_dir: str | None = None):
+        self.tag = tag
+        self.ledger = ledger
+        self.offload_dir = offload_dir  # CPU only: where the file-backed host copies live (None: $TMPDIR)
+        self._saved: list[tuple[torch.UntypedStorage, HostCopy]] = []
+
+    @property
+    def offloaded(self) -> bool:
+        return bool(self._saved)
+
+    @torch.no_grad()
+    def offload(self, tensors) -> int:
+        """Copy to host then release the originals; returns the bytes released."""
+        if self._saved:
+            return 0
+        released = 0
+        for storage in unique_storages(tensors):
+            nbytes = storage.nbytes()
+            view = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)  # [nbytes] bytes
+            host = HostCopy(view, self.offload_dir)
+            del view
+            self._saved.append((storage, host))
+            self.ledger.set(self.tag, host_bytes=self.ledger.host_bytes[self.tag] + nbytes)  # both copies exist
+            storage.resize_(0)
+            released += nbytes
+            self.ledger.set(self.tag, resident_bytes=self.ledger.resident_bytes[self.tag] - nbytes)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        else:
+            release_freed_host_memory()
+        return released
+
+    @torch.no_grad()
+    def onload(self) -> int:
+        """Re-allocate the original storages and copy the host bytes back; returns the bytes restored."""
+        restored = 0
+        for storage, host in self._saved:
+            nbytes = host.nbytes
+            storage.resize_(nbytes)
+            view = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            host.copy_to(view)
+            del view
+            restored += nbytes
+            self.ledger.set(self.tag, resident_bytes=self.ledger.resident_bytes[self.tag] + nbytes)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        for _, host in self._saved:
+            host.free()
+        self._saved = []
+        self.ledger.set(self.tag, host_bytes=0)
+        if not torch.cuda.is_available():
+            release_freed_host_memory()
+        return restored

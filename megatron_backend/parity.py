@@ -1,0 +1,122 @@
+"""Logit parity: the same HF checkpoint and input through megatron (TP x PP) and through transformers.
+
+``python -m megatron_backend.parity --hf DIR --tp T --pp P [--vpp V]`` checks its input first (one
+line on stderr, exit 2, before any process group exists), then launches ``T*P`` ranks with torchrun
+and prints ONE JSON line: ``{"tp", "pp", "vpp", "model_type", "max_abs_logprob_diff", "num_tokens"}``.
+The diff is over fp32 log-probs of every next token of a fixed random batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def check_input(hf_dir: str, tp: int, pp: int, vpp: int | None) -> str | None:
+    """One line describing what is wrong, or None."""
+    from megatron_backend.layout import SUPPORTED_MODEL_TYPES, ModelShape, check_divisible
+
+    path = Path(hf_dir)
+    if not path.is_dir():
+        return f"HF={hf_dir}: no such directory"
+    if not (path / "config.json").is_file():
+        return f"HF={hf_dir}: no config.json; point HF at a Hugging Face checkpoint directory"
+    if not (path / "model.safetensors").is_file() and not (path / "model.safetensors.index.json").is_file():
+        return f"HF={hf_dir}: no model.safetensors or model.safetensors.index.json (only safetensors are supported)"
+    if tp < 1 or pp < 1 or (vpp is not None and vpp < 1):
+        return f"TP={tp} PP={pp} VPP={vpp}: sizes must be positive integers"
+    config = json.loads((path / "config.json").read_text())
+    if config.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        return (
+            f"HF={hf_dir}: model_type {config.get('model_type')!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
+        )
+    try:
+        from megatron_backend.model import rope_scaling_kwargs
+
+        rope_scaling_kwargs(config)
+        check_divisible(ModelShape.from_hf(config), tp, pp, vpp)
+    except ValueError as exc:
+        return f"HF={hf_dir}: {exc}"
+    return None
+
+
+def _worker(args) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatron_backend.actor import Actor
+    from megatron_backend.config import ActorConfig
+    from megatron_backend.parallel import destroy, initialize_model_parallel
+
+    dims = initialize_model_parallel(tp=args.tp, pp=args.pp, vpp=args.vpp)
+    # the interleaved schedule needs >= PP micro-batches: one sequence per micro-batch there
+    micro_batch_size = 1 if args.vpp else args.batch
+    actor = Actor(
+        args.hf,
+        ActorConfig(tp=args.tp, pp=args.pp, vpp=args.vpp, micro_batch_size=micro_batch_size),
+        dims,
+        train=False,
+    )
+    generator = torch.Generator().manual_seed(args.seed)
+    input_ids = torch.randint(0, actor.shape.vocab_size, (args.batch, args.seq_len), generator=generator)
+    logprobs = actor.compute_logprobs({"input_ids": input_ids}).cpu()  # [B, S-1] on every rank
+    if dims.rank == 0:
+        hf_model = AutoModelForCausalLM.from_pretrained(args.hf, dtype=torch.float32)
+        hf_model.eval()
+        with torch.no_grad():
+            logits = hf_model(input_ids=input_ids).logits.float()  # [B, S, V]
+        reference = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        result = dict(
+            tp=args.tp,
+            pp=args.pp,
+            vpp=args.vpp,
+            model_type=actor.shape.model_type,
+            max_abs_logprob_diff=float((logprobs - reference).abs().max()),
+            num_tokens=int(reference.numel()),
+        )
+        print(json.dumps(result), flush=True)
+    destroy()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hf", required=True, help="Hugging Face checkpoint directory (qwen2 / llama / qwen3)")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--vpp", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.batch = max(args.batch, args.pp) if args.vpp else args.batch
+    if args.worker:
+        _worker(args)
+        return 0
+    problem = check_input(args.hf, args.tp, args.pp, args.vpp)
+    if problem is None and args.vpp is not None and args.vpp > 1 and args.pp < 2:
+        problem = f"VPP={args.vpp} needs PP >= 2"
+    if problem:
+        print(f"parity: {problem}", file=sys.stderr)
+        return 2
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.tp * args.pp}",
+        "-m",
+        "megatron_backend.parity",
+        "--worker",
+        *(argv if argv is not None else sys.argv[1:]),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    return subprocess.call(command, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

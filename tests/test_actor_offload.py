@@ -1,0 +1,136 @@
+"""Offload/onload of params, grad buffers and optimizer states: bit-exact, ledger to zero, RSS drops."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.dist import run_ranks
+
+TAGS = ("actor_params", "actor_grads", "optimizer")
+
+
+def _batch(actor, num_seqs=4, seq_len=16):
+    gen = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, actor.shape.vocab_size, (num_seqs, seq_len), generator=gen)
+    loss_mask = torch.zeros(num_seqs, seq_len - 1)
+    loss_mask[:, seq_len // 2 :] = 1.0
+    batch = {"input_ids": input_ids, "loss_mask": loss_mask}
+    batch["old_logprobs"] = actor.compute_logprobs(batch)
+    batch["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5])[:num_seqs]
+    return batch
+
+
+def _state(actor):
+    params = [p.detach().clone() for c in actor.chunks for p in c.parameters()]
+    grads = [t.clone() for t in actor._grad_tensors()]
+    optim = [t.clone() for t in actor._optimizer_tensors()]
+    return params, grads, optim
+
+
+def _offload_checks(rank, world_size, tiny_dir, wide_dir, saved_dir):
+    import psutil
+
+    from megatron_backend.actor import Actor
+    from megatron_backend.config import ActorConfig
+    from megatron_backend.parallel import initialize_model_parallel
+    from rl.losses import PolicyLoss, PolicyLossConfig
+
+    loss_fn = PolicyLoss(PolicyLossConfig())
+    dims = initialize_model_parallel(tp=1, pp=1)
+    config = ActorConfig(micro_batch_size=2, lr=1e-3)
+    out = {}
+
+    # 1) round trip bit-exact, and a step after offload+onload equals a step without
+    plain, cycled = Actor(tiny_dir, config, dims), Actor(tiny_dir, config, dims)
+    batch = _batch(plain)
+    plain.train_step(batch, loss_fn)
+    cycled.train_step(batch, loss_fn)
+    before = _state(cycled)
+    out["released"] = cycled.offload(["params", "grads", "optimizer"])
+    out["offloaded_memory"] = cycled.memory()
+    try:
+        cycled.train_step(batch, loss_fn)
+        out["train_while_offloaded"] = "ran"
+    except RuntimeError as exc:
+        out["train_while_offloaded"] = str(exc)
+    cycled.onload(["params", "grads", "optimizer"])
+    after = _state(cycled)
+    out["bit_exact"] = all(
+        len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)) for a, b in zip(before, after)
+    )
+    out["num_optimizer_tensors"] = len(before[2])
+    out["metrics_plain"] = plain.train_step(batch, loss_fn)
+    out["metrics_cycled"] = cycled.train_step(batch, loss_fn)
+    out["step_equal"] = all(torch.equal(p, q) for p, q in zip(_state(plain)[0], _state(cycled)[0]))
+    # the trained weights export to a HF checkpoint that transformers reads back to the same log-probs
+    plain.save_hf(saved_dir)
+    out["trained_logprobs"] = plain.compute_logprobs(batch)
+    out["batch_input_ids"] = batch["input_ids"]
+    del plain, cycled
+
+    # 2) a wider model: the ledger reaches zero per tag and process RSS drops by what was released
+    wide = Actor(wide_dir, ActorConfig(micro_batch_size=4, lr=1e-4), dims)
+    wide.train_step(_batch(wide), loss_fn)
+    process = psutil.Process()
+    rss = {}
+    for what, tag in (("params", "actor_params"), ("grads", "actor_grads"), ("optimizer", "optimizer")):
+        resident = wide.memory()[tag]
+        rss_before = process.memory_info().rss
+        released = wide.offload(what)[tag]
+        rss[tag] = dict(
+            resident_bytes=resident,
+            released_bytes=released,
+            rss_drop_bytes=rss_before - process.memory_info().rss,
+            ledger_after=wide.memory()[tag],
+            host_after=wide.memory()[f"host/{tag}"],
+            peak=wide.ledger.peaks[f"offload_{what}"],
+        )
+    rss_offloaded = process.memory_info().rss
+    wide.onload()  # the config's switches: all three on by default
+    out["wide_rss"] = rss
+    out["wide_rss_onload_growth"] = process.memory_info().rss - rss_offloaded
+    out["wide_memory_after_onload"] = wide.memory()
+    out["peaks"] = {k: v for k, v in wide.ledger.peaks.items()}
+    return out
+
+
+def _write_wide_checkpoint(path):
+    from transformers import AutoModelForCausalLM
+
+    from rl.tiny_models import tiny_hf_config
+
+    config = tiny_hf_config("qwen2")
+    config.hidden_size, config.intermediate_size = 512, 2048  # ~13M params: ~53 MB per tag in fp32
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    return str(path)
+
+
+def test_offload_onload_bit_exact_ledger_and_rss(tiny_model_dirs, tmp_path):
+    wide_dir = _write_wide_checkpoint(tmp_path / "wide")
+    out = run_ranks(_offload_checks, 1, tiny_model_dirs["qwen2"], wide_dir, str(tmp_path / "trained"))[0]
+    assert all(out["released"][tag] > 0 for tag in TAGS), out["released"]
+    assert all(out["offloaded_memory"][tag] == 0 for tag in TAGS), out["offloaded_memory"]
+    assert all(out["offloaded_memory"][f"host/{tag}"] == out["released"][tag] for tag in TAGS)
+    assert "onload" in out["train_while_offloaded"]
+    assert out["num_optimizer_tensors"] > 0 and out["bit_exact"]
+    assert out["step_equal"] and out["metrics_plain"] == out["metrics_cycled"]
+    for tag, row in out["wide_rss"].items():
+        assert row["released_bytes"] == row["resident_bytes"] > 40e6, (tag, row)
+        assert row["ledger_after"] == 0 and row["host_after"] == row["released_bytes"], (tag, row)
+        # the original storage is really gone: RSS drops by most of it (allocator slack aside)
+        assert row["rss_drop_bytes"] > 0.8 * row["released_bytes"], (tag, row)
+        assert row["peak"][tag] == row["resident_bytes"], (tag, row)
+    assert out["wide_rss_onload_growth"] > 0.8 * sum(r["released_bytes"] for r in out["wide_rss"].values())
+    after = out["wide_memory_after_onload"]
+    assert all(after[tag] == out["wide_rss"][tag]["resident_bytes"] and after[f"host/{tag}"] == 0 for tag in TAGS)
+    assert {"build", "train", "logprob", "onload_params", "onload_grads", "onload_optimizer"} <= set(out["peaks"])
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "trained", dtype=torch.float32).eval()
+    ids = out["batch_input_ids"]
+    with torch.no_grad():
+        logits = trained(input_ids=ids).logits
+    reference = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    assert (reference - out["trained_logprobs"]).abs().max() < 1e-4
+    print({tag: {k: v for k, v in row.items() if k != "peak"} for tag, row in out["wide_rss"].items()})
