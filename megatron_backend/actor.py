@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_backend.checkpoint import gather_hf_state_dict, load_hf_into_chunks, local_shards
+from megatron_backend.checkpoint import chunk_params, gather_hf_state_dict, load_hf_into_chunks, local_shards
 from megatron_backend.config import ActorConfig
 from megatron_backend.layout import ModelShape, RankLayout, check_divisible, padded_vocab_size
 from megatron_backend.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
@@ -404,6 +404,12 @@ class Actor:
         if self._offloaders["params"].offloaded:
             raise RuntimeError("export_shards needs the params on the device; call actor.onload('params') first")
         return local_shards(self.chunks, self.shape, self.layout)
+
+    def local_params(self) -> dict[tuple[int, str], torch.Tensor]:
+        """(vp_stage, megatron name) -> this rank's parameter tensor (no copies), for the weight-sync executor."""
+        if self._offloaders["params"].offloaded:
+            raise RuntimeError("local_params needs the params on the device; call actor.onload('params') first")
+        return {key: p.detach() for key, p in chunk_params(self.chunks).items()}
 
     def export_hf(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
         """Full HF state dict on global rank ``dst`` (checkpoints, parity); None elsewhere."""

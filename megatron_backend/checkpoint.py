@@ -50,13 +50,13 @@ def _read_block(handle, piece: SlicePiece) -> torch.Tensor:
     return sl[:, piece.hf_start : stop]
 
 
-def _chunk_params(chunks) -> dict[tuple[int, str], torch.nn.Parameter]:
+def chunk_params(chunks) -> dict[tuple[int, str], torch.nn.Parameter]:
     return {(vp, name): p for vp, chunk in enumerate(chunks) for name, p in chunk.named_parameters()}
 
 
 def check_params_match_layout(chunks, shape: ModelShape, layout: RankLayout) -> None:
     """The built model and the layout module must agree on every name and local shape."""
-    params = _chunk_params(chunks)
+    params = chunk_params(chunks)
     expected = local_param_shapes(shape, layout)
     got = {key: tuple(p.shape) for key, p in params.items()}
     if got != expected:
@@ -72,7 +72,7 @@ def load_hf_into_chunks(chunks, hf_dir: str | Path, shape: ModelShape, layout: R
     from safetensors import safe_open
 
     check_params_match_layout(chunks, shape, layout)
-    params = _chunk_params(chunks)
+    params = chunk_params(chunks)
     pieces = rank_pieces(shape, layout)
     index = safetensors_index(hf_dir)
     missing = sorted({p.hf_name for p in pieces} - set(index))
@@ -98,7 +98,7 @@ def load_hf_into_chunks(chunks, hf_dir: str | Path, shape: ModelShape, layout: R
 
 def local_shards(chunks, shape: ModelShape, layout: RankLayout, primary_only: bool = True):
     """This rank's (piece, local block view) pairs: what a weight-sync planner moves, no copies."""
-    params = _chunk_params(chunks)
+    params = chunk_params(chunks)
     out = []
     for piece in rank_pieces(shape, layout):
         if primary_only and not piece.primary:

@@ -270,6 +270,13 @@ def rank_pieces(shape: ModelShape, layout: RankLayout) -> list[SlicePiece]:
     return pieces
 
 
+def rank_coords(rank: int, tp: int, pp: int, world_size: int) -> tuple[int, int, int]:
+    """(tp_rank, pp_rank, dp_rank) of a global rank in megatron-core's default order tp-cp-ep-dp-pp
+    (TP fastest, then DP, then PP; CP = EP = 1)."""
+    dp = world_size // (tp * pp)
+    return rank % tp, rank // (tp * dp), (rank // tp) % dp
+
+
 def all_rank_pieces(shape: ModelShape, tp: int, pp: int, vpp: int | None = None) -> dict[tuple[int, int], list]:
     """(tp_rank, pp_rank) -> that rank's pieces, for a planner that needs the whole grid (no groups)."""
     return {

@@ -21,6 +21,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from megatron_backend.config import ActorConfig, OffloadConfig
+from rl.losses import PolicyLossConfig
 from rl.tiny_models import TINY_FAMILIES, TINY_PREFIX, tiny_hf_config
 from rollout.config import RolloutConfig
 
@@ -183,6 +184,7 @@ class RunConfig:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    algorithm: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     resume: str = "auto"  # auto | never | <checkpoint path>
@@ -197,6 +199,15 @@ class RunConfig:
                 "directory or declare model.num_layers and model.num_attention_heads for validation"
             )
         self._check_model_split(dims)
+        if self.trainer.sft_warmup_steps and self.data.task != "digit_sum":
+            raise ValueError(
+                f"trainer.sft_warmup_steps={self.trainer.sft_warmup_steps}: only data.task=digit_sum has format "
+                "examples; set trainer.sft_warmup_steps=0"
+            )
+        if self.resume not in ("auto", "never"):
+            raise ValueError(
+                f"resume={self.resume!r}: checkpoint/resume is not implemented yet; use resume=auto or resume=never"
+            )
 
     def _check_world(self) -> None:
         world, tp, pp = self.cluster.world_size, self.actor.tp, self.actor.pp
@@ -249,6 +260,7 @@ def register_configs() -> None:
         ("weight_sync", WeightSyncConfig),
         ("trainer", TrainerConfig),
         ("data", DataConfig),
+        ("algorithm", PolicyLossConfig),
         ("wandb", WandbConfig),
         ("cluster", ClusterConfig),
     ):

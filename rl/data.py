@@ -42,6 +42,14 @@ class DigitSumTask:
             problems.append(Problem(prompt=f"{a}+{b}=", answer=str(a + b)))
         return problems
 
+    def format_examples(self, num_examples: int) -> list[Problem]:
+        """Supervised warm-up data: real prompts with RANDOM answers in the answer range.
+
+        It teaches the format (a number, then end-of-sequence) and no arithmetic, so whatever the
+        model later gets right beyond chance, the RL steps taught it.
+        """
+        return [Problem(p.prompt, str(self.rng.randrange(19))) for p in self.sample(num_examples)]
+
     @staticmethod
     def reward(response: str, answer: str) -> float:
         response = response.strip()

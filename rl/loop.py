@@ -123,7 +123,14 @@ class Context:
                 text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
                 reward = self.task.reward(text, problems[index].answer)
                 local.append(
-                    Sample(index, prompt_ids[mine.index(index)], list(c.token_ids), list(c.logprobs), c.finish_reason, reward)
+                    Sample(
+                        index,
+                        prompt_ids[mine.index(index)],
+                        list(c.token_ids),
+                        list(c.logprobs),
+                        c.finish_reason,
+                        reward,
+                    )
                 )
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, (self.engine_replica, local))
@@ -207,30 +214,69 @@ def setup(cfg: RunConfig, run_dir: Path) -> Context:
     probe = MemoryProbe(dims.device)
     timeline = MemoryTimeline(probe, rank, interval_s=cfg.trainer.memory_sample_interval_s)
     actor = Actor(cfg.model.path, cfg.actor, dims, dtype=cfg.model.dtype)
-    ref_actor = Actor(cfg.model.path, cfg.actor, dims, dtype=cfg.model.dtype, train=False) if cfg.algorithm.kl_coef > 0 else None
+    ref_actor = (
+        Actor(cfg.model.path, cfg.actor, dims, dtype=cfg.model.dtype, train=False)
+        if cfg.algorithm.kl_coef > 0
+        else None
+    )
     engine = make_engine(
-        cfg.rollout, cfg.model.path, group=engine_groups[replica] if rtp > 1 else None,
-        device=dims.device, dtype=cfg.model.dtype, load=False,
+        cfg.rollout,
+        cfg.model.path,
+        group=engine_groups[replica] if rtp > 1 else None,
+        device=dims.device,
+        dtype=cfg.model.dtype,
+        load=False,
     )
     probe.add_ledger(lambda: _tagged(actor.memory(), dims.device))
     probe.add_ledger(lambda: _tagged(engine.memory(), dims.device))
     if ref_actor is not None:
-        probe.add_ledger(lambda: {k: v for k, v in _tagged(ref_actor.memory(), dims.device).items() if k == "host_pinned"})
+        probe.add_ledger(
+            lambda: {k: v for k, v in _tagged(ref_actor.memory(), dims.device).items() if k == "host_pinned"}
+        )
     element_bytes = torch.empty((), dtype=getattr(torch, cfg.model.dtype)).element_size()
     weight_sync = WeightSync(
-        actor.hf_config, rank, world_size, dims.tp, dims.pp, dims.vpp, rtp, cfg.weight_sync.bucket_mb,
-        element_bytes, cfg.weight_sync.verify, te_norms=actor.layout.te_norms,
+        actor.hf_config,
+        rank,
+        world_size,
+        dims.tp,
+        dims.pp,
+        dims.vpp,
+        rtp,
+        cfg.weight_sync.bucket_mb,
+        element_bytes,
+        cfg.weight_sync.verify,
+        te_norms=actor.layout.te_norms,
     )
     writer = None
     if rank == 0:
-        writer = RunWriter(run_dir, cfg, cfg.wandb.mode, cfg.wandb.project, cfg.wandb.entity, f"{cfg.exp}-{run_dir.name}")
-    task = Gsm8kTask(cfg.data.path, seed=cfg.trainer.seed) if cfg.data.task == "gsm8k" else DigitSumTask(seed=cfg.trainer.seed)
+        writer = RunWriter(
+            run_dir, cfg, cfg.wandb.mode, cfg.wandb.project, cfg.wandb.entity, f"{cfg.exp}-{run_dir.name}"
+        )
+    task = (
+        Gsm8kTask(cfg.data.path, seed=cfg.trainer.seed)
+        if cfg.data.task == "gsm8k"
+        else DigitSumTask(seed=cfg.trainer.seed)
+    )
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     sampling = SamplingParams.from_config(cfg.rollout, seed=cfg.trainer.seed + replica)
     return Context(
-        cfg=cfg, run_dir=run_dir, rank=rank, world_size=world_size, dims=dims, actor=actor, ref_actor=ref_actor,
-        engine=engine, engine_group=engine_groups[replica], engine_replica=replica, tokenizer=tokenizer, task=task,
-        loss=PolicyLoss(cfg.algorithm), weight_sync=weight_sync, timeline=timeline, writer=writer, sampling=sampling,
+        cfg=cfg,
+        run_dir=run_dir,
+        rank=rank,
+        world_size=world_size,
+        dims=dims,
+        actor=actor,
+        ref_actor=ref_actor,
+        engine=engine,
+        engine_group=engine_groups[replica],
+        engine_replica=replica,
+        tokenizer=tokenizer,
+        task=task,
+        loss=PolicyLoss(cfg.algorithm),
+        weight_sync=weight_sync,
+        timeline=timeline,
+        writer=writer,
+        sampling=sampling,
     )
 
 
@@ -247,7 +293,14 @@ def warmup(ctx: Context) -> None:
     for _ in range(ctx.cfg.trainer.sft_warmup_steps):
         examples = ctx.task.format_examples(ctx.cfg.trainer.prompts_per_step * ctx.cfg.rollout.n_samples_per_prompt)
         samples = [
-            Sample(i, ctx.tokenizer(e.prompt).input_ids, ctx.tokenizer(e.answer).input_ids + [ctx.tokenizer.eos_token_id], [], "stop", 0.0)
+            Sample(
+                i,
+                ctx.tokenizer(e.prompt).input_ids,
+                ctx.tokenizer(e.answer).input_ids + [ctx.tokenizer.eos_token_id],
+                [],
+                "stop",
+                0.0,
+            )
             for i, e in enumerate(examples)
         ]
         batch = pack_sequences(samples[ctx.dims.dp_rank :: ctx.dims.dp], pad_id=ctx.tokenizer.pad_token_id or 0)
@@ -297,7 +350,8 @@ def summarize(ctx: Context, rewards: list[float], rows: list[dict]) -> dict:
         "reward_last5": sum(rewards[-5:]) / max(1, len(rewards[-5:])),
         "phase_peak_bytes": phase_peaks(rows),
         "wake_window_peak_bytes": max(per_rank_window.values(), default=0),
-        "actor_param_bytes": ctx.actor.memory().get("host/actor_params", 0) or ctx.actor.memory().get("actor_params", 0),
+        "actor_param_bytes": ctx.actor.memory().get("host/actor_params", 0)
+        or ctx.actor.memory().get("actor_params", 0),
         "wake_strategy": ctx.cfg.rollout.wake_strategy,
         "weight_sync": {
             "bytes": ctx.weight_sync.plan.bytes_moved,  # all ranks, per sync

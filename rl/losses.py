@@ -28,15 +28,15 @@ class PolicyLossConfig:
 
     def __post_init__(self) -> None:
         if self.clip_eps_low < 0 or self.clip_eps_high < 0:
-            raise ValueError("clip_eps_low / clip_eps_high must be >= 0")
+            raise ValueError("algorithm.clip_eps_low / algorithm.clip_eps_high must be >= 0")
         if self.dual_clip_c is not None and self.dual_clip_c <= 1.0:
-            raise ValueError(f"dual_clip_c={self.dual_clip_c} must be > 1, or null to disable dual-clip")
+            raise ValueError(f"algorithm.dual_clip_c={self.dual_clip_c} must be > 1, or null to disable dual-clip")
         if self.kl_coef < 0:
-            raise ValueError(f"kl_coef={self.kl_coef} must be >= 0")
+            raise ValueError(f"algorithm.kl_coef={self.kl_coef} must be >= 0")
         if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"kl_estimator={self.kl_estimator!r} is not one of {KL_ESTIMATORS}")
+            raise ValueError(f"algorithm.kl_estimator={self.kl_estimator!r} is not one of {KL_ESTIMATORS}")
         if self.loss_agg not in LOSS_AGGREGATIONS:
-            raise ValueError(f"loss_agg={self.loss_agg!r} is not one of {LOSS_AGGREGATIONS}")
+            raise ValueError(f"algorithm.loss_agg={self.loss_agg!r} is not one of {LOSS_AGGREGATIONS}")
 
 
 @dataclass(frozen=True)
@@ -125,3 +125,10 @@ class PolicyLoss:
             metrics["kl"] = kl_loss.detach()
         metrics["loss"] = loss.detach()
         return loss, metrics
+
+
+def sft_loss(logprobs: torch.Tensor, micro_batch: dict, totals) -> tuple[torch.Tensor, dict]:
+    """Supervised warm-up: mean negative log-likelihood of the response tokens over the whole batch."""
+    mask = micro_batch["loss_mask"].to(logprobs.dtype)
+    loss = -(logprobs * mask).sum() / max(totals.num_tokens, 1.0)
+    return loss, {"sft_loss": loss.detach()}

@@ -74,3 +74,11 @@ def test_gsm8k_bad_input(tmp_path):
     other.write_text("a,b")
     with pytest.raises(ValueError, match="expected a .jsonl or .parquet"):
         Gsm8kTask(str(other))
+
+
+def test_digit_sum_format_examples_teach_format_not_answers():
+    task = DigitSumTask(seed=1)
+    examples = task.format_examples(200)
+    assert all(e.answer.isdigit() and 0 <= int(e.answer) <= 18 for e in examples)
+    correct = sum(int(e.answer) == eval(e.prompt.rstrip("=")) for e in examples)
+    assert correct < 40  # ~1/19 by chance; far from the true sums

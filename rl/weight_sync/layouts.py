@@ -12,11 +12,7 @@ from typing import Any
 from megatron_backend import layout as actor_layout
 from rollout import layout as engine_layout
 
-
-def actor_coords(rank: int, tp: int, pp: int, world_size: int) -> tuple[int, int, int]:
-    """(tp_rank, pp_rank, dp_rank) of a global rank in megatron-core's default order tp-cp-ep-dp-pp."""
-    dp = world_size // (tp * pp)
-    return rank % tp, rank // (tp * dp), (rank // tp) % dp
+actor_coords = actor_layout.rank_coords
 
 
 def actor_sources(

@@ -43,7 +43,9 @@ class WeightSync:
         destinations = engine_destinations(hf_config, rollout_tp, world_size)
         self.plan: SyncPlan = plan_sync(sources, destinations, bucket_mb << 20, element_bytes)
 
-    def __call__(self, src_tensors: dict, dst_tensors: dict[str, torch.Tensor], group: dist.ProcessGroup | None = None) -> SyncResult:
+    def __call__(
+        self, src_tensors: dict, dst_tensors: dict[str, torch.Tensor], group: dist.ProcessGroup | None = None
+    ) -> SyncResult:
         stats = execute_sync(self.plan, self.rank, src_tensors, dst_tensors, group=group)
         num_checked = verify_sync(self.plan, self.rank, src_tensors, dst_tensors, group=group) if self.verify else 0
         return SyncResult(stats, self.verify, num_checked)
