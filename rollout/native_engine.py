@@ -1,0 +1,419 @@
+"""The native rollout engine: plain torch, CPU or CUDA, tensor parallel with exactly vLLM's weight layout.
+
+- Parameters: one tensor per vLLM parameter (names, shapes, padding from :mod:`rollout.layout`), in the
+  memory-saver region ``weights``.
+- KV cache: one preallocated tensor [num_layers, 2 (k, v), num_blocks * block_size, kv_heads_per_rank,
+  head_dim] in the region ``kv_cache``, handed out in blocks of ``rollout.block_size`` tokens. Its size is
+  ``gpu_memory_utilization x capacity - weights - activation reserve`` (capacity: the CUDA device's total
+  memory, or ``rollout.cpu_capacity_gb`` on CPU), capped at what ``max_num_seqs`` full-length sequences
+  could ever use.
+- Continuous batching: a sequence reserves the blocks for prompt + max_tokens when admitted; finished
+  sequences free theirs at once and waiting sequences take them at the next step. Admitted sequences are
+  prefilled together (padded, causal), then every running sequence decodes one token per step in one
+  batched forward whose attention gathers each sequence's KV blocks.
+- Tensor parallel over an explicit process group (gloo or NCCL): vocab-parallel embedding (all-reduce),
+  column-parallel qkv / gate_up, row-parallel o / down (all-reduce), vocab-parallel lm_head (all-gather).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from rollout.config import RolloutConfig
+from rollout.engine import Completion, SamplingParams
+from rollout.layout import ModelShape, copy_hf_into_local, hf_to_vllm_index, tp_shape, vllm_param_layouts
+from rollout.memory_saver import TAGS, MemorySaver
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def iter_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every tensor of the checkpoint directory (one or many shards)."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors under {model_path}")
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class NativeEngine:
+    """See the module doc. ``group`` is the rollout TP process group (None: TP=1, no collectives)."""
+
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        model_path: str,
+        group: dist.ProcessGroup | None = None,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype = "float32",
+        load: bool = True,
+    ) -> None:
+        self.cfg = cfg
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+        with open(os.path.join(model_path, "config.json")) as f:
+            self.shape = ModelShape.from_hf_config(json.load(f))
+        self.group = group
+        self.tp = 1 if group is None else dist.get_world_size(group)
+        self.tp_rank = 0 if group is None else dist.get_rank(group)
+        if self.tp != cfg.tp:
+            raise ValueError(f"rollout.tp={cfg.tp} but the process group given has {self.tp} ranks; make them agree")
+        self._src_rank = 0 if group is None else dist.get_global_rank(group, 0)
+        self.tps = tp_shape(self.shape, self.tp, self.tp_rank)
+        self.layouts = vllm_param_layouts(self.shape, self.tp, self.tp_rank)
+        self._hf_index = hf_to_vllm_index(self.layouts)
+        self.max_model_len = cfg.max_model_len or self.shape.max_position_embeddings
+        self.saver = MemorySaver(cfg.memory_saver, self.device)
+
+        with self.saver.region("weights", cpu_backup=cfg.sleep_level == 1):
+            self.params: dict[str, torch.Tensor] = {
+                p.name: self.saver.track(torch.zeros(p.local_shape, dtype=self.dtype, device=self.device))
+                for p in self.layouts
+            }
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in self.params.values())
+        self._weights_loaded = False
+        self._rope_tables()
+        if load:
+            self.load_weights(iter_safetensors(model_path))
+        self._allocate_kv_cache()
+        self.max_running_seen = 0  # most sequences decoded together (continuous-batching stats)
+
+    # ------------------------------------------------------------------ memory
+    def _rope_tables(self) -> None:
+        d = self.shape.head_dim
+        inv_freq = 1.0 / (self.shape.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        positions = torch.arange(self.max_model_len, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [max_model_len, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_model_len, d] (neox / HF rotate_half style)
+        self._cos = emb.cos().to(self.device, self.dtype)
+        self._sin = emb.sin().to(self.device, self.dtype)
+
+    def kv_cache_capacity_bytes(self) -> int:
+        """Bytes the KV cache may take: utilization x capacity - weights - activation reserve."""
+        util = self.cfg.gpu_memory_utilization
+        if util == "auto":
+            raise ValueError(
+                "rollout.gpu_memory_utilization='auto' must be resolved by the planner before the engine starts"
+            )
+        if self.device.type == "cuda":
+            capacity = torch.cuda.mem_get_info(self.device)[1]
+        else:
+            capacity = int(self.cfg.cpu_capacity_gb * 2**30)
+        return int(util * capacity) - self.weight_bytes - self.cfg.activation_reserve_mb * 2**20
+
+    def _allocate_kv_cache(self) -> None:
+        s, bs = self.shape, self.cfg.block_size
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        # one block = block_size tokens of k and v for every layer
+        self.block_bytes = s.num_layers * 2 * bs * self.tps.num_kv_heads * s.head_dim * elem
+        blocks_per_seq = math.ceil(self.max_model_len / bs)
+        budget = self.kv_cache_capacity_bytes()
+        num_blocks = min(budget // self.block_bytes, self.cfg.max_num_seqs * blocks_per_seq)
+        if num_blocks < blocks_per_seq:
+            raise ValueError(
+                f"KV cache budget {budget / 2**20:.1f} MiB holds {max(num_blocks, 0)} blocks, fewer than one "
+                f"max_model_len={self.max_model_len} sequence needs ({blocks_per_seq}); raise "
+                "rollout.gpu_memory_utilization (or rollout.cpu_capacity_gb on CPU) or lower rollout.max_model_len"
+            )
+        self.num_blocks = int(num_blocks)
+        with self.saver.region("kv_cache"):
+            # [layer, k|v, slot = block * block_size + offset, kv head (local), head_dim]
+            self.kv_cache = self.saver.track(
+                torch.zeros(
+                    (s.num_layers, 2, self.num_blocks * bs, self.tps.num_kv_heads, s.head_dim),
+                    dtype=self.dtype,
+                    device=self.device,
+                )
+            )
+        self.free_blocks: list[int] = list(range(self.num_blocks - 1, -1, -1))
+
+    def memory(self) -> dict[str, int]:
+        by_tag = self.saver.bytes_by_tag()
+        return {tag: by_tag.get(tag, 0) for tag in TAGS}
+
+    def sleep(self, tags: Sequence[str] = TAGS) -> None:
+        for tag in tags:
+            if tag not in TAGS:
+                raise ValueError(f"unknown memory tag {tag!r}; tags are {TAGS}")
+            self.saver.pause(tag)
+            if tag == "weights" and not (self.cfg.sleep_level == 1 and self.device.type != "cpu"):
+                self._weights_loaded = False  # dropped: load_weights before generating again
+
+    def wake_up(self, tags: Sequence[str] = TAGS) -> None:
+        for tag in tags:
+            if tag not in TAGS:
+                raise ValueError(f"unknown memory tag {tag!r}; tags are {TAGS}")
+            if self.saver.resume(tag) and tag == "kv_cache":
+                self.kv_cache.zero_()  # torch-memory-saver hands back uninitialised pages
+
+    # ------------------------------------------------------------------ weights
+    def named_parameters(self) -> dict[str, torch.Tensor]:
+        return dict(self.params)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.saver.is_paused("weights"):
+            raise RuntimeError("weights are asleep; call wake_up(['weights']) before load_weights")
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.shape.tie_word_embeddings:
+                continue  # tied: the engine's lm_head is model.embed_tokens.weight
+            targets = self._hf_index.get(name)
+            if targets is None:
+                if "rotary_emb" in name:
+                    continue
+                raise KeyError(f"{name!r} is not a Hugging Face tensor of this {self.shape.model_type} model")
+            tensor = tensor.to(self.device, self.dtype)
+            for layout, spec in targets:
+                copy_hf_into_local(self.params[layout.name], layout, spec, tensor)
+        self._weights_loaded = True
+
+    # ------------------------------------------------------------------ model
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.shape.rms_norm_eps)
+        return weight * xf.to(x.dtype)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:  # ids [N] -> [N, h]
+        table = self.params["model.embed_tokens.weight"]  # [P/T, h]
+        if self.group is None:
+            return table[ids]
+        local = ids - self.tps.vocab_start
+        outside = (local < 0) | (local >= self.tps.vocab_per_rank)
+        x = table[local.masked_fill(outside, 0)].masked_fill(outside[:, None], 0.0)
+        return self._all_reduce(x)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:  # x [N, h] (final-normed) -> [N, V]
+        name = "model.embed_tokens.weight" if self.shape.tie_word_embeddings else "lm_head.weight"
+        local = F.linear(x, self.params[name])  # [N, P/T]
+        if self.group is not None:
+            parts = [torch.empty_like(local) for _ in range(self.tp)]
+            dist.all_gather(parts, local.contiguous(), group=self.group)
+            local = torch.cat(parts, dim=-1)  # [N, P]
+        return local[:, : self.shape.vocab_size]
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x * cos + _rotate_half(x) * sin  # x [N, heads, d], cos/sin [N, 1, d]
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """ids, positions [N] -> final-normed hidden [N, h]; ``attend(layer, q, k, v)`` -> [N, Hq/T * d]."""
+        s, t, p = self.shape, self.tps, self.params
+        d = s.head_dim
+        q_size, kv_size = t.num_heads * d, t.num_kv_heads * d
+        cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]
+        x = self._embed(ids)
+        n = ids.shape[0]
+        for i in range(s.num_layers):
+            pre = f"model.layers.{i}"
+            h = self._rms(x, p[f"{pre}.input_layernorm.weight"])
+            qkv = F.linear(h, p[f"{pre}.self_attn.qkv_proj.weight"], p.get(f"{pre}.self_attn.qkv_proj.bias"))
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q, k, v = q.view(n, t.num_heads, d), k.view(n, t.num_kv_heads, d), v.view(n, t.num_kv_heads, d)
+            if s.qk_norm:
+                q = self._rms(q, p[f"{pre}.self_attn.q_norm.weight"])
+                k = self._rms(k, p[f"{pre}.self_attn.k_norm.weight"])
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            o = F.linear(attend(i, q, k, v), p[f"{pre}.self_attn.o_proj.weight"])
+            x = x + self._all_reduce(o)
+            h = self._rms(x, p[f"{pre}.post_attention_layernorm.weight"])
+            gate, up = F.linear(h, p[f"{pre}.mlp.gate_up_proj.weight"]).chunk(2, dim=-1)
+            x = x + self._all_reduce(F.linear(F.silu(gate) * up, p[f"{pre}.mlp.down_proj.weight"]))
+        return self._rms(x, p["model.norm.weight"])
+
+    def _prefill(self, prompts: list[list[int]], block_table: torch.Tensor) -> torch.Tensor:
+        """Padded causal prefill of B prompts; writes their KV into their blocks. Returns logits [B, V]."""
+        bs, d = self.cfg.block_size, self.shape.head_dim
+        lens = torch.tensor([len(p) for p in prompts], device=self.device)
+        num, length = len(prompts), int(lens.max())
+        ids = torch.zeros((num, length), dtype=torch.long, device=self.device)
+        for b, prompt in enumerate(prompts):
+            ids[b, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        pos = torch.arange(length, device=self.device).expand(num, length)  # [B, L]
+        valid = pos < lens[:, None]  # [B, L]
+        slots = block_table.gather(1, pos // bs) * bs + pos % bs  # [B, L]
+        flat_valid = valid.flatten().nonzero().squeeze(1)  # token rows that exist
+        write_slots = slots.flatten()[flat_valid]
+        # [B, 1, L(query), L(key)]: causal and key inside the prompt
+        mask = (torch.ones(length, length, dtype=torch.bool, device=self.device).tril()[None] & valid[:, None, :])[
+            :, None
+        ]
+
+        def attend(layer: int, q, k, v):  # q [B*L, Hq/T, d], k/v [B*L, kv, d]
+            self.kv_cache[layer, 0].index_copy_(0, write_slots, k[flat_valid])
+            self.kv_cache[layer, 1].index_copy_(0, write_slots, v[flat_valid])
+            q4 = q.view(num, length, -1, d).transpose(1, 2)  # [B, Hq/T, L, d]
+            k4 = k.view(num, length, -1, d).transpose(1, 2)  # [B, kv, L, d]
+            v4 = v.view(num, length, -1, d).transpose(1, 2)
+            out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, enable_gqa=True)
+            return out.transpose(1, 2).reshape(num * length, -1)
+
+        hidden = self._forward(ids.flatten(), pos.flatten(), attend).view(num, length, -1)
+        return self._logits(hidden[torch.arange(num, device=self.device), lens - 1])
+
+    def _decode(self, last_tokens: torch.Tensor, ctx_lens: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+        """One token for each of B running sequences. ctx_lens [B]: tokens already cached. -> logits [B, V]."""
+        bs, d, kv = self.cfg.block_size, self.shape.head_dim, self.tps.num_kv_heads
+        num = last_tokens.shape[0]
+        rows = torch.arange(num, device=self.device)
+        new_slots = block_table[rows, ctx_lens // bs] * bs + ctx_lens % bs  # [B]
+        num_ctx_blocks = (int(ctx_lens.max()) + bs) // bs  # blocks covering ctx + the new token
+        ctx_blocks = block_table[:, :num_ctx_blocks]  # [B, nb]
+        span = num_ctx_blocks * bs
+        # [B, 1, 1, nb*bs]: cached tokens and the new one
+        mask = (torch.arange(span, device=self.device)[None] <= ctx_lens[:, None])[:, None, None]
+
+        def attend(layer: int, q, k, v):  # q [B, Hq/T, d], k/v [B, kv, d]
+            k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]  # [slots, kv, d]
+            k_cache.index_copy_(0, new_slots, k)
+            v_cache.index_copy_(0, new_slots, v)
+            # gather each sequence's blocks -> [B, kv, nb*bs, d]
+            k_ctx = k_cache.view(-1, bs, kv, d)[ctx_blocks].view(num, span, kv, d).transpose(1, 2)
+            v_ctx = v_cache.view(-1, bs, kv, d)[ctx_blocks].view(num, span, kv, d).transpose(1, 2)
+            out = F.scaled_dot_product_attention(q[:, :, None], k_ctx, v_ctx, attn_mask=mask, enable_gqa=True)
+            return out.reshape(num, -1)
+
+        return self._logits(self._forward(last_tokens, ctx_lens, attend))
+
+    # ------------------------------------------------------------------ sampling
+    def _sample(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None):
+        """logits [B, V] -> (tokens [B], their raw log-probs [B])."""
+        logits = logits.float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        if params.temperature == 0:
+            tokens = logits.argmax(dim=-1)
+        else:
+            scaled = logits / params.temperature
+            if params.top_k > 0 and params.top_k < scaled.shape[-1]:
+                kth = scaled.topk(params.top_k, dim=-1).values[:, -1:]
+                scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+            if params.top_p < 1.0:
+                sorted_logits, order = scaled.sort(dim=-1, descending=True)
+                probs = sorted_logits.softmax(dim=-1)
+                drop = probs.cumsum(dim=-1) - probs > params.top_p  # keep the smallest prefix reaching top_p
+                sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+                scaled = torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
+            tokens = torch.multinomial(scaled.softmax(dim=-1), 1, generator=gen).squeeze(1)
+        if self.group is not None:  # every TP rank continues with rank 0's tokens
+            dist.broadcast(tokens, src=self._src_rank, group=self.group)
+        return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+    # ------------------------------------------------------------------ generation
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        if self.saver.is_paused("weights") or self.saver.is_paused("kv_cache"):
+            raise RuntimeError("engine is asleep; wake_up(['weights', 'kv_cache']) first")
+        if not self._weights_loaded:
+            raise RuntimeError("weights were released by sleep(); load_weights(...) after wake_up before generating")
+        bs = self.cfg.block_size
+        for i, prompt in enumerate(prompts):
+            if not 0 < len(prompt) < self.max_model_len:
+                raise ValueError(f"prompt {i} has {len(prompt)} tokens; it must have 1..{self.max_model_len - 1}")
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos and self.shape.eos_token_id is not None:
+            stop_ids.add(self.shape.eos_token_id)
+        stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=self.device)
+        gen = None
+        if params.temperature > 0:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed if params.seed is not None else torch.seed() % 2**63)
+
+        results = [[Completion(i, j) for j in range(params.n)] for i in range(len(prompts))]
+        waiting = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
+        waiting.reverse()  # pop() from the end = FIFO
+        width = math.ceil(min(max(len(p) for p in prompts) + params.max_tokens, self.max_model_len) / bs)
+        # running batch, one row per sequence
+        seqs: list[tuple[int, int]] = []
+        blocks: list[list[int]] = []
+        block_table = torch.zeros((0, width), dtype=torch.long, device=self.device)  # [B, width]
+        ctx_lens = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] tokens in the cache
+        last = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] newest token (not cached yet)
+        out_tokens = torch.zeros((0, params.max_tokens), dtype=torch.long, device=self.device)
+        out_logprobs = torch.zeros((0, params.max_tokens), dtype=torch.float32, device=self.device)
+        gen_lens = torch.zeros(0, dtype=torch.long, device=self.device)
+
+        while waiting or seqs:
+            # admit FIFO while blocks (reserved for prompt + max_tokens) and max_num_seqs allow
+            admitted, new_blocks = [], []
+            while waiting and len(seqs) + len(admitted) < self.cfg.max_num_seqs:
+                i, j = waiting[-1]
+                need = math.ceil(min(len(prompts[i]) + params.max_tokens, self.max_model_len) / bs)
+                if need > len(self.free_blocks):
+                    if not seqs and not admitted:
+                        raise RuntimeError(f"KV cache of {self.num_blocks} blocks cannot hold one sequence ({need})")
+                    break
+                waiting.pop()
+                admitted.append((i, j))
+                new_blocks.append([self.free_blocks.pop() for _ in range(need)])
+            if admitted:
+                table = torch.zeros((len(admitted), width), dtype=torch.long, device=self.device)
+                for b, blk in enumerate(new_blocks):
+                    table[b, : len(blk)] = torch.tensor(blk, dtype=torch.long)
+                logits = self._prefill([list(prompts[i]) for i, _ in admitted], table)
+                tokens, lps = self._sample(logits, params, gen)
+                num_new = len(admitted)
+                seqs += admitted
+                blocks += new_blocks
+                block_table = torch.cat([block_table, table])
+                ctx_lens = torch.cat(
+                    [ctx_lens, torch.tensor([len(prompts[i]) for i, _ in admitted], device=self.device)]
+                )
+                last = torch.cat([last, tokens])
+                new_out = torch.zeros((num_new, params.max_tokens), dtype=torch.long, device=self.device)
+                new_out[:, 0] = tokens
+                new_lp = torch.zeros((num_new, params.max_tokens), dtype=torch.float32, device=self.device)
+                new_lp[:, 0] = lps
+                out_tokens = torch.cat([out_tokens, new_out])
+                out_logprobs = torch.cat([out_logprobs, new_lp])
+                gen_lens = torch.cat([gen_lens, torch.ones(num_new, dtype=torch.long, device=self.device)])
+            else:
+                self.max_running_seen = max(self.max_running_seen, len(seqs))
+                logits = self._decode(last, ctx_lens, block_table)
+                tokens, lps = self._sample(logits, params, gen)
+                rows = torch.arange(len(seqs), device=self.device)
+                out_tokens[rows, gen_lens] = tokens
+                out_logprobs[rows, gen_lens] = lps
+                ctx_lens = ctx_lens + 1
+                gen_lens = gen_lens + 1
+                last = tokens
+            # finished: a stop token, max_tokens, or the context is full
+            stopped = torch.isin(last, stop)
+            done = stopped | (gen_lens >= params.max_tokens) | (ctx_lens + 1 >= self.max_model_len)
+            if bool(done.any()):
+                done_rows = done.nonzero().squeeze(1).tolist()
+                stopped_list = stopped.tolist()
+                lens_list = gen_lens.tolist()
+                for r in done_rows:
+                    i, j = seqs[r]
+                    c = results[i][j]
+                    c.token_ids = out_tokens[r, : lens_list[r]].tolist()
+                    c.logprobs = out_logprobs[r, : lens_list[r]].tolist()
+                    c.finish_reason = "stop" if stopped_list[r] else "length"
+                    self.free_blocks.extend(reversed(blocks[r]))
+                keep = (~done).nonzero().squeeze(1)
+                keep_list = keep.tolist()
+                seqs = [seqs[r] for r in keep_list]
+                blocks = [blocks[r] for r in keep_list]
+                block_table, ctx_lens, last = block_table[keep], ctx_lens[keep], last[keep]
+                out_tokens, out_logprobs, gen_lens = out_tokens[keep], out_logprobs[keep], gen_lens[keep]
+        return results
