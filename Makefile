@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: help install test test-gpu test-slow lint tiny-models clean
+.PHONY: help install test test-gpu test-slow lint tiny-models bench-rollout clean
 
 help: ## list the targets
 	@echo "usage: make <target> [EXP=<experiment>] [ARGS=\"<hydra overrides>\"]"
@@ -49,6 +49,9 @@ lint: $(STAMP) ## ruff over the whole repo
 
 tiny-models: $(STAMP) ## write the tiny Qwen2 / Llama / Qwen3 HF checkpoints to $(TINY_DIR)/
 	$(PY) -m rl.tiny_models --out $(TINY_DIR)
+
+bench-rollout: $(STAMP) ## native engine vs transformers generate tokens/s (batch 32, tiny model): one JSON line
+	$(PY) -m rollout.bench $(ARGS)
 
 clean: ## remove caches and run outputs (keeps .venv)
 	rm -rf .pytest_cache .ruff_cache outputs multirun

@@ -191,6 +191,8 @@ class NativeEngine:
         return x
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.shape.rms_norm_eps))
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.shape.rms_norm_eps)
         return weight * xf.to(x.dtype)
@@ -213,6 +215,19 @@ class NativeEngine:
             local = torch.cat(parts, dim=-1)  # [N, P]
         return local[:, : self.shape.vocab_size]
 
+    def _qk_norm_weights(self) -> list[torch.Tensor]:
+        """Per layer [Hq/T + kv, d]: q_norm repeated over the q heads, then k_norm over the k heads."""
+        t, p = self.tps, self.params
+        return [
+            torch.cat(
+                [
+                    p[f"model.layers.{i}.self_attn.q_norm.weight"].expand(t.num_heads, -1),
+                    p[f"model.layers.{i}.self_attn.k_norm.weight"].expand(t.num_kv_heads, -1),
+                ]
+            )
+            for i in range(self.shape.num_layers)
+        ]
+
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return x * cos + _rotate_half(x) * sin  # x [N, heads, d], cos/sin [N, 1, d]
 
@@ -220,7 +235,8 @@ class NativeEngine:
         """ids, positions [N] -> final-normed hidden [N, h]; ``attend(layer, q, k, v)`` -> [N, Hq/T * d]."""
         s, t, p = self.shape, self.tps, self.params
         d = s.head_dim
-        q_size, kv_size = t.num_heads * d, t.num_kv_heads * d
+        num_qk = t.num_heads + t.num_kv_heads
+        qk_norm_weights = self._qk_norm_weights() if s.qk_norm else None
         cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]
         x = self._embed(ids)
         n = ids.shape[0]
@@ -228,12 +244,12 @@ class NativeEngine:
             pre = f"model.layers.{i}"
             h = self._rms(x, p[f"{pre}.input_layernorm.weight"])
             qkv = F.linear(h, p[f"{pre}.self_attn.qkv_proj.weight"], p.get(f"{pre}.self_attn.qkv_proj.bias"))
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q, k, v = q.view(n, t.num_heads, d), k.view(n, t.num_kv_heads, d), v.view(n, t.num_kv_heads, d)
-            if s.qk_norm:
-                q = self._rms(q, p[f"{pre}.self_attn.q_norm.weight"])
-                k = self._rms(k, p[f"{pre}.self_attn.k_norm.weight"])
-            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            qkv = qkv.view(n, num_qk + t.num_kv_heads, d)  # heads: [q (Hq/T) | k (kv) | v (kv)]
+            qk, v = qkv[:, :num_qk], qkv[:, num_qk:]
+            if s.qk_norm:  # q_norm on the q heads, k_norm on the k heads, in one op
+                qk = self._rms(qk, qk_norm_weights[i])
+            qk = self._rope(qk, cos, sin)
+            q, k = qk[:, : t.num_heads], qk[:, t.num_heads :]
             o = F.linear(attend(i, q, k, v), p[f"{pre}.self_attn.o_proj.weight"])
             x = x + self._all_reduce(o)
             h = self._rms(x, p[f"{pre}.post_attention_layernorm.weight"])
@@ -280,16 +296,17 @@ class NativeEngine:
         num_ctx_blocks = (int(ctx_lens.max()) + bs) // bs  # blocks covering ctx + the new token
         ctx_blocks = block_table[:, :num_ctx_blocks]  # [B, nb]
         span = num_ctx_blocks * bs
+        # [B * nb*bs]: cache slots of each sequence's first nb blocks, in token order
+        ctx_slots = (ctx_blocks[:, :, None] * bs + torch.arange(bs, device=self.device)).flatten()
         # [B, 1, 1, nb*bs]: cached tokens and the new one
         mask = (torch.arange(span, device=self.device)[None] <= ctx_lens[:, None])[:, None, None]
 
         def attend(layer: int, q, k, v):  # q [B, Hq/T, d], k/v [B, kv, d]
-            k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]  # [slots, kv, d]
-            k_cache.index_copy_(0, new_slots, k)
-            v_cache.index_copy_(0, new_slots, v)
-            # gather each sequence's blocks -> [B, kv, nb*bs, d]
-            k_ctx = k_cache.view(-1, bs, kv, d)[ctx_blocks].view(num, span, kv, d).transpose(1, 2)
-            v_ctx = v_cache.view(-1, bs, kv, d)[ctx_blocks].view(num, span, kv, d).transpose(1, 2)
+            layer_cache = self.kv_cache[layer]  # [2, slots, kv, d]
+            layer_cache.index_copy_(1, new_slots, torch.stack((k, v)))
+            # gather each sequence's blocks (k and v at once) -> [2, B, nb*bs, kv, d]
+            ctx = layer_cache.index_select(1, ctx_slots).view(2, num, span, kv, d)
+            k_ctx, v_ctx = ctx[0].transpose(1, 2), ctx[1].transpose(1, 2)  # [B, kv, nb*bs, d]
             out = F.scaled_dot_product_attention(q[:, :, None], k_ctx, v_ctx, attn_mask=mask, enable_gqa=True)
             return out.reshape(num, -1)
 
