@@ -48,11 +48,6 @@ def iter_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class NativeEngine:
     """See the module doc. ``group`` is the rollout TP process group (None: TP=1, no collectives)."""
 
@@ -89,6 +84,7 @@ class NativeEngine:
             }
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self.params.values())
         self._weights_loaded = False
+        self._layers: list[tuple] | None = None  # per-layer tensors for the forward, see _layer_weights
         self._rope_tables()
         if load:
             self.load_weights(iter_safetensors(model_path))
@@ -102,8 +98,9 @@ class NativeEngine:
         positions = torch.arange(self.max_model_len, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_model_len, d/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_model_len, d] (neox / HF rotate_half style)
-        self._cos = emb.cos().to(self.device, self.dtype)
-        self._sin = emb.sin().to(self.device, self.dtype)
+        sin = emb.sin()
+        sin[:, : d // 2] = -sin[:, : d // 2]  # signed for the roll form of rotate_half (see _rope)
+        self._cos_sin = torch.stack((emb.cos(), sin), dim=1).to(self.device, self.dtype)  # [max_model_len, 2, d]
 
     def kv_cache_capacity_bytes(self) -> int:
         """Bytes the KV cache may take: utilization x capacity - weights - activation reserve."""
@@ -183,6 +180,7 @@ class NativeEngine:
             for layout, spec in targets:
                 copy_hf_into_local(self.params[layout.name], layout, spec, tensor)
         self._weights_loaded = True
+        self._layers = None  # qk-norm weights are copies: rebuild
 
     # ------------------------------------------------------------------ model
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -191,8 +189,10 @@ class NativeEngine:
         return x
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.shape.rms_norm_eps))
+        if x.dtype == torch.float32:  # one fused op; same math as HF's RMSNorm in fp32
+            if weight.dim() == 1:
+                return F.rms_norm(x, weight.shape, weight, self.shape.rms_norm_eps)
+            return F.rms_norm(x, weight.shape[-1:], None, self.shape.rms_norm_eps) * weight
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.shape.rms_norm_eps)
         return weight * xf.to(x.dtype)
@@ -215,47 +215,65 @@ class NativeEngine:
             local = torch.cat(parts, dim=-1)  # [N, P]
         return local[:, : self.shape.vocab_size]
 
-    def _qk_norm_weights(self) -> list[torch.Tensor]:
-        """Per layer [Hq/T + kv, d]: q_norm repeated over the q heads, then k_norm over the k heads."""
-        t, p = self.tps, self.params
-        return [
-            torch.cat(
-                [
-                    p[f"model.layers.{i}.self_attn.q_norm.weight"].expand(t.num_heads, -1),
-                    p[f"model.layers.{i}.self_attn.k_norm.weight"].expand(t.num_kv_heads, -1),
-                ]
-            )
-            for i in range(self.shape.num_layers)
-        ]
-
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return x * cos + _rotate_half(x) * sin  # x [N, heads, d], cos/sin [N, 1, d]
+        # x [N, heads, d], cos/sin [N, 1, d]; rotate_half(x) * sin == roll(x, d/2) * [-sin_lo, sin_hi]
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+    def _row_parallel_add(self, x: torch.Tensor, inp: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x + all_reduce(inp @ weight.T): the residual add after a row-parallel (input-split) linear."""
+        if self.group is None:
+            return torch.addmm(x, inp, weight.t())  # one op: matmul and residual add
+        return x + self._all_reduce(F.linear(inp, weight))
+
+    def _layer_weights(self) -> list[tuple]:
+        """Per layer, the tensors one forward uses (looked up once, not per step); rebuilt after loads."""
+        if self._layers is None:
+            p, t = self.params, self.tps
+            layers = []
+            for i in range(self.shape.num_layers):
+                pre = f"model.layers.{i}"
+                qk_norm = None
+                if self.shape.qk_norm:  # [Hq/T + kv, d]: q_norm repeated over the q heads, then k_norm
+                    qk_norm = torch.cat(
+                        [
+                            p[f"{pre}.self_attn.q_norm.weight"].expand(t.num_heads, -1),
+                            p[f"{pre}.self_attn.k_norm.weight"].expand(t.num_kv_heads, -1),
+                        ]
+                    )
+                layers.append(
+                    (
+                        p[f"{pre}.input_layernorm.weight"],
+                        p[f"{pre}.self_attn.qkv_proj.weight"],
+                        p.get(f"{pre}.self_attn.qkv_proj.bias"),
+                        qk_norm,
+                        p[f"{pre}.self_attn.o_proj.weight"],
+                        p[f"{pre}.post_attention_layernorm.weight"],
+                        p[f"{pre}.mlp.gate_up_proj.weight"],
+                        p[f"{pre}.mlp.down_proj.weight"],
+                    )
+                )
+            self._layers = layers
+        return self._layers
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
         """ids, positions [N] -> final-normed hidden [N, h]; ``attend(layer, q, k, v)`` -> [N, Hq/T * d]."""
-        s, t, p = self.shape, self.tps, self.params
-        d = s.head_dim
+        t, d = self.tps, self.shape.head_dim
         num_qk = t.num_heads + t.num_kv_heads
-        qk_norm_weights = self._qk_norm_weights() if s.qk_norm else None
-        cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]
+        cos_sin = self._cos_sin[positions]  # [N, 2, d]
+        cos, sin = cos_sin[:, :1], cos_sin[:, 1:]  # [N, 1, d]
         x = self._embed(ids)
         n = ids.shape[0]
-        for i in range(s.num_layers):
-            pre = f"model.layers.{i}"
-            h = self._rms(x, p[f"{pre}.input_layernorm.weight"])
-            qkv = F.linear(h, p[f"{pre}.self_attn.qkv_proj.weight"], p.get(f"{pre}.self_attn.qkv_proj.bias"))
+        for i, (ln1, qkv_w, qkv_b, qk_norm, o_w, ln2, gate_up_w, down_w) in enumerate(self._layer_weights()):
+            qkv = F.linear(self._rms(x, ln1), qkv_w, qkv_b)
             qkv = qkv.view(n, num_qk + t.num_kv_heads, d)  # heads: [q (Hq/T) | k (kv) | v (kv)]
             qk, v = qkv[:, :num_qk], qkv[:, num_qk:]
-            if s.qk_norm:  # q_norm on the q heads, k_norm on the k heads, in one op
-                qk = self._rms(qk, qk_norm_weights[i])
+            if qk_norm is not None:  # q_norm on the q heads, k_norm on the k heads, in one op
+                qk = self._rms(qk, qk_norm)
             qk = self._rope(qk, cos, sin)
-            q, k = qk[:, : t.num_heads], qk[:, t.num_heads :]
-            o = F.linear(attend(i, q, k, v), p[f"{pre}.self_attn.o_proj.weight"])
-            x = x + self._all_reduce(o)
-            h = self._rms(x, p[f"{pre}.post_attention_layernorm.weight"])
-            gate, up = F.linear(h, p[f"{pre}.mlp.gate_up_proj.weight"]).chunk(2, dim=-1)
-            x = x + self._all_reduce(F.linear(F.silu(gate) * up, p[f"{pre}.mlp.down_proj.weight"]))
-        return self._rms(x, p["model.norm.weight"])
+            x = self._row_parallel_add(x, attend(i, qk[:, : t.num_heads], qk[:, t.num_heads :], v), o_w)
+            gate, up = F.linear(self._rms(x, ln2), gate_up_w).chunk(2, dim=-1)
+            x = self._row_parallel_add(x, F.silu(gate) * up, down_w)
+        return self._rms(x, self.params["model.norm.weight"])
 
     def _prefill(self, prompts: list[list[int]], block_table: torch.Tensor) -> torch.Tensor:
         """Padded causal prefill of B prompts; writes their KV into their blocks. Returns logits [B, V]."""
