@@ -53,13 +53,24 @@ class WeightSyncWorkerExtension:
         return dict(self.model_runner.model.named_parameters())
 
     def rollout_bytes_by_tag(self) -> dict[str, int]:
-        """Bytes vLLM's sleep-mode allocator mapped per tag (``weights``, ``kv_cache``)."""
-        from vllm.device_allocator.cumem import CuMemAllocator
+        """Bytes mapped per tag by vLLM's sleep-mode allocator (``weights``, ``kv_cache``).
 
-        by_tag: dict[str, int] = {}
-        for data in CuMemAllocator.get_instance().pointer_to_data.values():
-            by_tag[data.tag] = by_tag.get(data.tag, 0) + int(data.handle[1])  # handle: (device, size, ptr, mem)
-        return by_tag
+        Falls back to the parameter and KV-cache tensor sizes where the allocator's bookkeeping differs.
+        """
+        try:
+            from vllm.device_allocator.cumem import CuMemAllocator
+
+            by_tag: dict[str, int] = {}
+            for data in CuMemAllocator.get_instance().pointer_to_data.values():
+                if getattr(data, "is_asleep", False):
+                    continue
+                by_tag[data.tag] = by_tag.get(data.tag, 0) + int(data.handle[1])  # (device, size, ptr, handle)
+            return by_tag
+        except (ImportError, AttributeError, IndexError, TypeError):
+            weights = sum(p.numel() * p.element_size() for p in self.model_runner.model.parameters())
+            caches = getattr(self.model_runner, "kv_caches", [])
+            flat = [t for c in caches for t in (c if isinstance(c, (list, tuple)) else [c])]
+            return {"weights": weights, "kv_cache": sum(t.numel() * t.element_size() for t in flat)}
 
 
 def to_vllm_sampling_params(params: SamplingParams):
