@@ -14,6 +14,7 @@ cache, ``level=2`` drops both (the RL loop re-syncs weights after ``wake_up(tags
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -124,6 +125,10 @@ class VllmEngine:
         )
         if cfg.max_model_len is not None:
             kwargs["max_model_len"] = cfg.max_model_len
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if distributed_executor_backend == "external_launcher" and world_size > cfg.tp:
+            # torchrun world = rollout TP x data-parallel replicas (vLLM's torchrun_dp_example layout)
+            kwargs["data_parallel_size"] = world_size // cfg.tp
         kwargs.update(llm_kwargs)
         self.llm = LLM(**kwargs)
         self._asleep: set[str] = set()
