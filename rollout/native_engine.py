@@ -131,10 +131,11 @@ class NativeEngine:
             )
         self.num_blocks = int(num_blocks)
         with self.saver.region("kv_cache"):
-            # [layer, k|v, slot = block * block_size + offset, kv head (local), head_dim]
+            # [layer, k|v, kv head (local), slot = block * block_size + offset, head_dim]: one block of one
+            # head is block_size * head_dim contiguous values, so decode gathers whole blocks
             self.kv_cache = self.saver.track(
                 torch.zeros(
-                    (s.num_layers, 2, self.num_blocks * bs, self.tps.num_kv_heads, s.head_dim),
+                    (s.num_layers, 2, self.tps.num_kv_heads, self.num_blocks * bs, s.head_dim),
                     dtype=self.dtype,
                     device=self.device,
                 )
@@ -294,8 +295,8 @@ class NativeEngine:
         ]
 
         def attend(layer: int, q, k, v):  # q [B*L, Hq/T, d], k/v [B*L, kv, d]
-            self.kv_cache[layer, 0].index_copy_(0, write_slots, k[flat_valid])
-            self.kv_cache[layer, 1].index_copy_(0, write_slots, v[flat_valid])
+            self.kv_cache[layer, 0].index_copy_(1, write_slots, k[flat_valid].transpose(0, 1))
+            self.kv_cache[layer, 1].index_copy_(1, write_slots, v[flat_valid].transpose(0, 1))
             q4 = q.view(num, length, -1, d).transpose(1, 2)  # [B, Hq/T, L, d]
             k4 = k.view(num, length, -1, d).transpose(1, 2)  # [B, kv, L, d]
             v4 = v.view(num, length, -1, d).transpose(1, 2)
@@ -308,25 +309,35 @@ class NativeEngine:
     def _decode(self, last_tokens: torch.Tensor, ctx_lens: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
         """One token for each of B running sequences. ctx_lens [B]: tokens already cached. -> logits [B, V]."""
         bs, d, kv = self.cfg.block_size, self.shape.head_dim, self.tps.num_kv_heads
-        num = last_tokens.shape[0]
-        rows = torch.arange(num, device=self.device)
+        num, group = last_tokens.shape[0], self.tps.num_heads // kv
+        dev = self.device
+        num_blocks, num_slots = self.num_blocks, self.num_blocks * bs
+        rows = torch.arange(num, device=dev)
+        planes = torch.arange(kv, device=dev)  # kv heads of one layer's cache (k plane, then v plane)
         new_slots = block_table[rows, ctx_lens // bs] * bs + ctx_lens % bs  # [B]
+        # rows of one layer's cache viewed [2*kv*slots, d] receiving the new k and v, ordered (k|v, B, head)
+        new_rows = (new_slots[:, None] + planes * num_slots).flatten()
+        new_rows = torch.cat((new_rows, new_rows + kv * num_slots))
         num_ctx_blocks = (int(ctx_lens.max()) + bs) // bs  # blocks covering ctx + the new token
-        ctx_blocks = block_table[:, :num_ctx_blocks]  # [B, nb]
         span = num_ctx_blocks * bs
-        # [B * nb*bs]: cache slots of each sequence's first nb blocks, in token order
-        ctx_slots = (ctx_blocks[:, :, None] * bs + torch.arange(bs, device=self.device)).flatten()
-        # [B, 1, 1, nb*bs]: cached tokens and the new one
-        mask = (torch.arange(span, device=self.device)[None] <= ctx_lens[:, None])[:, None, None]
+        # rows of one layer's cache viewed [2*kv*num_blocks, bs*d] holding each sequence's first nb blocks,
+        # ordered (k|v, B, head, block)
+        ctx_block_rows = (block_table[:, None, :num_ctx_blocks] + planes[:, None] * num_blocks).flatten()
+        ctx_block_rows = torch.cat((ctx_block_rows, ctx_block_rows + kv * num_blocks))
+        # additive mask [B*kv, 1, nb*bs]: 0 for cached tokens and the new one, -inf elsewhere
+        visible = torch.arange(span, device=dev)[None] <= ctx_lens[:, None]  # [B, nb*bs]
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=dev).masked_fill_(~visible, float("-inf"))
+        mask = mask[:, None].expand(num, kv, span).reshape(num * kv, 1, span)
+        scale = 1.0 / math.sqrt(d)
 
         def attend(layer: int, q, k, v):  # q [B, Hq/T, d], k/v [B, kv, d]
-            layer_cache = self.kv_cache[layer]  # [2, slots, kv, d]
-            layer_cache.index_copy_(1, new_slots, torch.stack((k, v)))
-            # gather each sequence's blocks (k and v at once) -> [2, B, nb*bs, kv, d]
-            ctx = layer_cache.index_select(1, ctx_slots).view(2, num, span, kv, d)
-            k_ctx, v_ctx = ctx[0].transpose(1, 2), ctx[1].transpose(1, 2)  # [B, kv, nb*bs, d]
-            out = F.scaled_dot_product_attention(q[:, :, None], k_ctx, v_ctx, attn_mask=mask, enable_gqa=True)
-            return out.reshape(num, -1)
+            layer_cache = self.kv_cache[layer]  # [2, kv, slots, d]
+            layer_cache.view(-1, d).index_copy_(0, new_rows, torch.stack((k, v)).view(2 * num * kv, d))
+            ctx = layer_cache.view(-1, bs * d).index_select(0, ctx_block_rows).view(2, num * kv, span, d)
+            # grouped-query attention per (sequence, kv head): q [B*kv, group, d] x k^T [B*kv, d, nb*bs]
+            q = q.reshape(num * kv, group, d)
+            probs = torch.baddbmm(mask, q, ctx[0].transpose(1, 2), alpha=scale).softmax(dim=-1)
+            return torch.bmm(probs, ctx[1]).view(num, -1)  # [B, Hq/T * d]
 
         return self._logits(self._forward(last_tokens, ctx_lens, attend))
 
