@@ -19,7 +19,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads for both")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs of each (alternating); the best counts")
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs of each (alternating); the best counts")
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM
