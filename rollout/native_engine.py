@@ -147,7 +147,7 @@ class NativeEngine:
         planes = torch.arange(2 * self.tps.num_kv_heads, device=self.device).view(2, -1)
         self._plane_slot_offsets = planes * (self.num_blocks * bs)
         self._plane_block_offsets = planes * self.num_blocks
-        self._positions = torch.arange(self.max_model_len + bs, device=self.device)
+        self._positions = torch.arange(max(self.max_model_len + bs, self.cfg.max_num_seqs), device=self.device)
 
     def memory(self) -> dict[str, int]:
         by_tag = self.saver.bytes_by_tag()
@@ -324,11 +324,17 @@ class NativeEngine:
         hidden = self._forward(ids.flatten(), pos.flatten(), attend).view(num, length, -1)
         return self._logits(hidden[torch.arange(num, device=self.device), lens - 1])
 
-    def _decode(self, last_tokens: torch.Tensor, ctx_lens: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-        """One token for each of B running sequences. ctx_lens [B]: tokens already cached. -> logits [B, V]."""
+    def _decode(
+        self, last_tokens: torch.Tensor, ctx_lens: torch.Tensor, block_table: torch.Tensor, slot_table: torch.Tensor
+    ) -> torch.Tensor:
+        """One token for each of B running sequences -> logits [B, V].
+
+        ctx_lens [B]: tokens already cached; block_table [B, width]: each sequence's blocks;
+        slot_table [B, width * block_size]: the cache slot of each of its positions.
+        """
         bs, d, kv = self.cfg.block_size, self.shape.head_dim, self.tps.num_kv_heads
         num, group = last_tokens.shape[0], self.tps.num_heads // kv
-        new_slots = block_table.gather(1, (ctx_lens // bs)[:, None]).squeeze(1) * bs + ctx_lens % bs  # [B]
+        new_slots = slot_table.gather(1, ctx_lens[:, None]).squeeze(1)  # [B]
         # rows of one layer's cache viewed [2*kv*slots, d] receiving the new k and v, ordered (k|v, B, head)
         new_rows = (new_slots[None, :, None] + self._plane_slot_offsets[:, None, :]).flatten()
         num_ctx_blocks = (int(ctx_lens.max()) + bs) // bs  # blocks covering ctx + the new token
@@ -405,6 +411,8 @@ class NativeEngine:
         seqs: list[tuple[int, int]] = []
         blocks: list[list[int]] = []
         block_table = torch.zeros((0, width), dtype=torch.long, device=self.device)  # [B, width]
+        slot_table = torch.zeros((0, width * bs), dtype=torch.long, device=self.device)  # [B, width * bs]
+        limits = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] most tokens it may generate
         ctx_lens = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] tokens in the cache
         last = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] newest token (not cached yet)
         out_tokens = torch.zeros((0, params.max_tokens), dtype=torch.long, device=self.device)
@@ -434,6 +442,16 @@ class NativeEngine:
                 seqs += admitted
                 blocks += new_blocks
                 block_table = torch.cat([block_table, table])
+                slot_table = torch.cat([slot_table, (table[:, :, None] * bs + self._positions[:bs]).flatten(1)])
+                limits = torch.cat(
+                    [
+                        limits,
+                        torch.tensor(
+                            [min(params.max_tokens, self.max_model_len - len(prompts[i])) for i, _ in admitted],
+                            device=self.device,
+                        ),
+                    ]
+                )
                 ctx_lens = torch.cat(
                     [ctx_lens, torch.tensor([len(prompts[i]) for i, _ in admitted], device=self.device)]
                 )
@@ -447,17 +465,17 @@ class NativeEngine:
                 gen_lens = torch.cat([gen_lens, torch.ones(num_new, dtype=torch.long, device=self.device)])
             else:
                 self.max_running_seen = max(self.max_running_seen, len(seqs))
-                logits = self._decode(last, ctx_lens, block_table)
+                logits = self._decode(last, ctx_lens, block_table, slot_table)
                 tokens, lps = self._sample(logits, params, gen)
-                rows = torch.arange(len(seqs), device=self.device)
+                rows = self._positions[: len(seqs)]
                 out_tokens[rows, gen_lens] = tokens
                 out_logprobs[rows, gen_lens] = lps
                 ctx_lens = ctx_lens + 1
                 gen_lens = gen_lens + 1
                 last = tokens
-            # finished: a stop token, max_tokens, or the context is full
+            # finished: a stop token, max_tokens, or the context is full (limits)
             stopped = torch.isin(last, stop)
-            done = stopped | (gen_lens >= params.max_tokens) | (ctx_lens + 1 >= self.max_model_len)
+            done = stopped | (gen_lens >= limits)
             if bool(done.any()):
                 done_rows = done.nonzero().squeeze(1).tolist()
                 stopped_list = stopped.tolist()
@@ -473,6 +491,7 @@ class NativeEngine:
                 keep_list = keep.tolist()
                 seqs = [seqs[r] for r in keep_list]
                 blocks = [blocks[r] for r in keep_list]
-                block_table, ctx_lens, last = block_table[keep], ctx_lens[keep], last[keep]
+                block_table, slot_table, limits = block_table[keep], slot_table[keep], limits[keep]
+                ctx_lens, last = ctx_lens[keep], last[keep]
                 out_tokens, out_logprobs, gen_lens = out_tokens[keep], out_logprobs[keep], gen_lens[keep]
         return results
