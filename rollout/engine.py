@@ -87,7 +87,8 @@ class RolloutEngine(Protocol):
         ...
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
-        """This rank's parameter tensors under vLLM's names (the tensors themselves: writable in place)."""
+        """This rank's parameter tensors under vLLM's names (the tensors themselves: writable in place; after
+        in-place writes into weights that sleep() dropped, ``load_weights([])`` marks them loaded)."""
         ...
 
     def memory(self) -> dict[str, int]:

@@ -2,7 +2,7 @@
 
 - Parameters: one tensor per vLLM parameter (names, shapes, padding from :mod:`rollout.layout`), in the
   memory-saver region ``weights``.
-- KV cache: one preallocated tensor [num_layers, 2 (k, v), num_blocks * block_size, kv_heads_per_rank,
+- KV cache: one preallocated tensor [num_layers, 2 (k, v), kv_heads_per_rank, num_blocks * block_size,
   head_dim] in the region ``kv_cache``, handed out in blocks of ``rollout.block_size`` tokens. Its size is
   ``gpu_memory_utilization x capacity - weights - activation reserve`` (capacity: the CUDA device's total
   memory, or ``rollout.cpu_capacity_gb`` on CPU), capped at what ``max_num_seqs`` full-length sequences
@@ -170,6 +170,9 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ weights
     def named_parameters(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters under vLLM's names: the live tensors, writable in place (e.g. by a resharder
+        using :mod:`rollout.layout`). After writing weights that sleep() dropped, call ``load_weights([])`` to
+        mark them loaded again."""
         return dict(self.params)
 
     @torch.no_grad()
@@ -188,7 +191,6 @@ class NativeEngine:
             for layout, spec in targets:
                 copy_hf_into_local(self.params[layout.name], layout, spec, tensor)
         self._weights_loaded = True
-        self._layers = None  # qk-norm weights are copies: rebuild
 
     # ------------------------------------------------------------------ model
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -242,7 +244,11 @@ class NativeEngine:
         return x + self._all_reduce(F.linear(inp, weight))
 
     def _layer_weights(self) -> list[tuple]:
-        """Per layer, the tensors one forward uses (looked up once, not per step); rebuilt after loads."""
+        """Per layer, the tensors one forward uses, looked up once per generate() call, not per step.
+
+        The RMSNorm weights are small scaled copies (see :meth:`_rms`), rebuilt at every generate() so that
+        weights written in place through :meth:`named_parameters` are always seen.
+        """
         if self._layers is None:
             p, t = self.params, self.tps
             layers = []
@@ -390,6 +396,7 @@ class NativeEngine:
             raise RuntimeError("engine is asleep; wake_up(['weights', 'kv_cache']) first")
         if not self._weights_loaded:
             raise RuntimeError("weights were released by sleep(); load_weights(...) after wake_up before generating")
+        self._layers = None  # re-read the parameters (they may have been written in place since the last call)
         bs = self.cfg.block_size
         for i, prompt in enumerate(prompts):
             if not 0 < len(prompt) < self.max_model_len:

@@ -219,3 +219,20 @@ def test_vllm_engine_without_vllm_says_how_to_install(tiny_model_dirs):
         make_engine(RolloutConfig(engine="vllm"), tiny_model_dirs["qwen2"])
     message = str(info.value)
     assert "make install EXTRAS=dev,gpu" in message and "\n" not in message
+
+
+def test_in_place_writes_through_named_parameters(tiny_model_dirs):
+    """A resharder writes each rank's slices straight into the engine's tensors (rollout.layout tells where)."""
+    model_dir = tiny_model_dirs["qwen3"]  # q/k norms: the engine must not keep stale copies of them
+    engine = _engine(model_dir)
+    before = [c[0].token_ids for c in engine.generate(PROMPTS, GREEDY)]
+    engine.sleep(["weights", "kv_cache"])
+    engine.wake_up(["weights", "kv_cache"])
+    hf = dict(iter_safetensors(model_dir))
+    params = engine.named_parameters()
+    for layout in engine.layouts:
+        params[layout.name].copy_(assemble_local(layout, hf))
+    engine.load_weights([])  # marks the dropped weights as written
+    assert [c[0].token_ids for c in engine.generate(PROMPTS, GREEDY)] == before
+    params["model.layers.0.self_attn.q_norm.weight"].mul_(3.0)  # a change the next generate must see
+    assert [c[0].token_ids for c in engine.generate(PROMPTS, GREEDY)] != before
