@@ -143,6 +143,8 @@ class NativeEngine:
                 )
             )
         self.free_blocks: list[int] = list(range(self.num_blocks - 1, -1, -1))
+        # per layer, its cache viewed as rows of one token [2*kv*slots, d] and of one block [2*kv*blocks, bs*d]
+        self._kv_rows = [(c.view(-1, s.head_dim), c.view(-1, bs * s.head_dim)) for c in self.kv_cache]
         # first row of each (k|v, kv head) plane in one layer's cache, counted in slots and in blocks: [2, kv]
         planes = torch.arange(2 * self.tps.num_kv_heads, device=self.device).view(2, -1)
         self._plane_slot_offsets = planes * (self.num_blocks * bs)
@@ -211,6 +213,8 @@ class NativeEngine:
         eps_term = self._eps_terms.get(dim)
         if eps_term is None:
             eps_term = self._eps_terms[dim] = torch.tensor(math.sqrt(dim * self.shape.rms_norm_eps), device=self.device)
+        if x.dtype == torch.float32:
+            return x.div(torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), eps_term)).mul_(scaled_weight)
         xf = x.float()
         out = xf.div(torch.hypot(torch.linalg.vector_norm(xf, dim=-1, keepdim=True), eps_term)).mul_(scaled_weight)
         return out.to(x.dtype)
@@ -237,11 +241,11 @@ class NativeEngine:
         # x [N, heads, d], cos/sin [N, 1, d]; rotate_half(x) * sin == roll(x, d/2) * [-sin_lo, sin_hi]
         return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
-    def _row_parallel_add(self, x: torch.Tensor, inp: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x + all_reduce(inp @ weight.T): the residual add after a row-parallel (input-split) linear."""
+    def _row_parallel_add(self, x: torch.Tensor, inp: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+        """x + all_reduce(inp @ weight_t): the residual add after a row-parallel (input-split) linear."""
         if self.group is None:
-            return torch.addmm(x, inp, weight.t())  # one op: matmul and residual add
-        return x + self._all_reduce(F.linear(inp, weight))
+            return torch.addmm(x, inp, weight_t)  # one op: matmul and residual add
+        return x + self._all_reduce(torch.mm(inp, weight_t))
 
     def _layer_weights(self) -> list[tuple]:
         """Per layer, the tensors one forward uses, looked up once per generate() call, not per step.
@@ -270,10 +274,10 @@ class NativeEngine:
                         p[f"{pre}.self_attn.qkv_proj.weight"],
                         p.get(f"{pre}.self_attn.qkv_proj.bias"),
                         qk_norm,
-                        p[f"{pre}.self_attn.o_proj.weight"],
+                        p[f"{pre}.self_attn.o_proj.weight"].t(),  # [Hq/T*d, h]
                         self._norm_weight(p[f"{pre}.post_attention_layernorm.weight"]),
                         p[f"{pre}.mlp.gate_up_proj.weight"],
-                        p[f"{pre}.mlp.down_proj.weight"],
+                        p[f"{pre}.mlp.down_proj.weight"].t(),  # [I/T, h]
                     )
                 )
             self._layers = layers
@@ -288,16 +292,16 @@ class NativeEngine:
         cos, sin = cos_sin[:, :1], cos_sin[:, 1:]  # [N, 1, d]
         x = self._embed(ids)
         n = ids.shape[0]
-        for i, (ln1, qkv_w, qkv_b, qk_norm, o_w, ln2, gate_up_w, down_w) in enumerate(self._layer_weights()):
+        for i, (ln1, qkv_w, qkv_b, qk_norm, o_w_t, ln2, gate_up_w, down_w_t) in enumerate(self._layer_weights()):
             qkv = F.linear(self._rms(x, ln1), qkv_w, qkv_b)
             qkv = qkv.view(n, num_qk + t.num_kv_heads, d)  # heads: [q (Hq/T) | k (kv) | v (kv)]
             qk, v = qkv.split((num_qk, t.num_kv_heads), dim=1)
             if qk_norm is not None:  # q_norm on the q heads, k_norm on the k heads, in one op
                 qk = self._rms(qk, qk_norm)
             q, k = self._rope(qk, cos, sin).split((t.num_heads, t.num_kv_heads), dim=1)
-            x = self._row_parallel_add(x, attend(i, q, k, v), o_w)
+            x = self._row_parallel_add(x, attend(i, q, k, v), o_w_t)
             gate, up = F.linear(self._rms(x, ln2), gate_up_w).chunk(2, dim=-1)
-            x = self._row_parallel_add(x, F.silu(gate) * up, down_w)
+            x = self._row_parallel_add(x, F.silu(gate) * up, down_w_t)
         return self._rms(x, self._final_norm)
 
     def _prefill(self, prompts: list[list[int]], block_table: torch.Tensor) -> torch.Tensor:
@@ -356,9 +360,9 @@ class NativeEngine:
         scale = 1.0 / math.sqrt(d)
 
         def attend(layer: int, q, k, v):  # q [B, Hq/T, d], k/v [B, kv, d]
-            layer_cache = self.kv_cache[layer]  # [2, kv, slots, d]
-            layer_cache.view(-1, d).index_copy_(0, new_rows, torch.stack((k, v)).view(2 * num * kv, d))
-            ctx = layer_cache.view(-1, bs * d).index_select(0, ctx_block_rows).view(2, num * kv, span, d)
+            token_rows, block_rows = self._kv_rows[layer]
+            token_rows.index_copy_(0, new_rows, torch.stack((k, v)).view(2 * num * kv, d))
+            ctx = block_rows.index_select(0, ctx_block_rows).view(2, num * kv, span, d)
             # grouped-query attention per (sequence, kv head): q [B*kv, group, d] x k^T [B*kv, d, nb*bs]
             q = q.reshape(num * kv, group, d)
             probs = torch.baddbmm(mask, q, ctx[0].transpose(1, 2), alpha=scale).softmax(dim=-1)
