@@ -295,10 +295,10 @@ class NativeEngine:
         for i, (ln1, qkv_w, qkv_b, qk_norm, o_w_t, ln2, gate_up_w, down_w_t) in enumerate(self._layer_weights()):
             qkv = F.linear(self._rms(x, ln1), qkv_w, qkv_b)
             qkv = qkv.view(n, num_qk + t.num_kv_heads, d)  # heads: [q (Hq/T) | k (kv) | v (kv)]
-            qk, v = qkv.split((num_qk, t.num_kv_heads), dim=1)
+            qk, v = qkv.split_with_sizes((num_qk, t.num_kv_heads), dim=1)  # (C++ method: no python wrapper)
             if qk_norm is not None:  # q_norm on the q heads, k_norm on the k heads, in one op
                 qk = self._rms(qk, qk_norm)
-            q, k = self._rope(qk, cos, sin).split((t.num_heads, t.num_kv_heads), dim=1)
+            q, k = self._rope(qk, cos, sin).split_with_sizes((t.num_heads, t.num_kv_heads), dim=1)
             x = self._row_parallel_add(x, attend(i, q, k, v), o_w_t)
             gate, up = F.linear(self._rms(x, ln2), gate_up_w).chunk(2, dim=-1)
             x = self._row_parallel_add(x, F.silu(gate) * up, down_w_t)
