@@ -101,7 +101,7 @@ class NativeEngine:
         freqs = torch.outer(positions, inv_freq)  # [max_model_len, d/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_model_len, d] (neox / HF rotate_half style)
         sin = emb.sin()
-        sin[:, : d // 2] = -sin[:, : d // 2]  # signed for the roll form of rotate_half (see _rope)
+        sin[:, : d // 2] = -sin[:, : d // 2]  # signed for the roll form of rotate_half (see _forward)
         self._cos_sin = torch.stack((emb.cos(), sin), dim=1).to(self.device, self.dtype)  # [max_model_len, 2, d]
 
     def kv_cache_capacity_bytes(self) -> int:
@@ -237,10 +237,6 @@ class NativeEngine:
             local = torch.cat(parts, dim=-1)  # [N, P]
         return local[:, : self.shape.vocab_size]
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x [N, heads, d], cos/sin [N, 1, d]; rotate_half(x) * sin == roll(x, d/2) * [-sin_lo, sin_hi]
-        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
-
     def _row_parallel_add(self, x: torch.Tensor, inp: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
         """x + all_reduce(inp @ weight_t): the residual add after a row-parallel (input-split) linear."""
         if self.group is None:
@@ -287,7 +283,7 @@ class NativeEngine:
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
         """ids, positions [N] -> final-normed hidden [N, h]; ``attend(layer, q, k, v)`` -> [N, Hq/T * d]."""
         t, d = self.tps, self.shape.head_dim
-        num_qk = t.num_heads + t.num_kv_heads
+        num_qk, half_d = t.num_heads + t.num_kv_heads, d // 2
         cos_sin = self._cos_sin[positions]  # [N, 2, d]
         cos, sin = cos_sin[:, :1], cos_sin[:, 1:]  # [N, 1, d]
         x = self._embed(ids)
@@ -298,7 +294,9 @@ class NativeEngine:
             qk, v = qkv.split_with_sizes((num_qk, t.num_kv_heads), dim=1)  # (C++ method: no python wrapper)
             if qk_norm is not None:  # q_norm on the q heads, k_norm on the k heads, in one op
                 qk = self._rms(qk, qk_norm)
-            q, k = self._rope(qk, cos, sin).split_with_sizes((t.num_heads, t.num_kv_heads), dim=1)
+            # rope on q and k heads: rotate_half(x) * sin == roll(x, d/2) * [-sin_lo, sin_hi] (signed table)
+            qk = torch.addcmul(qk * cos, qk.roll(half_d, dims=-1), sin)
+            q, k = qk.split_with_sizes((t.num_heads, t.num_kv_heads), dim=1)
             x = self._row_parallel_add(x, attend(i, q, k, v), o_w_t)
             gate, up = F.linear(self._rms(x, ln2), gate_up_w).chunk(2, dim=-1)
             x = self._row_parallel_add(x, F.silu(gate) * up, down_w_t)
