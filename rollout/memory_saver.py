@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import sys
 from collections.abc import Iterator
 
@@ -57,7 +58,13 @@ class MemorySaver:
                 )
             import torch_memory_saver
 
-            self._tms = torch_memory_saver.torch_memory_saver
+            tms = torch_memory_saver.torch_memory_saver
+            # Without LD_PRELOAD of its hook library, use torch's pluggable-allocator hook (must be chosen
+            # before the first region; newer releases expose it as `hook_mode`).
+            if "torch_memory_saver" not in os.environ.get("LD_PRELOAD", "") and getattr(tms, "_impl", None) is None:
+                with contextlib.suppress(AttributeError):
+                    tms.hook_mode = "torch"
+            self._tms = tms
         else:
             self._tms = None
         self.backend = backend
