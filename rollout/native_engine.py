@@ -342,9 +342,9 @@ class NativeEngine:
         """
         bs, d, kv = self.cfg.block_size, self.shape.head_dim, self.tps.num_kv_heads
         num, group = last_tokens.shape[0], self.tps.num_heads // kv
-        new_slots = slot_table.gather(1, ctx_lens[:, None]).squeeze(1)  # [B]
+        new_slots = slot_table.gather(1, ctx_lens[:, None])  # [B, 1]
         # rows of one layer's cache viewed [2*kv*slots, d] receiving the new k and v, ordered (k|v, B, head)
-        new_rows = (new_slots[None, :, None] + self._plane_slot_offsets[:, None, :]).flatten()
+        new_rows = (new_slots + self._plane_slot_offsets[:, None, :]).flatten()
         num_ctx_blocks = (int(ctx_lens.max()) + bs) // bs  # blocks covering ctx + the new token
         span = num_ctx_blocks * bs
         # rows of one layer's cache viewed [2*kv*num_blocks, bs*d] holding each sequence's first nb blocks,
@@ -354,7 +354,9 @@ class NativeEngine:
         ).flatten()
         # additive mask [B*kv, 1, nb*bs]: 0 for cached tokens and the new one, -inf elsewhere
         visible = self._positions[:span] <= ctx_lens.repeat_interleave(kv)[:, None]
-        mask = torch.where(visible, 0.0, float("-inf")).to(self.dtype)[:, None]
+        mask = torch.where(visible[:, None], 0.0, float("-inf"))
+        if mask.dtype != self.dtype:
+            mask = mask.to(self.dtype)
         scale = 1.0 / math.sqrt(d)
 
         def attend(layer: int, q, k, v):  # q [B, Hq/T, d], k/v [B, kv, d]
@@ -372,9 +374,11 @@ class NativeEngine:
     def _sample(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None):
         """logits [B, V] -> (tokens [B], their raw log-probs [B])."""
         logits = logits.float()
-        logprobs = torch.log_softmax(logits, dim=-1)
+        log_normalizer = torch.logsumexp(logits, dim=-1)  # [B]: log p(token) = logit - log_normalizer
         if params.temperature == 0:
-            tokens = logits.argmax(dim=-1)
+            chosen, tokens = logits.max(dim=-1)
+            if self.group is None:
+                return tokens, chosen - log_normalizer
         else:
             scaled = logits / params.temperature
             if params.top_k > 0 and params.top_k < scaled.shape[-1]:
@@ -389,7 +393,7 @@ class NativeEngine:
             tokens = torch.multinomial(scaled.softmax(dim=-1), 1, generator=gen).squeeze(1)
         if self.group is not None:  # every TP rank continues with rank 0's tokens
             dist.broadcast(tokens, src=self._src_rank, group=self.group)
-        return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+        return tokens, logits.gather(1, tokens[:, None]).squeeze(1) - log_normalizer
 
     # ------------------------------------------------------------------ generation
     @torch.inference_mode()
