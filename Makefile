@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: help install test test-gpu test-slow lint tiny-models parity bench-entropy bench-sync clean
+.PHONY: help install test test-gpu test-slow lint tiny-models parity bench-entropy bench-sync bench-rollout clean
 
 help: ## list the targets
 	@echo "usage: make <target> [EXP=<experiment>] [ARGS=\"<hydra overrides>\"]"
@@ -59,6 +59,9 @@ parity: $(STAMP) ## megatron (TP x PP [x VPP]) vs transformers log-probs on HF=<
 
 bench-entropy: $(STAMP) ## peak memory of chunked vs unchunked vocab entropy: one JSON line
 	@$(PY) -m megatron_backend.bench_entropy
+
+bench-rollout: $(STAMP) ## native engine vs transformers generate tokens/s (batch 32, tiny model): one JSON line
+	@$(PY) -m rollout.bench $(ARGS)
 
 clean: ## remove caches and run outputs (keeps .venv)
 	rm -rf .pytest_cache .ruff_cache outputs multirun

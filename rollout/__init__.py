@@ -1,1 +1,30 @@
-"""Rollout engines behind one protocol; never imports ``megatron_backend``."""
+"""Rollout engines behind one protocol; never imports ``megatron_backend``.
+
+``make_engine(cfg, model_path, ...)`` builds the engine ``rollout.engine`` names: ``native`` (plain torch,
+CPU or CUDA) or ``vllm`` (GPU clusters; imported lazily).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout.config import RolloutConfig
+from rollout.engine import Completion, RolloutEngine, SamplingParams
+
+__all__ = ["Completion", "RolloutConfig", "RolloutEngine", "SamplingParams", "make_engine"]
+
+
+def make_engine(cfg: RolloutConfig, model_path: str, group: Any = None, **kwargs: Any) -> RolloutEngine:
+    """The engine of ``cfg.engine`` for the HF checkpoint at ``model_path``.
+
+    native: ``group`` is the rollout TP process group (None for TP=1); kwargs ``device``, ``dtype``.
+    vllm: runs inside torchrun ranks (external_launcher); kwargs ``dtype``, ``seed`` and vLLM extras.
+    """
+    if cfg.engine == "native":
+        from rollout.native_engine import NativeEngine
+
+        return NativeEngine(cfg, model_path, group=group, **kwargs)
+    from rollout.vllm_engine import VllmEngine, check_vllm_available
+
+    check_vllm_available()
+    return VllmEngine(cfg, model_path, **kwargs)

@@ -7,6 +7,7 @@ from typing import Any
 
 ENGINES = ("native", "vllm")
 WAKE_STRATEGIES = ("staged", "all_at_once")
+MEMORY_SAVERS = ("auto", "portable", "torch_memory_saver")
 
 
 @dataclass
@@ -26,6 +27,18 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    # Native engine: tokens per KV-cache block; most sequences one batch may run; longest prompt + response
+    # (None: the checkpoint's max_position_embeddings); bytes kept free for activations when sizing the KV cache.
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    activation_reserve_mb: int = 64
+    # Memory-saver backend for tagged sleep/wake: "auto" (torch-memory-saver on CUDA when installed, else
+    # portable), "portable" (release storages, re-allocate on resume), "torch_memory_saver".
+    memory_saver: str = "auto"
+    # vLLM sleep level: 1 keeps a host copy of the weights, 2 drops them (RL re-syncs weights after wake).
+    sleep_level: int = 2
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -60,3 +73,17 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1]")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"rollout.top_k={self.top_k} must be -1 (off) or >= 1")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"rollout.block_size={self.block_size} must be a power of two, e.g. 16")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"rollout.max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"rollout.max_model_len={self.max_model_len} must be >= 2 or null (from the checkpoint)")
+        if self.activation_reserve_mb < 0:
+            raise ValueError(f"rollout.activation_reserve_mb={self.activation_reserve_mb} must be >= 0")
+        if self.memory_saver not in MEMORY_SAVERS:
+            raise ValueError(f"rollout.memory_saver={self.memory_saver!r} is not one of {MEMORY_SAVERS}")
+        if self.sleep_level not in (1, 2):
+            raise ValueError(
+                f"rollout.sleep_level={self.sleep_level} must be 1 (keep a host copy of weights) or 2 (drop them)"
+            )

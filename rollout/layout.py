@@ -1,0 +1,272 @@
+"""vLLM's per-rank weight layout, as data: the single source of that knowledge in this repo.
+
+Pure python + torch (no process group, no vLLM import). For a Hugging Face config, a rollout TP size
+and a TP rank, :func:`vllm_param_layouts` lists every parameter vLLM (Qwen2 / Llama / Qwen3 families)
+holds on that rank: its vLLM name, its local shape, and which slices of which full HF tensors it is
+made of. The native engine's loader fills its tensors from this list; a resharding planner can use the
+same list to move only the slices each rank needs.
+
+Layout (h = hidden, d = head_dim, Hq / Hkv = q / KV heads, I = intermediate, V = vocab, P = padded vocab
+= V rounded up to a multiple of 64, T = rollout TP, r = rank):
+
+- ``model.embed_tokens.weight`` [P/T, h]: rows [r*P/T, (r+1)*P/T) of the padded table; rows >= V are 0.
+- ``lm_head.weight`` [P/T, h]: same split. Tied embeddings: no ``lm_head.weight``; the engine uses
+  ``model.embed_tokens.weight`` (vLLM ties the two modules, so ``named_parameters`` lists it once).
+- ``model.layers.N.self_attn.qkv_proj.weight`` [(Hq/T + 2*kv)*d, h], rows [q shard; k shard; v shard];
+  kv = Hkv/T heads when T <= Hkv, else 1 head: rank r holds KV head r // (T/Hkv) (replicated).
+  ``.bias`` (Qwen2) [(Hq/T + 2*kv)*d], same rows.
+- ``self_attn.o_proj.weight`` [h, Hq/T*d]: columns of the q heads this rank holds.
+- ``self_attn.q_norm.weight`` / ``k_norm.weight`` [d] (Qwen3): replicated.
+- ``mlp.gate_up_proj.weight`` [2*I/T, h]: rows [gate shard; up shard].
+- ``mlp.down_proj.weight`` [h, I/T]: columns.
+- ``input_layernorm.weight``, ``post_attention_layernorm.weight``, ``model.norm.weight`` [h]: replicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Qwen2 / Llama / Qwen3 decoder that layouts and the engine need."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    eos_token_id: int | None
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> ModelShape:
+        """From a transformers config object or its ``to_dict()`` / config.json dict."""
+        c = config if isinstance(config, dict) else config.to_dict()
+        model_type = c.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type={model_type!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}")
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(f"rope_type={rope_type!r} is not supported by the native engine (only 'default')")
+        # transformers v5 keeps rope_theta under rope_parameters; v4 at the top level.
+        rope_theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
+        heads = c["num_attention_heads"]
+        eos = c.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return cls(
+            model_type=model_type,
+            num_layers=c["num_hidden_layers"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_heads=heads,
+            num_kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            vocab_size=c["vocab_size"],
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases; Llama / Qwen3 only with attention_bias=True.
+            qkv_bias=model_type == "qwen2" or bool(c.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
+            eos_token_id=eos,
+        )
+
+
+def padded_vocab_size(vocab_size: int, pad_to: int = VOCAB_PADDING) -> int:
+    return -(-vocab_size // pad_to) * pad_to
+
+
+@dataclass(frozen=True)
+class TPShape:
+    """What one rollout TP rank holds (counts of heads, rows, vocab entries)."""
+
+    tp: int
+    tp_rank: int
+    num_heads: int  # q heads on this rank = Hq / T
+    num_kv_heads: int  # KV heads on this rank: Hkv / T, or 1 when T > Hkv
+    kv_head_start: int  # first global KV head on this rank
+    intermediate_size: int  # I / T
+    vocab_padded: int  # P
+    vocab_per_rank: int  # P / T
+    vocab_start: int  # first (padded) vocab row on this rank
+
+    @property
+    def qkv_rows(self) -> int:
+        return self.num_heads + 2 * self.num_kv_heads
+
+
+def tp_shape(shape: ModelShape, tp: int, tp_rank: int) -> TPShape:
+    if not 0 <= tp_rank < tp:
+        raise ValueError(f"tp_rank={tp_rank} is outside [0, {tp})")
+    hq, hkv = shape.num_heads, shape.num_kv_heads
+    if hq % tp:
+        raise ValueError(f"rollout.tp={tp} must divide the {hq} attention heads")
+    if hkv % tp and tp % hkv:
+        raise ValueError(f"rollout.tp={tp} must divide or be a multiple of the {hkv} KV heads")
+    if shape.intermediate_size % tp:
+        raise ValueError(f"rollout.tp={tp} must divide intermediate_size={shape.intermediate_size}")
+    if tp >= hkv:  # vLLM QKVParallelLinear: one KV head per rank, replicated T/Hkv times
+        kv, kv_start = 1, tp_rank // (tp // hkv)
+    else:
+        kv = hkv // tp
+        kv_start = tp_rank * kv
+    vocab_padded = padded_vocab_size(shape.vocab_size)
+    if vocab_padded % tp:
+        raise ValueError(f"rollout.tp={tp} must divide the padded vocab {vocab_padded}")
+    per_rank = vocab_padded // tp
+    return TPShape(
+        tp=tp,
+        tp_rank=tp_rank,
+        num_heads=hq // tp,
+        num_kv_heads=kv,
+        kv_head_start=kv_start,
+        intermediate_size=shape.intermediate_size // tp,
+        vocab_padded=vocab_padded,
+        vocab_per_rank=per_rank,
+        vocab_start=tp_rank * per_rank,
+    )
+
+
+@dataclass(frozen=True)
+class SliceSpec:
+    """local[dim, local_start : local_start + (hf_stop - hf_start)] = hf_tensor[dim, hf_start:hf_stop].
+
+    ``dim`` is the same on both sides (0 = rows, 1 = columns); every other dim is taken whole.
+    """
+
+    hf_name: str
+    dim: int
+    hf_start: int
+    hf_stop: int
+    local_start: int
+
+    @property
+    def length(self) -> int:
+        return self.hf_stop - self.hf_start
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """One vLLM parameter on one rank: its name, local shape and the HF slices it is built from.
+
+    Local elements not covered by any slice (vocab padding rows) are zero.
+    """
+
+    name: str
+    local_shape: tuple[int, ...]
+    slices: tuple[SliceSpec, ...]
+    replicated: bool = False  # every TP rank holds the same full tensor
+
+
+def vllm_param_layouts(config: Any, tp: int = 1, tp_rank: int = 0) -> list[ParamLayout]:
+    """Every vLLM parameter of rank ``tp_rank`` at rollout TP ``tp``, in vLLM's order (see module doc)."""
+    shape = config if isinstance(config, ModelShape) else ModelShape.from_hf_config(config)
+    t = tp_shape(shape, tp, tp_rank)
+    h, d = shape.hidden_size, shape.head_dim
+    out: list[ParamLayout] = []
+
+    def vocab_rows(hf_name: str, name: str) -> ParamLayout:
+        # local rows [0, P/T) <- padded rows [vocab_start, vocab_start + P/T), of which only those < V exist.
+        stop = min(t.vocab_start + t.vocab_per_rank, shape.vocab_size)
+        slices = (SliceSpec(hf_name, 0, t.vocab_start, stop, 0),) if stop > t.vocab_start else ()
+        return ParamLayout(name, (t.vocab_per_rank, h), slices)
+
+    def replicated(hf_name: str, size: int) -> ParamLayout:
+        return ParamLayout(hf_name, (size,), (SliceSpec(hf_name, 0, 0, size, 0),), replicated=True)
+
+    out.append(vocab_rows("model.embed_tokens.weight", "model.embed_tokens.weight"))
+    q_rows, kv_rows = t.num_heads * d, t.num_kv_heads * d
+    q_start, kv_start = tp_rank * q_rows, t.kv_head_start * d
+    inter = t.intermediate_size
+    for layer in range(shape.num_layers):
+        p = f"model.layers.{layer}"
+        a = f"{p}.self_attn"
+        # qkv_proj rows: [q heads of this rank | its KV head(s) of k | the same of v]
+        for kind in ("weight", "bias") if shape.qkv_bias else ("weight",):
+            local_shape = (q_rows + 2 * kv_rows, h) if kind == "weight" else (q_rows + 2 * kv_rows,)
+            out.append(
+                ParamLayout(
+                    f"{a}.qkv_proj.{kind}",
+                    local_shape,
+                    (
+                        SliceSpec(f"{a}.q_proj.{kind}", 0, q_start, q_start + q_rows, 0),
+                        SliceSpec(f"{a}.k_proj.{kind}", 0, kv_start, kv_start + kv_rows, q_rows),
+                        SliceSpec(f"{a}.v_proj.{kind}", 0, kv_start, kv_start + kv_rows, q_rows + kv_rows),
+                    ),
+                )
+            )
+        # o_proj [h, Hq/T*d]: the input columns of this rank's q heads
+        out.append(
+            ParamLayout(
+                f"{a}.o_proj.weight", (h, q_rows), (SliceSpec(f"{a}.o_proj.weight", 1, q_start, q_start + q_rows, 0),)
+            )
+        )
+        if shape.qk_norm:
+            out.append(replicated(f"{a}.q_norm.weight", d))
+            out.append(replicated(f"{a}.k_norm.weight", d))
+        # gate_up_proj [2*I/T, h]: [gate rows of this rank; up rows of this rank]
+        i0 = tp_rank * inter
+        out.append(
+            ParamLayout(
+                f"{p}.mlp.gate_up_proj.weight",
+                (2 * inter, h),
+                (
+                    SliceSpec(f"{p}.mlp.gate_proj.weight", 0, i0, i0 + inter, 0),
+                    SliceSpec(f"{p}.mlp.up_proj.weight", 0, i0, i0 + inter, inter),
+                ),
+            )
+        )
+        # down_proj [h, I/T]: columns
+        out.append(
+            ParamLayout(
+                f"{p}.mlp.down_proj.weight", (h, inter), (SliceSpec(f"{p}.mlp.down_proj.weight", 1, i0, i0 + inter, 0),)
+            )
+        )
+        out.append(replicated(f"{p}.input_layernorm.weight", h))
+        out.append(replicated(f"{p}.post_attention_layernorm.weight", h))
+    out.append(replicated("model.norm.weight", h))
+    if not shape.tie_word_embeddings:
+        out.append(vocab_rows("lm_head.weight", "lm_head.weight"))
+    return out
+
+
+def hf_to_vllm_index(layouts: list[ParamLayout]) -> dict[str, list[tuple[ParamLayout, SliceSpec]]]:
+    """HF tensor name -> the (param, slice) pairs on this rank that read from it."""
+    index: dict[str, list[tuple[ParamLayout, SliceSpec]]] = {}
+    for layout in layouts:
+        for s in layout.slices:
+            index.setdefault(s.hf_name, []).append((layout, s))
+    return index
+
+
+def copy_hf_into_local(local, layout: ParamLayout, spec: SliceSpec, hf_tensor) -> None:
+    """Write ``spec``'s slice of the full ``hf_tensor`` into the local parameter tensor ``local``."""
+    src = hf_tensor.narrow(spec.dim, spec.hf_start, spec.length)
+    local.narrow(spec.dim, spec.local_start, spec.length).copy_(src)
+
+
+def assemble_local(layout: ParamLayout, hf_tensors: dict, dtype=None):
+    """Build one local vLLM tensor from full HF tensors (reference implementation for tests / planners)."""
+    import torch
+
+    first = hf_tensors[layout.slices[0].hf_name] if layout.slices else None
+    out = torch.zeros(layout.local_shape, dtype=dtype or (first.dtype if first is not None else torch.float32))
+    for spec in layout.slices:
+        copy_hf_into_local(out, layout, spec, hf_tensors[spec.hf_name])
+    return out
