@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: help install test test-gpu test-slow lint tiny-models parity bench-entropy bench-sync bench-rollout clean
+.PHONY: help install run test test-gpu test-slow lint tiny-models parity bench-entropy bench-sync bench-rollout clean
 
 help: ## list the targets
 	@echo "usage: make <target> [EXP=<experiment>] [ARGS=\"<hydra overrides>\"]"
@@ -35,6 +35,9 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	@touch $@
 	@echo "installed into $(VENV)"
+
+run: $(STAMP) ## run experiment EXP (default tiny_cpu: the whole loop on 2 CPU processes) with ARGS overrides
+	$(PY) -m rl.main --exp $(EXP) $(ARGS)
 
 test: $(STAMP) ## run the CPU test suite (excludes gpu, slow and slurm tests)
 	$(PY) -m pytest -q -m "not gpu and not slow and not slurm" $(PYTEST_ARGS)

@@ -134,12 +134,15 @@ class DataConfig:
 
     task: str = "digit_sum"
     path: str | None = None  # gsm8k: a local .jsonl or .parquet with question/answer fields
+    max_operand: int = 9  # digit_sum: operands in [0, max_operand]
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise ValueError(f"data.task={self.task!r} is not one of {TASKS}")
         if self.task == "gsm8k" and not self.path:
             raise ValueError("data.task=gsm8k needs data.path=<local .jsonl or .parquet file>")
+        if not 1 <= self.max_operand <= 9:
+            raise ValueError(f"data.max_operand={self.max_operand} must be in [1, 9]")
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Prompts and verifiable rewards, no downloads.
 
 - :class:`DigitSumTask`: the synthetic task shipped in the repo for the tiny CPU experiment. A prompt
-  is ``"a+b="`` with single digits; the answer is the decimal sum followed by end-of-sequence. The
+  is ``"a+b="`` with digits up to ``max_operand``; the answer is the decimal sum followed by end-of-sequence. The
   reward gives partial credit so that a tiny model gets a signal from the first step: 1.0 for the
   exact answer, else 0.5 x the fraction of answer characters right in position, plus 0.1 if the
   response is digits only. It is generated from a seed, so every rank sees the same prompts.
@@ -28,17 +28,20 @@ class Problem:
 
 
 class DigitSumTask:
-    """``"a+b="`` -> ``"<a+b>"``, single digits a and b."""
+    """``"a+b="`` -> ``"<a+b>"``, with 0 <= a, b <= ``max_operand`` (<= 9)."""
 
     name = "digit_sum"
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, max_operand: int = 9):
+        if not 1 <= max_operand <= 9:
+            raise ValueError(f"data.max_operand={max_operand} must be in [1, 9]")
         self.rng = random.Random(seed)
+        self.max_operand = max_operand
 
     def sample(self, num_prompts: int) -> list[Problem]:
         problems = []
         for _ in range(num_prompts):
-            a, b = self.rng.randrange(10), self.rng.randrange(10)
+            a, b = self.rng.randint(0, self.max_operand), self.rng.randint(0, self.max_operand)
             problems.append(Problem(prompt=f"{a}+{b}=", answer=str(a + b)))
         return problems
 
@@ -48,7 +51,7 @@ class DigitSumTask:
         It teaches the format (a number, then end-of-sequence) and no arithmetic, so whatever the
         model later gets right beyond chance, the RL steps taught it.
         """
-        return [Problem(p.prompt, str(self.rng.randrange(19))) for p in self.sample(num_examples)]
+        return [Problem(p.prompt, str(self.rng.randint(0, 2 * self.max_operand))) for p in self.sample(num_examples)]
 
     @staticmethod
     def reward(response: str, answer: str) -> float:

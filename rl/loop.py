@@ -40,6 +40,7 @@ def rl_step(ctx: Context, step: int) -> dict[str, float]:
     batch, rewards = ctx.make_batch(samples)
     with phase("old_logprob", step):
         batch["old_logprobs"] = actor.compute_logprobs(batch, phase="old_logprob")
+    mismatch = ctx.engine_actor_logprob_diff(batch)
     with phase("ref_logprob", step):
         if ctx.ref_actor is not None:
             batch["ref_logprobs"] = ctx.ref_actor.compute_logprobs(batch, phase="ref_logprob")
@@ -59,7 +60,7 @@ def rl_step(ctx: Context, step: int) -> dict[str, float]:
     with phase("wake_kv_cache", step):
         if cfg.rollout.wake_strategy == "staged":
             engine.wake_up(["kv_cache"])
-    return ctx.step_metrics(samples, rewards, train_metrics)
+    return {**ctx.step_metrics(samples, rewards, train_metrics), "rollout/engine_actor_logprob_diff_max": mismatch}
 
 
 @dataclass
@@ -96,6 +97,7 @@ class Context:
     t0: float = field(default_factory=time.monotonic)
     phase_seconds: dict[str, float] = field(default_factory=dict)
     sync_history: list = field(default_factory=list)
+    warmup_losses: list = field(default_factory=list)
     rollout_tokens: int = 0
     train_tokens: int = 0
 
@@ -153,10 +155,16 @@ class Context:
         self.train_tokens = int(batch["loss_mask"].sum()) * dp
         return {k: v.to(self.dims.device) for k, v in batch.items()}, rewards
 
+    def engine_actor_logprob_diff(self, batch: dict) -> float:
+        """max |engine log-prob - actor log-prob| over this DP rank's response tokens: the two must agree
+        (same weights, fp32 here), so a jump shows a broken weight sync or a layout bug at once."""
+        mask = batch["loss_mask"] > 0
+        return float((batch["old_logprobs"] - batch["engine_logprobs"])[mask].abs().max()) if mask.any() else 0.0
+
     # ------------------------------------------------------------------ weights
     def sync_weights(self) -> None:
         result = self.weight_sync(self.actor.local_params(), self.engine.named_parameters())
-        self.engine.weights_updated()
+        self.engine.load_weights([])  # marks the weights written in place as loaded
         self.sync_history.append(result)
 
     # ------------------------------------------------------------------ metrics
@@ -185,12 +193,15 @@ def pack_sequences(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor
     seq_len = max(lengths)
     input_ids = torch.full((len(samples), seq_len), pad_id, dtype=torch.long)
     loss_mask = torch.zeros((len(samples), seq_len - 1), dtype=torch.float32)
+    engine_logprobs = torch.zeros((len(samples), seq_len - 1), dtype=torch.float32)
     for i, s in enumerate(samples):
         tokens = s.prompt_ids + s.response_ids
         input_ids[i, : len(tokens)] = torch.tensor(tokens)
         # target position t predicts input_ids[t + 1]; response tokens start at len(prompt)
         loss_mask[i, len(s.prompt_ids) - 1 : len(tokens) - 1] = 1.0
-    return {"input_ids": input_ids, "loss_mask": loss_mask}
+        if s.response_logprobs:
+            engine_logprobs[i, len(s.prompt_ids) - 1 : len(tokens) - 1] = torch.tensor(s.response_logprobs)
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "engine_logprobs": engine_logprobs}
 
 
 def setup(cfg: RunConfig, run_dir: Path) -> Context:
@@ -255,7 +266,7 @@ def setup(cfg: RunConfig, run_dir: Path) -> Context:
     task = (
         Gsm8kTask(cfg.data.path, seed=cfg.trainer.seed)
         if cfg.data.task == "gsm8k"
-        else DigitSumTask(seed=cfg.trainer.seed)
+        else DigitSumTask(cfg.trainer.seed, cfg.data.max_operand)
     )
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     sampling = SamplingParams.from_config(cfg.rollout, seed=cfg.trainer.seed + replica)
@@ -288,8 +299,9 @@ def _tagged(memory: dict[str, int], device: torch.device) -> dict[str, int]:
     return out
 
 
-def warmup(ctx: Context) -> None:
-    """Optional supervised warm-up on the task's format examples (trainer.sft_warmup_steps)."""
+def warmup(ctx: Context) -> list[float]:
+    """Optional supervised warm-up on the task's format examples (trainer.sft_warmup_steps); returns its losses."""
+    losses = []
     for _ in range(ctx.cfg.trainer.sft_warmup_steps):
         examples = ctx.task.format_examples(ctx.cfg.trainer.prompts_per_step * ctx.cfg.rollout.n_samples_per_prompt)
         samples = [
@@ -304,15 +316,23 @@ def warmup(ctx: Context) -> None:
             for i, e in enumerate(examples)
         ]
         batch = pack_sequences(samples[ctx.dims.dp_rank :: ctx.dims.dp], pad_id=ctx.tokenizer.pad_token_id or 0)
-        ctx.actor.train_step({k: v.to(ctx.dims.device) for k, v in batch.items()}, sft_loss)
+        metrics = ctx.actor.train_step({k: v.to(ctx.dims.device) for k, v in batch.items()}, sft_loss)
+        losses.append(float(metrics["sft_loss"]))
+    return losses
 
 
 def run_rank(cfg: RunConfig, run_dir: str) -> None:
     """Everything one rank does for a run."""
+    import warnings
+
     from tqdm import tqdm
 
+    # megatron-core warns at import about missing Apex / Transformer Engine / CUDA env vars; on CPU that is expected
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
     ctx = setup(cfg, Path(run_dir))
-    warmup(ctx)
+    ctx.warmup_losses = warmup(ctx)
+    if ctx.rank == 0 and ctx.warmup_losses:
+        print(f"supervised warm-up: loss {ctx.warmup_losses[0]:.3f} -> {ctx.warmup_losses[-1]:.3f}", flush=True)
     ctx.sync_weights()  # the engine starts from the actor's weights
     for what in ("optimizer", "grads", "params"):
         if ctx.offloaded(what):
@@ -360,5 +380,6 @@ def summarize(ctx: Context, rewards: list[float], rows: list[dict]) -> dict:
             "plan_bytes_moved": ctx.weight_sync.plan.bytes_moved,
             "bucket_bytes": ctx.weight_sync.plan.bucket_bytes,
         },
+        "warmup_sft_loss": ctx.warmup_losses[-1] if ctx.warmup_losses else None,
         "wall_seconds": time.monotonic() - ctx.t0,
     }

@@ -80,5 +80,6 @@ def test_digit_sum_format_examples_teach_format_not_answers():
     task = DigitSumTask(seed=1)
     examples = task.format_examples(200)
     assert all(e.answer.isdigit() and 0 <= int(e.answer) <= 18 for e in examples)
+    assert all(int(e.answer) <= 8 for e in DigitSumTask(seed=1, max_operand=4).format_examples(50))
     correct = sum(int(e.answer) == eval(e.prompt.rstrip("=")) for e in examples)
     assert correct < 40  # ~1/19 by chance; far from the true sums
