@@ -446,8 +446,12 @@ class NativeEngine:
         """TP=1 fp32 decode through the TorchScript layer loop -> final-normed hidden [B, h]."""
         layers = self._layer_weights()
         cos_sin = self._cos_sin[ctx_lens]  # [B, 2, d]
+        x = self._run_decode_layers(layers, last_tokens, cos_sin, new_rows, ctx_block_rows, mask, span, scale)
+        return self._rms(x, self._final_norm)
+
+    def _run_decode_layers(self, layers, last_tokens, cos_sin, new_rows, ctx_block_rows, mask, span, scale):
         d = self.shape.head_dim
-        x = _scripted_decode_layers()(
+        return _scripted_decode_layers()(
             self._embed(last_tokens),
             cos_sin[:, :1],
             cos_sin[:, 1:],
@@ -472,7 +476,6 @@ class NativeEngine:
             span,
             scale,
         )
-        return self._rms(x, self._final_norm)
 
     # ------------------------------------------------------------------ sampling
     def _sample(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None):
