@@ -48,6 +48,72 @@ def iter_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def _decode_layers_tp1(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norm1: list[torch.Tensor],
+    qkv_w: list[torch.Tensor],
+    qkv_b: list[torch.Tensor],
+    qk_norm: list[torch.Tensor],
+    o_w_t: list[torch.Tensor],
+    norm2: list[torch.Tensor],
+    gate_up_w: list[torch.Tensor],
+    down_w_t: list[torch.Tensor],
+    token_rows: list[torch.Tensor],
+    block_rows: list[torch.Tensor],
+    new_rows: torch.Tensor,
+    ctx_block_rows: torch.Tensor,
+    mask: torch.Tensor,
+    eps_hidden: torch.Tensor,
+    eps_head: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    span: int,
+    scale: float,
+) -> torch.Tensor:
+    """The decoder layers of one decode step at TP=1 in fp32: the same math as ``NativeEngine._forward`` with
+    the decode ``attend``, written once more so TorchScript can run it without Python between kernels (on
+    2 CPU cores the per-kernel Python overhead is about half of a tiny model's step). x [B, h] -> [B, h].
+    Empty ``qkv_b`` / ``qk_norm`` lists mean no bias / no q-k norms; norm weights are pre-scaled (see _rms).
+    """
+    num, d, kv = x.shape[0], head_dim, num_kv_heads
+    group = num_heads // kv
+    for i in range(len(norm1)):
+        h = x.div(torch.hypot(torch.linalg.vector_norm(x, 2, [-1], True), eps_hidden)).mul_(norm1[i])
+        if len(qkv_b) > 0:
+            qkv = torch.addmm(qkv_b[i], h, qkv_w[i].t())
+        else:
+            qkv = torch.mm(h, qkv_w[i].t())
+        qk, v = qkv.view(num, num_heads + 2 * kv, d).split_with_sizes([num_heads + kv, kv], 1)
+        if len(qk_norm) > 0:
+            qk = qk.div(torch.hypot(torch.linalg.vector_norm(qk, 2, [-1], True), eps_head)).mul_(qk_norm[i])
+        qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)
+        q, k = qk.split_with_sizes([num_heads, kv], 1)
+        token_rows[i].index_copy_(0, new_rows, torch.stack((k, v)).view(2 * num * kv, d))
+        ctx = block_rows[i].index_select(0, ctx_block_rows).view(2, num * kv, span, d)
+        probs = torch.baddbmm(mask, q.reshape(num * kv, group, d), ctx[0].transpose(1, 2), beta=1.0, alpha=scale)
+        x = torch.addmm(x, torch.bmm(probs.softmax(-1), ctx[1]).view(num, -1), o_w_t[i])
+        h = x.div(torch.hypot(torch.linalg.vector_norm(x, 2, [-1], True), eps_hidden)).mul_(norm2[i])
+        gate, up = torch.mm(h, gate_up_w[i].t()).chunk(2, -1)
+        x = torch.addmm(x, torch.nn.functional.silu(gate) * up, down_w_t[i])
+    return x
+
+
+_SCRIPTED: dict[str, object] = {}
+
+
+def _scripted_decode_layers():
+    """``_decode_layers_tp1`` under TorchScript (compiled once per process), or the plain function if that fails."""
+    if "fn" not in _SCRIPTED:
+        try:
+            _SCRIPTED["fn"] = torch.jit.script(_decode_layers_tp1)
+        except Exception:  # noqa: BLE001 - TorchScript is optional: the eager function is the same math
+            _SCRIPTED["fn"] = _decode_layers_tp1
+    return _SCRIPTED["fn"]
+
+
 class NativeEngine:
     """See the module doc. ``group`` is the rollout TP process group (None: TP=1, no collectives)."""
 
@@ -204,15 +270,19 @@ class NativeEngine:
         """An RMSNorm weight [..., dim] as :meth:`_rms` takes it: times sqrt(dim), in fp32 (a small copy)."""
         return weight.float() * math.sqrt(weight.shape[-1])
 
+    def _eps_term(self, dim: int) -> torch.Tensor:
+        """sqrt(dim * eps) as a tensor (the second leg of the hypot in :meth:`_rms`), cached per dim."""
+        eps_term = self._eps_terms.get(dim)
+        if eps_term is None:
+            eps_term = self._eps_terms[dim] = torch.tensor(math.sqrt(dim * self.shape.rms_norm_eps), device=self.device)
+        return eps_term
+
     def _rms(self, x: torch.Tensor, scaled_weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm: x / sqrt(mean(x^2) + eps) * w == x / hypot(||x||, sqrt(dim * eps)) * (w * sqrt(dim)).
 
         Four kernels instead of seven; agrees with transformers' RMSNorm to ~1 ulp in fp32.
         """
-        dim = x.shape[-1]
-        eps_term = self._eps_terms.get(dim)
-        if eps_term is None:
-            eps_term = self._eps_terms[dim] = torch.tensor(math.sqrt(dim * self.shape.rms_norm_eps), device=self.device)
+        eps_term = self._eps_term(x.shape[-1])
         if x.dtype == torch.float32:
             return x.div(torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), eps_term)).mul_(scaled_weight)
         xf = x.float()
@@ -358,6 +428,8 @@ class NativeEngine:
         if mask.dtype != self.dtype:
             mask = mask.to(self.dtype)
         scale = 1.0 / math.sqrt(d)
+        if self.group is None and self.dtype == torch.float32:
+            return self._logits(self._decode_tp1(last_tokens, ctx_lens, new_rows, ctx_block_rows, mask, span, scale))
 
         def attend(layer: int, q, k, v):  # q [B, Hq/T, d], k/v [B, kv, d]
             token_rows, block_rows = self._kv_rows[layer]
@@ -369,6 +441,41 @@ class NativeEngine:
             return torch.bmm(probs, ctx[1]).view(num, -1)  # [B, Hq/T * d]
 
         return self._logits(self._forward(last_tokens, ctx_lens, attend))
+
+    def _decode_tp1(self, last_tokens, ctx_lens, new_rows, ctx_block_rows, mask, span: int, scale: float):
+        """TP=1 fp32 decode through the TorchScript layer loop -> final-normed hidden [B, h]."""
+        layers = self._layer_weights()
+        cos_sin = self._cos_sin[ctx_lens]  # [B, 2, d]
+        x = self._run_decode_layers(layers, last_tokens, cos_sin, new_rows, ctx_block_rows, mask, span, scale)
+        return self._rms(x, self._final_norm)
+
+    def _run_decode_layers(self, layers, last_tokens, cos_sin, new_rows, ctx_block_rows, mask, span, scale):
+        d = self.shape.head_dim
+        return _scripted_decode_layers()(
+            self._embed(last_tokens),
+            cos_sin[:, :1],
+            cos_sin[:, 1:],
+            [w[0] for w in layers],
+            [w[1] for w in layers],
+            [w[2] for w in layers] if self.shape.qkv_bias else [],
+            [w[3] for w in layers] if self.shape.qk_norm else [],
+            [w[4] for w in layers],
+            [w[5] for w in layers],
+            [w[6] for w in layers],
+            [w[7] for w in layers],
+            [rows[0] for rows in self._kv_rows],
+            [rows[1] for rows in self._kv_rows],
+            new_rows,
+            ctx_block_rows,
+            mask,
+            self._eps_term(self.shape.hidden_size),
+            self._eps_term(d),
+            self.tps.num_heads,
+            self.tps.num_kv_heads,
+            d,
+            span,
+            scale,
+        )
 
     # ------------------------------------------------------------------ sampling
     def _sample(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None):
