@@ -113,12 +113,15 @@ class TrainerConfig:
     # supervised steps on the task's format examples before RL (teaches the answer format, not the answers)
     sft_warmup_steps: int = 0
     memory_sample_interval_s: float = 0.05  # background memory sampler period inside phases
+    ppo_epochs: int = 1  # optimizer steps per RL step on the same rollouts (PPO epochs; ratio clipping acts from 2)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"trainer.steps={self.steps} must be >= 1")
         if self.prompts_per_step < 1:
             raise ValueError(f"trainer.prompts_per_step={self.prompts_per_step} must be >= 1")
+        if self.ppo_epochs < 1:
+            raise ValueError(f"trainer.ppo_epochs={self.ppo_epochs} must be >= 1")
         if self.sft_warmup_steps < 0:
             raise ValueError(f"trainer.sft_warmup_steps={self.sft_warmup_steps} must be >= 0")
         if self.memory_sample_interval_s <= 0:
@@ -202,6 +205,19 @@ class RunConfig:
                 "directory or declare model.num_layers and model.num_attention_heads for validation"
             )
         self._check_model_split(dims)
+        dp = self.dp
+        if self.trainer.prompts_per_step % dp:
+            raise ValueError(
+                f"trainer.prompts_per_step={self.trainer.prompts_per_step} must split evenly over the {dp} actor "
+                "DP ranks (whole GRPO groups per rank); use a multiple of the DP size"
+            )
+        per_rank = self.trainer.prompts_per_step * self.rollout.n_samples_per_prompt // dp
+        if per_rank % self.actor.micro_batch_size:
+            raise ValueError(
+                f"each DP rank trains on {per_rank} sequences per step (trainer.prompts_per_step x "
+                f"rollout.n_samples_per_prompt / DP), not a multiple of actor.micro_batch_size="
+                f"{self.actor.micro_batch_size}; pick a divisor of {per_rank}"
+            )
         if self.trainer.sft_warmup_steps and self.data.task != "digit_sum":
             raise ValueError(
                 f"trainer.sft_warmup_steps={self.trainer.sft_warmup_steps}: only data.task=digit_sum has format "

@@ -1,10 +1,10 @@
 """Prompts and verifiable rewards, no downloads.
 
 - :class:`DigitSumTask`: the synthetic task shipped in the repo for the tiny CPU experiment. A prompt
-  is ``"a+b="`` with digits up to ``max_operand``; the answer is the decimal sum followed by end-of-sequence. The
-  reward gives partial credit so that a tiny model gets a signal from the first step: 1.0 for the
-  exact answer, else 0.5 x the fraction of answer characters right in position, plus 0.1 if the
-  response is digits only. It is generated from a seed, so every rank sees the same prompts.
+  is ``"a+b="`` with digits up to ``max_operand``; the answer is the decimal sum followed by
+  end-of-sequence. The reward gives partial credit by numeric distance (1.0 exact, a near miss most
+  of 0.8, a non-number 0), a smooth signal a tiny model climbs in a few dozen steps. It is generated
+  from a seed, so every rank sees the same prompts.
 - :class:`Gsm8kTask`: GSM8K-style math over a local ``.jsonl`` or ``.parquet`` file with ``question``
   and ``answer`` fields (the answer's final number after ``####`` is the ground truth). The verifier
   takes the number after the response's last ``####``, else its last number.
@@ -53,14 +53,15 @@ class DigitSumTask:
         """
         return [Problem(p.prompt, str(self.rng.randint(0, 2 * self.max_operand))) for p in self.sample(num_examples)]
 
-    @staticmethod
-    def reward(response: str, answer: str) -> float:
+    def reward(self, response: str, answer: str) -> float:
+        """1.0 for the exact sum; a number off by d earns 0.8 x (1 - d / (2 x max_operand + 1)); anything else 0."""
         response = response.strip()
         if response == answer:
             return 1.0
-        in_place = sum(1 for r, a in zip(response, answer) if r == a) / len(answer)
-        digits_only = 0.1 if response and response.isdigit() else 0.0
-        return 0.5 * in_place + digits_only
+        if not response.isdigit():
+            return 0.0
+        distance = abs(int(response) - int(answer))
+        return 0.8 * max(0.0, 1.0 - distance / (2 * self.max_operand + 1))
 
 
 def extract_final_number(text: str) -> str | None:

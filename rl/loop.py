@@ -45,7 +45,8 @@ def rl_step(ctx: Context, step: int) -> dict[str, float]:
         if ctx.ref_actor is not None:
             batch["ref_logprobs"] = ctx.ref_actor.compute_logprobs(batch, phase="ref_logprob")
     with phase("train", step):
-        train_metrics = actor.train_step(batch, ctx.loss)
+        for _ in range(cfg.trainer.ppo_epochs):
+            train_metrics = actor.train_step(batch, ctx.loss)
     for what in ("optimizer", "grads"):
         with phase(f"offload_{what}", step):
             if ctx.offloaded(what):

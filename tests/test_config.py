@@ -59,6 +59,8 @@ def test_overrides_reach_the_components():
         (["wandb.mode=cloud"], "wandb.mode='cloud' is not one of"),
         (["model.path=/no/such/checkpoint"], "model.path='/no/such/checkpoint' has no config.json here"),
         (["actor.tp=two"], "could not be converted to Integer"),
+        (["trainer.prompts_per_step=4"], "each DP rank trains on 32 sequences per step"),
+        (["actor.tp=1", "trainer.prompts_per_step=3"], "must split evenly over the 2 actor DP ranks"),
     ],
 )
 def test_bad_config_fails_with_one_line_naming_the_key(overrides, expected):
