@@ -16,11 +16,14 @@ HF          ?= $(TINY_DIR)/qwen2
 TP          ?= 1
 PP          ?= 1
 VPP         ?=
+TRAIN_TP    ?= 1
+TRAIN_PP    ?= 1
+ROLLOUT_TP  ?= 1
 PYTEST_ARGS ?=
 
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: help install run test test-gpu test-slow lint tiny-models parity bench-entropy bench-sync bench-rollout clean
+.PHONY: help install run test test-gpu test-slow lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout clean
 
 help: ## list the targets
 	@echo "usage: make <target> [EXP=<experiment>] [ARGS=\"<hydra overrides>\"]"
@@ -53,6 +56,9 @@ lint: $(STAMP) ## ruff over the whole repo
 
 tiny-models: $(STAMP) ## write the tiny Qwen2 / Llama / Qwen3 HF checkpoints to $(TINY_DIR)/
 	$(PY) -m rl.tiny_models --out $(TINY_DIR)
+
+verify-sync: $(STAMP) ## HF=<dir> -> actor TRAIN_TP x TRAIN_PP -> reshard -> engine ROLLOUT_TP; engine vs transformers (one JSON line)
+	@$(PY) -m rl.verify_sync --hf $(HF) --train-tp $(TRAIN_TP) --train-pp $(TRAIN_PP) --rollout-tp $(ROLLOUT_TP) $(ARGS)
 
 bench-sync: $(STAMP) ## planned reshard vs gather+broadcast baseline on 4 CPU ranks (one JSON line)
 	@$(PY) -m rl.weight_sync.bench $(ARGS)

@@ -19,8 +19,16 @@ def test_digit_sum_prompts_are_seeded_and_correct():
 
 @pytest.mark.parametrize(
     "response,answer,reward",
-    [("12", "12", 1.0), (" 12 ", "12", 1.0), ("13", "12", 0.8 * (1 - 1 / 19)), ("0", "18", 0.8 * (1 - 18 / 19)),
-     ("ab", "12", 0.0), ("9x", "9", 0.0), ("", "5", 0.0), ("-1", "1", 0.0)],
+    [
+        ("12", "12", 1.0),
+        (" 12 ", "12", 1.0),
+        ("13", "12", 0.8 * (1 - 1 / 19)),
+        ("0", "18", 0.8 * (1 - 18 / 19)),
+        ("ab", "12", 0.0),
+        ("9x", "9", 0.0),
+        ("", "5", 0.0),
+        ("-1", "1", 0.0),
+    ],
 )
 def test_digit_sum_reward_partial_credit_by_distance(response, answer, reward):
     assert DigitSumTask(seed=0, max_operand=9).reward(response, answer) == pytest.approx(reward)

@@ -37,7 +37,13 @@ def test_bad_config_fails_before_any_rank_starts(capsys):
 
 
 def test_short_run_writes_every_output_and_a_readable_wandb_run(tmp_path):
-    summary = run_loop(tmp_path, "trainer.steps=2", "trainer.sft_warmup_steps=1", "trainer.prompts_per_step=4", "actor.micro_batch_size=16")
+    summary = run_loop(
+        tmp_path,
+        "trainer.steps=2",
+        "trainer.sft_warmup_steps=1",
+        "trainer.prompts_per_step=4",
+        "actor.micro_batch_size=16",
+    )
     run_dir = Path(summary["run_dir"])
     assert summary["steps"] == 2 and summary["weight_sync"]["verified"] is True
     assert set(summary["phase_peak_bytes"]) == set(PHASES)

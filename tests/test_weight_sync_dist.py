@@ -83,3 +83,37 @@ def test_executor_verify_and_baseline_on_four_ranks():
         assert sum(r["baseline"]["bytes_received"] for r in per_rank) > per_rank[0]["plan_bytes"]
     for r in reports:
         assert "engine rank 1 model.layers.2.mlp.down_proj.weight" in r[-1], r[-1]
+
+
+def test_verify_sync_cli_end_to_end(tiny_model_dirs):
+    """HF -> actor (PP=2) -> planned reshard -> engine (TP=2): engine log-probs equal transformers'."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "rl.verify_sync",
+        "--hf",
+        tiny_model_dirs["qwen3"],
+        "--train-pp",
+        "2",
+        "--rollout-tp",
+        "2",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1
+    out = json.loads(lines[0])
+    assert out["max_abs_logprob_diff"] <= 1e-4 and out["num_tokens"] > 0
+    assert out["bytes_moved"] > 0 and out["verified"] is True
+
+    bad = subprocess.run(
+        [sys.executable, "-m", "rl.verify_sync", "--hf", tiny_model_dirs["qwen3"], "--rollout-tp", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "ROLLOUT_TP=3" in bad.stderr
