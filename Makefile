@@ -29,7 +29,7 @@ help: ## list the targets
 	@echo "usage: make <target> [EXP=<experiment>] [ARGS=\"<hydra overrides>\"]"
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sort | awk 'BEGIN {FS = ":.*## "}; {printf "  %-14s %s\n", $$1, $$2}'
 
-install: $(STAMP) ## create .venv, install torch ($(TORCH_SPEC)) then this repo with [$(EXTRAS)]; idempotent
+install: $(STAMP) ## create .venv, install torch (TORCH_SPEC) first, then this repo with [EXTRAS]; idempotent
 
 $(STAMP): setup.cfg pyproject.toml
 	@test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
@@ -72,5 +72,5 @@ bench-entropy: $(STAMP) ## peak memory of chunked vs unchunked vocab entropy: on
 bench-rollout: $(STAMP) ## native engine vs transformers generate tokens/s (batch 32, tiny model): one JSON line
 	@$(PY) -m rollout.bench $(ARGS)
 
-clean: ## remove caches and run outputs (keeps .venv)
-	rm -rf .pytest_cache .ruff_cache outputs multirun
+clean: ## remove caches and generated tiny checkpoints (keeps .venv and runs/)
+	rm -rf .pytest_cache .ruff_cache $(TINY_DIR)
