@@ -46,6 +46,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
 
+    if cfg.rollout.gpu_memory_utilization == "auto":
+        print(
+            "config error: rollout.gpu_memory_utilization=auto needs the memory planner, which is not built yet; "
+            "set a float in (0, 1], e.g. rollout.gpu_memory_utilization=0.5",
+            file=sys.stderr,
+        )
+        return 2
     from rl.loop import run_rank
 
     if launched_externally():

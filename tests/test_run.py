@@ -34,6 +34,8 @@ def test_bad_config_fails_before_any_rank_starts(capsys):
     assert err.startswith("config error: world size 2") and err.count("\n") == 1
     assert main(["--exp", "tiny_cpu", "cluster.num_nodes=2"]) == 2
     assert "needs a multi-node launcher" in capsys.readouterr().err
+    assert main(["--exp", "tiny_cpu", "rollout.gpu_memory_utilization=auto"]) == 2
+    assert "needs the memory planner" in capsys.readouterr().err
 
 
 def test_short_run_writes_every_output_and_a_readable_wandb_run(tmp_path):
