@@ -105,7 +105,9 @@ class RunWriter:
 
 
 def plot_timeline(rows: list[dict], path: Path, max_ranks: int = 4) -> None:
-    """One panel per rank: a line per non-zero metric (MiB), each phase shaded in its own colour."""
+    """One panel per rank, phases shaded in their own colours. Left axis: what the device holds
+    (``device_allocated`` and each tag, MiB); right axis: the process view (``host_rss``, and
+    ``device_used`` where it differs, e.g. NVML on GPU). Lines identical to another are not redrawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -113,35 +115,57 @@ def plot_timeline(rows: list[dict], path: Path, max_ranks: int = 4) -> None:
     from matplotlib.patches import Patch
 
     ranks = sorted({r["rank"] for r in rows})[:max_ranks] or [0]
-    fig, axes = plt.subplots(len(ranks), 1, figsize=(14, 3.6 * len(ranks)), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(len(ranks), 1, figsize=(15, 3.4 * len(ranks) + 1.2), sharex=True, squeeze=False)
     cmap = plt.get_cmap("tab20")
     phase_colors = {phase: cmap(i % 20) for i, phase in enumerate(PHASES)}
     for ax, rank in zip(axes[:, 0], ranks):
         rank_rows = [r for r in rows if r["rank"] == rank]
-        # shade each contiguous (step, phase) span
+        t = [r["t_s"] for r in rank_rows]
         spans: dict[tuple[int, str], list[float]] = {}
-        for r in rank_rows:
+        for r in rank_rows:  # shade each contiguous (step, phase) span
             span = spans.setdefault((r["step"], r["phase"]), [r["t_s"], r["t_s"]])
             span[0], span[1] = min(span[0], r["t_s"]), max(span[1], r["t_s"])
         for (_, phase), (t_start, t_end) in spans.items():
-            ax.axvspan(t_start, t_end, color=phase_colors.get(phase, "grey"), alpha=0.25, lw=0)
-        for metric in METRICS:
-            values = [r[metric] / 2**20 for r in rank_rows]
-            if any(values):
-                style = "-" if metric == PEAK_METRIC else ("--" if metric.startswith("tag/") else ":")
-                ax.plot([r["t_s"] for r in rank_rows], values, style, lw=1.4, label=metric)
-        ax.set_ylabel(f"rank {rank}: MiB")
+            ax.axvspan(t_start, t_end, color=phase_colors.get(phase, "grey"), alpha=0.35, lw=0)
+
+        def series(metric: str, rank_rows=rank_rows) -> list[float]:
+            return [r[metric] / 2**20 for r in rank_rows]
+
+        ax.plot(t, series(PEAK_METRIC), "-", color="black", lw=2.0, label=PEAK_METRIC)
+        if series("device_reserved") != series(PEAK_METRIC):
+            ax.plot(t, series("device_reserved"), "-", color="grey", lw=1.2, label="device_reserved")
+        for i, metric in enumerate(m for m in METRICS if m.startswith("tag/")):
+            if any(series(metric)):
+                ax.plot(t, series(metric), "--", lw=1.4, color=plt.get_cmap("tab10")(i), label=metric)
+        ax.set_ylabel(f"rank {rank}: device MiB")
         ax.grid(alpha=0.3)
-        ax.legend(loc="upper left", fontsize=7, ncol=2, framealpha=0.8)
+        host = ax.twinx()
+        host.plot(t, series("host_rss"), ":", color="tab:red", lw=1.4, label="host_rss (right)")
+        if series("device_used") != series("host_rss"):
+            host.plot(t, series("device_used"), ":", color="tab:purple", lw=1.4, label="device_used (right)")
+        if any(series("host_pinned")):
+            host.plot(t, series("host_pinned"), ":", color="tab:brown", lw=1.4, label="host_pinned (right)")
+        host.set_ylabel("process MiB")
+        lines = ax.get_legend_handles_labels()
+        host_lines = host.get_legend_handles_labels()
+        ax.legend(
+            lines[0] + host_lines[0],
+            lines[1] + host_lines[1],
+            loc="upper left",
+            bbox_to_anchor=(1.06, 1.0),
+            fontsize=8,
+            framealpha=0.9,
+        )
     seen = [p for p in PHASES if any(r["phase"] == p for r in rows)]
     fig.legend(
-        handles=[Patch(color=phase_colors[p], alpha=0.4, label=p) for p in seen],
+        handles=[Patch(color=phase_colors[p], alpha=0.5, label=p) for p in seen],
         loc="upper center",
         ncol=min(7, max(1, len(seen))),
         fontsize=8,
         title="phases (shaded)",
     )
     axes[-1, 0].set_xlabel("seconds since start")
-    fig.tight_layout(rect=(0, 0, 1, 0.9 if len(ranks) > 1 else 0.82))
+    top = 1 - 1.1 / (3.4 * len(ranks) + 1.2)
+    fig.tight_layout(rect=(0, 0, 1, top))
     fig.savefig(path, dpi=110)
     plt.close(fig)
