@@ -84,3 +84,14 @@ def test_digit_sum_format_examples_teach_format_not_answers():
     assert all(int(e.answer) <= 8 for e in DigitSumTask(seed=1, max_operand=4).format_examples(50))
     correct = sum(int(e.answer) == eval(e.prompt.rstrip("=")) for e in examples)
     assert correct < 40  # ~1/19 by chance; far from the true sums
+
+
+def test_gsm8k_from_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.table({"question": ["1+1?", "2*3?"], "answer": ["#### 2", "so 6\n#### 6"]}), path)
+    task = Gsm8kTask(str(path))
+    assert sorted(p.answer for p in task.problems) == ["2", "6"]
+    assert task.reward("The answer is 6", "6") == 1.0
