@@ -91,7 +91,7 @@ def test_staged_wake_lowers_the_peak_by_the_actor_params(tmp_path):
 @pytest.mark.slow
 def test_pipeline_parallel_experiment_runs(tmp_path):
     """tiny_cpu_pp: actor TP=2 x PP=2 (tied embeddings, vocab 99) -> engine TP=4 on 4 ranks."""
-    summary = run_loop(tmp_path, "trainer.steps=2", "wandb.mode=disabled", exp="tiny_cpu_pp")
+    summary = run_loop(tmp_path, "trainer.steps=2", "wandb.mode=disabled", "weight_sync.verify=true", exp="tiny_cpu_pp")
     metrics = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert summary["weight_sync"]["verified"] and summary["weight_sync"]["bytes"] > 0
     assert all(m["rollout/engine_actor_logprob_diff_max"] < 1e-4 for m in metrics)
