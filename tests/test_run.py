@@ -45,6 +45,7 @@ def test_short_run_writes_every_output_and_a_readable_wandb_run(tmp_path):
         "trainer.sft_warmup_steps=1",
         "trainer.prompts_per_step=4",
         "actor.micro_batch_size=16",
+        "algorithm.kl_coef=0.01",  # also builds the reference actor
     )
     run_dir = Path(summary["run_dir"])
     assert summary["steps"] == 2 and summary["weight_sync"]["verified"] is True
@@ -56,6 +57,7 @@ def test_short_run_writes_every_output_and_a_readable_wandb_run(tmp_path):
     assert (run_dir / "config.yaml").is_file()
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["trainer/step"] for m in metrics] == [0, 1]
+    assert all(m["train/kl"] > 0 and m["time/ref_logprob"] > 0 for m in metrics)  # 2nd PPO epoch moved off the ref
     # the engine and the actor agree on the sampled tokens' log-probs: the weights really flowed
     assert all(m["rollout/engine_actor_logprob_diff_max"] < 1e-4 for m in metrics)
     # the offline W&B run, read back through wandb's own protobuf records
