@@ -16,8 +16,8 @@ def _sync_all_layouts(rank: int, world_size: int, family: str):
 
     from megatron_backend.layout import ModelShape, hf_tensor_shapes
     from rl.weight_sync import execute_sync, plan_sync
-    from rl.weight_sync.baseline import baseline_sync
-    from rl.weight_sync.layouts import actor_coords, actor_sources, engine_destinations
+    from rl.weight_sync.baseline import baseline_sync, make_actor_tp_groups
+    from rl.weight_sync.layouts import actor_sources, engine_destinations
     from rl.weight_sync.verify import WeightSyncMismatch, verify_sync
 
     dist.init_process_group("gloo")
@@ -25,15 +25,7 @@ def _sync_all_layouts(rank: int, world_size: int, family: str):
     hf = hf_weights(family)
     report = []
     for case, ((tp, pp, vpp), rtp) in enumerate(CASES):
-        tp_members, tp_group = {}, None
-        for pp_rank in range(pp):
-            for dp_rank in range(world_size // (tp * pp)):
-                members = [
-                    r for r in range(world_size) if actor_coords(r, tp, pp, world_size)[1:] == (pp_rank, dp_rank)
-                ]
-                group = dist.new_group(members)  # every rank creates every group, in the same order
-                tp_members.update({m: members for m in members})
-                tp_group = group if rank in members else tp_group
+        tp_members, tp_group = make_actor_tp_groups(rank, tp, pp, world_size)
         sources = actor_sources(cfg, tp, pp, vpp, world_size)
         destinations = engine_destinations(cfg, rtp, world_size)
         src = megatron_shards(hf, family, tp, pp, vpp, rank)

@@ -46,7 +46,7 @@ def _rank_main(args: argparse.Namespace) -> None:
 
     from megatron_backend.layout import ModelShape, RankLayout, hf_tensor_shapes, local_param_shapes, rank_pieces
     from rl.weight_sync import execute_sync, plan_sync
-    from rl.weight_sync.baseline import baseline_sync
+    from rl.weight_sync.baseline import baseline_sync, make_actor_tp_groups
     from rl.weight_sync.layouts import actor_coords, actor_sources, engine_destinations
     from rl.weight_sync.plan import min_sync_bytes
 
@@ -74,13 +74,7 @@ def _rank_main(args: argparse.Namespace) -> None:
         if name == "planned":
             stats = execute_sync(plan, rank, src, dst)
         else:
-            tp_members, tp_group = {}, None
-            for p_rank in range(pp):
-                for d_rank in range(world // (tp * pp)):
-                    members = [r for r in range(world) if actor_coords(r, tp, pp, world)[1:] == (p_rank, d_rank)]
-                    group = dist.new_group(members)
-                    tp_members.update({m: members for m in members})
-                    tp_group = group if rank in members else tp_group
+            tp_members, tp_group = make_actor_tp_groups(rank, tp, pp, world)
             stats = baseline_sync(
                 rank,
                 sources,
