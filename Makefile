@@ -22,6 +22,8 @@ ROLLOUT_TP  ?= 1
 PYTEST_ARGS ?=
 
 STAMP := $(VENV)/.installed-$(EXTRAS)
+# HF=tiny_models/<family> builds that tiny checkpoint on demand, so README examples work in a fresh clone
+TINY_HF := $(if $(filter $(TINY_DIR)/%,$(HF)),$(HF)/config.json)
 
 .PHONY: help install run test test-gpu test-slow lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout clean
 
@@ -57,13 +59,16 @@ lint: $(STAMP) ## ruff over the whole repo
 tiny-models: $(STAMP) ## write the tiny Qwen2 / Llama / Qwen3 HF checkpoints to $(TINY_DIR)/
 	$(PY) -m rl.tiny_models --out $(TINY_DIR)
 
-verify-sync: $(STAMP) ## HF=<dir> -> actor TRAIN_TP x TRAIN_PP -> reshard -> engine ROLLOUT_TP; engine vs transformers (one JSON line)
+verify-sync: $(STAMP) $(TINY_HF) ## HF=<dir> -> actor TRAIN_TP x TRAIN_PP -> reshard -> engine ROLLOUT_TP; engine vs transformers (one JSON line)
 	@$(PY) -m rl.verify_sync --hf $(HF) --train-tp $(TRAIN_TP) --train-pp $(TRAIN_PP) --rollout-tp $(ROLLOUT_TP) $(ARGS)
 
 bench-sync: $(STAMP) ## planned reshard vs gather+broadcast baseline on 4 CPU ranks (one JSON line)
 	@$(PY) -m rl.weight_sync.bench $(ARGS)
 
-parity: $(STAMP) ## megatron (TP x PP [x VPP]) vs transformers log-probs on HF=<dir>: one JSON line
+$(TINY_DIR)/%/config.json: | $(STAMP)
+	$(PY) -m rl.tiny_models --out $(TINY_DIR) --families $*
+
+parity: $(STAMP) $(TINY_HF) ## megatron (TP x PP [x VPP]) vs transformers log-probs on HF=<dir>: one JSON line
 	@$(PY) -m megatron_backend.parity --hf $(HF) --tp $(TP) --pp $(PP) $(if $(VPP),--vpp $(VPP))
 
 bench-entropy: $(STAMP) ## peak memory of chunked vs unchunked vocab entropy: one JSON line

@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import traceback
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from rl.launch import free_port
 
 
 def _entry(rank: int, world_size: int, port: int, fn, args, result_queue) -> None:
