@@ -57,7 +57,7 @@ lint: $(STAMP) ## ruff over the whole repo
 	$(PY) -m ruff check .
 
 tiny-models: $(STAMP) ## write the tiny Qwen2 / Llama / Qwen3 HF checkpoints to $(TINY_DIR)/
-	$(PY) -m rl.tiny_models --out $(TINY_DIR)
+	$(PY) -m modelspec.tiny --out $(TINY_DIR)
 
 verify-sync: $(STAMP) $(TINY_HF) ## HF=<dir> -> actor TRAIN_TP x TRAIN_PP -> reshard -> engine ROLLOUT_TP; engine vs transformers (one JSON line)
 	@$(PY) -m rl.verify_sync --hf $(HF) --train-tp $(TRAIN_TP) --train-pp $(TRAIN_PP) --rollout-tp $(ROLLOUT_TP) $(ARGS)
@@ -66,7 +66,7 @@ bench-sync: $(STAMP) ## planned reshard vs gather+broadcast baseline on 4 CPU ra
 	@$(PY) -m rl.weight_sync.bench $(ARGS)
 
 $(TINY_DIR)/%/config.json: | $(STAMP)
-	$(PY) -m rl.tiny_models --out $(TINY_DIR) --families $*
+	$(PY) -m modelspec.tiny --out $(TINY_DIR) --families $*
 
 parity: $(STAMP) $(TINY_HF) ## megatron (TP x PP [x VPP]) vs transformers log-probs on HF=<dir>: one JSON line
 	@$(PY) -m megatron_backend.parity --hf $(HF) --tp $(TP) --pp $(PP) $(if $(VPP),--vpp $(VPP))

@@ -22,7 +22,7 @@ from hydra.core.config_store import ConfigStore
 
 from megatron_backend.config import ActorConfig, OffloadConfig
 from rl.losses import PolicyLossConfig
-from rl.tiny_models import TINY_FAMILIES, TINY_PREFIX, tiny_hf_config
+from modelspec.tiny import TINY_FAMILIES, TINY_PREFIX, tiny_hf_config
 from rollout.config import RolloutConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from rl.config import ConfigError, RunConfig, compose, resolve_path
 from rl.launch import launched_externally, spawn_local
-from rl.tiny_models import resolve_model_path
+from modelspec.tiny import resolve_model_path
 
 
 def prepare(cfg: RunConfig, run_dir: str | None) -> Path:

@@ -24,7 +24,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from rl.tiny_models import resolve_model_path
+    from modelspec.tiny import resolve_model_path
     from rollout.config import RolloutConfig
     from rollout.engine import SamplingParams
     from rollout.native_engine import NativeEngine

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl.tiny_models import TINY_FAMILIES, write_tiny_model
+from modelspec.tiny import TINY_FAMILIES, write_tiny_model
 
 
 @pytest.fixture(scope="session")

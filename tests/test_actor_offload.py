@@ -97,7 +97,7 @@ def _offload_checks(rank, world_size, tiny_dir, wide_dir, saved_dir):
 def _write_wide_checkpoint(path):
     from transformers import AutoModelForCausalLM
 
-    from rl.tiny_models import tiny_hf_config
+    from modelspec.tiny import tiny_hf_config
 
     config = tiny_hf_config("qwen2")
     config.hidden_size, config.intermediate_size = 512, 2048  # ~13M params: ~53 MB per tag in fp32

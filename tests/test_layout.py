@@ -15,7 +15,7 @@ from megatron_backend.layout import (
     padded_vocab_size,
     rank_pieces,
 )
-from rl.tiny_models import tiny_hf_config
+from modelspec.tiny import tiny_hf_config
 
 LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2), (2, 2, 2)]
 

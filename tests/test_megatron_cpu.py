@@ -17,7 +17,7 @@ def _train_once(rank: int, world_size: int, tp: int, pp: int, vpp):
 
     from megatron_backend.model import build_gpt_chunks, padded_vocab_size
     from megatron_backend.parallel import initialize_model_parallel
-    from rl.tiny_models import tiny_hf_config
+    from modelspec.tiny import tiny_hf_config
 
     dims = initialize_model_parallel(tp=tp, pp=pp, vpp=vpp)
     hf = tiny_hf_config("qwen2")

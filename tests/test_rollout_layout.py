@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl.tiny_models import tiny_hf_config
+from modelspec.tiny import tiny_hf_config
 from rollout.config import RolloutConfig
 from rollout.layout import ModelShape, assemble_local, padded_vocab_size, tp_shape, vllm_param_layouts
 

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rl.tiny_models import TOKENIZER_VOCAB_SIZE, resolve_model_path, write_tiny_model
+from modelspec.tiny import TOKENIZER_VOCAB_SIZE, resolve_model_path, write_tiny_model
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from rl.tiny_models import tiny_hf_config
+from modelspec.tiny import tiny_hf_config
 from rl.weight_sync.layouts import actor_coords, actor_sources, engine_destinations
 from rl.weight_sync.plan import plan_sync
 

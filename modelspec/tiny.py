@@ -9,7 +9,7 @@ Three families, each a normal HF directory (config.json, model.safetensors, toke
 
 All share a character-level tokenizer over printable ASCII, saved as ``tokenizer.json`` for
 ``PreTrainedTokenizerFast``. Weights come from ``from_config`` under a fixed seed, so the bytes are
-identical on every machine. ``python -m rl.tiny_models --out DIR`` (or ``make tiny-models``) writes
+identical on every machine. ``python -m modelspec.tiny --out DIR`` (or ``make tiny-models``) writes
 them; ``resolve_model_path("tiny:<family>")`` builds one on demand.
 """
 

@@ -1,0 +1,80 @@
+"""The colocated mesh: every global rank is one actor rank and one rollout-engine rank on one device.
+
+Built once in setup from the config and passed explicitly (in the spirit of torchtitan's
+``ParallelDims``); nobody else does ``rank // rollout_tp`` arithmetic.
+
+- Actor: megatron-core's default order tp-cp-ep-dp-pp with CP = EP = 1, i.e. TP fastest, then DP,
+  then PP: ``tp_rank = r % TP``, ``dp_rank = (r // TP) % DP``, ``pp_rank = r // (TP * DP)``.
+- Rollout: consecutive ranks form one engine TP group (vLLM's external-launcher layout):
+  replica ``r // rollout_tp``, rollout TP rank ``r % rollout_tp``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ActorCoords:
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+
+
+@dataclass(frozen=True)
+class ColocatedMesh:
+    """World size, actor TP x PP (x VPP) x DP and rollout TP x replicas, with every rank's coordinates."""
+
+    world_size: int
+    actor_tp: int = 1
+    actor_pp: int = 1
+    actor_vpp: int | None = None
+    rollout_tp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "actor_tp", "actor_pp", "rollout_tp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"mesh {name}={getattr(self, name)} must be >= 1")
+        if self.world_size % (self.actor_tp * self.actor_pp):
+            raise ValueError(
+                f"world size {self.world_size} is not a multiple of actor.tp x actor.pp = "
+                f"{self.actor_tp}x{self.actor_pp}"
+            )
+        if self.world_size % self.rollout_tp:
+            raise ValueError(f"rollout.tp={self.rollout_tp} does not divide the world size {self.world_size}")
+
+    # ------------------------------------------------------------------ actor
+    @property
+    def actor_dp(self) -> int:
+        return self.world_size // (self.actor_tp * self.actor_pp)
+
+    def actor_coords(self, rank: int) -> ActorCoords:
+        tp, dp = self.actor_tp, self.actor_dp
+        return ActorCoords(tp_rank=rank % tp, pp_rank=rank // (tp * dp), dp_rank=(rank // tp) % dp)
+
+    def actor_ranks(self, tp_rank: int | None = None, pp_rank: int | None = None, dp_rank: int | None = None):
+        """Global ranks whose actor coordinates match the given ones (None: any)."""
+        want = dict(tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank)
+        return [
+            r
+            for r in range(self.world_size)
+            if all(v is None or getattr(self.actor_coords(r), k) == v for k, v in want.items())
+        ]
+
+    # ------------------------------------------------------------------ rollout
+    @property
+    def num_replicas(self) -> int:
+        return self.world_size // self.rollout_tp
+
+    def replica(self, rank: int) -> int:
+        return rank // self.rollout_tp
+
+    def rollout_tp_rank(self, rank: int) -> int:
+        return rank % self.rollout_tp
+
+    def replica_ranks(self, replica: int) -> list[int]:
+        return list(range(replica * self.rollout_tp, (replica + 1) * self.rollout_tp))
+
+    def prompts_of_replica(self, replica: int, num_prompts: int) -> list[int]:
+        """Replica i generates prompts i, i + R, i + 2R, ... (round robin over replicas)."""
+        return list(range(replica, num_prompts, self.num_replicas))

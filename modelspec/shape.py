@@ -1,0 +1,135 @@
+"""The model contract: one :class:`ModelShape` per Hugging Face checkpoint, parsed once.
+
+Every package that needs the model's sizes (the megatron actor's layout, vLLM's layout, the native
+engine, the config checks, the planner) takes a ``ModelShape``; nobody else reads ``config.json``.
+Supported families: Qwen2 (qkv bias), Llama 3.x (tied or untied embeddings, llama3 RoPE scaling),
+Qwen3 (q/k RMSNorms).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3")
+ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeParams:
+    """RoPE as the checkpoint declares it. ``rope_type="llama3"`` carries Llama 3.1's frequency scaling."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_hf(cls, c: dict) -> RopeParams:
+        # transformers v5 keeps rope_theta under rope_parameters; v4 at the top level (+ rope_scaling).
+        params = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        rope_type = params.get("rope_type", params.get("type")) or "default"
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type={rope_type!r} is not supported; supported: {ROPE_TYPES}")
+        theta = params.get("rope_theta", c.get("rope_theta"))
+        return cls(
+            theta=float(theta if theta is not None else 10000.0),
+            rope_type=rope_type,
+            factor=float(params.get("factor", 8.0 if rope_type == "llama3" else 1.0)),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        )
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Qwen2 / Llama / Qwen3 decoder (h hidden, I intermediate, d head_dim, V vocab)."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    rms_norm_eps: float = 1e-6
+    rope: RopeParams = field(default_factory=RopeParams)
+    max_position_embeddings: int = 2048
+    eos_token_id: int | None = None
+    source: str = ""  # where it was read from, for error messages
+
+    @classmethod
+    def from_hf_config(cls, config: Any, source: str = "") -> ModelShape:
+        """From a transformers config object, its ``to_dict()`` or a config.json dict."""
+        c = config if isinstance(config, dict) else config.to_dict()
+        model_type = c.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            where = f" in {source}" if source else ""
+            raise ValueError(
+                f"model_type={model_type!r}{where} is not supported; supported families: {SUPPORTED_MODEL_TYPES}"
+            )
+        heads = c["num_attention_heads"]
+        eos = c.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return cls(
+            model_type=model_type,
+            num_layers=c["num_hidden_layers"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_heads=heads,
+            num_kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            vocab_size=c["vocab_size"],
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases; Llama / Qwen3 only with attention_bias=True.
+            qkv_bias=model_type == "qwen2" or bool(c.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            rope=RopeParams.from_hf(c),
+            max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
+            eos_token_id=eos,
+            source=source,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelShape:
+        """From a HF checkpoint directory (its config.json), or ``tiny:<family>`` (no files needed)."""
+        from modelspec.tiny import TINY_PREFIX, tiny_hf_config
+
+        text = str(path)
+        if text.startswith(TINY_PREFIX):
+            return cls.from_hf_config(tiny_hf_config(text[len(TINY_PREFIX) :]).to_dict(), source=text)
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{config_file} does not exist; point model.path at a HF checkpoint directory")
+        try:
+            config = json.loads(config_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{config_file} is not valid JSON ({exc})") from None
+        if config.get("tie_word_embeddings") is None and config.get("model_type") in SUPPORTED_MODEL_TYPES:
+            # transformers' class default applies when config.json omits the key (Llama/Qwen: False)
+            config["tie_word_embeddings"] = False
+        return cls.from_hf_config(config, source=str(path))
+
+    @property
+    def num_query_groups(self) -> int:
+        return self.num_kv_heads
+
+    def param_count(self) -> int:
+        """Parameters of the full (unsharded) model."""
+        h, d, i, v = self.hidden_size, self.head_dim, self.intermediate_size, self.vocab_size
+        qkv = h * (self.num_heads + 2 * self.num_kv_heads) * d
+        bias = (self.num_heads + 2 * self.num_kv_heads) * d if self.qkv_bias else 0
+        per_layer = qkv + bias + self.num_heads * d * h + 3 * h * i + 2 * h + (2 * d if self.qk_norm else 0)
+        embeddings = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embeddings + h
