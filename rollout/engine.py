@@ -83,12 +83,23 @@ class RolloutEngine(Protocol):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Full (unsharded) tensors under Hugging Face names, as vLLM's ``model.load_weights``; each rank
-        keeps its own slices. Any subset of the tensors may be passed."""
+        keeps its own slices. Any subset of the tensors may be passed. (The gather-and-reload path: what
+        other stacks do, kept as a baseline and for tensors the planned sync cannot write.)"""
+        ...
+
+    def begin_weight_update(self) -> dict[str, torch.Tensor]:
+        """Start a planned weight sync: this rank's destination tensors under vLLM's names, in vLLM's
+        *loaded* layout (before any post-load processing such as the CPU build's weight repacking),
+        writable in place. The weights must be awake. Every rank of the engine calls it."""
+        ...
+
+    def finish_weight_update(self) -> None:
+        """The tensors from ``begin_weight_update`` are written: make them the live weights (e.g. run the
+        engine's post-load processing again, refresh derived copies, reset the prefix cache)."""
         ...
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
-        """This rank's parameter tensors under vLLM's names (the tensors themselves: writable in place; after
-        in-place writes into weights that sleep() dropped, ``load_weights([])`` marks them loaded)."""
+        """This rank's parameter tensors under vLLM's names, for reading (checksums, tests)."""
         ...
 
     def memory(self) -> dict[str, int]:
