@@ -60,19 +60,19 @@ tiny-models: $(STAMP) ## write the tiny Qwen2 / Llama / Qwen3 HF checkpoints to 
 	$(PY) -m modelspec.tiny --out $(TINY_DIR)
 
 verify-sync: $(STAMP) $(TINY_HF) ## HF=<dir> -> actor TRAIN_TP x TRAIN_PP -> reshard -> engine ROLLOUT_TP; engine vs transformers (one JSON line)
-	@$(PY) -m rl.verify_sync --hf $(HF) --train-tp $(TRAIN_TP) --train-pp $(TRAIN_PP) --rollout-tp $(ROLLOUT_TP) $(ARGS)
+	@$(PY) -m tools.verify_sync --hf $(HF) --train-tp $(TRAIN_TP) --train-pp $(TRAIN_PP) --rollout-tp $(ROLLOUT_TP) $(ARGS)
 
 bench-sync: $(STAMP) ## planned reshard vs gather+broadcast baseline on 4 CPU ranks (one JSON line)
-	@$(PY) -m rl.weight_sync.bench $(ARGS)
+	@$(PY) -m tools.bench_sync $(ARGS)
 
 $(TINY_DIR)/%/config.json: | $(STAMP)
 	$(PY) -m modelspec.tiny --out $(TINY_DIR) --families $*
 
 parity: $(STAMP) $(TINY_HF) ## megatron (TP x PP [x VPP]) vs transformers log-probs on HF=<dir>: one JSON line
-	@$(PY) -m megatron_backend.parity --hf $(HF) --tp $(TP) --pp $(PP) $(if $(VPP),--vpp $(VPP))
+	@$(PY) -m tools.parity --hf $(HF) --tp $(TP) --pp $(PP) $(if $(VPP),--vpp $(VPP))
 
 bench-entropy: $(STAMP) ## peak memory of chunked vs unchunked vocab entropy: one JSON line
-	@$(PY) -m megatron_backend.bench_entropy
+	@$(PY) -m tools.bench_entropy
 
 bench-rollout: $(STAMP) ## native engine vs transformers generate tokens/s (batch 32, tiny model): one JSON line
 	@$(PY) -m rollout.bench $(ARGS)

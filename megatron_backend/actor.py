@@ -19,8 +19,8 @@ LIBRARY-APIS.md). Both exclude biases and norms from weight decay, like megatron
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -28,32 +28,15 @@ import torch.distributed as dist
 
 from megatron_backend.checkpoint import chunk_params, gather_hf_state_dict, load_hf_into_chunks, local_shards
 from megatron_backend.config import ActorConfig
-from megatron_backend.layout import ModelShape, RankLayout, check_divisible, padded_vocab_size
+from megatron_backend.layout import RankLayout, check_divisible, padded_vocab_size
 from megatron_backend.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from megatron_backend.memory import MemoryLedger, StorageOffloader, storage_bytes
 from megatron_backend.model import build_gpt_chunks, te_available
 from megatron_backend.parallel import ParallelDims
+from modelspec import BatchTotals, LossFn, ModelShape
 
 OFFLOADABLE = ("params", "grads", "optimizer")
 _TAG = {"params": "actor_params", "grads": "actor_grads", "optimizer": "optimizer"}
-
-
-@dataclass(frozen=True)
-class BatchTotals:
-    """Denominators of the whole (DP-local) batch, handed to the loss function of each micro-batch."""
-
-    num_tokens: float
-    num_seqs: int
-
-
-LossFn = Callable[[torch.Tensor, dict, BatchTotals], tuple[torch.Tensor, dict]]
-
-
-def load_hf_config(hf_dir: str | Path):
-    """The transformers config of a checkpoint dir (with the class defaults, e.g. tie_word_embeddings)."""
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(str(hf_dir))
 
 
 class Actor:
@@ -82,8 +65,8 @@ class Actor:
                 f"{dims.tp}/{dims.pp}/{dims.vpp}; initialize_model_parallel with the actor config's sizes"
             )
         self.config, self.dims, self.dtype = config, dims, dtype
-        self.hf_config = load_hf_config(hf_dir)
-        self.shape = ModelShape.from_hf(self.hf_config)
+        self.hf_dir = Path(hf_dir)
+        self.shape = ModelShape.from_pretrained(hf_dir)
         check_divisible(self.shape, dims.tp, dims.pp, dims.vpp)
         self.layout = RankLayout(dims.tp, dims.pp, dims.vpp, dims.tp_rank, dims.pp_rank, te_norms=te_available())
         self.vocab_start = dims.tp_rank * padded_vocab_size(self.shape.vocab_size, dims.tp) // dims.tp
@@ -91,7 +74,7 @@ class Actor:
         self.ledger = MemoryLedger()
         self._offloaders = {what: StorageOffloader(_TAG[what], self.ledger) for what in OFFLOADABLE}
         with self.ledger.op("build"):
-            self.chunks = build_gpt_chunks(self.hf_config, dims, dtype)  # raw GPTModel per VPP stage
+            self.chunks = build_gpt_chunks(self.shape, dims, dtype)  # raw GPTModel per VPP stage
             self.num_bytes_loaded = load_hf_into_chunks(self.chunks, hf_dir, self.shape, self.layout)
             self.ledger.set("actor_params", resident_bytes=storage_bytes(self._param_tensors()))
         self.models = self.chunks  # DDP-wrapped when training
@@ -425,4 +408,4 @@ class Actor:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         tensors = {k: v.contiguous() for k, v in state.items()}
         save_file(tensors, str(Path(out_dir) / "model.safetensors"), metadata={"format": "pt"})
-        self.hf_config.save_pretrained(str(out_dir))
+        shutil.copy(self.hf_dir / "config.json", Path(out_dir) / "config.json")

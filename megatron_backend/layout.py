@@ -33,59 +33,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+
+from modelspec import ModelShape
 
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # megatron pads the vocab to a multiple of this x TP
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3")
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
     multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp
     return int(math.ceil(vocab_size / multiple) * multiple)
-
-
-def _get(hf_config: Any, key: str, default: Any = None) -> Any:
-    if isinstance(hf_config, dict):
-        return hf_config.get(key, default)
-    return getattr(hf_config, key, default)
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes of a HF decoder that decide the weight layout."""
-
-    model_type: str
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    tied_embeddings: bool
-    qkv_bias: bool
-    qk_norm: bool
-
-    @classmethod
-    def from_hf(cls, hf_config: Any) -> ModelShape:
-        model_type = _get(hf_config, "model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
-        heads = _get(hf_config, "num_attention_heads")
-        hidden = _get(hf_config, "hidden_size")
-        return cls(
-            model_type=model_type,
-            num_layers=_get(hf_config, "num_hidden_layers"),
-            hidden_size=hidden,
-            ffn_hidden_size=_get(hf_config, "intermediate_size"),
-            num_heads=heads,
-            num_kv_heads=_get(hf_config, "num_key_value_heads") or heads,
-            head_dim=_get(hf_config, "head_dim") or hidden // heads,
-            vocab_size=_get(hf_config, "vocab_size"),
-            tied_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(_get(hf_config, "attention_bias", False)),
-            qk_norm=model_type == "qwen3",
-        )
 
 
 @dataclass(frozen=True)
@@ -117,8 +73,8 @@ def check_divisible(shape: ModelShape, tp: int, pp: int, vpp: int | None) -> Non
             f"TP={tp} must divide num_attention_heads={shape.num_heads} and num_key_value_heads="
             f"{shape.num_kv_heads}; pick a common divisor"
         )
-    if shape.ffn_hidden_size % tp:
-        raise ValueError(f"TP={tp} must divide intermediate_size={shape.ffn_hidden_size}")
+    if shape.intermediate_size % tp:
+        raise ValueError(f"TP={tp} must divide intermediate_size={shape.intermediate_size}")
     if shape.num_layers % (pp * (vpp or 1)):
         raise ValueError(f"PP x VPP = {pp}x{vpp or 1} must divide num_hidden_layers={shape.num_layers}")
 
@@ -138,7 +94,7 @@ def chunk_layers(shape: ModelShape, layout: RankLayout, vp_stage: int) -> range:
 
 def hf_tensor_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     """Every tensor of the HF checkpoint (full, unsharded) and its shape."""
-    h, f, d, v = shape.hidden_size, shape.ffn_hidden_size, shape.head_dim, shape.vocab_size
+    h, f, d, v = shape.hidden_size, shape.intermediate_size, shape.head_dim, shape.vocab_size
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
     for layer in range(shape.num_layers):
         p = f"model.layers.{layer}."
@@ -159,7 +115,7 @@ def hf_tensor_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
         out[p + "mlp.up_proj.weight"] = (f, h)
         out[p + "mlp.down_proj.weight"] = (h, f)
     out["model.norm.weight"] = (h,)
-    if not shape.tied_embeddings:
+    if not shape.tie_word_embeddings:
         out["lm_head.weight"] = (v, h)
     return out
 
@@ -187,7 +143,7 @@ class SlicePiece:
 
 def _megatron_layer_pieces(shape: ModelShape, layout: RankLayout, vp_stage: int) -> list[SlicePiece]:
     tp, r = layout.tp, layout.tp_rank
-    h, f, d = shape.hidden_size, shape.ffn_hidden_size, shape.head_dim
+    h, f, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
     qpg = shape.num_heads // shape.num_kv_heads  # query heads per KV group
     groups_per_rank = shape.num_kv_heads // tp
     group_rows = (qpg + 2) * d  # rows of one KV group in linear_qkv: [q heads of g; k_g; v_g]
@@ -261,20 +217,13 @@ def rank_pieces(shape: ModelShape, layout: RankLayout) -> list[SlicePiece]:
             pieces.append(
                 SlicePiece("model.norm.weight", vp_stage, "decoder.final_layernorm.weight", 0, 0, 0, h, "replicate")
             )
-            if not shape.tied_embeddings:
+            if not shape.tie_word_embeddings:
                 pieces += _vocab_piece(shape, layout, vp_stage, "lm_head.weight", "output_layer.weight", True)
             elif not first:  # tied: megatron keeps a copy of the embedding on the last stage
                 pieces += _vocab_piece(
                     shape, layout, vp_stage, "model.embed_tokens.weight", "output_layer.weight", False
                 )
     return pieces
-
-
-def rank_coords(rank: int, tp: int, pp: int, world_size: int) -> tuple[int, int, int]:
-    """(tp_rank, pp_rank, dp_rank) of a global rank in megatron-core's default order tp-cp-ep-dp-pp
-    (TP fastest, then DP, then PP; CP = EP = 1)."""
-    dp = world_size // (tp * pp)
-    return rank % tp, rank // (tp * dp), (rank // tp) % dp
 
 
 def all_rank_pieces(shape: ModelShape, tp: int, pp: int, vpp: int | None = None) -> dict[tuple[int, int], list]:
@@ -311,11 +260,11 @@ def local_param_shapes(shape: ModelShape, layout: RankLayout) -> dict[tuple[int,
                 out[(vp, mp + "self_attention.q_layernorm.weight")] = (d,)
                 out[(vp, mp + "self_attention.k_layernorm.weight")] = (d,)
             out[(vp, mp + "self_attention.linear_proj.weight")] = (h, shape.num_heads * d // tp)
-            out[(vp, mp + "mlp.linear_fc1.weight")] = (2 * shape.ffn_hidden_size // tp, h)
-            out[(vp, mp + "mlp.linear_fc2.weight")] = (h, shape.ffn_hidden_size // tp)
+            out[(vp, mp + "mlp.linear_fc1.weight")] = (2 * shape.intermediate_size // tp, h)
+            out[(vp, mp + "mlp.linear_fc2.weight")] = (h, shape.intermediate_size // tp)
         if last:
             out[(vp, "decoder.final_layernorm.weight")] = (h,)
-            if not shape.tied_embeddings or not first:
+            if not shape.tie_word_embeddings or not first:
                 out[(vp, "output_layer.weight")] = (vocab_rows, h)
     return out
 

@@ -19,26 +19,19 @@ offloaded.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import mmap
-import sys
 import tempfile
 
 import psutil
 import torch
+
+from modelspec.host_memory import release_freed_host_memory
 
 TAGS = ("actor_params", "actor_grads", "optimizer")
 
 
 def _rss_bytes() -> int:
     return psutil.Process().memory_info().rss
-
-
-def release_freed_host_memory() -> None:
-    """glibc keeps freed heap pages; ask it to return them so RSS reflects what we released."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 class MemoryLedger:

@@ -73,9 +73,9 @@ class ModelShape:
         c = config if isinstance(config, dict) else config.to_dict()
         model_type = c.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            where = f" in {source}" if source else ""
+            where = f" ({source})" if source else ""
             raise ValueError(
-                f"model_type={model_type!r}{where} is not supported; supported families: {SUPPORTED_MODEL_TYPES}"
+                f"model_type {model_type!r} is not supported{where}; supported families: {SUPPORTED_MODEL_TYPES}"
             )
         heads = c["num_attention_heads"]
         eos = c.get("eos_token_id")

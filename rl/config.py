@@ -1,109 +1,71 @@
-"""The run's config: one dataclass per component, composed by Hydra, validated before any process starts.
+"""The run's config and the checks that span components, before any process starts.
 
-Each package owns its component's dataclass (``ActorConfig`` in ``megatron_backend``,
-``RolloutConfig`` in ``rollout``); this module owns the rest and :class:`RunConfig`, whose
-``__post_init__`` checks what spans components (parallel sizes against the model and the world).
-
-:func:`compose` is the single entry: experiment name + dotted overrides -> a validated
-:class:`RunConfig`, or a :class:`ConfigError` whose message is one line naming the key and the fix.
+Each component owns its keyword-only config dataclass beside its code: ``ActorConfig``
+(megatron_backend/config.py), ``RolloutConfig`` (rollout/config.py), ``WeightSyncConfig``
+(rl/weight_sync/sync.py), ``DataConfig`` (rl/data.py), ``WandbConfig`` (rl/tracking.py),
+``ClusterConfig`` (rl/launch.py), ``PolicyLossConfig`` (rl/losses.py). This module holds the model and
+trainer configs and :class:`RunConfig`, whose ``__post_init__`` checks parallel sizes against the model
+(its :class:`~modelspec.ModelShape`) and the world. Hydra composition lives in :mod:`rl.compose`.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import re
-from collections.abc import Sequence
-from dataclasses import dataclass, field, fields, is_dataclass
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass, field
 
-from hydra.core.config_store import ConfigStore
-
-from megatron_backend.config import ActorConfig, OffloadConfig
+from megatron_backend.config import ActorConfig
+from modelspec import DTYPE_NAMES, ColocatedMesh, ModelShape
+from modelspec.tiny import TINY_FAMILIES, TINY_PREFIX
+from rl.data import DataConfig
+from rl.launch import ClusterConfig
 from rl.losses import PolicyLossConfig
-from modelspec.tiny import TINY_FAMILIES, TINY_PREFIX, tiny_hf_config
+from rl.tracking import WandbConfig
+from rl.weight_sync import WeightSyncConfig
 from rollout.config import RolloutConfig
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-CONF_DIR = REPO_ROOT / "experiments" / "conf"
-WANDB_MODES = ("offline", "online", "disabled")
-DTYPES = ("float32", "bfloat16", "float16")
 
-
-class ConfigError(ValueError):
-    """A config problem, in one line that names the key and the fix."""
-
-
-@dataclass
-class ModelDims:
-    """The few model sizes that parallel layouts must divide."""
-
-    num_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-
-
-@dataclass
+@dataclass(kw_only=True)
 class ModelConfig:
     """The policy checkpoint (``model.*``). ``tiny:<family>`` names a built-in tiny checkpoint."""
 
     path: str = "tiny:qwen2"
     dtype: str = "float32"
-    # Sizes for validation when ``path`` is not on this machine yet (e.g. a cluster experiment
-    # composed on a laptop). When config.json exists, it wins and these must agree with it.
+    # Where the model's shape comes from when ``path`` is not on this machine (a cluster experiment
+    # composed on a laptop): anything ModelShape.from_pretrained accepts. config.json at ``path`` wins.
+    architecture: str | None = None
+    # Optional expected sizes: cross-checked against the shape, so a wrong checkpoint fails at once.
     num_layers: int | None = None
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"model.dtype={self.dtype!r} is not one of {DTYPES}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"model.dtype={self.dtype!r} is not one of {DTYPE_NAMES}")
         if self.path.startswith(TINY_PREFIX) and self.path[len(TINY_PREFIX) :] not in TINY_FAMILIES:
             raise ValueError(f"model.path={self.path!r}: tiny families are {sorted(TINY_FAMILIES)}")
 
-    def dims(self) -> ModelDims | None:
-        """Sizes from config.json (or the tiny family), else from the declared fields, else None."""
-        if self.path.startswith(TINY_PREFIX):
-            hf = tiny_hf_config(self.path[len(TINY_PREFIX) :]).to_dict()
-        elif (Path(self.path) / "config.json").is_file():
-            hf = json.loads((Path(self.path) / "config.json").read_text())
-        else:
-            hf = None
-        declared = ModelDims(self.num_layers, self.num_attention_heads, self.num_key_value_heads)
-        if hf is None:
-            if None in (declared.num_layers, declared.num_attention_heads):
-                return None
-            if declared.num_key_value_heads is None:
-                declared.num_key_value_heads = declared.num_attention_heads
-            return declared
-        found = ModelDims(
-            num_layers=hf["num_hidden_layers"],
-            num_attention_heads=hf["num_attention_heads"],
-            num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        )
-        for key, value in vars(declared).items():
-            if value is not None and value != getattr(found, key):
+    def shape(self) -> ModelShape:
+        """The model's shape from ``path`` (or ``architecture``), checked against the declared sizes."""
+        try:
+            shape = ModelShape.from_pretrained(self.path)
+        except FileNotFoundError:
+            if self.architecture is None:
                 raise ValueError(
-                    f"model.{key}={value} disagrees with {self.path}/config.json ({getattr(found, key)}); "
-                    f"drop the override"
-                )
-        return found
+                    f"model.path={self.path!r} has no config.json here; point it at a HF checkpoint directory "
+                    "or set model.architecture for planning and validation"
+                ) from None
+            shape = ModelShape.from_pretrained(self.architecture)
+        declared = dict(
+            num_layers=(self.num_layers, shape.num_layers),
+            num_attention_heads=(self.num_attention_heads, shape.num_heads),
+            num_key_value_heads=(self.num_key_value_heads, shape.num_kv_heads),
+        )
+        for key, (value, found) in declared.items():
+            if value is not None and value != found:
+                raise ValueError(f"model.{key}={value} disagrees with {shape.source}/config.json ({found}); drop the override")
+        return shape
 
 
-@dataclass
-class WeightSyncConfig:
-    """Actor -> engine weight resharding (``weight_sync.*``)."""
-
-    bucket_mb: int = 512
-    verify: bool = False
-
-    def __post_init__(self) -> None:
-        if self.bucket_mb < 1:
-            raise ValueError(f"weight_sync.bucket_mb={self.bucket_mb} must be >= 1")
-
-
-@dataclass
+@dataclass(kw_only=True)
 class TrainerConfig:
     """The RL loop (``trainer.*``)."""
 
@@ -128,58 +90,7 @@ class TrainerConfig:
             raise ValueError(f"trainer.memory_sample_interval_s={self.memory_sample_interval_s} must be > 0")
 
 
-TASKS = ("digit_sum", "gsm8k")
-
-
-@dataclass
-class DataConfig:
-    """Prompts and rewards (``data.*``): the shipped synthetic task, or GSM8K-style math from a local file."""
-
-    task: str = "digit_sum"
-    path: str | None = None  # gsm8k: a local .jsonl or .parquet with question/answer fields
-    max_operand: int = 9  # digit_sum: operands in [0, max_operand]
-
-    def __post_init__(self) -> None:
-        if self.task not in TASKS:
-            raise ValueError(f"data.task={self.task!r} is not one of {TASKS}")
-        if self.task == "gsm8k" and not self.path:
-            raise ValueError("data.task=gsm8k needs data.path=<local .jsonl or .parquet file>")
-        if not 1 <= self.max_operand <= 9:
-            raise ValueError(f"data.max_operand={self.max_operand} must be in [1, 9]")
-
-
-@dataclass
-class WandbConfig:
-    """Weights & Biases tracking (``wandb.*``); offline unless asked otherwise."""
-
-    mode: str = "offline"
-    project: str = "rlmem"
-    entity: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.mode not in WANDB_MODES:
-            raise ValueError(f"wandb.mode={self.mode!r} is not one of {WANDB_MODES}")
-
-
-@dataclass
-class ClusterConfig:
-    """Where the ranks run (``cluster.*``): world size = num_nodes x procs_per_node."""
-
-    num_nodes: int = 1
-    procs_per_node: int = 2  # GPUs per node on a cluster, CPU processes on a laptop/CI
-
-    def __post_init__(self) -> None:
-        if self.num_nodes < 1:
-            raise ValueError(f"cluster.num_nodes={self.num_nodes} must be >= 1")
-        if self.procs_per_node < 1:
-            raise ValueError(f"cluster.procs_per_node={self.procs_per_node} must be >= 1")
-
-    @property
-    def world_size(self) -> int:
-        return self.num_nodes * self.procs_per_node
-
-
-@dataclass
+@dataclass(kw_only=True)
 class RunConfig:
     """Everything one run needs. Cross-component checks live in ``__post_init__``."""
 
@@ -198,13 +109,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         self._check_world()
-        dims = self.model.dims()
-        if dims is None:
-            raise ValueError(
-                f"model.path={self.model.path!r} has no config.json here; point it at a HF checkpoint "
-                "directory or declare model.num_layers and model.num_attention_heads for validation"
-            )
-        self._check_model_split(dims)
+        self._check_model_split(self.model.shape())
         dp = self.dp
         if self.trainer.prompts_per_step % dp:
             raise ValueError(
@@ -245,8 +150,8 @@ class RunConfig:
                 f"rollout.tp={self.rollout.tp} does not divide the world size {world}; pick a divisor of {world}"
             )
 
-    def _check_model_split(self, dims: ModelDims) -> None:
-        heads, kv_heads, layers = dims.num_attention_heads, dims.num_key_value_heads, dims.num_layers
+    def _check_model_split(self, shape: ModelShape) -> None:
+        heads, kv_heads, layers = shape.num_heads, shape.num_kv_heads, shape.num_layers
         tp, pp, vpp = self.actor.tp, self.actor.pp, self.actor.vpp or 1
         if heads % tp or kv_heads % tp:
             raise ValueError(
@@ -266,87 +171,12 @@ class RunConfig:
     def dp(self) -> int:
         return self.cluster.world_size // (self.actor.tp * self.actor.pp)
 
-
-def register_configs() -> None:
-    """Put every component's schema in Hydra's ConfigStore (idempotent)."""
-    cs = ConfigStore.instance()
-    cs.store(name="run_config", node=RunConfig)
-    for group, node in (
-        ("model", ModelConfig),
-        ("actor", ActorConfig),
-        ("actor/offload", OffloadConfig),
-        ("rollout", RolloutConfig),
-        ("weight_sync", WeightSyncConfig),
-        ("trainer", TrainerConfig),
-        ("data", DataConfig),
-        ("algorithm", PolicyLossConfig),
-        ("wandb", WandbConfig),
-        ("cluster", ClusterConfig),
-    ):
-        cs.store(group=group, name=f"{group.replace('/', '_')}_schema", node=node)
-
-
-def list_experiments() -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / "exp").glob("*.yaml"))
-
-
-def _one_line(exc: BaseException) -> str:
-    # OmegaConf appends a "full_key: ... object_type=..." trailer; the first sentence is the point.
-    text = " ".join(str(exc).split()).split(" full_key:")[0]
-    if exc.__cause__ is not None:
-        text = f"{text}: {_one_line(exc.__cause__)}"
-    return text
-
-
-def compose_dict(exp: str = "tiny_cpu", overrides: Sequence[str] = ()) -> Any:
-    """Compose experiments/conf with ``exp=<exp>`` and overrides; returns the (unvalidated) DictConfig."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    if exp not in list_experiments():
-        raise ConfigError(f"EXP={exp!r} is not an experiment; choose one of {list_experiments()}")
-    register_configs()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return compose(config_name="config", overrides=[f"exp={exp}", *overrides])
-    except (HydraException, OmegaConfBaseException) as exc:
-        message = _one_line(exc)
-        match = re.search(r"Could not override '([^']+)'|Key '([^']+)' is not in struct", message)
-        if match:
-            message = _unknown_key_message(match.group(1) or match.group(2))
-        raise ConfigError(message) from None
-
-
-def _unknown_key_message(key: str) -> str:
-    """'actor.foo' -> one line naming the bad key and the valid keys beside it."""
-    node: Any = RunConfig
-    parts = key.lstrip("+~").split(".")
-    for part in parts[:-1]:
-        sub = {f.name: f for f in fields(node)}.get(part) if is_dataclass(node) else None
-        if sub is None or not is_dataclass(sub.default_factory()):
-            break
-        node = type(sub.default_factory())
-    valid = ", ".join(f.name for f in fields(node)) if is_dataclass(node) else ""
-    return f"unknown config key '{key}'; valid keys here: {valid}"
-
-
-def compose(exp: str = "tiny_cpu", overrides: Sequence[str] = ()) -> RunConfig:
-    """Experiment name + dotted overrides -> a validated :class:`RunConfig` (raises :class:`ConfigError`)."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    cfg = compose_dict(exp, overrides)
-    try:
-        run_config = OmegaConf.to_object(cfg)
-    except (ValueError, OmegaConfBaseException) as exc:
-        raise ConfigError(_one_line(exc)) from None
-    assert isinstance(run_config, RunConfig)
-    return run_config
-
-
-def resolve_path(path: str) -> str:
-    """Relative paths in configs are relative to the repo root, not the caller's cwd."""
-    return path if os.path.isabs(path) or path.startswith(TINY_PREFIX) else str(REPO_ROOT / path)
+    def mesh(self) -> ColocatedMesh:
+        """Every rank's actor and rollout coordinates (the one place this arithmetic lives)."""
+        return ColocatedMesh(
+            world_size=self.cluster.world_size,
+            actor_tp=self.actor.tp,
+            actor_pp=self.actor.pp,
+            actor_vpp=self.actor.vpp,
+            rollout_tp=self.rollout.tp,
+        )

@@ -107,3 +107,29 @@ class Gsm8kTask:
     def reward(response: str, answer: str) -> float:
         predicted = extract_final_number(response)
         return 1.0 if predicted is not None and predicted == answer else 0.0
+
+
+TASKS = ("digit_sum", "gsm8k")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Prompts and rewards (``data.*``): the shipped synthetic task, or GSM8K-style math from a local file."""
+
+    task: str = "digit_sum"
+    path: str | None = None  # gsm8k: a local .jsonl or .parquet with question/answer fields
+    max_operand: int = 9  # digit_sum: operands in [0, max_operand]
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"data.task={self.task!r} is not one of {TASKS}")
+        if self.task == "gsm8k" and not self.path:
+            raise ValueError("data.task=gsm8k needs data.path=<local .jsonl or .parquet file>")
+        if not 1 <= self.max_operand <= 9:
+            raise ValueError(f"data.max_operand={self.max_operand} must be in [1, 9]")
+
+    def build(self, seed: int) -> DigitSumTask | Gsm8kTask:
+        """The task; ``seed`` drives prompt sampling (the same on every rank)."""
+        if self.task == "gsm8k":
+            return Gsm8kTask(self.path, seed=seed)
+        return DigitSumTask(seed, self.max_operand)

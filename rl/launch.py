@@ -15,9 +15,28 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch.multiprocessing as mp
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    """Where the ranks run (``cluster.*``): world size = num_nodes x procs_per_node."""
+
+    num_nodes: int = 1
+    procs_per_node: int = 2  # GPUs per node on a cluster, CPU processes on a laptop/CI
+
+    def __post_init__(self) -> None:
+        if self.num_nodes < 1:
+            raise ValueError(f"cluster.num_nodes={self.num_nodes} must be >= 1")
+        if self.procs_per_node < 1:
+            raise ValueError(f"cluster.procs_per_node={self.procs_per_node} must be >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.procs_per_node
 
 
 def free_port() -> int:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from modelspec import BatchTotals
+
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum")
 KL_ESTIMATORS = ("k1", "k3")
 
@@ -37,14 +39,6 @@ class PolicyLossConfig:
             raise ValueError(f"algorithm.kl_estimator={self.kl_estimator!r} is not one of {KL_ESTIMATORS}")
         if self.loss_agg not in LOSS_AGGREGATIONS:
             raise ValueError(f"algorithm.loss_agg={self.loss_agg!r} is not one of {LOSS_AGGREGATIONS}")
-
-
-@dataclass(frozen=True)
-class BatchTotals:
-    """Denominators of the whole (DP-local) batch: the loss of each micro-batch is divided by these."""
-
-    num_tokens: float  # sum of loss_mask over the batch
-    num_seqs: int
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:

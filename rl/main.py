@@ -14,9 +14,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from rl.config import ConfigError, RunConfig, compose, resolve_path
-from rl.launch import launched_externally, spawn_local
 from modelspec.tiny import resolve_model_path
+from rl.compose import ConfigError, compose, resolve_path
+from rl.config import RunConfig
+from rl.launch import launched_externally, spawn_local
 
 
 def prepare(cfg: RunConfig, run_dir: str | None) -> Path:

@@ -27,6 +27,9 @@ from collections.abc import Callable, Iterator
 import psutil
 import torch
 
+from megatron_backend.memory import TAGS as ACTOR_TAGS
+from rollout.memory_saver import TAGS as ENGINE_TAGS
+
 # The phases of one RL step, in order (DESIGN.md, "The one loop").
 PHASES = (
     "rollout",
@@ -44,7 +47,8 @@ PHASES = (
     "offload_params",
     "wake_kv_cache",
 )
-TAGS = ("weights", "kv_cache", "actor_params", "actor_grads", "optimizer")
+# Memory tags: the engine's (rollout.memory_saver) and the actor's (megatron_backend.memory), each named once.
+TAGS = ENGINE_TAGS + ACTOR_TAGS
 BASE_METRICS = ("device_allocated", "device_reserved", "device_used", "host_rss", "host_pinned")
 METRICS = BASE_METRICS + tuple(f"tag/{tag}" for tag in TAGS)
 # The metric a phase's peak is reported in (`memory/peak/<phase>`, summary.json's phase_peak_bytes).

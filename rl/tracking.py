@@ -10,13 +10,33 @@ from __future__ import annotations
 
 import csv
 import json
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any
 
 from rl.memory import METRICS, PEAK_METRIC, PHASES, phase_peaks
 
 CSV_COLUMNS = ("t_s", "step", "phase", "rank", *METRICS)
+
+
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass(kw_only=True)
+class WandbConfig:
+    """Weights & Biases tracking (``wandb.*``); offline unless asked otherwise."""
+
+    mode: str = "offline"
+    project: str = "rlmem"
+    entity: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in WANDB_MODES:
+            raise ValueError(f"wandb.mode={self.mode!r} is not one of {WANDB_MODES}")
+
+    def build(self, run_dir: Path, config: Any, name: str) -> RunWriter:
+        """Rank 0's writer of the run's files and W&B run."""
+        return RunWriter(run_dir, config, self.mode, self.project, self.entity, name)
 
 
 class RunWriter:

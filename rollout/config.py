@@ -6,7 +6,14 @@ from dataclasses import dataclass
 from typing import Any
 
 ENGINES = ("native", "vllm")
-WAKE_STRATEGIES = ("staged", "all_at_once")
+# Which memory tags the engine takes back at which wake phase of the step, per ``rollout.wake_strategy``:
+# staged wakes the weights, lets the sync write them and the actor offload its params, and only then
+# takes the KV cache, so the actor's params and the KV cache are never resident together.
+WAKE_TAGS: dict[str, dict[str, tuple[str, ...]]] = {
+    "staged": {"wake_weights": ("weights",), "wake_kv_cache": ("kv_cache",)},
+    "all_at_once": {"wake_weights": ("weights", "kv_cache"), "wake_kv_cache": ()},
+}
+WAKE_STRATEGIES = tuple(WAKE_TAGS)
 MEMORY_SAVERS = ("auto", "portable", "torch_memory_saver")
 
 
@@ -87,3 +94,7 @@ class RolloutConfig:
             raise ValueError(
                 f"rollout.sleep_level={self.sleep_level} must be 1 (keep a host copy of weights) or 2 (drop them)"
             )
+
+    def wake_tags(self, phase: str) -> tuple[str, ...]:
+        """The tags the engine wakes at ``phase`` (``wake_weights`` or ``wake_kv_cache``) under this strategy."""
+        return WAKE_TAGS[self.wake_strategy][phase]

@@ -7,7 +7,6 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_backend.layout import (
-    ModelShape,
     RankLayout,
     hf_tensor_shapes,
     layer_offset,
@@ -15,7 +14,7 @@ from megatron_backend.layout import (
     padded_vocab_size,
     rank_pieces,
 )
-from modelspec.tiny import tiny_hf_config
+from modelspec import ModelShape
 
 LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2), (2, 2, 2)]
 
@@ -32,7 +31,7 @@ def _build_local(pieces, local_shapes, hf):
 
 @pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
 def test_pieces_match_reference_layouts_and_cover_every_tensor(family, tiny_model_dirs):
-    shape = ModelShape.from_hf(tiny_hf_config(family))
+    shape = ModelShape.from_pretrained(f"tiny:{family}")
     hf = load_file(f"{tiny_model_dirs[family]}/model.safetensors")
     assert {k: tuple(v.shape) for k, v in hf.items()} == hf_tensor_shapes(shape)
     d, h, ng = shape.head_dim, shape.hidden_size, shape.num_kv_heads
@@ -65,7 +64,7 @@ def test_pieces_match_reference_layouts_and_cover_every_tensor(family, tiny_mode
                             piece.dim, piece.local_start, piece.length
                         )
                         rebuilt[piece.hf_name].narrow(piece.dim, piece.hf_start, piece.length).copy_(block)
-                if shape.tied_embeddings and pp > 1 and pp_rank == pp - 1:
+                if shape.tie_word_embeddings and pp > 1 and pp_rank == pp - 1:
                     copy = local[((vpp or 1) - 1, "output_layer.weight")]
                     vocab_rows = padded_vocab_size(shape.vocab_size, tp) // tp
                     start = tp_rank * vocab_rows
@@ -97,7 +96,7 @@ def test_layer_offset_matches_megatron():
 def test_all_rank_pieces_tile_every_hf_tensor_once():
     from megatron_backend.layout import all_rank_pieces
 
-    shape = ModelShape.from_hf(tiny_hf_config("llama"))
+    shape = ModelShape.from_pretrained("tiny:llama")
     covered: dict[str, int] = {}
     seen = set()
     for pieces in all_rank_pieces(shape, tp=2, pp=2, vpp=2).values():
@@ -113,7 +112,7 @@ def test_all_rank_pieces_tile_every_hf_tensor_once():
 
 
 def test_te_spec_names_and_divisibility_errors():
-    shape = ModelShape.from_hf(tiny_hf_config("qwen2"))
+    shape = ModelShape.from_pretrained("tiny:qwen2")
     names = {p.megatron_name for p in rank_pieces(shape, RankLayout(1, 1, None, 0, 0, te_norms=True))}
     assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in names
     assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in names
@@ -123,13 +122,13 @@ def test_te_spec_names_and_divisibility_errors():
     with pytest.raises(ValueError, match="PP x VPP = 2x4"):
         rank_pieces(shape, RankLayout(1, 2, 4, 0, 0))
     with pytest.raises(ValueError, match="not supported"):
-        ModelShape.from_hf({"model_type": "gpt2"})
+        ModelShape.from_hf_config({"model_type": "gpt2"})
 
 
 def test_parity_cli_rejects_bad_input_before_launching(tmp_path, tiny_model_dirs, capsys):
     import json
 
-    from megatron_backend.parity import main
+    from tools.parity import main
 
     assert main(["--hf", str(tmp_path / "missing")]) == 2
     assert "no such directory" in capsys.readouterr().err

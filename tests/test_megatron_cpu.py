@@ -17,10 +17,10 @@ def _train_once(rank: int, world_size: int, tp: int, pp: int, vpp):
 
     from megatron_backend.model import build_gpt_chunks, padded_vocab_size
     from megatron_backend.parallel import initialize_model_parallel
-    from modelspec.tiny import tiny_hf_config
+    from modelspec import ModelShape
 
     dims = initialize_model_parallel(tp=tp, pp=pp, vpp=vpp)
-    hf = tiny_hf_config("qwen2")
+    hf = ModelShape.from_pretrained("tiny:qwen2")
     chunks = build_gpt_chunks(hf, dims)
     gen = torch.Generator().manual_seed(0)  # identical batches on every rank
     batches = [

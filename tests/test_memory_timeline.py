@@ -10,7 +10,7 @@ import torch
 
 from rl.memory import METRICS, PHASES, MemoryProbe, MemoryTimeline, phase_peaks, window_peak
 from rl.tracking import RunWriter
-from rl.wandb_records import find_run_file, history_rows
+from tests.wandb_records import find_run_file, history_rows
 
 
 def test_background_sampler_catches_a_peak_inside_a_phase():

@@ -1,4 +1,4 @@
-"""`python -m megatron_backend.parity` (what `make parity` runs) launches its own ranks: one JSON line."""
+"""`python -m tools.parity` (what `make parity` runs) launches its own ranks: one JSON line."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 def test_parity_cli_tp2_pp2_llama_tied_odd_vocab(tiny_model_dirs):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_backend.parity", "--hf", tiny_model_dirs["llama"], "--tp", "2", "--pp", "2"],
+        [sys.executable, "-m", "tools.parity", "--hf", tiny_model_dirs["llama"], "--tp", "2", "--pp", "2"],
         capture_output=True,
         text=True,
         env=env,

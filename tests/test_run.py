@@ -12,7 +12,7 @@ import pytest
 
 from rl.main import main
 from rl.memory import PHASES
-from rl.wandb_records import find_run_file, history_rows
+from tests.wandb_records import find_run_file, history_rows
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tests.dist import run_ranks
-from tests.test_weight_sync_plan import hf_weights, megatron_shards, model_config, reference_vllm_shard
+from tests.test_weight_sync_plan import hf_weights, megatron_shards, mesh, model_config, reference_vllm_shard
 
 WORLD = 4
 CASES = [((2, 2, None), 4), ((1, 2, None), 2), ((2, 2, 2), 1), ((4, 1, None), 2), ((1, 4, None), 4)]
@@ -14,8 +14,8 @@ CASES = [((2, 2, None), 4), ((1, 2, None), 2), ((2, 2, 2), 1), ((4, 1, None), 2)
 def _sync_all_layouts(rank: int, world_size: int, family: str):
     import torch.distributed as dist
 
-    from megatron_backend.layout import ModelShape, hf_tensor_shapes
-    from rl.weight_sync import execute_sync, plan_sync
+    from megatron_backend.layout import hf_tensor_shapes
+    from rl.weight_sync import TorchP2PTransport, execute_sync, plan_sync
     from rl.weight_sync.baseline import baseline_sync, make_actor_tp_groups
     from rl.weight_sync.layouts import actor_sources, engine_destinations
     from rl.weight_sync.verify import WeightSyncMismatch, verify_sync
@@ -25,19 +25,22 @@ def _sync_all_layouts(rank: int, world_size: int, family: str):
     hf = hf_weights(family)
     report = []
     for case, ((tp, pp, vpp), rtp) in enumerate(CASES):
-        tp_members, tp_group = make_actor_tp_groups(rank, tp, pp, world_size)
-        sources = actor_sources(cfg, tp, pp, vpp, world_size)
-        destinations = engine_destinations(cfg, rtp, world_size)
+        layout = mesh(tp, pp, vpp, rtp)
+        tp_members, tp_group = make_actor_tp_groups(rank, layout)
+        sources = actor_sources(cfg, layout)
+        destinations = engine_destinations(cfg, layout)
         src = megatron_shards(hf, family, tp, pp, vpp, rank)
         plan = plan_sync(sources, destinations, bucket_bytes=8 << 10, element_bytes=4)
         dst = {p.name: torch.zeros(p.local_shape) for p in destinations[rank]}
         # odd cases send row slices straight from shard to engine parameter (no staging)
-        stats = execute_sync(plan, rank, src, dst, direct_min_bytes=0 if case % 2 else 1 << 20)
+        stats = execute_sync(
+            plan, rank, src, dst, transport=TorchP2PTransport(), direct_min_bytes=0 if case % 2 else 1 << 20
+        )
         checked = verify_sync(plan, rank, src, dst)
         for name, got in dst.items():
             assert torch.equal(got, reference_vllm_shard(hf, cfg, name, rtp, rank % rtp)), (tp, pp, vpp, rtp, name)
         base_dst = {p.name: torch.zeros(p.local_shape) for p in destinations[rank]}
-        shapes = hf_tensor_shapes(ModelShape.from_hf(cfg))
+        shapes = hf_tensor_shapes(cfg)
         base = baseline_sync(
             rank, sources, destinations, shapes, tp_members, tp_group, src, base_dst, torch.float32, torch.device("cpu")
         )
@@ -86,7 +89,7 @@ def test_verify_sync_cli_end_to_end(tiny_model_dirs):
     cmd = [
         sys.executable,
         "-m",
-        "rl.verify_sync",
+        "tools.verify_sync",
         "--hf",
         tiny_model_dirs["qwen3"],
         "--train-pp",
@@ -103,7 +106,7 @@ def test_verify_sync_cli_end_to_end(tiny_model_dirs):
     assert out["bytes_moved"] > 0 and out["verified"] is True
 
     bad = subprocess.run(
-        [sys.executable, "-m", "rl.verify_sync", "--hf", tiny_model_dirs["qwen3"], "--rollout-tp", "3"],
+        [sys.executable, "-m", "tools.verify_sync", "--hf", tiny_model_dirs["qwen3"], "--rollout-tp", "3"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 import torch
 
-from modelspec.tiny import tiny_hf_config
-from rl.weight_sync.layouts import actor_coords, actor_sources, engine_destinations
+from modelspec import ColocatedMesh, ModelShape
+from rl.weight_sync.layouts import actor_sources, engine_destinations
 from rl.weight_sync.plan import plan_sync
 
 WORLD = 4
@@ -16,31 +17,33 @@ TRAIN_LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (4, 1, 
 ROLLOUT_TPS = [1, 2, 4]
 
 
-def model_config(family: str):
+def model_config(family: str) -> ModelShape:
     """A tiny family, or ``llama_kv4`` (8 q / 4 KV heads) so that train TP=4 fits too."""
     if family == "llama_kv4":
-        cfg = tiny_hf_config("llama")
-        cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 8, 4, 8
-        return cfg
-    return tiny_hf_config(family)
+        return dataclasses.replace(ModelShape.from_pretrained("tiny:llama"), num_heads=8, num_kv_heads=4, head_dim=8)
+    return ModelShape.from_pretrained(f"tiny:{family}")
+
+
+def mesh(tp: int, pp: int, vpp, rtp: int = 1) -> ColocatedMesh:
+    return ColocatedMesh(world_size=WORLD, actor_tp=tp, actor_pp=pp, actor_vpp=vpp, rollout_tp=rtp)
 
 
 def hf_weights(family: str) -> dict[str, torch.Tensor]:
     """Random full HF tensors of the tiny family's shapes (distinct values so misplacement shows)."""
-    from megatron_backend.layout import ModelShape, hf_tensor_shapes
+    from megatron_backend.layout import hf_tensor_shapes
 
     gen = torch.Generator().manual_seed(0)
-    shapes = hf_tensor_shapes(ModelShape.from_hf(model_config(family)))
+    shapes = hf_tensor_shapes(model_config(family))
     return {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
 
 
 def megatron_shards(hf: dict, family: str, tp: int, pp: int, vpp, rank: int) -> dict:
     """(vp_stage, megatron name) -> local shard, built from megatron's layout pieces."""
-    from megatron_backend.layout import ModelShape, RankLayout, local_param_shapes, rank_pieces
+    from megatron_backend.layout import RankLayout, local_param_shapes, rank_pieces
 
-    shape = ModelShape.from_hf(model_config(family))
-    tp_rank, pp_rank, _ = actor_coords(rank, tp, pp, WORLD)
-    layout = RankLayout(tp, pp, vpp, tp_rank, pp_rank)
+    shape = model_config(family)
+    coords = mesh(tp, pp, vpp).actor_coords(rank)
+    layout = RankLayout(tp, pp, vpp, coords.tp_rank, coords.pp_rank)
     shards = {key: torch.zeros(s) for key, s in local_param_shapes(shape, layout).items()}
     for p in rank_pieces(shape, layout):
         shards[(p.vp_stage, p.megatron_name)].narrow(p.dim, p.local_start, p.length).copy_(
@@ -49,10 +52,9 @@ def megatron_shards(hf: dict, family: str, tp: int, pp: int, vpp, rank: int) -> 
     return shards
 
 
-def reference_vllm_shard(hf: dict, cfg, name: str, rtp: int, r: int) -> torch.Tensor:
+def reference_vllm_shard(hf: dict, cfg: ModelShape, name: str, rtp: int, r: int) -> torch.Tensor:
     """vLLM's layout written out by hand from the HF tensors (independent of rollout.layout)."""
-    d = cfg.head_dim if getattr(cfg, "head_dim", None) else cfg.hidden_size // cfg.num_attention_heads
-    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     vocab_padded = -(-cfg.vocab_size // 64) * 64
 
     def vocab_rows(t):
@@ -102,13 +104,13 @@ def test_plan_reshards_every_layout_bit_exact(family):
     hf = hf_weights(family)
     num_checked = 0
     for (tp, pp, vpp), rtp in itertools.product(TRAIN_LAYOUTS, ROLLOUT_TPS):
-        if cfg.num_key_value_heads % tp:
+        if cfg.num_kv_heads % tp:
             continue  # megatron needs TP | KV heads: the tiny families have 2, llama_kv4 covers TP=4
         num_checked += 1
         sources = {r: megatron_shards(hf, family, tp, pp, vpp, r) for r in range(WORLD)}
-        layouts = engine_destinations(cfg, rtp, WORLD)
+        layouts = engine_destinations(cfg, mesh(tp, pp, vpp, rtp))
         dests = {r: {p.name: unwritten(p) for p in layouts[r]} for r in range(WORLD)}
-        plan = plan_sync(actor_sources(cfg, tp, pp, vpp, WORLD), layouts, bucket_bytes=64 << 10, element_bytes=4)
+        plan = plan_sync(actor_sources(cfg, mesh(tp, pp, vpp, rtp)), layouts, bucket_bytes=64 << 10, element_bytes=4)
         simulate(plan, sources, dests)
         for r in range(WORLD):
             for name, got in dests[r].items():
@@ -118,14 +120,14 @@ def test_plan_reshards_every_layout_bit_exact(family):
                 )
         # no rank stages more than one bucket
         assert plan.max_extra_bytes() <= 64 << 10
-    assert num_checked == (len(TRAIN_LAYOUTS) - (1 if cfg.num_key_value_heads < 4 else 0)) * len(ROLLOUT_TPS)
+    assert num_checked == (len(TRAIN_LAYOUTS) - (1 if cfg.num_kv_heads < 4 else 0)) * len(ROLLOUT_TPS)
 
 
 def test_colocated_slices_are_local_copies_and_nothing_moves_twice():
-    cfg = tiny_hf_config("qwen2")
+    cfg = model_config("qwen2")
     # identical layouts on both sides (TP=2 -> rollout TP=2, DP=2): almost everything is local;
     # only vocab rows move, because megatron pads to 128*TP and vLLM to 64 (different split points)
-    plan = plan_sync(actor_sources(cfg, 2, 1, None, WORLD), engine_destinations(cfg, 2, WORLD), 1 << 20, 4)
+    plan = plan_sync(actor_sources(cfg, mesh(2, 1, None, 2)), engine_destinations(cfg, mesh(2, 1, None, 2)), 1 << 20, 4)
     moved = [t for t in plan.transfers if not t.is_local]
     assert plan.bytes_local > 0
     assert all("embed_tokens" in t.hf_name or "lm_head" in t.hf_name for t in moved)
@@ -139,8 +141,8 @@ def test_colocated_slices_are_local_copies_and_nothing_moves_twice():
 
 
 def test_pp_only_source_sends_to_every_rank_and_load_spreads_over_dp():
-    cfg = tiny_hf_config("llama")
-    plan = plan_sync(actor_sources(cfg, 1, 2, None, WORLD), engine_destinations(cfg, 1, WORLD), 1 << 20, 4)
+    cfg = model_config("llama")
+    plan = plan_sync(actor_sources(cfg, mesh(1, 2, None)), engine_destinations(cfg, mesh(1, 2, None)), 1 << 20, 4)
     sent = {r: sum(t.numel for t in plan.transfers if t.src_rank == r and not t.is_local) for r in range(WORLD)}
     # PP=2, DP=2: ranks 0,1 hold stage 0 and ranks 2,3 stage 1; both replicas of a stage share the sending
     assert all(v > 0 for v in sent.values())
@@ -148,18 +150,19 @@ def test_pp_only_source_sends_to_every_rank_and_load_spreads_over_dp():
 
 
 def test_buckets_bound_staging_and_split_large_transfers():
-    cfg = tiny_hf_config("qwen2")
+    cfg = model_config("qwen2")
     bucket = 4 << 10  # smaller than the embedding slices, so they are split
-    plan = plan_sync(actor_sources(cfg, 1, 4, None, WORLD), engine_destinations(cfg, 4, WORLD), bucket, 4)
+    layout = mesh(1, 4, None, 4)
+    plan = plan_sync(actor_sources(cfg, layout), engine_destinations(cfg, layout), bucket, 4)
     assert len(plan.buckets) > 1
     assert plan.max_extra_bytes() <= bucket
     with pytest.raises(ValueError, match="raise weight_sync.bucket_mb"):
-        plan_sync(actor_sources(cfg, 1, 4, None, WORLD), engine_destinations(cfg, 4, WORLD), 128, 4)
+        plan_sync(actor_sources(cfg, layout), engine_destinations(cfg, layout), 128, 4)
 
 
 def test_layouts_that_disagree_fail_naming_the_tensor():
-    cfg = tiny_hf_config("qwen2")
-    sources = actor_sources(cfg, 1, 1, None, WORLD)
+    cfg = model_config("qwen2")
+    sources = actor_sources(cfg, mesh(1, 1, None, 2))
     sources = {r: [p for p in pieces if "layers.3.mlp.up_proj" not in p.hf_name] for r, pieces in sources.items()}
     with pytest.raises(ValueError, match=r"no actor rank holds model.layers.3.mlp.up_proj.weight"):
-        plan_sync(sources, engine_destinations(cfg, 2, WORLD), 1 << 20, 4)
+        plan_sync(sources, engine_destinations(cfg, mesh(1, 1, None, 2)), 1 << 20, 4)

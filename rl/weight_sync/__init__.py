@@ -1,6 +1,20 @@
-"""Actor -> engine weight sync: plan (pure), execute (bucketed, in place), verify, and the baseline."""
+"""Actor -> engine weight sync: plan (pure), execute (bucketed, in place, over a pluggable transport),
+verify, and the gather-and-broadcast baseline for the benchmark."""
 
 from rl.weight_sync.execute import SyncStats, execute_sync
 from rl.weight_sync.plan import SyncPlan, Transfer, plan_sync
+from rl.weight_sync.sync import SyncResult, WeightSync, WeightSyncConfig
+from rl.weight_sync.transport import TorchP2PTransport, Transport
 
-__all__ = ["SyncPlan", "SyncStats", "Transfer", "execute_sync", "plan_sync"]
+__all__ = [
+    "SyncPlan",
+    "SyncResult",
+    "SyncStats",
+    "TorchP2PTransport",
+    "Transfer",
+    "Transport",
+    "WeightSync",
+    "WeightSyncConfig",
+    "execute_sync",
+    "plan_sync",
+]

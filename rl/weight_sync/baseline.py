@@ -14,6 +14,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from modelspec import ColocatedMesh
 from rl.weight_sync.execute import SyncStats
 
 
@@ -110,19 +111,15 @@ def _stages(key, ranks: list[int], sources: dict, tp_members: dict) -> list[list
     return list(stages.values())
 
 
-def make_actor_tp_groups(
-    rank: int, tp: int, pp: int, world_size: int
-) -> tuple[dict[int, list[int]], dist.ProcessGroup]:
+def make_actor_tp_groups(rank: int, mesh: ColocatedMesh) -> tuple[dict[int, list[int]], dist.ProcessGroup]:
     """The actor's TP groups for :func:`baseline_sync`: every rank creates every group, in the same order.
 
     Returns ``tp_members`` (rank -> the ranks of its TP group) and this rank's own group.
     """
-    from rl.weight_sync.layouts import actor_coords
-
     tp_members, own = {}, None
-    for pp_rank in range(pp):
-        for dp_rank in range(world_size // (tp * pp)):
-            members = [r for r in range(world_size) if actor_coords(r, tp, pp, world_size)[1:] == (pp_rank, dp_rank)]
+    for pp_rank in range(mesh.actor_pp):
+        for dp_rank in range(mesh.actor_dp):
+            members = mesh.actor_ranks(pp_rank=pp_rank, dp_rank=dp_rank)
             group = dist.new_group(members)
             tp_members.update({m: members for m in members})
             own = group if rank in members else own

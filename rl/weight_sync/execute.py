@@ -5,8 +5,9 @@ posts its receives, copies its local slices straight from the actor shard into t
 then unpacks what arrived. Nothing beyond one bucket's staging buffers is ever allocated, and those
 are freed before the next bucket starts (``peak_extra_bytes`` reports the high-water mark).
 
-The transport is torch.distributed point-to-point (gloo on CPU, NCCL on GPU); any object with the
-same ``isend``/``irecv`` shape can stand in (``transport=``).
+Bytes move through a :class:`~rl.weight_sync.transport.Transport` (``transport=``; default
+torch.distributed point-to-point, gloo on CPU and NCCL on GPU): the executor only submits sends and
+receives per bucket and runs them.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from rl.weight_sync.plan import SyncPlan, Transfer
+from rl.weight_sync.transport import TorchP2PTransport, Transport
 
 
 @dataclass
@@ -55,13 +56,14 @@ def execute_sync(
     rank: int,
     src_tensors: dict[tuple[int, str], torch.Tensor],
     dst_tensors: dict[str, torch.Tensor],
-    group: dist.ProcessGroup | None = None,
+    transport: Transport | None = None,
     device: torch.device | None = None,
     direct_min_bytes: int = DIRECT_MIN_BYTES,
 ) -> SyncStats:
     """Move this rank's part of ``plan``. ``src_tensors``: (vp_stage, megatron name) -> local shard;
     ``dst_tensors``: vLLM name -> engine parameter (written in place). Both sides must use the same
     dtype (the plan's ``element_bytes``); cast the actor's export first if they differ."""
+    transport = transport or TorchP2PTransport()
     device = device or next(iter(dst_tensors.values())).device
     dtype = next(iter(src_tensors.values())).dtype if src_tensors else next(iter(dst_tensors.values())).dtype
     for tensors in (src_tensors, dst_tensors):
@@ -83,7 +85,7 @@ def execute_sync(
             elif t.dst_rank == rank:
                 recvs[t.src_rank].append(t)
         # Per peer, in plan order on both sides: one packed message (if any), then the direct ones.
-        ops, unpack, extra = [], [], 0
+        unpack, extra = [], 0
         for peer in sorted(sends):
             packed = [t for t in sends[peer] if not _is_direct(t, plan.element_bytes, direct_min_bytes)]
             if packed:
@@ -94,34 +96,31 @@ def execute_sync(
                     buffer[offset : offset + t.numel].view(view.shape).copy_(view)
                     offset += t.numel
                 extra += buffer.numel() * buffer.element_size()
-                ops.append(dist.P2POp(dist.isend, buffer, peer, group))
+                transport.submit_send(buffer, peer)
             for t in sends[peer]:
                 if _is_direct(t, plan.element_bytes, direct_min_bytes):
-                    ops.append(dist.P2POp(dist.isend, _src_view(src_tensors, t), peer, group))
+                    transport.submit_send(_src_view(src_tensors, t), peer)
             stats.bytes_sent += sum(t.numel for t in sends[peer]) * plan.element_bytes
         for peer in sorted(recvs):
             packed = [t for t in recvs[peer] if not _is_direct(t, plan.element_bytes, direct_min_bytes)]
             if packed:
                 buffer = torch.empty(sum(t.numel for t in packed), dtype=dtype, device=device)
                 extra += buffer.numel() * buffer.element_size()
-                ops.append(dist.P2POp(dist.irecv, buffer, peer, group))
+                transport.submit_recv(buffer, peer)
                 unpack.append((buffer, packed))
             for t in recvs[peer]:
                 if _is_direct(t, plan.element_bytes, direct_min_bytes):
-                    ops.append(dist.P2POp(dist.irecv, _dst_view(dst_tensors, t), peer, group))
+                    transport.submit_recv(_dst_view(dst_tensors, t), peer)
             stats.bytes_received += sum(t.numel for t in recvs[peer]) * plan.element_bytes
         stats.peak_extra_bytes = max(stats.peak_extra_bytes, extra)
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-            stats.num_messages += len(ops)
+        stats.num_messages += transport.run()
         for buffer, packed in unpack:
             offset = 0
             for t in packed:
                 view = _dst_view(dst_tensors, t)
                 view.copy_(buffer[offset : offset + t.numel].view(view.shape))
                 offset += t.numel
-        del ops, unpack
+        del unpack
         stats.num_buckets += 1
     stats.seconds = time.perf_counter() - start
     return stats

@@ -1,34 +1,32 @@
-"""Who holds what, per global rank: the actor grid (megatron order tp-dp-pp) and the engine replicas.
+"""Who holds what, per global rank: the actor's shards and the engine's parameters on the colocated mesh.
 
 Thin glue over each side's own layout module: ``megatron_backend.layout`` says what an actor rank
-holds, ``rollout.layout`` what an engine rank needs. Colocated: global rank r is actor rank r and
-engine rank r on the same device.
+holds, ``rollout.layout`` what an engine rank needs; the :class:`~modelspec.ColocatedMesh` says which
+actor and engine coordinates global rank r has (the same device).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from megatron_backend import layout as actor_layout
+from modelspec import ColocatedMesh, ModelShape
 from rollout import layout as engine_layout
 
-actor_coords = actor_layout.rank_coords
 
-
-def actor_sources(
-    hf_config: Any, tp: int, pp: int, vpp: int | None, world_size: int, te_norms: bool = False
-) -> dict[int, list]:
-    shape = actor_layout.ModelShape.from_hf(hf_config)
+def actor_sources(shape: ModelShape, mesh: ColocatedMesh, te_norms: bool = False) -> dict[int, list]:
+    """Global rank -> the megatron slice pieces its actor shard holds."""
     out = {}
-    for rank in range(world_size):
-        tp_rank, pp_rank, _ = actor_coords(rank, tp, pp, world_size)
-        layout = actor_layout.RankLayout(tp, pp, vpp, tp_rank, pp_rank, te_norms=te_norms)
+    for rank in range(mesh.world_size):
+        c = mesh.actor_coords(rank)
+        layout = actor_layout.RankLayout(
+            mesh.actor_tp, mesh.actor_pp, mesh.actor_vpp, c.tp_rank, c.pp_rank, te_norms=te_norms
+        )
         out[rank] = actor_layout.rank_pieces(shape, layout)
     return out
 
 
-def engine_destinations(hf_config: Any, rollout_tp: int, world_size: int) -> dict[int, list]:
-    """Engine rank r is TP rank r % rollout_tp of replica r // rollout_tp."""
+def engine_destinations(shape: ModelShape, mesh: ColocatedMesh) -> dict[int, list]:
+    """Global rank -> the vLLM parameter layouts its engine rank needs."""
     return {
-        rank: engine_layout.vllm_param_layouts(hf_config, rollout_tp, rank % rollout_tp) for rank in range(world_size)
+        rank: engine_layout.vllm_param_layouts(shape, mesh.rollout_tp, mesh.rollout_tp_rank(rank))
+        for rank in range(mesh.world_size)
     }

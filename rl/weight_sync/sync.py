@@ -1,17 +1,49 @@
-"""The loop's weight sync: plan once at setup, then every step move the actor's shards into the engine."""
+"""The loop's weight sync: plan once at setup, then every step move the actor's shards into the engine.
+
+    sync = WeightSyncConfig(bucket_mb=512).build(shape, mesh, rank, dtype="bfloat16")
+    dst = engine.begin_weight_update()
+    result = sync(actor.local_params(), dst)
+    engine.finish_weight_update()
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from modelspec import ColocatedMesh, ModelShape, element_bytes
 from rl.weight_sync.execute import SyncStats, execute_sync
 from rl.weight_sync.layouts import actor_sources, engine_destinations
 from rl.weight_sync.plan import SyncPlan, plan_sync
+from rl.weight_sync.transport import TorchP2PTransport, Transport
 from rl.weight_sync.verify import verify_sync
+
+
+@dataclass(kw_only=True)
+class WeightSyncConfig:
+    """Actor -> engine weight resharding (``weight_sync.*``)."""
+
+    bucket_mb: int = 512  # bytes each rank sends + receives per bucket, in MiB
+    verify: bool = False  # bit-level checksums of every slice on both sides after each sync
+
+    def __post_init__(self) -> None:
+        if self.bucket_mb < 1:
+            raise ValueError(f"weight_sync.bucket_mb={self.bucket_mb} must be >= 1 (MiB per bucket), e.g. 512")
+
+    def build(
+        self,
+        shape: ModelShape,
+        mesh: ColocatedMesh,
+        rank: int,
+        dtype: str,
+        te_norms: bool = False,
+        transport: Transport | None = None,
+    ) -> WeightSync:
+        """Plan the sync for this model on this mesh (every rank plans the same, no communication)."""
+        sources = actor_sources(shape, mesh, te_norms=te_norms)
+        plan = plan_sync(sources, engine_destinations(shape, mesh), self.bucket_mb << 20, element_bytes(dtype))
+        return WeightSync(plan, rank, verify=self.verify, transport=transport or TorchP2PTransport())
 
 
 @dataclass
@@ -22,30 +54,14 @@ class SyncResult:
 
 
 class WeightSync:
-    """Plan for (actor TP, PP, VPP) -> (rollout TP, replicas) on ``world_size`` colocated ranks."""
+    """A planned sync for one rank: ``sync(src_tensors, dst_tensors) -> SyncResult``."""
 
-    def __init__(
-        self,
-        hf_config: Any,
-        rank: int,
-        world_size: int,
-        actor_tp: int,
-        actor_pp: int,
-        actor_vpp: int | None,
-        rollout_tp: int,
-        bucket_mb: int,
-        element_bytes: int,
-        verify: bool,
-        te_norms: bool = False,
-    ):
-        self.rank, self.verify = rank, verify
-        sources = actor_sources(hf_config, actor_tp, actor_pp, actor_vpp, world_size, te_norms=te_norms)
-        destinations = engine_destinations(hf_config, rollout_tp, world_size)
-        self.plan: SyncPlan = plan_sync(sources, destinations, bucket_mb << 20, element_bytes)
+    def __init__(self, plan: SyncPlan, rank: int, verify: bool, transport: Transport):
+        self.plan, self.rank, self.verify, self.transport = plan, rank, verify, transport
 
-    def __call__(
-        self, src_tensors: dict, dst_tensors: dict[str, torch.Tensor], group: dist.ProcessGroup | None = None
-    ) -> SyncResult:
-        stats = execute_sync(self.plan, self.rank, src_tensors, dst_tensors, group=group)
-        num_checked = verify_sync(self.plan, self.rank, src_tensors, dst_tensors, group=group) if self.verify else 0
+    def __call__(self, src_tensors: dict, dst_tensors: dict[str, torch.Tensor]) -> SyncResult:
+        """``src_tensors``: (vp_stage, megatron name) -> actor shard; ``dst_tensors``: vLLM name -> engine
+        tensor (written in place)."""
+        stats = execute_sync(self.plan, self.rank, src_tensors, dst_tensors, transport=self.transport)
+        num_checked = verify_sync(self.plan, self.rank, src_tensors, dst_tensors) if self.verify else 0
         return SyncResult(stats, self.verify, num_checked)

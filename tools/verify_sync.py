@@ -1,6 +1,6 @@
 """``make verify-sync``: a HF checkpoint -> the actor (TP x PP) -> planned reshard -> the native engine.
 
-    python -m rl.verify_sync --hf DIR --train-tp T --train-pp P --rollout-tp R [--bucket-mb B]
+    python -m tools.verify_sync --hf DIR --train-tp T --train-pp P --rollout-tp R [--bucket-mb B]
 
 Checks its input first (one line, exit 2, before any process starts), then runs lcm(T*P, R) local
 ranks: the actor loads the checkpoint into its shards, the engine starts with EMPTY weights and gets
@@ -21,16 +21,15 @@ PROMPTS = ("1+2=", "The quick brown fox", "def add(a, b):", "RL on CPU, 7*6=")
 
 
 def check_input(args: argparse.Namespace) -> str | None:
-    from megatron_backend.parity import check_input as check_actor_input
-    from rollout.layout import ModelShape, tp_shape
+    from modelspec import ModelShape
+    from rollout.layout import tp_shape
+    from tools.parity import check_input as check_actor_input
 
     problem = check_actor_input(args.hf, args.train_tp, args.train_pp, None)
     if problem:
         return problem
-    with open(f"{args.hf}/config.json") as f:
-        config = json.load(f)
     try:
-        tp_shape(ModelShape.from_hf_config(config), args.rollout_tp, 0)
+        tp_shape(ModelShape.from_pretrained(args.hf), args.rollout_tp, 0)
     except ValueError as exc:
         return f"HF={args.hf}: ROLLOUT_TP={args.rollout_tp}: {exc}"
     if args.bucket_mb < 1:
@@ -46,37 +45,29 @@ def _rank_main(args: argparse.Namespace) -> None:
     from megatron_backend.actor import Actor
     from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
-    from rl.weight_sync.sync import WeightSync
+    from modelspec import ColocatedMesh
+    from rl.setup import rollout_groups
+    from rl.weight_sync import WeightSyncConfig
     from rollout import RolloutConfig, SamplingParams, make_engine
 
     dims = initialize_model_parallel(args.train_tp, args.train_pp)
     rank, world = dims.rank, dims.world_size
     actor = Actor(args.hf, ActorConfig(tp=args.train_tp, pp=args.train_pp), dims, train=False)
     rtp = args.rollout_tp
-    groups = [dist.new_group(list(range(i * rtp, (i + 1) * rtp))) for i in range(world // rtp)]
+    mesh = ColocatedMesh(world_size=world, actor_tp=args.train_tp, actor_pp=args.train_pp, rollout_tp=rtp)
+    groups = rollout_groups(mesh)
     tokenizer = AutoTokenizer.from_pretrained(args.hf)
     prompt_ids = [tokenizer(p).input_ids for p in PROMPTS]
     max_len = max(len(p) for p in prompt_ids) + args.max_new_tokens
     rollout_cfg = RolloutConfig(tp=rtp, max_new_tokens=args.max_new_tokens, temperature=0.0, max_model_len=max_len)
     engine = make_engine(
-        rollout_cfg, args.hf, group=groups[rank // rtp] if rtp > 1 else None, device=dims.device, load=False
+        rollout_cfg, args.hf, group=groups[mesh.replica(rank)] if rtp > 1 else None, device=dims.device, load=False
     )
-    element_bytes = next(iter(actor.local_params().values())).element_size()
-    sync = WeightSync(
-        actor.hf_config,
-        rank,
-        world,
-        args.train_tp,
-        args.train_pp,
-        None,
-        rtp,
-        args.bucket_mb,
-        element_bytes,
-        verify=True,
-        te_norms=actor.layout.te_norms,
+    sync = WeightSyncConfig(bucket_mb=args.bucket_mb, verify=True).build(
+        actor.shape, mesh, rank, dtype=actor.dtype, te_norms=actor.layout.te_norms
     )
-    result = sync(actor.local_params(), engine.named_parameters())
-    engine.load_weights([])  # written in place by the sync
+    result = sync(actor.local_params(), engine.begin_weight_update())
+    engine.finish_weight_update()
     completions = engine.generate(prompt_ids, SamplingParams(n=1, temperature=0.0, max_tokens=args.max_new_tokens))
     seconds = [None] * world
     dist.all_gather_object(seconds, result.stats.seconds)

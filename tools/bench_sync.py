@@ -44,17 +44,19 @@ def memcpy_gbps(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
 def _rank_main(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    from megatron_backend.layout import ModelShape, RankLayout, hf_tensor_shapes, local_param_shapes, rank_pieces
-    from rl.weight_sync import execute_sync, plan_sync
+    from megatron_backend.layout import RankLayout, hf_tensor_shapes, local_param_shapes, rank_pieces
+    from modelspec import ColocatedMesh, ModelShape
+    from rl.weight_sync import TorchP2PTransport, execute_sync, plan_sync
     from rl.weight_sync.baseline import baseline_sync, make_actor_tp_groups
-    from rl.weight_sync.layouts import actor_coords, actor_sources, engine_destinations
+    from rl.weight_sync.layouts import actor_sources, engine_destinations
     from rl.weight_sync.plan import min_sync_bytes
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     tp, pp, rtp = args.train_tp, args.train_pp, args.rollout_tp
-    tp_rank, pp_rank, _ = actor_coords(rank, tp, pp, world)
-    shape = ModelShape.from_hf(BENCH_MODEL)
+    mesh = ColocatedMesh(world_size=world, actor_tp=tp, actor_pp=pp, rollout_tp=rtp)
+    tp_rank, pp_rank = mesh.actor_coords(rank).tp_rank, mesh.actor_coords(rank).pp_rank
+    shape = ModelShape.from_hf_config(BENCH_MODEL)
     # Random shards, seeded so that DP replicas match and TP-replicated tensors (norms) agree across
     # TP ranks, as they do in a trained actor.
     layout = RankLayout(tp, pp, None, tp_rank, pp_rank)
@@ -63,8 +65,8 @@ def _rank_main(args: argparse.Namespace) -> None:
     for i, (key, local_shape) in enumerate(sorted(local_param_shapes(shape, layout).items())):
         seed = 1_000_000 * pp_rank + 1000 * i + (0 if key in replicated else 1 + tp_rank)
         src[key] = torch.randn(local_shape, generator=torch.Generator().manual_seed(seed))
-    sources = actor_sources(BENCH_MODEL, tp, pp, None, world)
-    destinations = engine_destinations(BENCH_MODEL, rtp, world)
+    sources = actor_sources(shape, mesh)
+    destinations = engine_destinations(shape, mesh)
     bucket_bytes = args.bucket_mb << 20
     plan = plan_sync(sources, destinations, bucket_bytes, element_bytes=4)
     results = {}
@@ -72,9 +74,9 @@ def _rank_main(args: argparse.Namespace) -> None:
         dst = {p.name: torch.zeros(p.local_shape) for p in destinations[rank]}
         dist.barrier()
         if name == "planned":
-            stats = execute_sync(plan, rank, src, dst)
+            stats = execute_sync(plan, rank, src, dst, transport=TorchP2PTransport())
         else:
-            tp_members, tp_group = make_actor_tp_groups(rank, tp, pp, world)
+            tp_members, tp_group = make_actor_tp_groups(rank, mesh)
             stats = baseline_sync(
                 rank,
                 sources,

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     results = {}
     for mode in ("chunked", "unchunked"):
-        command = [sys.executable, "-m", "megatron_backend.bench_entropy", "--mode", mode]
+        command = [sys.executable, "-m", "tools.bench_entropy", "--mode", mode]
         command += ["--tokens", str(args.tokens), "--vocab", str(args.vocab), "--chunk-tokens", str(args.chunk_tokens)]
         out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
         results[mode] = json.loads(out.strip().splitlines()[-1])

@@ -1,6 +1,6 @@
 """Logit parity: the same HF checkpoint and input through megatron (TP x PP) and through transformers.
 
-``python -m megatron_backend.parity --hf DIR --tp T --pp P [--vpp V]`` checks its input first (one
+``python -m tools.parity --hf DIR --tp T --pp P [--vpp V]`` checks its input first (one
 line on stderr, exit 2, before any process group exists), then launches ``T*P`` ranks with torchrun
 and prints ONE JSON line: ``{"tp", "pp", "vpp", "model_type", "max_abs_logprob_diff", "num_tokens"}``.
 The diff is over fp32 log-probs of every next token of a fixed random batch.
@@ -18,7 +18,8 @@ from pathlib import Path
 
 def check_input(hf_dir: str, tp: int, pp: int, vpp: int | None) -> str | None:
     """One line describing what is wrong, or None."""
-    from megatron_backend.layout import SUPPORTED_MODEL_TYPES, ModelShape, check_divisible
+    from megatron_backend.layout import check_divisible
+    from modelspec import ModelShape
 
     path = Path(hf_dir)
     if not path.is_dir():
@@ -29,16 +30,12 @@ def check_input(hf_dir: str, tp: int, pp: int, vpp: int | None) -> str | None:
         return f"HF={hf_dir}: no model.safetensors or model.safetensors.index.json (only safetensors are supported)"
     if tp < 1 or pp < 1 or (vpp is not None and vpp < 1):
         return f"TP={tp} PP={pp} VPP={vpp}: sizes must be positive integers"
-    config = json.loads((path / "config.json").read_text())
-    if config.get("model_type") not in SUPPORTED_MODEL_TYPES:
-        return (
-            f"HF={hf_dir}: model_type {config.get('model_type')!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
-        )
     try:
         from megatron_backend.model import rope_scaling_kwargs
 
-        rope_scaling_kwargs(config)
-        check_divisible(ModelShape.from_hf(config), tp, pp, vpp)
+        shape = ModelShape.from_pretrained(path)
+        rope_scaling_kwargs(shape)
+        check_divisible(shape, tp, pp, vpp)
     except ValueError as exc:
         return f"HF={hf_dir}: {exc}"
     return None
@@ -110,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         "--standalone",
         f"--nproc_per_node={args.tp * args.pp}",
         "-m",
-        "megatron_backend.parity",
+        "tools.parity",
         "--worker",
         *(argv if argv is not None else sys.argv[1:]),
     ]
