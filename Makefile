@@ -20,12 +20,13 @@ TRAIN_TP    ?= 1
 TRAIN_PP    ?= 1
 ROLLOUT_TP  ?= 1
 PYTEST_ARGS ?=
+JSON        ?=
 
 STAMP := $(VENV)/.installed-$(EXTRAS)
 # HF=tiny_models/<family> builds that tiny checkpoint on demand, so README examples work in a fresh clone
 TINY_HF := $(if $(filter $(TINY_DIR)/%,$(HF)),$(HF)/config.json)
 
-.PHONY: help install run test test-gpu test-slow lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout clean
+.PHONY: help install run plan test test-gpu test-slow lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout clean
 
 help: ## list the targets
 	@echo "usage: make <target> [EXP=<experiment>] [ARGS=\"<hydra overrides>\"]"
@@ -43,6 +44,9 @@ $(STAMP): setup.cfg pyproject.toml
 
 run: $(STAMP) ## run experiment EXP (default tiny_cpu: the whole loop on 2 CPU processes) with ARGS overrides
 	$(PY) -m rl.main --exp $(EXP) $(ARGS)
+
+plan: $(STAMP) ## predicted memory of every phase of EXP on its device, KV cache sized to fit (no GPU); JSON=<path> writes it
+	@$(PY) -m tools.plan --exp $(EXP) $(if $(JSON),--json $(JSON)) $(ARGS)
 
 test: $(STAMP) ## run the CPU test suite (excludes gpu, slow and slurm tests)
 	$(PY) -m pytest -q -m "not gpu and not slow and not slurm" $(PYTEST_ARGS)

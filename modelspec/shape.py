@@ -15,6 +15,15 @@ from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3")
 ROPE_TYPES = ("default", "llama3")
+# Shipped architectures: each <name>.json is a checkpoint's config.json exactly as published on Hugging
+# Face (no weights), so config checks and the memory planner need no download (see its README.md).
+ARCHITECTURES_DIR = Path(__file__).resolve().parent / "architectures"
+ARCH_PREFIX = "arch:"
+
+
+def list_architectures() -> list[str]:
+    """Names accepted by :meth:`ModelShape.from_architecture` (and ``arch:<name>`` paths)."""
+    return sorted(p.stem for p in ARCHITECTURES_DIR.glob("*.json"))
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,13 @@ class RopeParams:
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
         )
+
+
+def _with_class_defaults(config: dict) -> dict:
+    if config.get("tie_word_embeddings") is None and config.get("model_type") in SUPPORTED_MODEL_TYPES:
+        # transformers' class default applies when config.json omits the key (Llama/Qwen: False)
+        config["tie_word_embeddings"] = False
+    return config
 
 
 @dataclass(frozen=True)
@@ -102,13 +118,23 @@ class ModelShape:
         )
 
     @classmethod
+    def from_architecture(cls, name: str) -> ModelShape:
+        """From a shipped architecture (``modelspec/architectures/<name>.json``), e.g. ``Qwen2.5-7B-Instruct``."""
+        config_file = ARCHITECTURES_DIR / f"{name}.json"
+        if not config_file.is_file():
+            raise ValueError(f"architecture {name!r} is not shipped; choose one of {list_architectures()}")
+        return cls.from_hf_config(_with_class_defaults(json.loads(config_file.read_text())), source=f"{ARCH_PREFIX}{name}")
+
+    @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelShape:
-        """From a HF checkpoint directory (its config.json), or ``tiny:<family>`` (no files needed)."""
+        """From a HF checkpoint directory (its config.json), ``tiny:<family>`` or ``arch:<name>`` (no files needed)."""
         from modelspec.tiny import TINY_PREFIX, tiny_hf_config
 
         text = str(path)
         if text.startswith(TINY_PREFIX):
             return cls.from_hf_config(tiny_hf_config(text[len(TINY_PREFIX) :]).to_dict(), source=text)
+        if text.startswith(ARCH_PREFIX):
+            return cls.from_architecture(text[len(ARCH_PREFIX) :])
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"{config_file} does not exist; point model.path at a HF checkpoint directory")
@@ -116,10 +142,7 @@ class ModelShape:
             config = json.loads(config_file.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"{config_file} is not valid JSON ({exc})") from None
-        if config.get("tie_word_embeddings") is None and config.get("model_type") in SUPPORTED_MODEL_TYPES:
-            # transformers' class default applies when config.json omits the key (Llama/Qwen: False)
-            config["tie_word_embeddings"] = False
-        return cls.from_hf_config(config, source=str(path))
+        return cls.from_hf_config(_with_class_defaults(config), source=str(path))
 
     @property
     def num_query_groups(self) -> int:

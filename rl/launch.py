@@ -20,6 +20,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from planner.devices import DEVICE_NAMES
+
 
 @dataclass(kw_only=True)
 class ClusterConfig:
@@ -27,8 +29,11 @@ class ClusterConfig:
 
     num_nodes: int = 1
     procs_per_node: int = 2  # GPUs per node on a cluster, CPU processes on a laptop/CI
+    device: str = "cpu"  # what one rank runs on, for the memory planner: one of planner.DEVICE_NAMES
 
     def __post_init__(self) -> None:
+        if self.device not in DEVICE_NAMES:
+            raise ValueError(f"cluster.device={self.device!r} is not one of {list(DEVICE_NAMES)}")
         if self.num_nodes < 1:
             raise ValueError(f"cluster.num_nodes={self.num_nodes} must be >= 1")
         if self.procs_per_node < 1:

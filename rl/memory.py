@@ -28,25 +28,9 @@ import psutil
 import torch
 
 from megatron_backend.memory import TAGS as ACTOR_TAGS
+from planner.plan import PHASES  # the step's phases in order (DESIGN.md, "The one loop"), shared with the planner
 from rollout.memory_saver import TAGS as ENGINE_TAGS
 
-# The phases of one RL step, in order (DESIGN.md, "The one loop").
-PHASES = (
-    "rollout",
-    "engine_sleep",
-    "onload_params",
-    "onload_grads",
-    "onload_optimizer",
-    "old_logprob",
-    "ref_logprob",
-    "train",
-    "offload_optimizer",
-    "offload_grads",
-    "wake_weights",
-    "weight_sync",
-    "offload_params",
-    "wake_kv_cache",
-)
 # Memory tags: the engine's (rollout.memory_saver) and the actor's (megatron_backend.memory), each named once.
 TAGS = ENGINE_TAGS + ACTOR_TAGS
 BASE_METRICS = ("device_allocated", "device_reserved", "device_used", "host_rss", "host_pinned")

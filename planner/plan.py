@@ -1,0 +1,463 @@
+"""The analytical memory plan: bytes per device in every phase of one RL step, itemized.
+
+What each phase holds follows rl/loop.py's ``rl_step``. The step starts in ``rollout`` with the engine
+awake (weights + KV cache) and the actor holding what its offload flags keep (params unless
+``offload_params``, and so on). A phase holds the union of what is resident when it starts and when it
+ends (offloads peak at their start, onloads and wakes at their end), plus its transients:
+
+| phase | changes | transient |
+|---|---|---|
+| rollout | - | engine activations |
+| engine_sleep | - engine weights, - KV cache | |
+| onload_params / _grads / _optimizer | + that state, where its offload flag is on | |
+| old_logprob, ref_logprob | - | forward activations, logits (ref: only with a reference model) |
+| train | - | activations kept for backward, logits |
+| offload_optimizer / _grads | - that state, where its offload flag is on | |
+| wake_weights | + engine weights (+ KV cache when all_at_once) | |
+| weight_sync | - | one sync bucket |
+| offload_params | - actor params, where its flag is on | |
+| wake_kv_cache | + KV cache (staged) | |
+
+Always resident: the reference actor's params, communicator buffers and the engine's persistent
+reserve (vLLM's CUDA graphs). The plan is for the worst rank: every pipeline stage is planned (the
+first holds the embedding and the most in-flight micro-batches, the last the output layer and the
+logits) and the stage with the highest peak is reported.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from planner.inputs import PlanInputs
+from planner.sizes import (
+    FP32_BYTES,
+    actor_stage_param_count,
+    engine_activation_bytes,
+    engine_param_count,
+    in_flight_layers,
+    kv_bytes_per_token,
+    layer_activation_bytes_per_token,
+    logits_bytes,
+    optimizer_bytes_per_param,
+    unfused_attention_bytes,
+)
+
+# The loop's phases in order (DESIGN.md, "The one loop"); rl/memory.py and rl/loop.py take them from here.
+PHASES = (
+    "rollout",
+    "engine_sleep",
+    "onload_params",
+    "onload_grads",
+    "onload_optimizer",
+    "old_logprob",
+    "ref_logprob",
+    "train",
+    "offload_optimizer",
+    "offload_grads",
+    "wake_weights",
+    "weight_sync",
+    "offload_params",
+    "wake_kv_cache",
+)
+COMPONENTS = (
+    "actor_params",
+    "actor_grads",
+    "optimizer",
+    "activations",
+    "logits",
+    "ref_params",
+    "engine_weights",
+    "kv_cache",
+    "engine_reserve",
+    "comm_buffers",
+    "sync_bucket",
+)
+ENGINES_FOR_UTILIZATION = ("vllm", "native", "sglang")
+# state that comes and goes between phases -> its component
+_STATE = {"P": "actor_params", "G": "actor_grads", "O": "optimizer", "W": "engine_weights", "K": "kv_cache"}
+
+
+@dataclass(frozen=True)
+class PhasePlan:
+    name: str
+    components: dict[str, int]
+
+    @property
+    def predicted_bytes(self) -> int:
+        return sum(self.components.values())
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """What one pipeline stage's rank holds, everything but the KV cache fixed."""
+
+    stage: int
+    actor_params: int
+    actor_grads: int
+    optimizer: int
+    ref_params: int
+    train_activations: int
+    forward_activations: int
+    logits: int  # last stage only: the log-prob peak of one micro-batch (forward-only and train alike)
+
+
+def _stage(inp: PlanInputs, stage: int) -> _Stage:
+    s, e, tp, pp = inp.shape, inp.element_bytes, inp.actor_tp, inp.actor_pp
+    count = actor_stage_param_count(s, tp, pp, stage)
+    params = count * e
+    num_tokens = inp.micro_batch_size * inp.seq_len
+    per_layer = num_tokens * layer_activation_bytes_per_token(s, tp, e, inp.attention)
+    if inp.attention == "unfused":
+        per_layer += unfused_attention_bytes(s, tp, e, inp.micro_batch_size, inp.seq_len)
+    stage_input = num_tokens * s.hidden_size * e  # embedding output (stage 0) or the received activation
+    layers = in_flight_layers(s.num_layers, pp, inp.actor_vpp, stage, inp.num_micro_batches)
+    micro_batches_in_flight = max(1, layers // (s.num_layers // pp))
+    if inp.recompute == "full":
+        # each layer keeps only its input; backward recomputes one layer at a time
+        train_activations = layers * stage_input + per_layer
+    else:
+        train_activations = layers * per_layer
+    train_activations += micro_batches_in_flight * stage_input
+    last = stage == pp - 1
+    logits = logits_bytes(s, tp, e, num_tokens) if last else 0
+    optimizer = count * optimizer_bytes_per_param(e) // (inp.actor_dp if inp.distributed_optimizer else 1)
+    return _Stage(
+        stage=stage,
+        actor_params=params,
+        actor_grads=count * FP32_BYTES,  # megatron DDP main_grad buffers, fp32 (grad_reduce_in_fp32)
+        optimizer=optimizer,
+        ref_params=params if inp.reference_model else 0,
+        train_activations=train_activations,
+        forward_activations=per_layer + stage_input,  # forward-only: one layer's working set at a time
+        logits=logits,
+    )
+
+
+def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan, ...]:
+    """Every phase's components for one stage, walking rl_step's state changes."""
+    staged = inp.wake_strategy == "staged"
+    weights = engine_param_count(inp.shape, inp.rollout_tp) * inp.element_bytes
+    sizes = {
+        "actor_params": st.actor_params,
+        "actor_grads": st.actor_grads,
+        "optimizer": st.optimizer,
+        "engine_weights": weights,
+        "kv_cache": kv_cache_bytes,
+    }
+    persistent_reserve = inp.graph_bytes
+    rollout_reserve = persistent_reserve + engine_rollout_activation_bytes(inp)
+    # a rank stages at most what it sends (its actor shard) plus what it receives (its engine shard)
+    bucket = min(inp.sync_bucket_bytes, st.actor_params + weights)
+    state = {"P": not inp.offload_params, "G": not inp.offload_grads, "O": not inp.offload_optimizer}
+    state.update(W=True, K=True)
+    start = dict(state)
+    forward = {"activations": st.forward_activations, "logits": st.logits}
+    steps: list[tuple[str, dict[str, bool], dict[str, int]]] = [
+        ("rollout", {}, {"engine_reserve": rollout_reserve}),
+        ("engine_sleep", {"W": False, "K": False}, {}),
+        ("onload_params", {"P": True}, {}),
+        ("onload_grads", {"G": True}, {}),
+        ("onload_optimizer", {"O": True}, {}),
+        ("old_logprob", {}, forward),
+        ("ref_logprob", {}, forward if inp.reference_model else {}),
+        ("train", {}, {"activations": st.train_activations, "logits": st.logits}),
+        ("offload_optimizer", {"O": not inp.offload_optimizer}, {}),
+        ("offload_grads", {"G": not inp.offload_grads}, {}),
+        ("wake_weights", {"W": True} if staged else {"W": True, "K": True}, {}),
+        ("weight_sync", {}, {"sync_bucket": bucket}),
+        ("offload_params", {"P": not inp.offload_params}, {}),
+        ("wake_kv_cache", {"K": True}, {}),
+    ]
+    out = []
+    for name, changes, transient in steps:
+        after = {**state, **changes}
+        components = dict.fromkeys(COMPONENTS, 0)
+        for key, component in _STATE.items():
+            if state[key] or after[key]:
+                components[component] = sizes[component]
+        components["ref_params"] = st.ref_params
+        components["comm_buffers"] = inp.comm_bytes
+        components["engine_reserve"] = persistent_reserve
+        components.update(transient)
+        out.append(PhasePlan(name, components))
+        state = after
+    assert state == start, "rl_step must end where it started"
+    assert tuple(p.name for p in out) == PHASES
+    return tuple(out)
+
+
+def engine_rollout_activation_bytes(inp: PlanInputs) -> int:
+    """What the engine takes beyond weights, KV cache and CUDA graphs while it generates."""
+    if inp.engine == "native":
+        return inp.native_activation_reserve_bytes
+    return engine_activation_bytes(
+        inp.shape, inp.rollout_tp, inp.element_bytes, inp.vllm_max_batched_tokens, inp.max_num_seqs
+    )
+
+
+@dataclass(frozen=True)
+class Overflow:
+    phase: str
+    predicted_bytes: int
+    over_bytes: int  # predicted_bytes - budget_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The predicted bytes of every phase on the worst rank, and what they mean for the KV cache."""
+
+    inputs: PlanInputs
+    phases: tuple[PhasePlan, ...]
+    pp_stage: int  # the pipeline stage planned (the one with the highest peak)
+    kv_cache_bytes: int  # the KV cache the phases hold (configured, or the recommendation for auto)
+    kv_cache_source: str  # "kv_cache_bytes" | "gpu_memory_utilization" | "auto"
+    largest_safe_kv_cache_bytes: int  # the most KV cache every phase leaves room for (0 if none)
+    kv_limiting_phase: str  # the phase holding the KV cache that leaves it the least room
+    recommended_kv_cache_bytes: int  # largest safe, capped at what max_num_seqs sequences can use
+    min_kv_cache_bytes: int  # one max_model_len sequence: less and the engine refuses to start
+    kv_bytes_per_token: int
+    engine_weight_bytes: int
+    rollout_engine_reserve_bytes: int
+    notes: tuple[str, ...] = field(default=())
+
+    # ------------------------------------------------------------ device budget
+    @property
+    def capacity_bytes(self) -> int:
+        return self.inputs.device.total_bytes
+
+    @property
+    def runtime_overhead_bytes(self) -> int:
+        return self.inputs.runtime_bytes
+
+    @property
+    def margin_bytes(self) -> int:
+        return self.inputs.margin_bytes
+
+    @property
+    def budget_bytes(self) -> int:
+        """What the project's tensors may hold: device total - runtime overhead - fragmentation margin."""
+        return self.capacity_bytes - self.runtime_overhead_bytes - self.margin_bytes
+
+    # ------------------------------------------------------------ results
+    def phase(self, name: str) -> PhasePlan:
+        for p in self.phases:
+            if p.name == name:
+                return p
+        raise KeyError(f"no phase {name!r}; phases are {PHASES}")
+
+    @property
+    def peak(self) -> PhasePlan:
+        return max(self.phases, key=lambda p: p.predicted_bytes)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak.predicted_bytes
+
+    @property
+    def peak_phase(self) -> str:
+        return self.peak.name
+
+    @property
+    def wake_window_peak(self) -> PhasePlan:
+        """The largest phase from ``wake_weights`` to ``wake_kv_cache``, where staged and all-at-once differ."""
+        return max(self.phases[PHASES.index("wake_weights") :], key=lambda p: p.predicted_bytes)
+
+    @property
+    def overflows(self) -> tuple[Overflow, ...]:
+        return tuple(
+            Overflow(p.name, p.predicted_bytes, p.predicted_bytes - self.budget_bytes)
+            for p in self.phases
+            if p.predicted_bytes > self.budget_bytes
+        )
+
+    @property
+    def kv_cache_too_small(self) -> bool:
+        return self.kv_cache_bytes < self.min_kv_cache_bytes
+
+    @property
+    def fits(self) -> bool:
+        return not self.overflows and not self.kv_cache_too_small
+
+    @property
+    def headroom_bytes(self) -> int:
+        """Budget left at the peak (negative: the overflow)."""
+        return self.budget_bytes - self.peak_bytes
+
+    @property
+    def kv_wake_phase(self) -> str:
+        return "wake_kv_cache" if self.inputs.wake_strategy == "staged" else "wake_weights"
+
+    def kv_cache_tokens(self, kv_cache_bytes: int | None = None) -> int:
+        """Tokens a KV cache of ``kv_cache_bytes`` (default: the planned one) holds, in whole blocks."""
+        kv = self.kv_cache_bytes if kv_cache_bytes is None else kv_cache_bytes
+        block = self.kv_bytes_per_token * self.inputs.block_size
+        return kv // block * self.inputs.block_size
+
+    def equivalent_utilization(self, kv_cache_bytes: int | None = None) -> dict[str, float]:
+        """The ``gpu_memory_utilization`` that yields ``kv_cache_bytes`` under each engine's meaning.
+
+        vLLM: fraction of the device's total memory for weights + KV cache + reserve (activations, CUDA
+        graphs). native: weights + KV cache + its activation reserve, of the device total (on CPU, of
+        ``engine_capacity_bytes``). SGLang (``mem_fraction_static``): weights + KV cache, of the memory
+        free when the engine starts, taken as the device total less the runtime and what the rollout
+        phase holds outside the engine.
+        """
+        inp = self.inputs
+        kv = self.kv_cache_bytes if kv_cache_bytes is None else kv_cache_bytes
+        weights = self.engine_weight_bytes
+        vllm_reserve = inp.graph_bytes + engine_activation_bytes(
+            inp.shape, inp.rollout_tp, inp.element_bytes, inp.vllm_max_batched_tokens, inp.max_num_seqs
+        )
+        rollout = self.phase("rollout").components
+        outside_engine = sum(v for k, v in rollout.items() if k not in ("engine_weights", "kv_cache", "engine_reserve"))
+        free_at_start = self.capacity_bytes - self.runtime_overhead_bytes - outside_engine
+        native_capacity = inp.utilization_capacity_bytes if inp.engine == "native" else self.capacity_bytes
+        return {
+            "vllm": (weights + kv + vllm_reserve) / self.capacity_bytes,
+            "native": (weights + kv + inp.native_activation_reserve_bytes) / native_capacity,
+            "sglang": (weights + kv) / free_at_start if free_at_start > 0 else math.inf,
+        }
+
+    @property
+    def recommended_gpu_memory_utilization(self) -> float:
+        """The recommended KV cache as this engine's ``gpu_memory_utilization`` (rounded down, 3 decimals)."""
+        value = self.equivalent_utilization(self.recommended_kv_cache_bytes)[self.inputs.engine]
+        return math.floor(value * 1000) / 1000
+
+
+def _kv_from_utilization(inp: PlanInputs, weights: int, rollout_reserve: int) -> int:
+    """The KV cache an engine sizes itself from ``gpu_memory_utilization``."""
+    util = inp.gpu_memory_utilization
+    if inp.engine == "native":
+        return int(util * inp.utilization_capacity_bytes) - weights - inp.native_activation_reserve_bytes
+    return int(util * inp.device.total_bytes) - weights - rollout_reserve
+
+
+def make_plan(inp: PlanInputs) -> Plan:
+    """Predict every phase on the worst rank and size the KV cache (see the module doc)."""
+    weights = engine_param_count(inp.shape, inp.rollout_tp) * inp.element_bytes
+    rollout_reserve = inp.graph_bytes + engine_rollout_activation_bytes(inp)
+    per_token = kv_bytes_per_token(inp.shape, inp.rollout_tp, inp.element_bytes)
+    block = per_token * inp.block_size
+    blocks_per_seq = math.ceil(inp.engine_max_model_len / inp.block_size)
+    useful_kv = inp.max_num_seqs * blocks_per_seq * block
+    budget = inp.device.total_bytes - inp.runtime_bytes - inp.margin_bytes
+    stages = [_stage(inp, stage) for stage in range(inp.actor_pp)]
+
+    # The KV cache is the one free variable: each phase that holds it leaves budget - (everything else)
+    # for it; the smallest such room over phases and stages is the largest safe KV.
+    room, limiting_phase = min(
+        (budget - (p.predicted_bytes - p.components["kv_cache"]), p.name)
+        for st in stages
+        for p in _phases(inp, st, kv_cache_bytes=1)
+        if p.components["kv_cache"]
+    )
+    largest_safe = max(0, room) // block * block
+    recommended = min(largest_safe, useful_kv)
+    if inp.kv_cache_bytes is not None:
+        kv, source = inp.kv_cache_bytes, "kv_cache_bytes"
+    elif inp.gpu_memory_utilization is not None:
+        kv, source = max(0, _kv_from_utilization(inp, weights, rollout_reserve)), "gpu_memory_utilization"
+    else:
+        kv, source = recommended, "auto"
+    kv = kv // block * block
+    if inp.engine == "native":
+        kv = min(kv, useful_kv)  # the native engine allocates no more than max_num_seqs sequences can use
+    plans = [_phases(inp, st, kv) for st in stages]
+    worst = max(range(len(stages)), key=lambda i: max(p.predicted_bytes for p in plans[i]))
+    notes = []
+    if inp.actor_pp > 1:
+        notes.append(f"planned for pipeline stage {worst} of {inp.actor_pp} (the highest peak)")
+    return Plan(
+        inputs=inp,
+        phases=plans[worst],
+        pp_stage=worst,
+        kv_cache_bytes=kv,
+        kv_cache_source=source,
+        largest_safe_kv_cache_bytes=largest_safe,
+        kv_limiting_phase=limiting_phase,
+        recommended_kv_cache_bytes=recommended,
+        min_kv_cache_bytes=blocks_per_seq * block,
+        kv_bytes_per_token=per_token,
+        engine_weight_bytes=weights,
+        rollout_engine_reserve_bytes=rollout_reserve,
+        notes=tuple(notes),
+    )
+
+
+# ---------------------------------------------------------------- side by side
+VARIANT_FLAGS = ("offload_params", "offload_grads", "offload_optimizer")
+
+
+def variants(inp: PlanInputs) -> list[tuple[str, Plan]]:
+    """The plan, the other wake strategy and each offload flag flipped, all with the same KV cache bytes."""
+    base = make_plan(inp)
+    fixed = replace(inp, kv_cache_bytes=base.kv_cache_bytes, gpu_memory_utilization=None)
+    other = "all_at_once" if inp.wake_strategy == "staged" else "staged"
+    out = [("as configured", base), (f"wake_strategy={other}", make_plan(replace(fixed, wake_strategy=other)))]
+    for flag in VARIANT_FLAGS:
+        value = not getattr(inp, flag)
+        label = f"{flag.replace('offload_', 'offload.')}={str(value).lower()}"
+        out.append((label, make_plan(replace(fixed, **{flag: value}))))
+    return out
+
+
+# ---------------------------------------------------------------- the check before the KV cache wakes
+@dataclass(frozen=True)
+class FitCheck:
+    fits: bool
+    phase: str
+    needed_bytes: int
+    free_bytes: int
+    shortfall_bytes: int
+    fitting_kv_cache_bytes: int | None  # a KV cache that fits the measured free memory (None: none does)
+    line: str
+
+
+def phase_growth_bytes(plan: Plan, name: str) -> dict[str, int]:
+    """Bytes ``name`` allocates per component beyond what the phase before it held."""
+    index = PHASES.index(name)
+    before = plan.phases[index - 1].components  # the phase before rollout is the previous step's last
+    return {k: v - before[k] for k, v in plan.phases[index].components.items() if v > before[k]}
+
+
+def check_fits(plan: Plan, measured_free_bytes: int, phase: str | None = None) -> FitCheck:
+    """Compare the free memory measured just before ``phase`` (default: the KV-cache wake) with the plan.
+
+    Needed: what the phase allocates, plus the engine's rollout activations that come right after the
+    wake. The line names the phase, the shortfall and a ``rollout.kv_cache_bytes`` that fits.
+    """
+    name = phase or plan.kv_wake_phase
+    growth = phase_growth_bytes(plan, name)
+    rollout_extra = max(
+        0, plan.phase("rollout").components["engine_reserve"] - plan.phase(name).components["engine_reserve"]
+    )
+    needed = sum(growth.values()) + (rollout_extra if "kv_cache" in growth else 0)
+    shortfall = max(0, needed - measured_free_bytes)
+    parts = ", ".join(f"{k} {_gib(v)}" for k, v in growth.items())
+    if "kv_cache" in growth and rollout_extra:
+        parts += f", rollout engine activations {_gib(rollout_extra)}"
+    if not shortfall:
+        line = f"{name}: needs {_gib(needed)} ({parts}), {_gib(measured_free_bytes)} free: fits"
+        return FitCheck(True, name, needed, measured_free_bytes, 0, plan.kv_cache_bytes, line)
+    block = plan.kv_bytes_per_token * plan.inputs.block_size
+    fitting = (plan.kv_cache_bytes - shortfall) // block * block if "kv_cache" in growth else None
+    if fitting is not None and fitting >= plan.min_kv_cache_bytes:
+        util = plan.equivalent_utilization(fitting)[plan.inputs.engine]
+        fix = (
+            f"rollout.kv_cache_bytes={fitting} ({_gib(fitting)}, {plan.kv_cache_tokens(fitting)} tokens; "
+            f"gpu_memory_utilization={math.floor(util * 1000) / 1000} for {plan.inputs.engine}) fits"
+        )
+    else:
+        fitting = None
+        fix = "no KV cache fits: offload more of the actor (actor.offload.*) or use wake_strategy=staged"
+    line = (
+        f"{name} would overflow: needs {_gib(needed)} ({parts}) but {_gib(measured_free_bytes)} is free, "
+        f"short by {_gib(shortfall)}; {fix}"
+    )
+    return FitCheck(False, name, needed, measured_free_bytes, shortfall, fitting, line)
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB"

@@ -1,0 +1,152 @@
+"""A plan as a readable table and as JSON (``make plan``)."""
+
+from __future__ import annotations
+
+from planner.plan import COMPONENTS, Plan
+
+GIB = 2**30
+# column header per component (the legend under the table spells them out)
+SHORT = {
+    "actor_params": "params",
+    "actor_grads": "grads",
+    "optimizer": "optim",
+    "activations": "activ",
+    "logits": "logits",
+    "ref_params": "ref",
+    "engine_weights": "eng_w",
+    "kv_cache": "kv",
+    "engine_reserve": "eng_res",
+    "comm_buffers": "comm",
+    "sync_bucket": "bucket",
+}
+
+
+def gib(num_bytes: float) -> str:
+    return f"{num_bytes / GIB:.2f}"
+
+
+def verdict(plan: Plan) -> str:
+    """One line: fits with the peak and headroom, or the worst overflow and by how much."""
+    budget = f"budget {gib(plan.budget_bytes)} GiB"
+    if plan.overflows:
+        worst = max(plan.overflows, key=lambda o: o.over_bytes)
+        others = [o.phase for o in plan.overflows if o.phase != worst.phase]
+        also = f" (also over: {', '.join(others)})" if others else ""
+        return (
+            f"DOES NOT FIT: {worst.phase} needs {gib(worst.predicted_bytes)} GiB, {gib(worst.over_bytes)} GiB over "
+            f"the {budget}{also}"
+        )
+    if plan.kv_cache_too_small:
+        return (
+            f"DOES NOT FIT: the KV cache ({gib(plan.kv_cache_bytes)} GiB) is smaller than one max_model_len sequence "
+            f"({gib(plan.min_kv_cache_bytes)} GiB); the engine would refuse to start"
+        )
+    return (
+        f"fits: peak {plan.peak_phase} {gib(plan.peak_bytes)} GiB, {gib(plan.headroom_bytes)} GiB left in the {budget}"
+    )
+
+
+def format_table(plan: Plan, side_by_side: list[tuple[str, Plan]] | None = None, title: str = "") -> str:
+    inp = plan.inputs
+    offload = "/".join("yes" if v else "no" for v in (inp.offload_params, inp.offload_grads, inp.offload_optimizer))
+    lines = [
+        f"plan{': ' + title if title else ''}  model {inp.shape.source or inp.shape.model_type}  device {inp.device.name}",
+        f"actor TP={inp.actor_tp} PP={inp.actor_pp}{f' VPP={inp.actor_vpp}' if inp.actor_vpp else ''} DP={inp.actor_dp}"
+        f" {inp.dtype}, offload params/grads/optimizer={offload}, micro-batch {inp.micro_batch_size} x "
+        f"{inp.seq_len} tokens ({inp.prompt_tokens} prompt + {inp.response_tokens} response), recompute={inp.recompute}",
+        f"engine {inp.engine} TP={inp.rollout_tp}, wake_strategy={inp.wake_strategy}, sync bucket "
+        f"{gib(inp.sync_bucket_bytes)} GiB",
+        f"device {gib(plan.capacity_bytes)} GiB - runtime {gib(plan.runtime_overhead_bytes)} - margin "
+        f"{gib(plan.margin_bytes)} = budget {gib(plan.budget_bytes)} GiB per rank",
+        *plan.notes,
+        "",
+    ]
+    widths = [max(6, len(SHORT[c])) for c in COMPONENTS]
+    header = f"{'phase (GiB)':<18}{'total':>8}  " + " ".join(f"{SHORT[c]:>{w}}" for c, w in zip(COMPONENTS, widths))
+    lines.append(header)
+    for p in plan.phases:
+        mark = " <- peak" if p.name == plan.peak_phase else ""
+        mark += " OVER" if p.predicted_bytes > plan.budget_bytes else ""
+        cells = " ".join(f"{gib(p.components[c]) if p.components[c] else '-':>{w}}" for c, w in zip(COMPONENTS, widths))
+        lines.append(f"{p.name:<18}{gib(p.predicted_bytes):>8}  {cells}{mark}")
+    lines.append("  " + ", ".join(f"{SHORT[c]}={c}" for c in COMPONENTS))
+    lines.append("")
+    lines.append(verdict(plan))
+    window = plan.wake_window_peak
+    lines.append(
+        f"wake window (wake_weights -> wake_kv_cache) peaks in {window.name} at {gib(window.predicted_bytes)} GiB; "
+        f"rollout {gib(plan.phase('rollout').predicted_bytes)} GiB"
+    )
+    util = plan.equivalent_utilization(plan.recommended_kv_cache_bytes)
+    lines.append(
+        f"KV cache {gib(plan.kv_cache_bytes)} GiB ({plan.kv_cache_source}) = {plan.kv_cache_tokens():,} tokens at "
+        f"{plan.kv_bytes_per_token / 1024:.1f} KiB/token; largest safe {gib(plan.largest_safe_kv_cache_bytes)} GiB "
+        f"(bounded by {plan.kv_limiting_phase}), "
+        f"recommended {gib(plan.recommended_kv_cache_bytes)} GiB = {plan.kv_cache_tokens(plan.recommended_kv_cache_bytes):,}"
+        " tokens"
+    )
+    lines.append(
+        f"recommended gpu_memory_utilization for {inp.engine}: {plan.recommended_gpu_memory_utilization} "
+        f"(same KV cache as vllm {util['vllm']:.3f}, native {util['native']:.3f}, sglang mem_fraction_static "
+        f"{util['sglang']:.3f})"
+    )
+    if side_by_side:
+        lines += ["", f"side by side (KV cache fixed at {gib(plan.kv_cache_bytes)} GiB):"]
+        lines.append(
+            f"{'variant':<26}{'peak phase':<18}{'peak GiB':>9}{'headroom':>10}  {'fits':<5}{'largest safe KV':>16}"
+        )
+        for label, v in side_by_side:
+            lines.append(
+                f"{label:<26}{v.peak_phase:<18}{gib(v.peak_bytes):>9}{gib(v.headroom_bytes):>10}  "
+                f"{'yes' if v.fits else 'no':<5}{gib(v.largest_safe_kv_cache_bytes):>16}"
+            )
+    return "\n".join(lines)
+
+
+def plan_json(plan: Plan, side_by_side: list[tuple[str, Plan]] | None = None) -> dict:
+    """The JSON ``make plan`` writes (keys pinned by tests/test_plan_cli.py)."""
+    inp = plan.inputs
+    return {
+        "phases": [
+            {"name": p.name, "predicted_bytes": p.predicted_bytes, "components": dict(p.components)}
+            for p in plan.phases
+        ],
+        "peak_bytes": plan.peak_bytes,
+        "peak_phase": plan.peak_phase,
+        "fits": plan.fits,
+        "wake_window_peak": {"phase": plan.wake_window_peak.name, "bytes": plan.wake_window_peak.predicted_bytes},
+        "recommended_gpu_memory_utilization": plan.recommended_gpu_memory_utilization,
+        "kv_cache_bytes": plan.kv_cache_bytes,
+        "kv_cache_tokens": plan.kv_cache_tokens(),
+        "kv_cache_source": plan.kv_cache_source,
+        "recommended_kv_cache_bytes": plan.recommended_kv_cache_bytes,
+        "largest_safe_kv_cache_bytes": plan.largest_safe_kv_cache_bytes,
+        "kv_limiting_phase": plan.kv_limiting_phase,
+        "min_kv_cache_bytes": plan.min_kv_cache_bytes,
+        "kv_bytes_per_token": plan.kv_bytes_per_token,
+        "equivalent_gpu_memory_utilization": plan.equivalent_utilization(plan.recommended_kv_cache_bytes),
+        "overflows": [
+            {"phase": o.phase, "predicted_bytes": o.predicted_bytes, "over_bytes": o.over_bytes} for o in plan.overflows
+        ],
+        "verdict": verdict(plan),
+        "device": {
+            "name": inp.device.name,
+            "capacity_bytes": plan.capacity_bytes,
+            "runtime_overhead_bytes": plan.runtime_overhead_bytes,
+            "margin_bytes": plan.margin_bytes,
+            "budget_bytes": plan.budget_bytes,
+        },
+        "pp_stage": plan.pp_stage,
+        "wake_strategy": inp.wake_strategy,
+        "engine": inp.engine,
+        "variants": [
+            {
+                "variant": label,
+                "peak_phase": v.peak_phase,
+                "peak_bytes": v.peak_bytes,
+                "fits": v.fits,
+                "largest_safe_kv_cache_bytes": v.largest_safe_kv_cache_bytes,
+            }
+            for label, v in side_by_side or []
+        ],
+    }

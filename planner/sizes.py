@@ -1,0 +1,155 @@
+"""Element counts and bytes of each thing a rank holds, from the :class:`ModelShape` alone.
+
+Notation: h hidden, I intermediate, d head_dim, Hq / Hkv q / KV heads, L layers, V vocab, t a TP size,
+e the dtype's bytes, N tokens of one micro-batch (micro_batch_size x sequence length).
+
+The two layouts are the ones DESIGN.md pins (megatron-core's for the actor, vLLM's for the engine):
+megatron pads the vocab to a multiple of 128 x TP and gives the first pipeline stage the embedding
+and the last one the output layer (a copy of the embedding when tied and PP > 1); vLLM pads the vocab
+to a multiple of 64 and, when rollout TP exceeds the KV heads, replicates KV heads so each rank holds
+one. The padding rules are restated here (and pinned against the real layouts by a test) so this
+package stays free of torch and megatron.
+"""
+
+from __future__ import annotations
+
+import math
+
+from modelspec.shape import ModelShape
+
+MEGATRON_VOCAB_DIVISOR = 128  # megatron_backend.layout.MAKE_VOCAB_SIZE_DIVISIBLE_BY
+VLLM_VOCAB_PADDING = 64  # rollout.layout.VOCAB_PADDING (vLLM's DEFAULT_VOCAB_PADDING_SIZE)
+FP32_BYTES = 4
+
+
+def megatron_padded_vocab(vocab_size: int, tp: int) -> int:
+    multiple = MEGATRON_VOCAB_DIVISOR * tp
+    return math.ceil(vocab_size / multiple) * multiple
+
+
+def vllm_padded_vocab(vocab_size: int) -> int:
+    return math.ceil(vocab_size / VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+
+
+def _layer_params(shape: ModelShape, q_heads: int, kv_heads: int, intermediate: int) -> int:
+    """One decoder layer's parameters on one TP rank holding ``q_heads`` / ``kv_heads`` / ``intermediate``."""
+    h, d = shape.hidden_size, shape.head_dim
+    qkv_rows = (q_heads + 2 * kv_heads) * d
+    return (
+        qkv_rows * h  # qkv weight
+        + (qkv_rows if shape.qkv_bias else 0)
+        + q_heads * d * h  # output projection
+        + 3 * intermediate * h  # gate, up, down
+        + 2 * h  # input and pre-MLP RMSNorm (replicated)
+        + (2 * d if shape.qk_norm else 0)  # Qwen3 q/k RMSNorm (replicated)
+    )
+
+
+def actor_stage_param_count(shape: ModelShape, tp: int, pp: int, stage: int) -> int:
+    """Parameters one actor rank of pipeline stage ``stage`` holds (megatron layout, VPP chunks summed)."""
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage={stage} is outside [0, {pp})")
+    h = shape.hidden_size
+    layers = shape.num_layers // pp
+    count = layers * _layer_params(
+        shape, shape.num_heads // tp, shape.num_kv_heads // tp, shape.intermediate_size // tp
+    )
+    vocab_rows = megatron_padded_vocab(shape.vocab_size, tp) // tp * h
+    if stage == 0:
+        count += vocab_rows  # embedding
+    if stage == pp - 1:
+        count += h  # final norm
+        if not shape.tie_word_embeddings or pp > 1:
+            count += vocab_rows  # output layer (tied + PP > 1: the last stage keeps its own copy)
+    return count
+
+
+def engine_kv_heads_per_rank(shape: ModelShape, rollout_tp: int) -> int:
+    """KV heads one engine rank holds: Hkv / t, or 1 (replicated) when t >= Hkv."""
+    return max(1, shape.num_kv_heads // rollout_tp)
+
+
+def engine_param_count(shape: ModelShape, rollout_tp: int) -> int:
+    """Parameters one engine rank holds (vLLM layout: KV-head replication, vocab padded to 64, tied once)."""
+    h, t = shape.hidden_size, rollout_tp
+    layers = shape.num_layers * _layer_params(
+        shape, shape.num_heads // t, engine_kv_heads_per_rank(shape, t), shape.intermediate_size // t
+    )
+    vocab_rows = vllm_padded_vocab(shape.vocab_size) // t * h
+    return layers + vocab_rows * (1 if shape.tie_word_embeddings else 2) + h
+
+
+def kv_bytes_per_token(shape: ModelShape, rollout_tp: int, element_bytes: int) -> int:
+    """KV-cache bytes per token on one engine rank: 2 (k, v) x L x KV heads per rank x d x e."""
+    return 2 * shape.num_layers * engine_kv_heads_per_rank(shape, rollout_tp) * shape.head_dim * element_bytes
+
+
+def layer_activation_bytes_per_token(shape: ModelShape, tp: int, element_bytes: int, attention: str) -> int:
+    """Bytes one decoder layer keeps for backward per token (megatron, no sequence parallelism).
+
+    Kept per token: the inputs and outputs of the two fused RMSNorm+linear blocks (4h, not split by TP
+    without sequence parallelism), the qkv output, RoPE'd q and k and the attention output
+    (3(Hq + Hkv)d / t), the gate/up output and SwiGLU output (3I / t), all in the dtype, plus the fp32
+    log-sum-exp per q head of flash attention. ``attention="unfused"`` (megatron's local spec, used
+    on CPU) adds the per-token share of the [Hq/t, s, s] scores and probabilities: see
+    :func:`unfused_attention_bytes`.
+    """
+    h, d, t = shape.hidden_size, shape.head_dim, tp
+    elements = 4 * h + 3 * (shape.num_heads + shape.num_kv_heads) * d // t + 3 * shape.intermediate_size // t
+    lse = FP32_BYTES * shape.num_heads // t if attention == "flash" else 0
+    return elements * element_bytes + lse
+
+
+def unfused_attention_bytes(shape: ModelShape, tp: int, element_bytes: int, micro_batch_size: int, seq_len: int) -> int:
+    """Scores and softmax probabilities [b, Hq/t, s, s] of one layer's unfused attention, in the dtype."""
+    return 2 * micro_batch_size * (shape.num_heads // tp) * seq_len * seq_len * element_bytes
+
+
+def logits_bytes(shape: ModelShape, tp: int, element_bytes: int, num_tokens: int) -> int:
+    """Peak of the log-prob computation over vocab-parallel logits [N, V/t] on the last stage.
+
+    megatron_backend.logprobs: the logits in the dtype, their fp32 copy (none when already fp32), a
+    masked copy where the rank holds vocab padding, ``logits - max`` and its ``exp`` (the softmax kept
+    for backward) live together.
+    """
+    vocab_padded = megatron_padded_vocab(shape.vocab_size, tp)
+    fp32_copies = 2 + (element_bytes < FP32_BYTES) + (vocab_padded > shape.vocab_size)
+    return num_tokens * (vocab_padded // tp) * (element_bytes + FP32_BYTES * fp32_copies)
+
+
+def in_flight_layers(num_layers: int, pp: int, vpp: int | None, stage: int, num_micro_batches: int) -> int:
+    """Layers' worth of one micro-batch's activations stage ``stage`` holds at its peak under 1F1B.
+
+    Non-interleaved 1F1B: stage r runs pp - r forwards before its first backward, each over L / pp
+    layers. Interleaved (VPP v): megatron's warm-up is (pp - r - 1) * 2 + (v - 1) * pp chunk forwards,
+    plus one in the steady state, each over L / (pp * v) layers. Both are capped by the micro-batches
+    there are.
+    """
+    if vpp is None or vpp == 1:
+        return min(num_micro_batches, pp - stage) * (num_layers // pp)
+    chunks = min(num_micro_batches * vpp, (pp - stage - 1) * 2 + (vpp - 1) * pp + 1)
+    return chunks * (num_layers // (pp * vpp))
+
+
+def optimizer_bytes_per_param(element_bytes: int) -> int:
+    """Adam: fp32 m and v, plus fp32 main params when the model is in 16-bit (megatron's mixed precision)."""
+    return 2 * FP32_BYTES + (FP32_BYTES if element_bytes < FP32_BYTES else 0)
+
+
+def engine_activation_bytes(
+    shape: ModelShape, rollout_tp: int, element_bytes: int, max_batched_tokens: int, max_num_seqs: int
+) -> int:
+    """vLLM's profiled activation peak: one layer's working set for ``max_batched_tokens`` tokens plus the
+    sampler's full-vocab fp32 logits and probabilities for ``max_num_seqs`` sequences.
+
+    Per token and rank: residual, normed input and o_proj output (3h), qkv and attention output
+    ((2 Hq / t + 2 KV heads per rank) d), gate/up and SwiGLU output (3I / t), in the dtype.
+    """
+    h, d, t = shape.hidden_size, shape.head_dim, rollout_tp
+    per_token = (
+        3 * h
+        + (2 * shape.num_heads // t + 2 * engine_kv_heads_per_rank(shape, t)) * d
+        + 3 * shape.intermediate_size // t
+    )
+    sampler = max_num_seqs * vllm_padded_vocab(shape.vocab_size) * FP32_BYTES * 2
+    return max_batched_tokens * per_token * element_bytes + sampler

@@ -1,0 +1,364 @@
+"""The memory planner's arithmetic against hand-computed values, the real layouts and the loop's phases."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from modelspec.shape import ModelShape, list_architectures
+from planner import COMPONENTS, PHASES, PlanInputs, check_fits, device_preset, make_plan, variants
+from planner.devices import GIB
+from planner.plan import phase_growth_bytes
+from planner.report import format_table, verdict
+from planner.sizes import actor_stage_param_count, engine_param_count, kv_bytes_per_token
+
+QWEN7B = ModelShape.from_architecture("Qwen2.5-7B-Instruct")
+KV_BLOCK_BYTES = 16 * 28_672  # one 16-token block of Qwen2.5-7B's KV cache at engine TP=2
+KV_BYTES = 20_000 * KV_BLOCK_BYTES  # about 8.5 GiB
+
+
+def qwen7b_inputs(**overrides) -> PlanInputs:
+    """Qwen2.5-7B, actor TP=4 x DP=2 with the distributed optimizer, engine TP=2, a fixed KV cache."""
+    base = dict(
+        shape=QWEN7B,
+        device=device_preset("H200-141GB"),
+        actor_tp=4,
+        actor_dp=2,
+        distributed_optimizer=True,
+        rollout_tp=2,
+        sequences_per_step=64,
+        prompt_tokens=256,
+        response_tokens=768,
+        kv_cache_bytes=KV_BYTES,
+    )
+    return PlanInputs(**{**base, **overrides})
+
+
+def components_differ(a, b) -> dict[str, dict[str, int]]:
+    """phase -> {component: b - a} where two plans differ."""
+    out = {}
+    for pa, pb in zip(a.phases, b.phases):
+        diff = {k: pb.components[k] - v for k, v in pa.components.items() if pb.components[k] != v}
+        if diff:
+            out[pa.name] = diff
+    return out
+
+
+# ---------------------------------------------------------------- shipped architectures (item 7)
+def test_shipped_architectures_have_the_published_parameter_counts():
+    expected = {
+        "Qwen2.5-0.5B-Instruct": 494_032_768,
+        "Qwen2.5-7B-Instruct": 7_615_616_512,
+        "Qwen2.5-32B-Instruct": 32_763_876_352,
+        "Llama-3.1-8B-Instruct": 8_030_261_248,
+        "Qwen3-8B": 8_190_735_360,
+        "Qwen3-32B": 32_762_123_264,
+    }
+    assert set(expected) <= set(list_architectures())
+    for name, count in expected.items():
+        shape = ModelShape.from_pretrained(f"arch:{name}")
+        assert shape == ModelShape.from_architecture(name)
+        assert shape.param_count() == count, name
+    llama = ModelShape.from_architecture("Llama-3.1-8B-Instruct")
+    assert (llama.rope.rope_type, llama.rope.factor, llama.eos_token_id) == ("llama3", 8.0, 128001)
+    with pytest.raises(ValueError, match="is not shipped; choose one of"):
+        ModelShape.from_architecture("Qwen9-1T")
+
+
+# ---------------------------------------------------------------- arithmetic by hand
+def test_qwen7b_actor_bytes_at_tp4_by_hand():
+    # per layer at TP=4: qkv (28+2*4)*128/4 = 1152 rows x 3584 + 1152 bias, proj 7*128 x 3584,
+    # gate/up/down 3 x 4736 x 3584, two norms 2 x 3584 -> 58,269,824; x 28 layers = 1,631,555,072;
+    # vocab 152064 (already a multiple of 128*4) / 4 = 38016 rows x 3584, embedding + output layer; final norm.
+    params = 28 * (1152 * 3584 + 1152 + 896 * 3584 + 3 * 4736 * 3584 + 2 * 3584) + 2 * 38016 * 3584 + 3584
+    assert params == 1_904_057_344
+    assert actor_stage_param_count(QWEN7B, tp=4, pp=1, stage=0) == params
+    train = make_plan(qwen7b_inputs()).phase("train").components
+    assert train["actor_params"] == 2 * params == 3_808_114_688  # bf16
+    assert train["actor_grads"] == 4 * params  # fp32 main grads
+    assert train["optimizer"] == 12 * params // 2  # fp32 master + Adam m, v, sharded over DP=2
+    unsharded = make_plan(qwen7b_inputs(distributed_optimizer=False)).phase("train").components
+    assert unsharded["optimizer"] == 12 * params
+    fp32 = make_plan(qwen7b_inputs(dtype="float32", distributed_optimizer=False)).phase("train").components
+    assert fp32["optimizer"] == 8 * params  # fp32 params: no master copy
+
+
+def test_pipeline_stages_split_the_vocab_tables():
+    # PP=2: stage 0 holds the embedding, stage 1 the output layer and the final norm; 14 layers each.
+    layer = 1152 * 3584 + 1152 + 896 * 3584 + 3 * 4736 * 3584 + 2 * 3584
+    assert actor_stage_param_count(QWEN7B, 4, 2, 0) == 14 * layer + 38016 * 3584
+    assert actor_stage_param_count(QWEN7B, 4, 2, 1) == 14 * layer + 38016 * 3584 + 3584
+    tied = ModelShape.from_architecture("Qwen2.5-0.5B-Instruct")  # tied: PP=1 holds the table once
+    one = actor_stage_param_count(tied, 1, 1, 0)
+    two = actor_stage_param_count(tied, 1, 2, 0) + actor_stage_param_count(tied, 1, 2, 1)
+    assert two - one == 151_936 * 896  # the last stage's copy of the tied table
+
+
+def test_kv_bytes_per_token_with_kv_head_replication():
+    # 2 (k, v) x 28 layers x KV heads per rank x 128 x 2 bytes
+    assert kv_bytes_per_token(QWEN7B, 1, 2) == 2 * 28 * 4 * 128 * 2 == 57_344
+    assert kv_bytes_per_token(QWEN7B, 2, 2) == 2 * 28 * 2 * 128 * 2
+    assert kv_bytes_per_token(QWEN7B, 4, 2) == 2 * 28 * 1 * 128 * 2
+    assert kv_bytes_per_token(QWEN7B, 28, 2) == 2 * 28 * 1 * 128 * 2  # TP 28 > 4 KV heads: each rank keeps one
+    plan = make_plan(qwen7b_inputs(kv_cache_bytes=28_672 * 1000 + 5))  # engine TP=2: 28,672 B/token
+    assert plan.kv_cache_tokens() == 992  # whole blocks of 16 tokens
+    assert plan.kv_cache_bytes == 992 * 28_672
+
+
+def test_engine_weights_match_the_vllm_layout():
+    """The planner's restated vLLM layout against rollout/layout.py, parameter by parameter."""
+    import math
+
+    from rollout.layout import vllm_param_layouts
+
+    for name in ("Qwen2.5-0.5B-Instruct", "Qwen2.5-7B-Instruct", "Qwen2.5-32B-Instruct", "Qwen3-8B"):
+        shape = ModelShape.from_architecture(name)
+        config = dict(
+            model_type=shape.model_type,
+            num_hidden_layers=shape.num_layers,
+            hidden_size=shape.hidden_size,
+            intermediate_size=shape.intermediate_size,
+            num_attention_heads=shape.num_heads,
+            num_key_value_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            vocab_size=shape.vocab_size,
+            tie_word_embeddings=shape.tie_word_embeddings,
+            rms_norm_eps=shape.rms_norm_eps,
+        )
+        for tp in (1, 2, shape.num_heads // 2):
+            if shape.num_kv_heads % tp and tp % shape.num_kv_heads:
+                continue
+            real = sum(math.prod(p.local_shape) for p in vllm_param_layouts(config, tp, 0))
+            assert engine_param_count(shape, tp) == real, (name, tp)
+
+
+def test_actor_params_match_the_megatron_layout():
+    """The planner's restated megatron layout against megatron_backend/layout.py, every stage."""
+    import math
+
+    from megatron_backend.layout import ModelShape as MegatronShape
+    from megatron_backend.layout import RankLayout, local_param_shapes
+
+    for name in ("Qwen2.5-0.5B-Instruct", "Qwen2.5-7B-Instruct", "Qwen3-8B"):
+        shape = ModelShape.from_architecture(name)
+        mg = MegatronShape(
+            shape.model_type, shape.num_layers, shape.hidden_size, shape.intermediate_size, shape.num_heads,
+            shape.num_kv_heads, shape.head_dim, shape.vocab_size, shape.tie_word_embeddings, shape.qkv_bias,
+            shape.qk_norm,
+        )  # fmt: skip
+        for tp, pp, vpp in ((1, 1, None), (2, 2, None), (2, 2, 2)):
+            for stage in range(pp):
+                local = local_param_shapes(mg, RankLayout(tp, pp, vpp, 0, stage))
+                real = sum(math.prod(s) for s in local.values())
+                assert actor_stage_param_count(shape, tp, pp, stage) == real, (name, tp, pp, vpp, stage)
+
+
+# ---------------------------------------------------------------- phases, offload flags and wake strategy
+def test_every_phase_is_itemized_in_every_component():
+    plan = make_plan(qwen7b_inputs())
+    assert tuple(p.name for p in plan.phases) == PHASES
+    for p in plan.phases:
+        assert tuple(p.components) == COMPONENTS
+        assert p.predicted_bytes == sum(p.components.values())
+    assert plan.phase("weight_sync").components["sync_bucket"] == 512 * 2**20
+    assert sum(p.components["sync_bucket"] for p in plan.phases) == 512 * 2**20  # weight_sync only
+    assert plan.phase("ref_logprob").components["activations"] == 0  # no reference model
+    with_ref = make_plan(qwen7b_inputs(reference_model=True))
+    assert all(p.components["ref_params"] == plan.phase("train").components["actor_params"] for p in with_ref.phases)
+    assert (
+        with_ref.phase("ref_logprob").components["activations"] == plan.phase("old_logprob").components["activations"]
+    )
+
+
+@pytest.mark.parametrize(
+    "flag,component,phases",
+    [
+        ("offload_params", "actor_params", ("rollout", "engine_sleep", "wake_kv_cache")),
+        (
+            "offload_grads",
+            "actor_grads",
+            (
+                "rollout",
+                "engine_sleep",
+                "onload_params",
+                "wake_weights",
+                "weight_sync",
+                "offload_params",
+                "wake_kv_cache",
+            ),
+        ),
+        (
+            "offload_optimizer",
+            "optimizer",
+            (
+                "rollout",
+                "engine_sleep",
+                "onload_params",
+                "onload_grads",
+                "offload_grads",
+                "wake_weights",
+                "weight_sync",
+                "offload_params",
+                "wake_kv_cache",
+            ),
+        ),
+    ],
+)
+def test_each_offload_flag_removes_exactly_its_component_where_the_state_is_away(flag, component, phases):
+    offloaded = make_plan(qwen7b_inputs())
+    kept = make_plan(qwen7b_inputs(**{flag: False}))
+    size = kept.phase("train").components[component]
+    assert size > 0
+    assert components_differ(offloaded, kept) == {name: {component: size} for name in phases}
+
+
+@pytest.mark.parametrize("wake_strategy", ["staged", "all_at_once"])
+def test_wake_phases_take_back_what_the_engines_wake_tags_say(wake_strategy):
+    from rollout.config import WAKE_TAGS
+
+    plan = make_plan(qwen7b_inputs(wake_strategy=wake_strategy))
+    component = {"weights": "engine_weights", "kv_cache": "kv_cache"}
+    for phase, tags in WAKE_TAGS[wake_strategy].items():
+        grown = set(phase_growth_bytes(plan, phase)) & set(component.values())
+        assert grown == {component[t] for t in tags}, phase
+
+
+def test_staged_wake_saves_the_actor_params_in_the_wake_window():
+    staged = make_plan(qwen7b_inputs())
+    at_once = make_plan(qwen7b_inputs(wake_strategy="all_at_once"))
+    params = staged.phase("train").components["actor_params"]
+    # the phase where the KV cache comes back holds the actor's params only when it wakes with the weights
+    kv_wake_staged, kv_wake_at_once = staged.phase("wake_kv_cache"), at_once.phase("wake_weights")
+    assert kv_wake_staged.components["kv_cache"] == kv_wake_at_once.components["kv_cache"] == KV_BYTES
+    assert kv_wake_at_once.predicted_bytes - kv_wake_staged.predicted_bytes == params
+    assert {k for k, v in kv_wake_at_once.components.items() if v != kv_wake_staged.components[k]} == {"actor_params"}
+    # the whole window: all-at-once's weight_sync holds params + weights + KV + bucket; staged's worst is weights + KV
+    bucket = staged.phase("weight_sync").components["sync_bucket"]
+    assert at_once.wake_window_peak.predicted_bytes - staged.wake_window_peak.predicted_bytes == params + bucket
+    # with params kept on the device there is nothing for staging to save
+    kept = [make_plan(qwen7b_inputs(offload_params=False, wake_strategy=w)) for w in ("staged", "all_at_once")]
+    assert kept[0].largest_safe_kv_cache_bytes == kept[1].largest_safe_kv_cache_bytes
+
+
+# ---------------------------------------------------------------- results
+def test_overflow_names_the_phase_and_the_bytes_over():
+    # TP=2, DP=1: 45 GB of optimizer states alone, kept on the device through rollout
+    inputs = qwen7b_inputs(device=device_preset("A100-40GB"), actor_tp=2, actor_dp=1, offload_optimizer=False)
+    plan = make_plan(inputs)
+    assert not plan.fits
+    over = {o.phase: o for o in plan.overflows}
+    assert "train" in over and "rollout" in over
+    assert over["train"].over_bytes == plan.phase("train").predicted_bytes - plan.budget_bytes > 0
+    assert plan.budget_bytes == plan.capacity_bytes - plan.runtime_overhead_bytes - plan.margin_bytes
+    worst = max(plan.overflows, key=lambda o: o.over_bytes)
+    line = verdict(plan)
+    assert line.startswith(f"DOES NOT FIT: {worst.phase} needs") and f"{worst.over_bytes / GIB:.2f} GiB over" in line
+    assert "OVER" in format_table(plan)
+
+
+@pytest.mark.parametrize("wake_strategy", ["staged", "all_at_once"])
+@pytest.mark.parametrize("engine", ["vllm", "native"])
+def test_recommended_kv_cache_makes_the_tightest_phase_fit_exactly(engine, wake_strategy):
+    inputs = qwen7b_inputs(kv_cache_bytes=None, engine=engine, wake_strategy=wake_strategy)
+    plan = make_plan(inputs)
+    block = plan.kv_bytes_per_token * inputs.block_size
+    assert plan.kv_cache_source == "auto"
+    assert plan.kv_cache_bytes == plan.recommended_kv_cache_bytes == plan.largest_safe_kv_cache_bytes > 0
+    tightest = plan.phase(plan.kv_limiting_phase)
+    assert plan.budget_bytes - block < tightest.predicted_bytes <= plan.budget_bytes
+    assert plan.fits and plan.peak_bytes <= plan.budget_bytes
+    one_more_block = make_plan(replace(inputs, kv_cache_bytes=plan.kv_cache_bytes + block))
+    assert [o.phase for o in one_more_block.overflows] == [
+        p.name for p in one_more_block.phases if p.predicted_bytes > plan.budget_bytes
+    ]
+    assert plan.kv_limiting_phase in {o.phase for o in one_more_block.overflows}
+    # the recommended gpu_memory_utilization, under this engine's meaning, gives back at most that KV cache
+    # (rounded down to 3 decimals: within 0.001 of the device)
+    util = plan.recommended_gpu_memory_utilization
+    from_util = make_plan(replace(inputs, gpu_memory_utilization=util))
+    assert from_util.kv_cache_source == "gpu_memory_utilization"
+    assert plan.kv_cache_bytes - 0.001 * inputs.device.total_bytes - block <= from_util.kv_cache_bytes
+    assert from_util.kv_cache_bytes <= plan.kv_cache_bytes and from_util.fits
+
+
+def test_kv_cache_is_capped_at_what_max_num_seqs_can_use():
+    plan = make_plan(qwen7b_inputs(kv_cache_bytes=None, max_num_seqs=8, max_model_len=1024))
+    assert plan.recommended_kv_cache_bytes == 8 * 1024 * plan.kv_bytes_per_token < plan.largest_safe_kv_cache_bytes
+    assert plan.kv_cache_tokens() == 8 * 1024
+    tiny_kv = make_plan(qwen7b_inputs(kv_cache_bytes=1024 * 28_672, max_model_len=2048))
+    assert tiny_kv.kv_cache_too_small and not tiny_kv.fits and "smaller than one max_model_len" in verdict(tiny_kv)
+
+
+def test_equivalent_utilization_follows_each_engines_meaning():
+    plan = make_plan(qwen7b_inputs())
+    util = plan.equivalent_utilization()
+    weights, kv, total = plan.engine_weight_bytes, plan.kv_cache_bytes, plan.capacity_bytes
+    assert util["vllm"] == pytest.approx((weights + kv + plan.rollout_engine_reserve_bytes) / total)
+    assert util["native"] == pytest.approx((weights + kv + 64 * 2**20) / total)
+    assert util["vllm"] > util["native"]  # vLLM's fraction also covers its CUDA graphs and profiled activations
+    free = total - plan.runtime_overhead_bytes  # everything offloaded: the engine starts on an empty device
+    assert util["sglang"] == pytest.approx((weights + kv) / (free - plan.phase("rollout").components["comm_buffers"]))
+
+
+def test_check_fits_names_the_phase_the_shortfall_and_a_kv_cache_that_fits():
+    plan = make_plan(qwen7b_inputs())
+    assert phase_growth_bytes(plan, "wake_kv_cache") == {"kv_cache": KV_BYTES}
+    needed = KV_BYTES + plan.rollout_engine_reserve_bytes - plan.phase("wake_kv_cache").components["engine_reserve"]
+    ok = check_fits(plan, measured_free_bytes=needed)
+    assert ok.fits and ok.phase == "wake_kv_cache" and ok.needed_bytes == needed and ok.line.endswith("fits")
+    short = check_fits(plan, measured_free_bytes=needed - 3 * GIB)
+    assert not short.fits and short.shortfall_bytes == 3 * GIB
+    assert short.line.startswith("wake_kv_cache would overflow") and "short by 3.00 GiB" in short.line
+    fitting = (KV_BYTES - 3 * GIB) // KV_BLOCK_BYTES * KV_BLOCK_BYTES
+    assert short.fitting_kv_cache_bytes == fitting
+    assert f"rollout.kv_cache_bytes={fitting}" in short.line
+    refit = make_plan(qwen7b_inputs(kv_cache_bytes=short.fitting_kv_cache_bytes))
+    assert check_fits(refit, measured_free_bytes=needed - 3 * GIB).fits
+    # all at once: the KV cache wakes with the weights
+    at_once = make_plan(qwen7b_inputs(wake_strategy="all_at_once"))
+    assert at_once.kv_wake_phase == "wake_weights"
+    assert set(phase_growth_bytes(at_once, "wake_weights")) == {"engine_weights", "kv_cache"}
+    hopeless = check_fits(at_once, measured_free_bytes=GIB)
+    assert hopeless.fitting_kv_cache_bytes is None and "no KV cache fits" in hopeless.line
+
+
+def test_side_by_side_keeps_the_kv_cache_and_flips_one_choice_each():
+    rows = variants(qwen7b_inputs(kv_cache_bytes=None))
+    labels = [label for label, _ in rows]
+    assert labels == [
+        "as configured",
+        "wake_strategy=all_at_once",
+        "offload.params=false",
+        "offload.grads=false",
+        "offload.optimizer=false",
+    ]
+    kv = rows[0][1].kv_cache_bytes
+    assert all(p.kv_cache_bytes == kv for _, p in rows)
+    assert (
+        rows[4][1].phase("rollout").predicted_bytes - rows[0][1].phase("rollout").predicted_bytes
+        == (rows[0][1].phase("train").components["optimizer"])
+    )
+
+
+def test_bad_inputs_fail_with_the_field_and_the_fix():
+    with pytest.raises(ValueError, match="actor_tp=8 must divide the 28 heads and 4 KV heads"):
+        qwen7b_inputs(actor_tp=8)
+    with pytest.raises(ValueError, match="rollout_tp=7 must divide"):
+        qwen7b_inputs(rollout_tp=7)
+    with pytest.raises(ValueError, match="wake_strategy='lazy' is not one of"):
+        qwen7b_inputs(wake_strategy="lazy")
+    with pytest.raises(ValueError, match="gpu_memory_utilization=1.5 is outside"):
+        qwen7b_inputs(gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="device 'TPU' is not a preset"):
+        device_preset("TPU")
+    with pytest.raises(TypeError):
+        PlanInputs(QWEN7B, device_preset("H100-80GB"))  # keyword-only
+
+
+def test_cpu_device_is_this_machines_memory_shared_by_its_ranks():
+    import psutil
+
+    assert device_preset("cpu", ranks_per_node=4).total_bytes == psutil.virtual_memory().total // 4
+    assert device_preset("h100-80gb").name == "H100-80GB"
+    assert device_preset("H200-141GB").total_bytes == 143771 * 2**20
