@@ -53,7 +53,13 @@ class ModelConfig:
                     f"model.path={self.path!r} has no config.json here; point it at a HF checkpoint directory "
                     "or set model.architecture for planning and validation"
                 ) from None
-            shape = ModelShape.from_pretrained(self.architecture)
+            try:
+                shape = ModelShape.from_pretrained(self.architecture)
+            except FileNotFoundError:
+                raise ValueError(
+                    f"model.architecture={self.architecture!r} is neither a HF checkpoint directory nor a shipped "
+                    f"architecture; use arch:<name> with a name from modelspec/architectures/"
+                ) from None
         declared = dict(
             num_layers=(self.num_layers, shape.num_layers),
             num_attention_heads=(self.num_attention_heads, shape.num_heads),

@@ -62,6 +62,7 @@ def test_overrides_reach_the_components():
         (["actor.tp=two"], "could not be converted to Integer"),
         (["trainer.prompts_per_step=4"], "each DP rank trains on 32 sequences per step"),
         (["actor.tp=1", "trainer.prompts_per_step=3"], "must split evenly over the 2 actor DP ranks"),
+        (["model.path=/nope", "model.architecture=Qwen2.5-7B"], "model.architecture='Qwen2.5-7B' is neither"),
     ],
 )
 def test_bad_config_fails_with_one_line_naming_the_key(overrides, expected):
