@@ -21,12 +21,14 @@ TRAIN_PP    ?= 1
 ROLLOUT_TP  ?= 1
 PYTEST_ARGS ?=
 JSON        ?=
+NODES       ?=
+SUBMIT      ?=
 
 STAMP := $(VENV)/.installed-$(EXTRAS)
 # HF=tiny_models/<family> builds that tiny checkpoint on demand, so README examples work in a fresh clone
 TINY_HF := $(if $(filter $(TINY_DIR)/%,$(HF)),$(HF)/config.json)
 
-.PHONY: help install run plan test test-gpu test-slow lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout clean
+.PHONY: help install run plan sbatch test test-gpu test-slow test-slurm lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout clean
 
 help: ## list the targets
 	@echo "usage: make <target> [EXP=<experiment>] [ARGS=\"<hydra overrides>\"]"
@@ -47,6 +49,8 @@ run: $(STAMP) ## run experiment EXP (default tiny_cpu: the whole loop on 2 CPU p
 
 plan: $(STAMP) ## predicted memory of every phase of EXP on its device, KV cache sized to fit (no GPU); JSON=<path> writes it
 	@$(PY) -m tools.plan --exp $(EXP) $(if $(JSON),--json $(JSON)) $(ARGS)
+sbatch: $(STAMP) ## render runs/<EXP>/<timestamp>/job.sbatch [NODES=<n>] [SUBMIT=1: sbatch it, print the job id]
+	@$(PY) -m tools.sbatch --exp $(EXP) $(if $(NODES),--nodes $(NODES)) $(if $(filter 1 yes true,$(SUBMIT)),--submit) $(ARGS)
 
 test: $(STAMP) ## run the CPU test suite (excludes gpu, slow and slurm tests)
 	$(PY) -m pytest -q -m "not gpu and not slow and not slurm" $(PYTEST_ARGS)
@@ -56,6 +60,9 @@ test-slow: $(STAMP) ## run the slow end-to-end tests
 
 test-gpu: $(STAMP) ## run the gpu-marked tests (needs CUDA; `make install EXTRAS=dev,gpu` for vLLM)
 	$(PY) -m pytest -q -m "gpu" $(PYTEST_ARGS)
+
+test-slurm: $(STAMP) ## the slurm-marked tests: start a local Slurm (.ci/slurm-up, root) if none answers, submit jobs
+	$(PY) -m pytest -q -m "slurm" $(PYTEST_ARGS)
 
 lint: $(STAMP) ## ruff over the whole repo
 	$(PY) -m ruff check .

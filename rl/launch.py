@@ -30,6 +30,13 @@ class ClusterConfig:
     num_nodes: int = 1
     procs_per_node: int = 2  # GPUs per node on a cluster, CPU processes on a laptop/CI
     device: str = "cpu"  # what one rank runs on, for the memory planner: one of planner.DEVICE_NAMES
+    # --- Slurm (`make sbatch`, tools/sbatch.py). Unset: SBATCH_TIMELIMIT / SBATCH_PARTITION / SBATCH_ACCOUNT
+    # from the environment, else the cluster's defaults.
+    slurm_time: str | None = None  # --time, e.g. "04:00:00" (checked by tools/sbatch.py, with the environment's)
+    slurm_partition: str | None = None
+    slurm_account: str | None = None
+    slurm_gpus_per_node: int | None = None  # None: procs_per_node if rollout.engine=vllm, else 0 (a CPU job)
+    slurm_signal_seconds: int = 300  # USR1 this long before the time limit: ranks checkpoint, the job requeues
 
     def __post_init__(self) -> None:
         if self.device not in DEVICE_NAMES:
@@ -38,6 +45,15 @@ class ClusterConfig:
             raise ValueError(f"cluster.num_nodes={self.num_nodes} must be >= 1")
         if self.procs_per_node < 1:
             raise ValueError(f"cluster.procs_per_node={self.procs_per_node} must be >= 1")
+        if self.slurm_gpus_per_node not in (None, 0, self.procs_per_node):
+            raise ValueError(
+                f"cluster.slurm_gpus_per_node={self.slurm_gpus_per_node}: one rank per GPU, so use 0 (CPU job) or "
+                f"cluster.procs_per_node={self.procs_per_node}"
+            )
+        if self.slurm_signal_seconds < 30:
+            raise ValueError(
+                f"cluster.slurm_signal_seconds={self.slurm_signal_seconds} must be >= 30 (time to checkpoint)"
+            )
 
     @property
     def world_size(self) -> int:

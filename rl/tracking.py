@@ -1,6 +1,8 @@
 """Run outputs on rank 0: metrics.jsonl, memory_timeline.{csv,png}, summary.json and a W&B run.
 
 W&B is offline unless ``wandb.mode=online`` (``wandb sync <run dir>/wandb/offline-run-*`` uploads later).
+``wandb.init`` takes the run id from ``WANDB_RUN_ID`` and ``WANDB_RESUME`` from the environment: a Slurm
+job (``make sbatch``) fixes both, so a requeued job resumes the same W&B run.
 Timeline series are logged as ``memory/<metric>/rank<r>`` against a custom x-axis ``timeline/t_s``
 (seconds since the run started); per-step scalars against ``trainer/step``, among them
 ``memory/peak/<phase>`` (max over ranks of the phase's ``device_allocated``).
