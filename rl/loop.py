@@ -164,8 +164,9 @@ class Context:
 
     # ------------------------------------------------------------------ weights
     def sync_weights(self) -> None:
-        result = self.weight_sync(self.actor.local_params(), self.engine.named_parameters())
-        self.engine.load_weights([])  # marks the weights written in place as loaded
+        dst = self.engine.begin_weight_update()
+        result = self.weight_sync(self.actor.local_params(), dst)
+        self.engine.finish_weight_update()
         self.sync_history.append(result)
 
     # ------------------------------------------------------------------ metrics

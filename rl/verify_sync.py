@@ -22,15 +22,14 @@ PROMPTS = ("1+2=", "The quick brown fox", "def add(a, b):", "RL on CPU, 7*6=")
 
 def check_input(args: argparse.Namespace) -> str | None:
     from megatron_backend.parity import check_input as check_actor_input
-    from rollout.layout import ModelShape, tp_shape
+    from modelspec import ModelShape
+    from rollout.layout import tp_shape
 
     problem = check_actor_input(args.hf, args.train_tp, args.train_pp, None)
     if problem:
         return problem
-    with open(f"{args.hf}/config.json") as f:
-        config = json.load(f)
     try:
-        tp_shape(ModelShape.from_hf_config(config), args.rollout_tp, 0)
+        tp_shape(ModelShape.from_pretrained(args.hf), args.rollout_tp, 0)
     except ValueError as exc:
         return f"HF={args.hf}: ROLLOUT_TP={args.rollout_tp}: {exc}"
     if args.bucket_mb < 1:
@@ -75,8 +74,9 @@ def _rank_main(args: argparse.Namespace) -> None:
         verify=True,
         te_norms=actor.layout.te_norms,
     )
-    result = sync(actor.local_params(), engine.named_parameters())
-    engine.load_weights([])  # written in place by the sync
+    dst = engine.begin_weight_update()
+    result = sync(actor.local_params(), dst)
+    engine.finish_weight_update()
     completions = engine.generate(prompt_ids, SamplingParams(n=1, temperature=0.0, max_tokens=args.max_new_tokens))
     seconds = [None] * world
     dist.all_gather_object(seconds, result.stats.seconds)

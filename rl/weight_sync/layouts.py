@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_backend import layout as actor_layout
+from modelspec import ModelShape
 from rollout import layout as engine_layout
 
 actor_coords = actor_layout.rank_coords
@@ -29,6 +30,5 @@ def actor_sources(
 
 def engine_destinations(hf_config: Any, rollout_tp: int, world_size: int) -> dict[int, list]:
     """Engine rank r is TP rank r % rollout_tp of replica r // rollout_tp."""
-    return {
-        rank: engine_layout.vllm_param_layouts(hf_config, rollout_tp, rank % rollout_tp) for rank in range(world_size)
-    }
+    shape = hf_config if isinstance(hf_config, ModelShape) else ModelShape.from_hf_config(hf_config)
+    return {rank: engine_layout.vllm_param_layouts(shape, rollout_tp, rank % rollout_tp) for rank in range(world_size)}
