@@ -249,3 +249,9 @@ def test_weight_update_writes_in_place_between_begin_and_finish(tiny_model_dirs)
     # the old hack (an empty load marking in-place writes as loaded) is gone
     with pytest.raises(ValueError, match="begin_weight_update"):
         engine.load_weights([])
+    # a sleep that drops the weights cancels an update in progress: its writes are gone
+    engine.begin_weight_update()
+    engine.sleep(["weights"])
+    engine.wake_up(["weights"])
+    with pytest.raises(RuntimeError, match="without begin_weight_update"):
+        engine.finish_weight_update()

@@ -114,6 +114,7 @@ class NativeWeights:
         self.saver.pause("weights")
         if not self.survives_sleep:
             self.loaded = False  # write them again (load_hf or an update) before generating
+            self.updating = False  # an update in progress lost its writes: begin it again
 
     def wake_up(self) -> None:
         self.saver.resume("weights")
