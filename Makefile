@@ -86,7 +86,7 @@ bench-entropy: $(STAMP) ## peak memory of chunked vs unchunked vocab entropy: on
 	@$(PY) -m tools.bench_entropy
 
 bench-rollout: $(STAMP) ## native engine vs transformers generate tokens/s (batch 32, tiny model): one JSON line
-	@$(PY) -m rollout.bench $(ARGS)
+	@$(PY) -m tools.bench_rollout $(ARGS)
 
 clean: ## remove caches and generated tiny checkpoints (keeps .venv and runs/)
 	rm -rf .pytest_cache .ruff_cache $(TINY_DIR)

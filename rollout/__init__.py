@@ -21,7 +21,7 @@ def make_engine(cfg: RolloutConfig, model_path: str, group: Any = None, **kwargs
     vllm: runs inside torchrun ranks (external_launcher); kwargs ``dtype``, ``seed`` and vLLM extras.
     """
     if cfg.engine == "native":
-        from rollout.native_engine import NativeEngine
+        from rollout.native import NativeEngine
 
         return NativeEngine(cfg, model_path, group=group, **kwargs)
     from rollout.vllm_engine import VllmEngine, check_vllm_available

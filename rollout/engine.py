@@ -83,7 +83,7 @@ class RolloutEngine(Protocol):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Full (unsharded) tensors under Hugging Face names, as vLLM's ``model.load_weights``; each rank
-        keeps its own slices. Any subset of the tensors may be passed. (The gather-and-reload path: what
+        keeps its own slices. Any non-empty subset of the tensors may be passed. (The gather-and-reload path: what
         other stacks do, kept as a baseline and for tensors the planned sync cannot write.)"""
         ...
 

@@ -1,6 +1,6 @@
 """vLLM's per-rank weight layout, as data: the single source of that knowledge in this repo.
 
-Pure python + torch (no process group, no vLLM import). For a Hugging Face config, a rollout TP size
+Pure python + torch (no process group, no vLLM import). For a :class:`modelspec.ModelShape`, a rollout TP size
 and a TP rank, :func:`vllm_param_layouts` lists every parameter vLLM (Qwen2 / Llama / Qwen3 families)
 holds on that rank: its vLLM name, its local shape, and which slices of which full HF tensors it is
 made of. The native engine's loader fills its tensors from this list; a resharding planner can use the
@@ -25,67 +25,10 @@ Layout (h = hidden, d = head_dim, Hq / Hkv = q / KV heads, I = intermediate, V =
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from modelspec import ModelShape
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes of a Qwen2 / Llama / Qwen3 decoder that layouts and the engine need."""
-
-    model_type: str
-    num_layers: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    qk_norm: bool
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    eos_token_id: int | None
-
-    @classmethod
-    def from_hf_config(cls, config: Any) -> ModelShape:
-        """From a transformers config object or its ``to_dict()`` / config.json dict."""
-        c = config if isinstance(config, dict) else config.to_dict()
-        model_type = c.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type={model_type!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}")
-        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"rope_type={rope_type!r} is not supported by the native engine (only 'default')")
-        # transformers v5 keeps rope_theta under rope_parameters; v4 at the top level.
-        rope_theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
-        heads = c["num_attention_heads"]
-        eos = c.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        return cls(
-            model_type=model_type,
-            num_layers=c["num_hidden_layers"],
-            hidden_size=c["hidden_size"],
-            intermediate_size=c["intermediate_size"],
-            num_heads=heads,
-            num_kv_heads=c.get("num_key_value_heads") or heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-            vocab_size=c["vocab_size"],
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases; Llama / Qwen3 only with attention_bias=True.
-            qkv_bias=model_type == "qwen2" or bool(c.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
-            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
-            eos_token_id=eos,
-        )
 
 
 def padded_vocab_size(vocab_size: int, pad_to: int = VOCAB_PADDING) -> int:
@@ -174,9 +117,13 @@ class ParamLayout:
     replicated: bool = False  # every TP rank holds the same full tensor
 
 
-def vllm_param_layouts(config: Any, tp: int = 1, tp_rank: int = 0) -> list[ParamLayout]:
+def vllm_param_layouts(shape: ModelShape, tp: int = 1, tp_rank: int = 0) -> list[ParamLayout]:
     """Every vLLM parameter of rank ``tp_rank`` at rollout TP ``tp``, in vLLM's order (see module doc)."""
-    shape = config if isinstance(config, ModelShape) else ModelShape.from_hf_config(config)
+    if not isinstance(shape, ModelShape):
+        raise TypeError(
+            f"vllm_param_layouts takes a modelspec.ModelShape, got {type(shape).__name__}; build one with "
+            "ModelShape.from_pretrained(path) or ModelShape.from_hf_config(config)"
+        )
     t = tp_shape(shape, tp, tp_rank)
     h, d = shape.hidden_size, shape.head_dim
     out: list[ParamLayout] = []

@@ -10,18 +10,19 @@ Backends:
 - ``portable`` (CPU and CUDA): ``pause`` shrinks each tracked tensor's storage to 0 bytes
   (``untyped_storage().resize_(0)``) and ``resume`` re-allocates it (same tensor objects, new address,
   contents zero unless ``cpu_backup``). Large host allocations are mmapped by glibc, so freeing them
-  returns pages to the OS; ``malloc_trim(0)`` returns what the heap can.
+  returns pages to the OS; :func:`modelspec.host_memory.release_freed_host_memory` returns what the heap
+  can.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
-import sys
 from collections.abc import Iterator
 
 import torch
+
+from modelspec.host_memory import release_freed_host_memory
 
 TAGS = ("weights", "kv_cache")
 BACKENDS = ("auto", "portable", "torch_memory_saver")
@@ -33,12 +34,6 @@ def torch_memory_saver_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
-
-
-def _malloc_trim() -> None:
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 class MemorySaver:
@@ -132,7 +127,7 @@ class MemorySaver:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             else:
-                _malloc_trim()
+                release_freed_host_memory()
         self._paused.add(tag)
         return released
 

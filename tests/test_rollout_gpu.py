@@ -12,7 +12,7 @@ from rollout import make_engine
 from rollout.config import RolloutConfig
 from rollout.engine import SamplingParams
 from rollout.layout import assemble_local, vllm_param_layouts
-from rollout.native_engine import iter_safetensors
+from rollout.native import iter_safetensors
 from tests.dist import free_port
 from tests.rollout_helpers import MAX_NEW_TOKENS, PROMPTS, hf_greedy, max_abs_diff
 
@@ -58,9 +58,9 @@ def test_vllm_engine_parity_layout_sleep_and_reload(tiny_model_dirs, torchrun_en
     # vLLM's own parameters are exactly what rollout.layout says (the native engine's layout)
     hf = dict(iter_safetensors(model_dir))
     params = engine.named_parameters()
-    from transformers import AutoConfig
+    from modelspec import ModelShape
 
-    layouts = vllm_param_layouts(AutoConfig.from_pretrained(model_dir), tp=1, tp_rank=0)
+    layouts = vllm_param_layouts(ModelShape.from_pretrained(model_dir), tp=1, tp_rank=0)
     assert sorted(params) == sorted(p.name for p in layouts)
     for layout in layouts:
         assert tuple(params[layout.name].shape) == layout.local_shape, layout.name

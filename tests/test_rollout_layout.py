@@ -5,9 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from modelspec import ModelShape
 from modelspec.tiny import tiny_hf_config
 from rollout.config import RolloutConfig
-from rollout.layout import ModelShape, assemble_local, padded_vocab_size, tp_shape, vllm_param_layouts
+from rollout.layout import assemble_local, padded_vocab_size, tp_shape, vllm_param_layouts
+
+
+def _shape(family: str) -> ModelShape:
+    return ModelShape.from_hf_config(tiny_hf_config(family))
 
 
 def _random_hf_state(family: str) -> dict[str, torch.Tensor]:
@@ -20,13 +25,13 @@ def _random_hf_state(family: str) -> dict[str, torch.Tensor]:
 
 def test_padded_vocab_and_shapes():
     assert [padded_vocab_size(v) for v in (99, 128, 160, 1)] == [128, 128, 192, 64]
-    llama = {p.name: p for p in vllm_param_layouts(tiny_hf_config("llama"), tp=2, tp_rank=1)}
+    llama = {p.name: p for p in vllm_param_layouts(_shape("llama"), tp=2, tp_rank=1)}
     assert "lm_head.weight" not in llama  # tied: lm_head is embed_tokens
     embed = llama["model.embed_tokens.weight"]
     assert embed.local_shape == (64, 64)  # 99 -> 128 padded, 64 rows per rank
     (spec,) = embed.slices
     assert (spec.hf_start, spec.hf_stop, spec.local_start) == (64, 99, 0)  # rows 35..63 stay zero
-    qwen3 = {p.name: p for p in vllm_param_layouts(tiny_hf_config("qwen3"), tp=2, tp_rank=0)}
+    qwen3 = {p.name: p for p in vllm_param_layouts(_shape("qwen3"), tp=2, tp_rank=0)}
     assert qwen3["lm_head.weight"].local_shape == (96, 64)  # 160 -> 192 / 2
     assert qwen3["model.layers.3.self_attn.q_norm.weight"].replicated
     assert qwen3["model.layers.0.self_attn.qkv_proj.weight"].local_shape == ((2 + 2 * 1) * 16, 64)
@@ -34,7 +39,7 @@ def test_padded_vocab_and_shapes():
     assert qwen3["model.layers.0.mlp.down_proj.weight"].local_shape == (64, 64)
     assert qwen3["model.layers.0.self_attn.o_proj.weight"].local_shape == (64, 32)
     assert "model.layers.0.self_attn.qkv_proj.bias" not in qwen3
-    qwen2 = {p.name: p for p in vllm_param_layouts(tiny_hf_config("qwen2"), tp=1, tp_rank=0)}
+    qwen2 = {p.name: p for p in vllm_param_layouts(_shape("qwen2"), tp=1, tp_rank=0)}
     assert qwen2["model.layers.0.self_attn.qkv_proj.bias"].local_shape == (4 * 16 + 2 * 2 * 16,)
 
 
@@ -42,13 +47,13 @@ def test_qkv_rows_and_kv_head_replication():
     state = _random_hf_state("qwen2")  # 4 q heads, 2 KV heads, head_dim 16
     q, k, v = (state[f"model.layers.1.self_attn.{n}_proj.weight"] for n in "qkv")
     for tp, rank, q_heads, kv_head in ((2, 1, [2, 3], [1]), (4, 2, [2], [1]), (4, 1, [1], [0])):
-        layouts = {p.name: p for p in vllm_param_layouts(tiny_hf_config("qwen2"), tp, rank)}
+        layouts = {p.name: p for p in vllm_param_layouts(_shape("qwen2"), tp, rank)}
         local = assemble_local(layouts["model.layers.1.self_attn.qkv_proj.weight"], state)
         expect = torch.cat(
             [q.view(4, 16, 64)[q_heads].flatten(0, 1), k.view(2, 16, 64)[kv_head][0], v.view(2, 16, 64)[kv_head][0]]
         )
         assert torch.equal(local, expect), (tp, rank)
-    assert [tp_shape(ModelShape.from_hf_config(tiny_hf_config("qwen2")), 4, r).kv_head_start for r in range(4)] == [
+    assert [tp_shape(_shape("qwen2"), 4, r).kv_head_start for r in range(4)] == [
         0,
         0,
         1,
@@ -61,7 +66,7 @@ def test_qkv_rows_and_kv_head_replication():
 def test_shards_reassemble_to_hf(family, tp):
     """Concatenating every rank's slices gives back each full HF tensor; padding rows are zero."""
     state = _random_hf_state(family)
-    shape = ModelShape.from_hf_config(tiny_hf_config(family))
+    shape = _shape(family)
     rebuilt = {name: torch.full_like(t, float("nan")) for name, t in state.items()}
     for rank in range(tp):
         for layout in vllm_param_layouts(shape, tp, rank):
@@ -84,14 +89,16 @@ def test_shards_reassemble_to_hf(family, tp):
 
 def test_layout_rejects_bad_tp():
     with pytest.raises(ValueError, match="must divide the 4 attention heads"):
-        vllm_param_layouts(tiny_hf_config("qwen2"), tp=3, tp_rank=0)
+        vllm_param_layouts(_shape("qwen2"), tp=3, tp_rank=0)
+    with pytest.raises(TypeError, match="ModelShape.from_hf_config"):  # one parser: configs go through ModelShape
+        vllm_param_layouts(tiny_hf_config("qwen2"), tp=1, tp_rank=0)
 
 
 def test_rope_theta_from_v5_and_v4_configs():
     config = tiny_hf_config("qwen2").to_dict()
-    assert ModelShape.from_hf_config(config).rope_theta == 1_000_000.0
+    assert ModelShape.from_hf_config(config).rope.theta == 1_000_000.0
     v4 = {k: v for k, v in config.items() if k != "rope_parameters"} | {"rope_theta": 5.0}
-    assert ModelShape.from_hf_config(v4).rope_theta == 5.0
+    assert ModelShape.from_hf_config(v4).rope.theta == 5.0
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from rollout import make_engine
 from rollout.config import RolloutConfig
 from rollout.engine import RolloutEngine, SamplingParams
 from rollout.layout import assemble_local, vllm_param_layouts
-from rollout.native_engine import NativeEngine, iter_safetensors
+from rollout.native import NativeEngine, iter_safetensors
 from tests.dist import run_ranks
 from tests.rollout_helpers import MAX_NEW_TOKENS, PROMPTS, hf_greedy, hf_logprobs, max_abs_diff
 
@@ -106,10 +106,10 @@ def test_continuous_batching_reuses_freed_blocks(tiny_model_dirs):
     big = _engine(model_dir).generate(prompts, SamplingParams(n=2, temperature=0.0, max_tokens=20))
     # room for 3 sequences of <= 32 tokens at a time (2 blocks of 16 each), 12 sequences in all
     engine = _engine(model_dir, max_model_len=32, max_num_seqs=3)
-    assert engine.num_blocks == 6
+    assert engine.kv_cache.num_blocks == 6
     small = engine.generate(prompts, SamplingParams(n=2, temperature=0.0, max_tokens=20))
-    assert 1 < engine.max_running_seen <= 3
-    assert sorted(engine.free_blocks) == list(range(6))  # every block came back
+    assert 1 < engine.scheduler.max_running_seen <= 3
+    assert sorted(engine.kv_cache.free_blocks) == list(range(6))  # every block came back
     for a, b in zip(big, small):
         assert [c.token_ids for c in a] == [c.token_ids for c in b]
         assert max(max_abs_diff(x.logprobs, y.logprobs) for x, y in zip(a, b)) < 1e-4
@@ -155,10 +155,10 @@ def test_sampling_controls(tiny_model_dirs):
 
 def test_kv_cache_sized_from_utilization(tiny_model_dirs):
     engine = _engine(tiny_model_dirs["qwen2"], cpu_capacity_gb=0.5, gpu_memory_utilization=0.25, max_num_seqs=4096)
-    budget = int(0.25 * 0.5 * 2**30) - engine.weight_bytes - 16 * 2**20
-    assert engine.kv_cache_capacity_bytes() == budget
-    assert engine.num_blocks == budget // engine.block_bytes
-    assert engine.memory()["kv_cache"] == engine.num_blocks * engine.block_bytes
+    budget = int(0.25 * 0.5 * 2**30) - engine.weights.num_bytes - 16 * 2**20
+    assert engine.kv_cache.budget_bytes == budget
+    assert engine.kv_cache.num_blocks == budget // engine.kv_cache.block_bytes
+    assert engine.memory()["kv_cache"] == engine.kv_cache.num_blocks * engine.kv_cache.block_bytes
     with pytest.raises(ValueError, match="raise rollout.gpu_memory_utilization"):
         _engine(tiny_model_dirs["qwen2"], cpu_capacity_gb=0.02)
 
@@ -175,7 +175,7 @@ def test_sleep_releases_memory_and_rss(tiny_model_dirs):
     engine = _engine(model_dir, cpu_capacity_gb=0.6, gpu_memory_utilization=0.55, max_num_seqs=100_000)
     before = engine.generate(PROMPTS, GREEDY)
     resident = engine.memory()
-    assert resident["kv_cache"] >= 256 * 2**20 and resident["weights"] == engine.weight_bytes
+    assert resident["kv_cache"] >= 256 * 2**20 and resident["weights"] == engine.weights.num_bytes
     rss_awake = _rss()
     engine.sleep(["weights", "kv_cache"])
     released = resident["weights"] + resident["kv_cache"]
@@ -221,18 +221,37 @@ def test_vllm_engine_without_vllm_says_how_to_install(tiny_model_dirs):
     assert "make install EXTRAS=dev,gpu" in message and "\n" not in message
 
 
-def test_in_place_writes_through_named_parameters(tiny_model_dirs):
-    """A resharder writes each rank's slices straight into the engine's tensors (rollout.layout tells where)."""
+def test_weight_update_writes_in_place_between_begin_and_finish(tiny_model_dirs):
+    """A planned sync writes each rank's slices straight into the tensors begin_weight_update() returns
+    (rollout.layout tells where); finish_weight_update() makes them the weights generate uses."""
     model_dir = tiny_model_dirs["qwen3"]  # q/k norms: the engine must not keep stale copies of them
     engine = _engine(model_dir)
     before = [c[0].token_ids for c in engine.generate(PROMPTS, GREEDY)]
     engine.sleep(["weights", "kv_cache"])
+    with pytest.raises(RuntimeError, match="wake_up"):
+        engine.begin_weight_update()
     engine.wake_up(["weights", "kv_cache"])
+    with pytest.raises(RuntimeError, match="finish_weight_update.. without begin_weight_update"):
+        engine.finish_weight_update()
     hf = dict(iter_safetensors(model_dir))
-    params = engine.named_parameters()
+    dst = engine.begin_weight_update()
+    assert list(dst) == [p.name for p in engine.layouts]
     for layout in engine.layouts:
-        params[layout.name].copy_(assemble_local(layout, hf))
-    engine.load_weights([])  # marks the dropped weights as written
+        dst[layout.name].copy_(assemble_local(layout, hf))
+    with pytest.raises(RuntimeError, match="call finish_weight_update"):  # not live before finish
+        engine.generate(PROMPTS, GREEDY)
+    engine.finish_weight_update()  # marks the dropped weights as written
     assert [c[0].token_ids for c in engine.generate(PROMPTS, GREEDY)] == before
-    params["model.layers.0.self_attn.q_norm.weight"].mul_(3.0)  # a change the next generate must see
+    dst = engine.begin_weight_update()
+    dst["model.layers.0.self_attn.q_norm.weight"].mul_(3.0)  # a change the next generate must see
+    engine.finish_weight_update()
     assert [c[0].token_ids for c in engine.generate(PROMPTS, GREEDY)] != before
+    # the old hack (an empty load marking in-place writes as loaded) is gone
+    with pytest.raises(ValueError, match="begin_weight_update"):
+        engine.load_weights([])
+    # a sleep that drops the weights cancels an update in progress: its writes are gone
+    engine.begin_weight_update()
+    engine.sleep(["weights"])
+    engine.wake_up(["weights"])
+    with pytest.raises(RuntimeError, match="without begin_weight_update"):
+        engine.finish_weight_update()

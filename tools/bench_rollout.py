@@ -27,7 +27,7 @@ def main() -> None:
     from modelspec.tiny import resolve_model_path
     from rollout.config import RolloutConfig
     from rollout.engine import SamplingParams
-    from rollout.native_engine import NativeEngine
+    from rollout.native import NativeEngine
 
     torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
