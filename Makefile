@@ -23,12 +23,15 @@ PYTEST_ARGS ?=
 JSON        ?=
 NODES       ?=
 SUBMIT      ?=
+SWEEP       ?= util_offload
+SWEEP_ID    ?=
+ALLOW_INFEASIBLE ?=
 
 STAMP := $(VENV)/.installed-$(EXTRAS)
 # HF=tiny_models/<family> builds that tiny checkpoint on demand, so README examples work in a fresh clone
 TINY_HF := $(if $(filter $(TINY_DIR)/%,$(HF)),$(HF)/config.json)
 
-.PHONY: help install run plan sbatch test test-gpu test-slow test-slurm lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout clean
+.PHONY: help install run plan sbatch sweep sweep-local test test-gpu test-slow test-slurm lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout clean
 
 help: ## list the targets
 	@echo "usage: make <target> [EXP=<experiment>] [ARGS=\"<hydra overrides>\"]"
@@ -51,6 +54,12 @@ plan: $(STAMP) ## predicted memory of every phase of EXP on its device, KV cache
 	@$(PY) -m tools.plan --exp $(EXP) $(if $(JSON),--json $(JSON)) $(ARGS)
 sbatch: $(STAMP) ## render runs/<EXP>/<timestamp>/job.sbatch [NODES=<n>] [SUBMIT=1: sbatch it, print the job id]
 	@$(PY) -m tools.sbatch --exp $(EXP) $(if $(NODES),--nodes $(NODES)) $(if $(filter 1 yes true,$(SUBMIT)),--submit) $(ARGS)
+
+sweep: $(STAMP) ## W&B grid sweep SWEEP over EXP: plan every point, `wandb sweep` (online), render the Slurm array of agents [SWEEP_ID=<e/p/id>: render only]
+	@$(PY) -m tools.sweep create --sweep $(SWEEP) --exp $(EXP) $(if $(SWEEP_ID),--sweep-id $(SWEEP_ID)) $(if $(filter 1 yes true,$(ALLOW_INFEASIBLE)),--allow-infeasible) $(ARGS)
+
+sweep-local: $(STAMP) ## run SWEEP's grid on EXP here, offline, point by point (infeasible points skipped); table + plot
+	@$(PY) -m tools.sweep local --sweep $(SWEEP) --exp $(EXP) $(ARGS)
 
 test: $(STAMP) ## run the CPU test suite (excludes gpu, slow and slurm tests)
 	$(PY) -m pytest -q -m "not gpu and not slow and not slurm" $(PYTEST_ARGS)

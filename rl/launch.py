@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from planner.devices import DEVICE_NAMES
+from planner.devices import CUDA_PRESETS, DEVICE_NAMES
 
 
 @dataclass(kw_only=True)
@@ -68,6 +68,24 @@ def free_port() -> int:
 
 def launched_externally() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def missing_devices(cluster: ClusterConfig, external: bool) -> str | None:
+    """Why this machine cannot run ``cluster.device`` ranks (None: it can). Checked before anything starts.
+
+    A CUDA experiment needs CUDA; started locally (``external=False``) it also needs ``procs_per_node`` GPUs.
+    Under torchrun / srun each rank only needs its own.
+    """
+    if cluster.device not in CUDA_PRESETS:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return "this machine has no CUDA device"
+    found = torch.cuda.device_count()
+    if not external and found < cluster.procs_per_node:
+        return f"this machine has {found} CUDA device(s)"
+    return None
 
 
 def _rank_entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:

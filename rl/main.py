@@ -17,7 +17,7 @@ from pathlib import Path
 from modelspec.tiny import resolve_model_path
 from rl.compose import ConfigError, compose, resolve_path
 from rl.config import RunConfig
-from rl.launch import launched_externally, spawn_local
+from rl.launch import launched_externally, missing_devices, spawn_local
 
 
 def prepare(cfg: RunConfig, run_dir: str | None) -> Path:
@@ -31,6 +31,38 @@ def prepare(cfg: RunConfig, run_dir: str | None) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.yaml").write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
     return path
+
+
+def needs_devices(cfg: RunConfig, overrides: list[str], problem: str) -> int:
+    """No devices for this experiment here: print its memory plan, then one line saying what it needs; exit 2."""
+    from planner import make_plan
+    from planner.report import format_table
+    from rl.planning import plan_inputs
+
+    try:
+        print(format_table(make_plan(plan_inputs(cfg)), title=" ".join([cfg.exp, *overrides])) + "\n", flush=True)
+    except ValueError as exc:  # no shape to plan with: the line below still says what is needed
+        print(f"(no memory plan: {exc})", flush=True)
+    cluster = cfg.cluster
+    args = f' ARGS="{" ".join(overrides)}"' if overrides else ""
+    print(
+        f"error: {cfg.exp} needs {cluster.world_size} x {cluster.device} ({cluster.num_nodes} node(s) x "
+        f"{cluster.procs_per_node}) and {problem}; the plan is above. Run it on a cluster: "
+        f"`make sbatch EXP={cfg.exp}{args} SUBMIT=1`",
+        file=sys.stderr,
+    )
+    return 2
+
+
+def recommended_utilization(cfg: RunConfig) -> str:
+    """The planner's gpu_memory_utilization for ``cfg`` (a placeholder when it cannot plan)."""
+    from planner import make_plan
+    from rl.planning import plan_inputs
+
+    try:
+        return str(make_plan(plan_inputs(cfg)).recommended_gpu_memory_utilization)
+    except ValueError:
+        return "0.5"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,10 +79,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
 
+    problem = missing_devices(cfg.cluster, launched_externally())
+    if problem is not None:
+        return needs_devices(cfg, args.overrides, problem)
     if cfg.rollout.gpu_memory_utilization == "auto":
         print(
-            "config error: rollout.gpu_memory_utilization=auto needs the memory planner, which is not built yet; "
-            "set a float in (0, 1], e.g. rollout.gpu_memory_utilization=0.5",
+            "config error: rollout.gpu_memory_utilization=auto needs the memory planner's KV budget, which make run "
+            f"does not hand the engine yet; set a float in (0, 1], e.g. rollout.gpu_memory_utilization="
+            f"{recommended_utilization(cfg)} (what `make plan EXP={cfg.exp}` recommends)",
             file=sys.stderr,
         )
         return 2

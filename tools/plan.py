@@ -14,60 +14,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from planner import PlanInputs, device_preset, make_plan, variants
-from planner.devices import MIB
+from planner import make_plan, variants
 from planner.report import format_table, gib, plan_json, verdict
+from rl.planning import DEFAULT_PROMPT_TOKENS, plan_inputs  # plan_inputs lives in rl so rl.main can plan too
 
-# Prompts are data, not config: without rollout.max_model_len (which bounds prompt + response) plan for this
-# many prompt tokens (at most the checkpoint's max_position_embeddings - max_new_tokens).
-DEFAULT_PROMPT_TOKENS = 512
-
-
-def plan_inputs(cfg, prompt_tokens: int | None = None) -> PlanInputs:
-    """A composed RunConfig -> the planner's inputs for one rank (adapt here when rl/config.py changes)."""
-    rollout, actor = cfg.rollout, cfg.actor
-    device = device_preset(cfg.cluster.device, ranks_per_node=cfg.cluster.procs_per_node)
-    on_cuda = device.kind == "cuda"
-    shape = cfg.model.shape()  # model.path's config.json, else model.architecture
-    if prompt_tokens is None:
-        # the engine's max_model_len bounds prompt + response
-        longest = rollout.max_model_len or shape.max_position_embeddings
-        prompt_tokens = longest - rollout.max_new_tokens
-        if not rollout.max_model_len:
-            prompt_tokens = min(DEFAULT_PROMPT_TOKENS, prompt_tokens)
-    util = rollout.gpu_memory_utilization
-    return PlanInputs(
-        shape=shape,
-        device=device,
-        dtype=cfg.model.dtype,
-        actor_tp=actor.tp,
-        actor_pp=actor.pp,
-        actor_vpp=actor.vpp,
-        actor_dp=cfg.dp,
-        # megatron_backend.actor: megatron's optimizer on CUDA, distributed when DP > 1; torch AdamW on CPU
-        distributed_optimizer=on_cuda and cfg.dp > 1,
-        offload_params=actor.offload.params,
-        offload_grads=actor.offload.grads,
-        offload_optimizer=actor.offload.optimizer,
-        micro_batch_size=actor.micro_batch_size,
-        recompute=getattr(actor, "recompute", "none"),
-        attention="flash" if on_cuda else "unfused",  # Transformer Engine on CUDA, megatron's local spec on CPU
-        reference_model=cfg.algorithm.kl_coef > 0,
-        sequences_per_step=cfg.trainer.prompts_per_step * rollout.n_samples_per_prompt,
-        prompt_tokens=max(1, prompt_tokens),
-        response_tokens=rollout.max_new_tokens,
-        engine=rollout.engine,
-        rollout_tp=rollout.tp,
-        wake_strategy=rollout.wake_strategy,
-        gpu_memory_utilization=None if util == "auto" else float(util),
-        kv_cache_bytes=getattr(rollout, "kv_cache_bytes", None),
-        engine_capacity_bytes=int(rollout.cpu_capacity_gb * 2**30),
-        max_num_seqs=rollout.max_num_seqs,
-        max_model_len=rollout.max_model_len,
-        block_size=rollout.block_size,
-        native_activation_reserve_bytes=rollout.activation_reserve_mb * MIB,
-        sync_bucket_bytes=cfg.weight_sync.bucket_mb * MIB,
-    )
+__all__ = ["main", "plan_inputs"]
 
 
 def main(argv: list[str] | None = None) -> int:
