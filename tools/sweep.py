@@ -167,12 +167,14 @@ def short_key(key: str) -> str:
 
 def validate(exp: str, fixed: list[str], grid: list[dict[str, Any]]) -> list[Point]:
     """Compose and plan every point on the experiment's device; infeasible ones get their reason."""
+    from tqdm import tqdm
+
     from planner import make_plan
     from planner.report import verdict
     from rl.planning import plan_inputs
 
     points = []
-    for index, params in enumerate(grid):
+    for index, params in enumerate(tqdm(grid, desc=f"checking points on {exp}", unit="point", leave=False)):
         point = Point(index, params, point_overrides(params))
         try:
             point.cfg = compose(exp, [*fixed, *point.overrides])
@@ -576,10 +578,11 @@ def plot_peaks(rows: list[dict[str, Any]], params: list[str], path: Path, title:
     import matplotlib.pyplot as plt
 
     unit, scale = _unit(rows)
-    labels = [f"{r['index']}\n" + "\n".join(f"{short_key(k)}={r[k]}" for k in params) for r in rows]
+    # tick labels: the index, then each swept value by its last key part (params=True, util=0.5, wake=staged)
+    labels = [f"{r['index']}\n" + "\n".join(f"{short_key(k).rsplit('.', 1)[-1]}={r[k]}" for k in params) for r in rows]
     x = range(len(rows))
     width = 0.4
-    fig, ax = plt.subplots(figsize=(min(40.0, max(6.0, 0.9 * len(rows) + 2)), 6.0))
+    fig, ax = plt.subplots(figsize=(min(48.0, max(7.0, 1.3 * len(rows) + 2)), 6.0))
     predicted = [(r["predicted_peak_bytes"] or 0) / scale for r in rows]
     measured = [(r["measured_peak_bytes"] or 0) / scale for r in rows]
     colors = ["tab:gray" if r["status"] == "infeasible" else "tab:blue" for r in rows]
@@ -592,14 +595,21 @@ def plot_peaks(rows: list[dict[str, Any]], params: list[str], path: Path, title:
         hatch="//",
         label="predicted peak (planner)",
     )
-    ax.bar([i + width / 2 for i in x], measured, width, color="tab:orange", label=f"measured peak ({MEASURED_METRIC})")
+    ax.bar(
+        [i + width / 2 for i in x],
+        measured,
+        width,
+        color="tab:orange",
+        label=f"measured peak ({MEASURED_METRIC}: NVML used on CUDA, RSS on CPU)",
+    )
     for i, r in enumerate(rows):
         if r["status"] != "ok":
             ax.text(i, max(predicted[i], measured[i]), r["status"], ha="center", va="bottom", fontsize=8, rotation=90)
     ax.set_xticks(list(x), labels, fontsize=7)
     ax.set_ylabel(f"peak per rank ({unit})")
+    ax.set_ylim(0, 1.25 * max([*predicted, *measured, 1e-9]))  # room above the bars for the legend and labels
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", ncols=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
