@@ -26,6 +26,7 @@ SUBMIT      ?=
 SWEEP       ?= util_offload
 SWEEP_ID    ?=
 ALLOW_INFEASIBLE ?=
+SWEEP_PARALLEL ?=
 
 STAMP := $(VENV)/.installed-$(EXTRAS)
 # HF=tiny_models/<family> builds that tiny checkpoint on demand, so README examples work in a fresh clone
@@ -56,7 +57,7 @@ sbatch: $(STAMP) ## render runs/<EXP>/<timestamp>/job.sbatch [NODES=<n>] [SUBMIT
 	@$(PY) -m tools.sbatch --exp $(EXP) $(if $(NODES),--nodes $(NODES)) $(if $(filter 1 yes true,$(SUBMIT)),--submit) $(ARGS)
 
 sweep: $(STAMP) ## W&B grid sweep SWEEP over EXP: plan every point, `wandb sweep` (online), render the Slurm array of agents [SWEEP_ID=<e/p/id>: render only]
-	@$(PY) -m tools.sweep create --sweep $(SWEEP) --exp $(EXP) $(if $(SWEEP_ID),--sweep-id $(SWEEP_ID)) $(if $(filter 1 yes true,$(ALLOW_INFEASIBLE)),--allow-infeasible) $(ARGS)
+	@$(PY) -m tools.sweep create --sweep $(SWEEP) --exp $(EXP) $(if $(SWEEP_ID),--sweep-id $(SWEEP_ID)) $(if $(filter 1 yes true,$(ALLOW_INFEASIBLE)),--allow-infeasible) $(if $(SWEEP_PARALLEL),--max-parallel $(SWEEP_PARALLEL)) $(ARGS)
 
 sweep-local: $(STAMP) ## run SWEEP's grid on EXP here, offline, point by point (infeasible points skipped); table + plot
 	@$(PY) -m tools.sweep local --sweep $(SWEEP) --exp $(EXP) $(ARGS)

@@ -230,6 +230,8 @@ def render_array(
         raise SweepError(f"sweep directory {sweep_dir} has characters #SBATCH lines cannot carry")
     if num_tasks < 1:
         raise SweepError("no point to run: the array would be empty")
+    if max_parallel is not None and max_parallel < 1:
+        raise SweepError(f"--max-parallel={max_parallel} must be >= 1")
     array = f"1-{num_tasks}" + (f"%{max_parallel}" if max_parallel else "")
     values = {
         "sweep": sweep,
