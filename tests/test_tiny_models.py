@@ -47,6 +47,30 @@ def test_family_features(tiny_model_dirs):
     assert "model.layers.0.self_attn.q_norm.weight" in tensor_names("qwen3")
 
 
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)  # vLLM's CPU attention kernels
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+def test_head_dim_runs_in_vllm_cpu_attention(tiny_model_dirs, family):
+    c = json.loads((Path(tiny_model_dirs[family]) / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    assert head_dim in VLLM_CPU_HEAD_SIZES
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+def test_norms_and_biases_are_random(tiny_model_dirs, family):
+    """A norm left at 1 or a bias at 0 would hide a tensor written to the wrong place (or never)."""
+    with safe_open(str(Path(tiny_model_dirs[family]) / "model.safetensors"), "pt") as f:
+        checked = [n for n in f.keys() if "norm" in n or n.endswith("bias")]
+        assert checked
+        for name in checked:
+            t = f.get_tensor(name)
+            assert t.unique().numel() == t.numel(), name  # every element distinct: no constant fill
+        if family == "qwen2":
+            assert not torch.equal(f.get_tensor("model.layers.0.self_attn.q_proj.bias"),
+                                   f.get_tensor("model.layers.1.self_attn.q_proj.bias"))
+
+
 def test_tiny_checkpoints_are_deterministic(tmp_path):
     a = write_tiny_model("llama", tmp_path / "a")
     b = write_tiny_model("llama", tmp_path / "b")
