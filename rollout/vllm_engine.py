@@ -60,6 +60,7 @@ vLLM is imported only when the engine is built.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import socket
 from collections.abc import Iterable, Iterator, Sequence
@@ -131,7 +132,7 @@ def engine_args(
     elif cfg.kv_cache_mb is None:
         # CPU vLLM would take gpu_memory_utilization x the NODE's memory; size it as the native engine does
         shape = ModelShape.from_pretrained(model_path)
-        elem = 2 if dtype == "auto" else element_bytes(dtype)  # auto: the families' bf16 checkpoints
+        elem = 4 if dtype == "auto" else element_bytes(dtype)  # auto: assume fp32 (the smaller KV budget)
         weight_bytes = shape.param_count() * elem // cfg.tp
         capacity = capacity_bytes if capacity_bytes is not None else int(cfg.cpu_capacity_gb * 2**30)
         budget = cfg.kv_cache_budget_bytes(capacity, weight_bytes)
@@ -147,15 +148,18 @@ def engine_args(
 
 @contextlib.contextmanager
 def _keep_process_settings() -> Iterator[None]:
-    """vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op and its platform exports
-    ``LD_PRELOAD`` (tcmalloc, libgomp) and ``LOCAL_WORLD_SIZE=tp``: process-wide changes meant for a process
-    that only serves vLLM. The actor shares this process (and may start subprocesses), so put them back."""
-    set_num_threads = torch.set_num_threads
+    """vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op, its engine may cut torch's threads
+    to 1 "for serving", and its platform exports ``LD_PRELOAD`` (tcmalloc, libgomp) and
+    ``LOCAL_WORLD_SIZE=tp``: process-wide changes meant for a process that only serves vLLM. The actor
+    shares this process (and may start subprocesses), so put them back."""
+    set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
     saved = {k: os.environ.get(k) for k in ("LD_PRELOAD", "LOCAL_WORLD_SIZE")}
     try:
         yield
     finally:
         torch.set_num_threads = set_num_threads
+        if torch.get_num_threads() != num_threads:
+            torch.set_num_threads(num_threads)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -390,6 +394,12 @@ class VllmEngine:
         kwargs = engine_args(cfg, model_path, mesh, self.platform, dtype=dtype, load=load, **overrides)
         with _keep_process_settings():
             self.llm = LLM(**kwargs)
+        # vLLM's in-process engine core tears down torch.distributed when it is collected (its shutdown
+        # calls cleanup_dist_env_and_memory -> destroy_process_group): the world group is the caller's, and
+        # other engines in this process share vLLM's groups, so that teardown never runs; shutdown() frees.
+        finalizer = getattr(self.llm.llm_engine.engine_core, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
         self.worker = self.llm.collective_rpc(_the_worker)[0]
         self.model = self.worker.model_runner.get_model()
         vllm_coords = (self.worker.parallel_config.data_parallel_rank, get_tensor_model_parallel_rank())
@@ -521,3 +531,14 @@ class VllmEngine:
 
     def memory(self) -> dict[str, int]:
         return self._memory.memory()
+
+    def shutdown(self) -> None:
+        """Free the engine (workers, scheduler, model, KV cache) and keep torch.distributed as it is: vLLM's
+        own EngineCore.shutdown minus its process-group teardown."""
+        core = self.llm.llm_engine.engine_core.engine_core
+        core.structured_output_manager.clear_backend()
+        core.model_executor.shutdown()
+        core.scheduler.shutdown()
+        gc.unfreeze()  # EngineCore froze the heap at start-up; its objects can be collected again
+        del self.llm, self.worker, self.model, self._memory
+        release_freed_host_memory()
