@@ -229,7 +229,7 @@ def to_vllm_sampling_params(params: SamplingParams, seed: int):
     )
 
 
-class _CudaMemory:
+class _CudaPlatform:
     """CUDA: vLLM's own sleep mode, and the loaded weights are the kernels' weights (nothing to repack)."""
 
     def __init__(self, engine: VllmEngine) -> None:
@@ -260,7 +260,7 @@ class _CudaMemory:
         return {"weights": 0 if "weights" in e.asleep else weights, "kv_cache": 0 if "kv_cache" in e.asleep else kv}
 
 
-class _CpuMemory:
+class _CpuPlatform:
     """CPU: vLLM cannot sleep and repacks linear weights after loading (see the module doc)."""
 
     def __init__(self, engine: VllmEngine) -> None:
@@ -412,7 +412,7 @@ class VllmEngine:
         self.updating = False  # between begin_weight_update and finish_weight_update
         self.weights_lost = not load  # dummy weights, or released by a level-2 sleep: write before generating
         self.num_generate_calls = 0
-        self._memory = _CpuMemory(self) if self.platform == "cpu" else _CudaMemory(self)
+        self._impl = _CpuPlatform(self) if self.platform == "cpu" else _CudaPlatform(self)
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
@@ -465,14 +465,14 @@ class VllmEngine:
     def sleep(self, tags: Sequence[str] = TAGS) -> None:
         tags = self._check_tags(tags) - self.asleep
         if tags:
-            self._memory.sleep(tags)
+            self._impl.sleep(tags)
             self.asleep |= tags
 
     def wake_up(self, tags: Sequence[str] = TAGS) -> None:
         tags = self._check_tags(tags) & self.asleep
         if not tags:
             return
-        self._memory.wake_up(tags)
+        self._impl.wake_up(tags)
         self.asleep -= tags
         if "weights" in tags and self.cfg.sleep_level == 2:
             self.weights_lost = True
@@ -485,7 +485,7 @@ class VllmEngine:
             raise RuntimeError("weights are asleep: wake_up(['weights']) before a weight update")
         if self.updating:
             raise RuntimeError("a weight update is already open: finish_weight_update() first")
-        self._memory.open_weights()
+        self._impl.open_weights()
         self.updating = True
         # detached views of the same storage: plain in-place writes, whatever requires_grad vLLM left set
         return {name: p.detach() for name, p in self.model.named_parameters()}
@@ -496,7 +496,7 @@ class VllmEngine:
         from vllm.config import set_current_vllm_config
 
         with set_current_vllm_config(self.worker.vllm_config):
-            self._memory.close_weights()
+            self._impl.close_weights()
         self.updating = False
         self.weights_lost = False
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
@@ -530,7 +530,7 @@ class VllmEngine:
         return params
 
     def memory(self) -> dict[str, int]:
-        return self._memory.memory()
+        return self._impl.memory()
 
     def shutdown(self) -> None:
         """Free the engine (workers, scheduler, model, KV cache) and keep torch.distributed as it is: vLLM's
@@ -540,5 +540,5 @@ class VllmEngine:
         core.model_executor.shutdown()
         core.scheduler.shutdown()
         gc.unfreeze()  # EngineCore froze the heap at start-up; its objects can be collected again
-        del self.llm, self.worker, self.model, self._memory
+        del self.llm, self.worker, self.model, self._impl
         release_freed_host_memory()

@@ -64,29 +64,28 @@ def _tokens_and_logprobs(results):
 
 def _write_slices(engine, new_path: str, tp: int, rank: int, fallback: tuple[str, ...] = ()) -> dict:
     """begin -> write this rank's slices of ``new_path`` (rollout.layout) -> finish; the vLLM parameters in
-    ``fallback`` go through load_weights (full HF tensors) instead. Returns what begin handed out."""
+    ``fallback`` are withheld from the in-place path, so ``split_in_place`` sends them through load_weights
+    (their full HF tensors) inside the same window. Returns what begin handed out."""
     from safetensors.torch import load_file
 
-    from rollout.layout import assemble_local, vllm_param_layouts
+    from rollout.layout import assemble_local, split_in_place, vllm_param_layouts
 
     hf = load_file(str(Path(new_path) / "model.safetensors"))
     layouts = vllm_param_layouts(json.loads((Path(new_path) / "config.json").read_text()), tp=tp, tp_rank=rank % tp)
     dst = engine.begin_weight_update()
     seen = {name: (tuple(t.shape), str(t.dtype)) for name, t in dst.items()}
-    expected = {layout.name: layout.local_shape for layout in layouts}
-    by_name = {layout.name: layout for layout in layouts}
-    for name in dst:
-        if name not in fallback:
-            dst[name].copy_(assemble_local(by_name[name], hf))
-    readable = {name: t.clone() for name, t in engine.named_parameters().items()}
-    engine.load_weights([(s.hf_name, hf[s.hf_name]) for name in fallback for s in by_name[name].slices])
+    in_place, fell_back = split_in_place(layouts, {n: t for n, t in dst.items() if n not in fallback})
+    for layout in in_place:
+        dst[layout.name].copy_(assemble_local(layout, hf))
+    readable = engine.named_parameters()
+    readable_matches = all(torch.equal(readable[p.name], assemble_local(p, hf)) for p in in_place)
+    engine.load_weights([(s.hf_name, hf[s.hf_name]) for p in fell_back for s in p.slices])
     engine.finish_weight_update()
     return {
         "begin": seen,
-        "expected": expected,
-        "readable_matches": all(
-            torch.equal(readable[name], assemble_local(by_name[name], hf)) for name in dst if name not in fallback
-        ),
+        "expected": {layout.name: layout.local_shape for layout in layouts},
+        "readable_matches": readable_matches,
+        "fell_back": sorted(p.name for p in fell_back),
     }
 
 
@@ -133,6 +132,7 @@ def _one_rank(rank: int, world_size: int, checkpoints: dict, big_path: str) -> d
         engine.shutdown()
         fresh.shutdown()
     out["sleep"] = _sleep_wake(rank, world_size, big_path)
+    out["level1"] = _level_one(rank, world_size, checkpoints["qwen2"][0])
     # the engines never tore down the caller's process group
     world = torch.ones(1)
     dist.all_reduce(world)
@@ -171,6 +171,20 @@ def _sleep_wake(rank: int, world_size: int, path: str, kv_mb: int = 256) -> dict
     r["memory"].append(engine.memory())
     r["rss"].append(_rss())
     r["same_after_wake"] = _tokens_and_logprobs(engine.generate(PROMPTS, GREEDY)) == before
+    return r
+
+
+def _level_one(rank: int, world_size: int, path: str) -> dict:
+    """sleep_level=1 on CPU: the KV cache goes, the weights stay resident (a host copy IS the weights)."""
+    cfg = RolloutConfig(engine="vllm", tp=1, kv_cache_mb=KV_MB, max_model_len=128, sleep_level=1)
+    engine = _build(cfg, path, rank, world_size)
+    before = _tokens_and_logprobs(engine.generate(PROMPTS, GREEDY))
+    awake = engine.memory()
+    engine.sleep(["weights", "kv_cache"])
+    asleep = engine.memory()
+    engine.wake_up(["weights", "kv_cache"])
+    r = {"awake": awake, "asleep": asleep, "same": _tokens_and_logprobs(engine.generate(PROMPTS, GREEDY)) == before}
+    engine.shutdown()
     return r
 
 
@@ -248,6 +262,7 @@ def test_update_through_slices_equals_fresh_engine(one_rank, family):
     update = r["update"]
     assert {n: s for n, (s, _) in update["begin"].items()} == update["expected"]  # rollout.layout is vLLM's
     assert update["readable_matches"]  # named_parameters() inside the window reads what was written
+    assert update["fell_back"] == ["model.layers.1.mlp.gate_up_proj.weight", "model.norm.weight"]
     assert r["updated"] == r["fresh"]
     assert r["updated"] != r["greedy"]  # the new weights took effect
     assert r["reloaded"] == r["greedy"]  # full checkpoint through load_weights (the baseline path)
@@ -295,6 +310,13 @@ def test_sleep_releases_rss_and_staged_wake_restores(one_rank):
     assert "asleep" in r["generate_asleep"]
     assert "level-2 sleep" in r["generate_unsynced"]
     assert r["same_after_wake"]
+
+
+@vllm_mark
+def test_level_one_sleep_keeps_weights_resident_on_cpu(one_rank):
+    r = one_rank["level1"]
+    assert r["asleep"] == {"weights": r["awake"]["weights"], "kv_cache": 0}
+    assert r["same"]  # no weight update needed after a level-1 wake
 
 
 @vllm_mark
@@ -381,7 +403,7 @@ def test_cuda_path_uses_vllm_sleep_mode_and_live_parameters(monkeypatch):
     reset_prefix_cache bound to their real signatures) and torch.cuda.synchronize."""
     from vllm.config import VllmConfig
 
-    from rollout.vllm_engine import VllmEngine, _CudaMemory
+    from rollout.vllm_engine import VllmEngine, _CudaPlatform
 
     engine = VllmEngine.__new__(VllmEngine)
     engine.cfg = RolloutConfig(engine="vllm", sleep_level=2)
@@ -391,7 +413,7 @@ def test_cuda_path_uses_vllm_sleep_mode_and_live_parameters(monkeypatch):
     engine.worker = type(
         "Worker", (), {"vllm_config": VllmConfig(), "model_runner": type("R", (), {"kv_caches": [torch.zeros(8)]})()}
     )()
-    engine._memory = _CudaMemory(engine)
+    engine._impl = _CudaPlatform(engine)
     synchronized = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: synchronized.append(a))
 
@@ -425,3 +447,16 @@ def test_vllm_engine_without_vllm_says_how_to_install(tmp_path):
         make_engine(RolloutConfig(engine="vllm"), str(tmp_path))
     message = str(info.value)
     assert "make install" in message and "\n" not in message
+
+
+def test_split_in_place_sends_missing_or_reshaped_tensors_to_the_fallback():
+    from modelspec.tiny import tiny_hf_config
+    from rollout.layout import split_in_place, vllm_param_layouts
+
+    layouts = vllm_param_layouts(tiny_hf_config("qwen2"), tp=2, tp_rank=1)
+    destinations = {layout.name: torch.zeros(layout.local_shape) for layout in layouts}
+    del destinations["model.norm.weight"]
+    destinations["model.layers.0.mlp.down_proj.weight"] = torch.zeros(3)
+    in_place, fallback = split_in_place(layouts, destinations)
+    assert [layout.name for layout in fallback] == ["model.layers.0.mlp.down_proj.weight", "model.norm.weight"]
+    assert len(in_place) == len(layouts) - 2
