@@ -86,7 +86,7 @@ verify-sync: $(STAMP) $(TINY_HF) ## HF=<dir> -> actor TRAIN_TP x TRAIN_PP -> res
 bench-sync: $(STAMP) ## planned reshard vs gather+broadcast baseline on 4 CPU ranks (one JSON line)
 	@$(PY) -m rl.weight_sync.bench $(ARGS)
 
-$(TINY_DIR)/%/config.json: | $(STAMP)
+$(TINY_DIR)/%/config.json: modelspec/tiny.py | $(STAMP)
 	$(PY) -m modelspec.tiny --out $(TINY_DIR) --families $*
 
 parity: $(STAMP) $(TINY_HF) ## megatron (TP x PP [x VPP]) vs transformers log-probs on HF=<dir>: one JSON line

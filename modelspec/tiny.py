@@ -146,9 +146,23 @@ def resolve_model_path(path: str, tiny_dir: str | os.PathLike = DEFAULT_TINY_DIR
         return path
     family = path[len(TINY_PREFIX) :]
     out_dir = Path(tiny_dir) / family
-    if not (out_dir / "config.json").exists():
+    if not _is_current(family, out_dir):
         write_tiny_model(family, out_dir)
     return str(out_dir)
+
+
+def _is_current(family: str, out_dir: Path) -> bool:
+    """``out_dir`` holds this family's checkpoint with today's sizes (one written by an older version of this
+    file, e.g. with head_dim 16, is rebuilt rather than silently reused)."""
+    import json
+
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"unknown tiny model family {family!r}; choose one of {sorted(TINY_FAMILIES)}")
+    config_file = out_dir / "config.json"
+    if not config_file.exists():
+        return False
+    written = json.loads(config_file.read_text())
+    return all(written.get(key) == value for key, value in TINY_FAMILIES[family][1].items() if key != "rope_theta")
 
 
 def main() -> None:

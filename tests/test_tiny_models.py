@@ -85,3 +85,10 @@ def test_resolve_model_path_builds_on_demand(tmp_path):
     assert resolve_model_path("/some/hf/dir", tiny_dir=tmp_path) == "/some/hf/dir"
     with pytest.raises(ValueError, match="unknown tiny model family"):
         resolve_model_path("tiny:gpt5", tiny_dir=tmp_path)
+
+
+def test_resolve_model_path_rebuilds_a_checkpoint_of_older_sizes(tmp_path):
+    write_tiny_model("qwen3", tmp_path / "qwen3", hidden_size=64, head_dim=16)  # what an older version wrote
+    path = resolve_model_path("tiny:qwen3", tiny_dir=tmp_path)
+    config = json.loads((Path(path) / "config.json").read_text())
+    assert (config["hidden_size"], config["head_dim"]) == (128, 32)

@@ -133,6 +133,7 @@ def _one_rank(rank: int, world_size: int, checkpoints: dict, big_path: str) -> d
         fresh.shutdown()
     out["sleep"] = _sleep_wake(rank, world_size, big_path)
     out["level1"] = _level_one(rank, world_size, checkpoints["qwen2"][0])
+    out["dummy_start"] = _dummy_start(rank, world_size, checkpoints["llama"][0])
     # the engines never tore down the caller's process group
     world = torch.ones(1)
     dist.all_reduce(world)
@@ -184,6 +185,23 @@ def _level_one(rank: int, world_size: int, path: str) -> dict:
     asleep = engine.memory()
     engine.wake_up(["weights", "kv_cache"])
     r = {"awake": awake, "asleep": asleep, "same": _tokens_and_logprobs(engine.generate(PROMPTS, GREEDY)) == before}
+    engine.shutdown()
+    return r
+
+
+def _dummy_start(rank: int, world_size: int, path: str) -> dict:
+    """load=False (the loop's start): dummy weights, refused until the first weight update writes them."""
+    from rollout.vllm_engine import VllmEngine
+
+    cfg = RolloutConfig(engine="vllm", tp=1, kv_cache_mb=KV_MB, max_model_len=128)
+    engine = VllmEngine(cfg, path, ColocatedMesh(world_size=world_size), rank, dtype="float32", load=False)
+    r = {}
+    try:
+        engine.generate(PROMPTS, GREEDY)
+    except RuntimeError as exc:
+        r["refused"] = str(exc)
+    _write_slices(engine, path, 1, rank)
+    r["greedy"] = _tokens_and_logprobs(engine.generate(PROMPTS, GREEDY))
     engine.shutdown()
     return r
 
@@ -310,6 +328,13 @@ def test_sleep_releases_rss_and_staged_wake_restores(one_rank):
     assert "asleep" in r["generate_asleep"]
     assert "level-2 sleep" in r["generate_unsynced"]
     assert r["same_after_wake"]
+
+
+@vllm_mark
+def test_dummy_start_refuses_to_generate_until_written(one_rank):
+    r = one_rank["dummy_start"]
+    assert "never written (load=False)" in r["refused"]
+    assert r["greedy"] == one_rank["llama"]["greedy"]
 
 
 @vllm_mark
