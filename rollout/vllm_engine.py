@@ -370,7 +370,8 @@ class VllmEngine:
 
     ``mesh``/``rank``: the colocated mesh and this rank (default: one process, rollout TP 1). ``dtype``: the
     model dtype (``auto``: the checkpoint's). ``load=False``: start from dummy weights, written by the first
-    weight update. ``overrides``: further ``EngineArgs`` fields.
+    weight update. ``device``: only checked (vLLM places itself: the CPU, or ``cuda:LOCAL_RANK``), so one
+    call site serves both engines. ``overrides``: further ``EngineArgs`` fields.
     """
 
     def __init__(
@@ -382,6 +383,7 @@ class VllmEngine:
         *,
         dtype: str = "auto",
         load: bool = True,
+        device: torch.device | str | None = None,
         **overrides: Any,
     ) -> None:
         check_vllm_available()
@@ -393,6 +395,9 @@ class VllmEngine:
         self.cfg, self.mesh, self.rank = cfg, mesh, rank
         self.replica = mesh.replica(rank)
         self.platform = "cpu" if current_platform.is_cpu() else "cuda"
+        vllm_device = torch.device("cpu" if self.platform == "cpu" else f"cuda:{os.environ.get('LOCAL_RANK', 0)}")
+        if device is not None and torch.device(device) not in (vllm_device, torch.device(vllm_device.type)):
+            raise ValueError(f"device={device} but vLLM runs this rank on {vllm_device} (its platform, LOCAL_RANK)")
         _ensure_launcher_env(mesh, rank)
         kwargs = engine_args(cfg, model_path, mesh, self.platform, dtype=dtype, load=load, **overrides)
         with _keep_process_settings():

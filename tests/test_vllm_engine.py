@@ -194,7 +194,9 @@ def _dummy_start(rank: int, world_size: int, path: str) -> dict:
     from rollout.vllm_engine import VllmEngine
 
     cfg = RolloutConfig(engine="vllm", tp=1, kv_cache_mb=KV_MB, max_model_len=128)
-    engine = VllmEngine(cfg, path, ColocatedMesh(world_size=world_size), rank, dtype="float32", load=False)
+    engine = VllmEngine(
+        cfg, path, ColocatedMesh(world_size=world_size), rank, dtype="float32", load=False, device="cpu"
+    )
     r = {}
     try:
         engine.generate(PROMPTS, GREEDY)
