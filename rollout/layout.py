@@ -217,3 +217,18 @@ def assemble_local(layout: ParamLayout, hf_tensors: dict, dtype=None):
     for spec in layout.slices:
         copy_hf_into_local(out, layout, spec, hf_tensors[spec.hf_name])
     return out
+
+
+def split_in_place(layouts: list[ParamLayout], destinations: dict) -> tuple[list[ParamLayout], list[ParamLayout]]:
+    """(layouts an engine's ``begin_weight_update`` tensors can take in place, the ones that must fall back).
+
+    A layout falls back when the engine has no tensor of that name or one of another shape: the caller then
+    sends that parameter's full HF tensors (``hf_name`` of its slices) through ``engine.load_weights`` inside
+    the same update window, and counts those bytes apart from the planned sync.
+    """
+    in_place, fallback = [], []
+    for layout in layouts:
+        tensor = destinations.get(layout.name)
+        ok = tensor is not None and tuple(tensor.shape) == layout.local_shape
+        (in_place if ok else fallback).append(layout)
+    return in_place, fallback

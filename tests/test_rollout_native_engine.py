@@ -207,20 +207,6 @@ def test_generate_refuses_dropped_weights(tiny_model_dirs):
         engine.load_weights([("model.layers.0.self_attn.qkv_proj.weight", torch.zeros(1))])
 
 
-def test_vllm_engine_without_vllm_says_how_to_install(tiny_model_dirs):
-    try:
-        import vllm  # noqa: F401
-
-        if torch.cuda.is_available():
-            pytest.skip("vLLM and CUDA are here")
-    except ImportError:
-        pass
-    with pytest.raises(RuntimeError) as info:
-        make_engine(RolloutConfig(engine="vllm"), tiny_model_dirs["qwen2"])
-    message = str(info.value)
-    assert "make install EXTRAS=dev,gpu" in message and "\n" not in message
-
-
 def test_weight_update_writes_in_place_between_begin_and_finish(tiny_model_dirs):
     """A planned sync writes each rank's slices straight into the tensors begin_weight_update() returns
     (rollout.layout tells where); finish_weight_update() makes them the weights generate uses."""

@@ -47,6 +47,30 @@ def test_family_features(tiny_model_dirs):
     assert "model.layers.0.self_attn.q_norm.weight" in tensor_names("qwen3")
 
 
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)  # vLLM's CPU attention kernels
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+def test_head_dim_runs_in_vllm_cpu_attention(tiny_model_dirs, family):
+    c = json.loads((Path(tiny_model_dirs[family]) / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    assert head_dim in VLLM_CPU_HEAD_SIZES
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+def test_norms_and_biases_are_random(tiny_model_dirs, family):
+    """A norm left at 1 or a bias at 0 would hide a tensor written to the wrong place (or never)."""
+    with safe_open(str(Path(tiny_model_dirs[family]) / "model.safetensors"), "pt") as f:
+        checked = [n for n in f.keys() if "norm" in n or n.endswith("bias")]
+        assert checked
+        for name in checked:
+            t = f.get_tensor(name)
+            assert t.unique().numel() == t.numel(), name  # every element distinct: no constant fill
+        if family == "qwen2":
+            assert not torch.equal(f.get_tensor("model.layers.0.self_attn.q_proj.bias"),
+                                   f.get_tensor("model.layers.1.self_attn.q_proj.bias"))
+
+
 def test_tiny_checkpoints_are_deterministic(tmp_path):
     a = write_tiny_model("llama", tmp_path / "a")
     b = write_tiny_model("llama", tmp_path / "b")
@@ -61,3 +85,10 @@ def test_resolve_model_path_builds_on_demand(tmp_path):
     assert resolve_model_path("/some/hf/dir", tiny_dir=tmp_path) == "/some/hf/dir"
     with pytest.raises(ValueError, match="unknown tiny model family"):
         resolve_model_path("tiny:gpt5", tiny_dir=tmp_path)
+
+
+def test_resolve_model_path_rebuilds_a_checkpoint_of_older_sizes(tmp_path):
+    write_tiny_model("qwen3", tmp_path / "qwen3", hidden_size=64, head_dim=16)  # what an older version wrote
+    path = resolve_model_path("tiny:qwen3", tiny_dir=tmp_path)
+    config = json.loads((Path(path) / "config.json").read_text())
+    assert (config["hidden_size"], config["head_dim"]) == (128, 32)
