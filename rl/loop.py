@@ -17,7 +17,7 @@ from rl.config import RunConfig
 from rl.losses import sft_loss
 from rl.metrics import engine_actor_logprob_gap, step_metrics, summarize
 from rl.sampling import generate_samples, sampling_seed
-from rl.setup import RankContext, setup
+from rl.setup import RankContext, setup, start_engine
 from rl.weight_sync import SyncResult
 from rollout import SamplingParams
 
@@ -97,10 +97,15 @@ def run_rank(cfg: RunConfig, run_dir: str) -> None:
     warmup_losses = sft_warmup(ctx)
     if ctx.rank == 0 and warmup_losses:
         print(f"supervised warm-up: loss {warmup_losses[0]:.3f} -> {warmup_losses[-1]:.3f}", flush=True)
-    ctx.sync_weights()  # the engine starts from the actor's weights
     for what in ("optimizer", "grads", "params"):
         if ctx.offloaded(what):
             ctx.actor.offload(what)
+    start_engine(ctx)  # sized with the actor offloaded, as the step leaves the device at the KV-cache wake
+    if ctx.offloaded("params"):
+        ctx.actor.onload("params")
+    ctx.sync_weights()  # the engine starts from the actor's weights
+    if ctx.offloaded("params"):
+        ctx.actor.offload("params")
     rewards, all_rows, syncs = [], [], []
     progress = tqdm(range(cfg.trainer.steps), desc=cfg.exp, disable=ctx.rank != 0, dynamic_ncols=True)
     for step in progress:

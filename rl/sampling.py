@@ -31,7 +31,9 @@ def generate_samples(
     replica = mesh.replica(rank)
     mine = mesh.prompts_of_replica(replica, len(problems))
     prompt_ids = [tokenizer(problems[i].prompt).input_ids for i in mine]
-    completions = engine.generate(prompt_ids, params) if mine else []
+    # every rank calls generate, with no prompts when its replica has none: vLLM's data-parallel replicas
+    # synchronise at every engine step, so a replica left out would hang the others
+    completions = engine.generate(prompt_ids, params)
     local = []
     for index, prompt, per_prompt in zip(mine, prompt_ids, completions):
         for c in per_prompt:

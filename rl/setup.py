@@ -37,13 +37,14 @@ class RankContext:
     dims: ParallelDims  # this rank's actor groups (megatron's)
     actor: Actor
     ref_actor: Actor | None
-    engine: RolloutEngine
+    engine: RolloutEngine | None  # started by start_engine() once the actor has offloaded
     tokenizer: PreTrainedTokenizerBase
     task: DigitSumTask | Gsm8kTask
     loss: PolicyLoss
     weight_sync: WeightSync
     timeline: MemoryTimeline
     writer: RunWriter | None  # rank 0 only
+    rollout_group: dist.ProcessGroup | None  # this rank's engine replica (native engine's TP group)
     phase_seconds: dict[str, float] = field(default_factory=dict)
     t0: float = field(default_factory=time.monotonic)
 
@@ -86,8 +87,6 @@ def setup(cfg: RunConfig, run_dir: Path) -> RankContext:
 
     from megatron_backend.actor import Actor
     from megatron_backend.parallel import initialize_model_parallel
-    from rollout import make_engine
-
     mesh = cfg.mesh()
     dims = initialize_model_parallel(cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp, seed=cfg.actor.seed)
     coords = mesh.actor_coords(dims.rank)
@@ -101,16 +100,7 @@ def setup(cfg: RunConfig, run_dir: Path) -> RankContext:
     ref_actor = None
     if cfg.algorithm.kl_coef > 0:
         ref_actor = Actor(cfg.model.path, cfg.actor, dims, dtype=cfg.model.dtype, train=False)
-    engine = make_engine(
-        cfg.rollout,
-        cfg.model.path,
-        group=groups[mesh.replica(dims.rank)] if mesh.rollout_tp > 1 else None,
-        device=dims.device,
-        dtype=cfg.model.dtype,
-        load=False,
-    )
     probe.add_ledger(lambda: _tagged(actor.memory(), dims.device))
-    probe.add_ledger(lambda: _tagged(engine.memory(), dims.device))
     if ref_actor is not None:
         probe.add_ledger(lambda: {k: v for k, v in _tagged(ref_actor.memory(), dims.device).items() if k == "host_pinned"})
     weight_sync = cfg.weight_sync.build(
@@ -123,14 +113,37 @@ def setup(cfg: RunConfig, run_dir: Path) -> RankContext:
         dims=dims,
         actor=actor,
         ref_actor=ref_actor,
-        engine=engine,
+        engine=None,
         tokenizer=AutoTokenizer.from_pretrained(cfg.model.path),
         task=cfg.data.build(seed=cfg.trainer.seed),
         loss=PolicyLoss(cfg.algorithm),
         weight_sync=weight_sync,
         timeline=timeline,
         writer=writer,
+        rollout_group=groups[mesh.replica(dims.rank)] if mesh.rollout_tp > 1 else None,
     )
+
+
+def start_engine(ctx: RankContext) -> RolloutEngine:
+    """Build the engine with empty weights (the first weight sync writes them). Called once the actor has
+    offloaded what its flags say, so that what the engine sees at start-up (vLLM checks free memory against
+    its utilization and sizes the KV cache from it) is what the step leaves it at the KV-cache wake."""
+    from rollout import make_engine
+
+    cfg, dims = ctx.cfg, ctx.dims
+    ctx.engine = make_engine(
+        cfg.rollout,
+        cfg.model.path,
+        mesh=ctx.mesh,
+        rank=dims.rank,
+        group=ctx.rollout_group,
+        device=dims.device,
+        dtype=cfg.model.dtype,
+        load=False,
+    )
+    engine = ctx.engine
+    ctx.timeline.probe.add_ledger(lambda: _tagged(engine.memory(), dims.device))
+    return engine
 
 
 def _tagged(memory: dict[str, int], device: torch.device) -> dict[str, int]:

@@ -8,18 +8,28 @@ from __future__ import annotations
 
 from typing import Any
 
+from modelspec import ColocatedMesh
 from rollout.config import RolloutConfig
 from rollout.engine import Completion, RolloutEngine, SamplingParams
 
 __all__ = ["Completion", "RolloutConfig", "RolloutEngine", "SamplingParams", "make_engine"]
 
 
-def make_engine(cfg: RolloutConfig, model_path: str, group: Any = None, **kwargs: Any) -> RolloutEngine:
-    """The engine of ``cfg.engine`` for the HF checkpoint at ``model_path``.
+def make_engine(
+    cfg: RolloutConfig,
+    model_path: str,
+    *,
+    mesh: ColocatedMesh | None = None,
+    rank: int = 0,
+    group: Any = None,
+    **kwargs: Any,
+) -> RolloutEngine:
+    """The engine of ``cfg.engine`` for the HF checkpoint at ``model_path``, on global ``rank`` of ``mesh``.
 
-    native: ``group`` is the rollout TP process group (None for TP=1); kwargs ``device``, ``dtype``.
-    vllm: runs inside the training ranks (external_launcher; vLLM makes its own TP / DP groups, ``group`` is
-    not used); kwargs ``mesh`` (ColocatedMesh), ``rank``, ``dtype``, ``load`` and EngineArgs fields.
+    native: ``group`` is the rollout TP process group of this rank's replica (None for TP=1); kwargs
+    ``device``, ``dtype``, ``load``. vllm: runs inside the training ranks (external_launcher; vLLM makes its
+    own TP / DP groups from ``mesh``, ``group`` is not used); kwargs ``dtype``, ``load``, ``device`` and
+    EngineArgs fields.
     """
     if cfg.engine == "native":
         from rollout.native import NativeEngine
@@ -27,4 +37,4 @@ def make_engine(cfg: RolloutConfig, model_path: str, group: Any = None, **kwargs
         return NativeEngine(cfg, model_path, group=group, **kwargs)
     from rollout.vllm_engine import VllmEngine
 
-    return VllmEngine(cfg, model_path, **kwargs)
+    return VllmEngine(cfg, model_path, mesh=mesh, rank=rank, **kwargs)

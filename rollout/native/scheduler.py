@@ -160,6 +160,8 @@ class Scheduler:
 
     def run(self, prompts: Sequence[Sequence[int]], params: SamplingParams, sample: Sampler) -> list[list[Completion]]:
         """prompts (token ids) -> per prompt, ``params.n`` completions in sample order."""
+        if not prompts:
+            return []
         for i, prompt in enumerate(prompts):
             if not 0 < len(prompt) < self.max_model_len:
                 raise ValueError(f"prompt {i} has {len(prompt)} tokens; it must have 1..{self.max_model_len - 1}")
