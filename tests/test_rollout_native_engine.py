@@ -207,6 +207,19 @@ def test_generate_refuses_dropped_weights(tiny_model_dirs):
         engine.load_weights([("model.layers.0.self_attn.qkv_proj.weight", torch.zeros(1))])
 
 
+def test_unsupported_rope_fails_before_loading(tiny_model_dirs, tmp_path):
+    """Llama 3.1 RoPE scaling is part of the model contract but not of the native forward: say so at once."""
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(tiny_model_dirs["llama"]) / "config.json").read_text())
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500_000.0}
+    config["rope_parameters" if "rope_parameters" in config else "rope_scaling"] = llama3  # transformers v5 / v4
+    (tmp_path / "config.json").write_text(json.dumps(config))  # no weights: the check comes first
+    with pytest.raises(ValueError, match="rope_type='llama3'.*rollout.engine=vllm"):
+        _engine(str(tmp_path))
+
+
 def test_weight_update_writes_in_place_between_begin_and_finish(tiny_model_dirs):
     """A planned sync writes each rank's slices straight into the tensors begin_weight_update() returns
     (rollout.layout tells where); finish_weight_update() makes them the weights generate uses."""

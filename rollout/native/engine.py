@@ -19,7 +19,7 @@ from rollout.engine import Completion, SamplingParams
 from rollout.layout import tp_shape, vllm_param_layouts
 from rollout.memory_saver import TAGS, MemorySaver
 from rollout.native.kv_cache import KVCache
-from rollout.native.model import NativeModel
+from rollout.native.model import NativeModel, check_supported
 from rollout.native.sampling import Sampler
 from rollout.native.scheduler import Scheduler
 from rollout.native.weights import NativeWeights, iter_safetensors
@@ -45,6 +45,7 @@ class NativeEngine:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
         self.shape = ModelShape.from_pretrained(model_path)
+        check_supported(self.shape)
         self.group = group
         self.tp = 1 if group is None else dist.get_world_size(group)
         self.tp_rank = 0 if group is None else dist.get_rank(group)

@@ -25,6 +25,15 @@ from rollout.native.kv_cache import KVCache
 from rollout.native.weights import NativeWeights
 
 
+def check_supported(shape: ModelShape) -> None:
+    """Raise before any heavy work when the native forward cannot run this model exactly."""
+    if shape.rope.rope_type != "default":
+        raise ValueError(
+            f"rope_type={shape.rope.rope_type!r} of {shape.source or 'this model'} is not supported by the "
+            "native engine (only 'default'); use rollout.engine=vllm"
+        )
+
+
 def scaled_norm_weight(weight: torch.Tensor) -> torch.Tensor:
     """An RMSNorm weight [..., dim] as :meth:`NativeModel.rms_norm` takes it: times sqrt(dim), in fp32."""
     return weight.float() * math.sqrt(weight.shape[-1])
@@ -58,11 +67,7 @@ class NativeModel:
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
-        if shape.rope.rope_type != "default":
-            raise ValueError(
-                f"rope_type={shape.rope.rope_type!r} of {shape.source or 'this model'} is not supported by the "
-                "native engine (only 'default'); use rollout.engine=vllm"
-            )
+        check_supported(shape)
         self.shape, self.tps, self.weights, self.kv_cache = shape, tps, weights, kv_cache
         self.group, self.tp = group, tps.tp
         self.device, self.dtype = device, dtype

@@ -58,9 +58,6 @@ class RunningBatch:
         self.gen_lens = torch.zeros(0, **long)  # [B]: tokens generated so far
         self._rows = torch.arange(max_rows, device=device)
 
-    def __len__(self) -> int:
-        return len(self.seqs)
-
     def add(
         self,
         seqs: list[SequenceState],
@@ -171,7 +168,7 @@ class Scheduler:
         width = kv.blocks_for(min(max(len(p) for p in prompts) + params.max_tokens, self.max_model_len))
         batch = RunningBatch(width, kv.block_size, params.max_tokens, self.max_num_seqs, self.device)
         while waiting or batch.seqs:
-            admitted = self._admit(waiting, prompts, params, len(batch))
+            admitted = self._admit(waiting, prompts, params, len(batch.seqs)) if waiting else []
             if admitted:
                 table = torch.zeros((len(admitted), width), dtype=torch.long, device=self.device)
                 for b, seq in enumerate(admitted):
@@ -182,7 +179,7 @@ class Scheduler:
                 limits = [min(params.max_tokens, self.max_model_len - n) for n in prompt_lens]
                 batch.add(admitted, table, kv.slot_table(table), prompt_lens, limits, tokens, logprobs)
             else:
-                self.max_running_seen = max(self.max_running_seen, len(batch))
+                self.max_running_seen = max(self.max_running_seen, len(batch.seqs))
                 logits = self.model.decode(batch.last, batch.ctx_lens, batch.block_table, batch.slot_table)
                 batch.advance(*sample(logits))
             for done in batch.retire(stop):
