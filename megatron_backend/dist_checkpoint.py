@@ -17,6 +17,12 @@ The optimizer state is keyed the same way, so it reshards with the params:
 
 Saving and loading need the params, grads and optimizer states resident (``Actor.onload`` first); the
 loop saves inside the step, after ``train``, when they are.
+
+Saves are synchronous (``async_sharded_save=False``): megatron's ``FileSystemWriterAsync`` then runs its
+writer in this process (forking short-lived per-bucket workers) and only hands its results to this
+process. Its results queue is by default a ``multiprocessing.Manager().Queue()``, i.e. a spawned server
+process per rank that outlives a SIGKILLed rank as an orphan; :func:`_in_process_results_queue` gives it
+a plain ``queue.Queue`` instead, which is all the synchronous path needs (``put`` / ``get_nowait``).
 """
 
 from __future__ import annotations
@@ -89,10 +95,21 @@ def sharded_state_dict(actor, is_loading: bool) -> dict:
     return state
 
 
+def _in_process_results_queue() -> None:
+    """See the module doc: the synchronous writer's results stay in this process (no Manager server)."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save(actor, directory: str | Path) -> None:
     """Write this rank's shards of params and optimizer into ``directory`` (collective: every rank calls it)."""
     from megatron.core import dist_checkpointing
 
+    _in_process_results_queue()
     Path(directory).mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save(sharded_state_dict(actor, is_loading=False), str(directory))
 
