@@ -2,7 +2,11 @@
 
 W&B is offline unless ``wandb.mode=online`` (``wandb sync <run dir>/wandb/offline-run-*`` uploads later).
 ``wandb.init`` takes the run id from ``WANDB_RUN_ID`` and ``WANDB_RESUME`` from the environment: a Slurm
-job (``make sbatch``) fixes both, so a requeued job resumes the same W&B run.
+job (``make sbatch``) fixes both, so a requeued job resumes the same W&B run; a run resumed from a
+checkpoint takes the id saved in it. Records reach W&B only once a checkpoint covers their step (see
+:class:`RunWriter`), with explicit W&B steps that continue across resumes, so no step is logged twice.
+(W&B 0.31 does not resume *offline* runs: each attempt writes its own ``offline-run-*`` directory under
+the same id, holding only its own steps.)
 Timeline series are logged as ``memory/<metric>/rank<r>`` against a custom x-axis ``timeline/t_s``
 (seconds since the run started); per-step scalars against ``trainer/step``, among them
 ``memory/peak/<phase>`` (max over ranks of the phase's ``device_allocated``).
@@ -117,9 +121,9 @@ class RunWriter:
         if wandb_mode != "disabled":
             import wandb
 
-            if restarted and wandb_run_id is None:
-                # an earlier attempt in this directory died before any checkpoint: its W&B records cannot be
-                # taken back, so this fresh start is a new W&B run
+            if restarted and wandb_run_id is None and not defer_wandb:
+                # an earlier attempt in this directory died and its W&B records (sent at once, nothing
+                # deferred) cannot be taken back: this fresh start is a new W&B run
                 wandb_run_id = wandb.util.generate_id()
             self.wandb_run = wandb.init(
                 mode=wandb_mode,
