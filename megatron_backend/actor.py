@@ -381,6 +381,24 @@ class Actor:
         """op name (build, old_logprob, train, offload_params, ...) -> peak bytes per tag and host_rss."""
         return {op: dict(peak) for op, peak in self.ledger.peaks.items()}
 
+    # ---------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, directory: str | Path) -> None:
+        """Params + optimizer state as a megatron-core distributed checkpoint (collective; each rank
+        writes its own shards). Needs everything resident: see :mod:`megatron_backend.dist_checkpoint`."""
+        from megatron_backend import dist_checkpoint
+
+        self._require_onloaded("save_checkpoint")
+        with self.ledger.op("save_checkpoint"):
+            dist_checkpoint.save(self, directory)
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        """Restore params + optimizer state saved at any TP x PP (x VPP) layout (collective)."""
+        from megatron_backend import dist_checkpoint
+
+        self._require_onloaded("load_checkpoint")
+        with self.ledger.op("load_checkpoint"):
+            dist_checkpoint.load(self, directory)
+
     # ---------------------------------------------------------------- export
     def export_shards(self):
         """This rank's [(SlicePiece, local block view)] in HF naming, for weight sync (no copies)."""

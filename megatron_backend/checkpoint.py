@@ -41,6 +41,49 @@ def safetensors_index(hf_dir: str | Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
+def verify_hf_checkpoint(hf_dir: str | Path, shape: ModelShape) -> None:
+    """Every safetensors file of ``hf_dir`` present and whole, holding every tensor the model needs in its
+    shape. Reads only the files' headers (seconds for any size); raises ValueError naming the file."""
+    from safetensors import SafetensorError, safe_open
+
+    hf_dir = Path(hf_dir)
+    index_file = hf_dir / "model.safetensors.index.json"
+    try:
+        index = safetensors_index(hf_dir)
+    except FileNotFoundError as exc:
+        raise ValueError(f"{exc}; point model.path at a complete HF checkpoint directory") from None
+    except SafetensorError as exc:
+        raise ValueError(f"{hf_dir / 'model.safetensors'} is truncated or corrupt ({exc}); download it again") from None
+    expected = hf_tensor_shapes(shape)
+    missing = sorted(set(expected) - set(index))
+    if missing:
+        raise ValueError(
+            f"{index_file if index_file.is_file() else hf_dir / 'model.safetensors'} lacks tensors "
+            f"{missing[:3]}{' ...' if len(missing) > 3 else ''} of this {shape.model_type} model; the checkpoint is "
+            "incomplete or of another architecture"
+        )
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name in expected:
+        by_file[index[name]].append(name)
+    for file, names in sorted(by_file.items()):
+        if not file.is_file():
+            raise ValueError(f"{file} is missing (listed in {index_file.name}); download the checkpoint's shards again")
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                present = set(handle.keys())
+                for name in names:
+                    if name not in present:
+                        raise ValueError(f"{file} lacks {name} (listed there by {index_file.name}); download it again")
+                    got = tuple(handle.get_slice(name).get_shape())
+                    if got != expected[name]:
+                        raise ValueError(
+                            f"{file}: {name} has shape {list(got)}, config.json implies {list(expected[name])}; "
+                            "the weights and config.json are of different models"
+                        )
+        except SafetensorError as exc:
+            raise ValueError(f"{file} is truncated or corrupt ({exc}); download it again") from None
+
+
 def _read_block(handle, piece: SlicePiece) -> torch.Tensor:
     """The HF block of one piece, read as a slice (only these bytes are materialized)."""
     sl = handle.get_slice(piece.hf_name)

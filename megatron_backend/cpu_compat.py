@@ -39,6 +39,8 @@ PATCHED_MODULES = {
     "megatron.core.pipeline_parallel.p2p_communication": "torch.cuda.synchronize(), shape buffers on cuda",
     "megatron.core.utils": "GlobalMemoryBuffer.get_tensor (attention matmul buffer) on torch.cuda.current_device()",
     "megatron.core.distributed.param_and_grad_buffer": "DDP grad buffers on torch.cuda.current_device()",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": "torch.cuda.synchronize() after the D2H preload",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver": 'save status flags on device="cuda"',
 }
 
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint")

@@ -49,10 +49,11 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(timeout_minutes: int = 10) -> None:
+def init_distributed(timeout_s: float = 600.0) -> None:
     """Join the default process group from the usual env (RANK, WORLD_SIZE, MASTER_ADDR/PORT).
 
-    NCCL on CUDA, gloo otherwise. Idempotent.
+    NCCL on CUDA, gloo otherwise. Idempotent. ``timeout_s`` bounds every collective (and the
+    rendezvous): a rank whose peer died raises instead of waiting forever.
     """
     if dist.is_initialized():
         return
@@ -60,15 +61,17 @@ def init_distributed(timeout_minutes: int = 10) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
 
 
-def initialize_model_parallel(tp: int, pp: int, vpp: int | None = None, seed: int = 1234) -> ParallelDims:
+def initialize_model_parallel(
+    tp: int, pp: int, vpp: int | None = None, seed: int = 1234, timeout_s: float = 600.0
+) -> ParallelDims:
     """Set up megatron-core's TP/PP/DP groups (order tp-dp-pp as in megatron) and the RNG tracker."""
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
-    init_distributed()
+    init_distributed(timeout_s)
     cpu_compat.apply()
     world_size = dist.get_world_size()
     if world_size % (tp * pp) != 0:
@@ -96,6 +99,19 @@ def initialize_model_parallel(tp: int, pp: int, vpp: int | None = None, seed: in
         dp_group=mpu.get_data_parallel_group(),
         device=default_device(),
     )
+
+
+def rng_tracker_states() -> dict[str, torch.Tensor]:
+    """Megatron's model-parallel RNG tracker states (name -> generator state), for checkpoints."""
+    from megatron.core import tensor_parallel
+
+    return {name: state.clone() for name, state in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
+
+
+def set_rng_tracker_states(states: dict[str, torch.Tensor]) -> None:
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.get_cuda_rng_tracker().set_states({name: state.clone() for name, state in states.items()})
 
 
 def destroy() -> None:

@@ -47,6 +47,8 @@ class ModelConfig:
         """The model's shape from ``path`` (or ``architecture``), checked against the declared sizes."""
         try:
             shape = ModelShape.from_pretrained(self.path)
+        except ValueError as exc:  # an unsupported architecture, a config.json that does not parse
+            raise ValueError(f"model.path={self.path!r}: {exc}") from None
         except FileNotFoundError:
             if self.architecture is None:
                 raise ValueError(
@@ -82,6 +84,9 @@ class TrainerConfig:
     sft_warmup_steps: int = 0
     memory_sample_interval_s: float = 0.05  # background memory sampler period inside phases
     ppo_epochs: int = 1  # optimizer steps per RL step on the same rollouts (PPO epochs; ratio clipping acts from 2)
+    # a checkpoint (rl/checkpoint.py) after every save_every-th step and after the last one; 0: never
+    save_every: int = 10
+    keep_last: int = 2  # complete checkpoints kept; older ones are deleted once a newer one is complete
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -94,6 +99,14 @@ class TrainerConfig:
             raise ValueError(f"trainer.sft_warmup_steps={self.sft_warmup_steps} must be >= 0")
         if self.memory_sample_interval_s <= 0:
             raise ValueError(f"trainer.memory_sample_interval_s={self.memory_sample_interval_s} must be > 0")
+        if self.save_every < 0:
+            raise ValueError(f"trainer.save_every={self.save_every} must be >= 0 (0: no checkpoints)")
+        if self.keep_last < 1:
+            raise ValueError(f"trainer.keep_last={self.keep_last} must be >= 1")
+
+    def saves_after(self, step: int) -> bool:
+        """Whether a checkpoint is written after ``step`` (0-based): every save_every-th and the last."""
+        return self.save_every > 0 and ((step + 1) % self.save_every == 0 or step + 1 == self.steps)
 
 
 @dataclass(kw_only=True)
@@ -110,7 +123,7 @@ class RunConfig:
     algorithm: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    resume: str = "auto"  # auto | never | <checkpoint path>
+    resume: str = "auto"  # auto | never | <checkpoint path> (rl/checkpoint.py)
     output_dir: str = "runs"
 
     def __post_init__(self) -> None:
@@ -134,17 +147,16 @@ class RunConfig:
                 f"trainer.sft_warmup_steps={self.trainer.sft_warmup_steps}: only data.task=digit_sum has format "
                 "examples; set trainer.sft_warmup_steps=0"
             )
-        if self.resume not in ("auto", "never"):
-            raise ValueError(
-                f"resume={self.resume!r}: checkpoint/resume is not implemented yet; use resume=auto or resume=never"
-            )
+        if not self.resume:
+            raise ValueError("resume='' is empty; use resume=auto, resume=never or resume=<checkpoint path>")
 
     def _check_world(self) -> None:
         world, tp, pp = self.cluster.world_size, self.actor.tp, self.actor.pp
         if world % (tp * pp) != 0:
             raise ValueError(
-                f"world size {world} (cluster.num_nodes x cluster.procs_per_node) is not a multiple of "
-                f"actor.tp x actor.pp = {tp * pp}; change cluster.procs_per_node or the actor layout"
+                f"actor.tp={tp} x actor.pp={pp} does not divide the world size {world} (cluster.num_nodes x "
+                f"cluster.procs_per_node); pick actor.tp and actor.pp whose product divides {world}, or change "
+                "cluster.procs_per_node"
             )
         if self.actor.dp is not None and tp * pp * self.actor.dp != world:
             raise ValueError(

@@ -27,7 +27,21 @@ class Problem:
     answer: str
 
 
-class DigitSumTask:
+class _SeededSampling:
+    """The data cursor of a task: its ``random.Random`` and how many prompts it has drawn (checkpoints)."""
+
+    rng: random.Random
+    num_drawn: int = 0
+
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.getstate(), "num_drawn": self.num_drawn}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.setstate(state["rng"])
+        self.num_drawn = int(state["num_drawn"])
+
+
+class DigitSumTask(_SeededSampling):
     """``"a+b="`` -> ``"<a+b>"``, with 0 <= a, b <= ``max_operand`` (<= 9)."""
 
     name = "digit_sum"
@@ -39,6 +53,7 @@ class DigitSumTask:
         self.max_operand = max_operand
 
     def sample(self, num_prompts: int) -> list[Problem]:
+        self.num_drawn += num_prompts
         problems = []
         for _ in range(num_prompts):
             a, b = self.rng.randint(0, self.max_operand), self.rng.randint(0, self.max_operand)
@@ -75,7 +90,7 @@ def extract_final_number(text: str) -> str | None:
     return value[:-2] if value.endswith(".0") else value.rstrip(".")
 
 
-class Gsm8kTask:
+class Gsm8kTask(_SeededSampling):
     """GSM8K-style problems from a local file; reward 1.0 iff the final numbers match."""
 
     name = "gsm8k"
@@ -101,6 +116,7 @@ class Gsm8kTask:
         self.rng = random.Random(seed)
 
     def sample(self, num_prompts: int) -> list[Problem]:
+        self.num_drawn += num_prompts
         return [self.rng.choice(self.problems) for _ in range(num_prompts)]
 
     @staticmethod

@@ -10,7 +10,10 @@ one line before any process group starts), prepares the run directory, then eith
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import signal
 import socket
 import sys
 import time
@@ -21,6 +24,13 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from planner.devices import CUDA_PRESETS, DEVICE_NAMES
+
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+# what a launcher passes on to its ranks: Slurm's warning before the time limit, and preemption / kill
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# A rank stopped by SIGUSR1 / SIGTERM saves a checkpoint and exits with this code; experiments/slurm/job.sbatch's
+# USR1 trap then requeues the job (its step must end with 0: "step finished with exit code 0").
+PREEMPTED_EXIT_CODE = 0
 
 
 @dataclass(kw_only=True)
@@ -37,6 +47,8 @@ class ClusterConfig:
     slurm_account: str | None = None
     slurm_gpus_per_node: int | None = None  # None: procs_per_node if rollout.engine=vllm, else 0 (a CPU job)
     slurm_signal_seconds: int = 300  # USR1 this long before the time limit: ranks checkpoint, the job requeues
+    # every collective (and the rendezvous) gives up after this long: a rank whose peer died raises, never hangs
+    timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.device not in DEVICE_NAMES:
@@ -49,6 +61,10 @@ class ClusterConfig:
             raise ValueError(
                 f"cluster.slurm_gpus_per_node={self.slurm_gpus_per_node}: one rank per GPU, so use 0 (CPU job) or "
                 f"cluster.procs_per_node={self.procs_per_node}"
+            )
+        if self.timeout_s < 10:
+            raise ValueError(
+                f"cluster.timeout_s={self.timeout_s} must be >= 10 (collectives of a slow step take seconds)"
             )
         if self.slurm_signal_seconds < 30:
             raise ValueError(
@@ -86,9 +102,15 @@ def missing_devices(cluster: ClusterConfig, external: bool) -> str | None:
     if not external and found < cluster.procs_per_node:
         return f"this machine has {found} CUDA device(s)"
     return None
+def _die_with_parent() -> None:
+    """Linux: the kernel SIGKILLs this rank when the launcher dies, so ``kill -9`` of ``make run`` leaves no
+    orphan ranks behind (they would go on writing checkpoints into a run that is being restarted)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _rank_entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
+    _die_with_parent()
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -98,26 +120,60 @@ def _rank_entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple
         MASTER_PORT=str(port),
     )
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
-    fn(*args)
+    exit_code = fn(*args)
+    if exit_code:
+        sys.exit(exit_code)
+
+
+def describe_exit(exitcode: int) -> str:
+    return f"was killed by {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exited with code {exitcode}"
+
+
+def shell_exit_code(exitcode: int) -> int:
+    """A child's exit code as a shell reports it: 128 + N for death by signal N."""
+    return 128 - exitcode if exitcode < 0 else exitcode
 
 
 def spawn_local(fn: Callable, world_size: int, args: tuple[Any, ...] = ()) -> int:
-    """Run ``fn(*args)`` on ``world_size`` local ranks (env set as torchrun would); returns an exit code."""
+    """Run ``fn(*args)`` on ``world_size`` local ranks (env set as torchrun would); returns an exit code.
+
+    SIGTERM / SIGUSR1 sent to this process are forwarded to every rank (they checkpoint and exit 0).
+    When a rank dies, one line names it and how it died, the others are killed at once (a checkpoint
+    needs every rank, so none can complete; the last complete one stays as it is) and the exit code is
+    non-zero: the rank's own, or 128 + the signal that killed it.
+    """
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = [
         ctx.Process(target=_rank_entry, args=(r, world_size, port, fn, args), name=f"rank{r}")
         for r in range(world_size)
     ]
+
+    def forward(signum, frame) -> None:
+        for p in procs:
+            if p.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
     for p in procs:
         p.start()
     exit_code = 0
     try:
         while any(p.is_alive() for p in procs):
-            failed = [p for p in procs if p.exitcode not in (None, 0)]
-            if failed:
-                exit_code = failed[0].exitcode or 1
-                print(f"rank {procs.index(failed[0])} failed (exit {exit_code}); stopping the others", file=sys.stderr)
+            if any(p.exitcode not in (None, 0) for p in procs):
+                time.sleep(0.5)  # peers of a dead rank fail right after it: collect them, then name the cause
+                failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                failed.sort(key=lambda item: (item[1] >= 0, item[0]))  # a death by signal first: it is the cause
+                rank, code = failed[0]
+                alive = [r for r, p in enumerate(procs) if p.is_alive()]
+                also = "".join(f"; rank {r} {describe_exit(c)}" for r, c in failed[1:])
+                print(
+                    f"rank {rank} {describe_exit(code)}{also}; stopping ranks {alive}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                exit_code = shell_exit_code(code)
                 break
             time.sleep(0.2)
     except KeyboardInterrupt:
@@ -125,7 +181,9 @@ def spawn_local(fn: Callable, world_size: int, args: tuple[Any, ...] = ()) -> in
     finally:
         for p in procs:
             if p.is_alive():
-                p.terminate()
+                p.kill()
         for p in procs:
             p.join(timeout=10)
-    return exit_code or max((p.exitcode or 0 for p in procs), default=0)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return exit_code or max((shell_exit_code(p.exitcode or 0) for p in procs), default=0)

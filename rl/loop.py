@@ -3,17 +3,28 @@
 Every rank runs :func:`run_rank`. The actor (megatron-core, TP x PP x DP) and the rollout engine
 (rollout TP x replicas) share each rank's device; :func:`rl_step` is the paper-level view of a step.
 Building the rank (:mod:`rl.setup`), batching (:mod:`rl.batching`), the rollout across replicas
-(:mod:`rl.sampling`) and the metrics (:mod:`rl.metrics`) live beside it.
+(:mod:`rl.sampling`), the metrics (:mod:`rl.metrics`) and checkpoints (:mod:`rl.checkpoint`) live beside it.
+
+Checkpoints and stopping (docs/DESIGN.md, "Checkpoints, resume, preemption"): a checkpoint is written
+inside the step right after ``train`` (``save_checkpoint``), when the actor's params, grads and optimizer
+states are resident and the engine is asleep, so it costs no extra device memory; it is completed
+(renamed into place) after the step is logged. SIGUSR1 / SIGTERM are acted on at the next of four
+boundaries every rank agrees on: after the onloads or after the log-prob passes (the step is abandoned
+and the state at its start saved), after ``train`` (the step finishes and is saved), at the step's end.
 """
 
 from __future__ import annotations
 
+import sys
+import zlib
 from pathlib import Path
 
 import torch.distributed as dist
 
 from rl.batching import Sample, make_batch, pack_sequences
+from rl.checkpoint import ACTOR_DIR, SAVE_PHASE, RLState, capture_rank_state, model_sizes, restore_rank_state
 from rl.config import RunConfig
+from rl.launch import PREEMPTED_EXIT_CODE
 from rl.losses import sft_loss
 from rl.metrics import engine_actor_logprob_gap, step_metrics, summarize
 from rl.sampling import generate_samples, sampling_seed
@@ -22,11 +33,16 @@ from rl.weight_sync import SyncResult
 from rollout import SamplingParams
 
 
+class StopBeforeTrain(Exception):
+    """Every rank agreed to stop before this step's ``train``: the training state is still the step's start."""
+
+
 def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
     """One RL step, per rank, in the design's phase order."""
     cfg, actor, engine, phase = ctx.cfg, ctx.actor, ctx.engine, ctx.phase
+    stop_agreed = lambda: ctx.stop.agreed(ctx.dims.device)  # noqa: E731 (a collective at a phase boundary)
     problems = ctx.task.sample(cfg.trainer.prompts_per_step)  # the same prompts on every rank
-    params = SamplingParams.from_config(cfg.rollout, seed=sampling_seed(cfg.trainer.seed, step, ctx.replica))
+    params = SamplingParams.from_config(cfg.rollout, seed=sampling_seed(ctx.sampling_base_seed, step, ctx.replica))
     with phase("rollout", step):
         samples = generate_samples(engine, ctx.tokenizer, ctx.task, problems, params, ctx.mesh, ctx.rank)
     with phase("engine_sleep", step):
@@ -35,6 +51,8 @@ def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
         with phase(f"onload_{what}", step):
             if ctx.offloaded(what):
                 actor.onload(what)
+    if stop_agreed():
+        raise StopBeforeTrain
     batch, rewards = make_batch(
         samples,
         cfg.rollout.n_samples_per_prompt,
@@ -48,9 +66,15 @@ def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
     with phase("ref_logprob", step):
         if ctx.ref_actor is not None:
             batch["ref_logprobs"] = ctx.ref_actor.compute_logprobs(batch, phase="ref_logprob")
+    if stop_agreed():
+        raise StopBeforeTrain
     with phase("train", step):
         for _ in range(cfg.trainer.ppo_epochs):
             train_metrics = actor.train_step(batch, ctx.loss)
+    ctx.stop_after_step = stop_agreed()
+    if cfg.trainer.saves_after(step) or ctx.stop_after_step:
+        with phase(SAVE_PHASE, step):  # everything resident, the engine asleep: no extra device memory
+            ctx.pending_save = save_actor(ctx, completed_steps=step + 1)
     for what in ("optimizer", "grads"):
         with phase(f"offload_{what}", step):
             if ctx.offloaded(what):
@@ -67,7 +91,73 @@ def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
             engine.wake_up(tags)
     num_train_tokens = int(batch["loss_mask"].sum()) * ctx.dims.dp
     gap = engine_actor_logprob_gap(batch)
-    return step_metrics(samples, rewards, num_train_tokens, train_metrics, ctx.phase_seconds, sync, gap), sync
+    metrics = step_metrics(samples, rewards, num_train_tokens, train_metrics, ctx.phase_seconds, sync, gap)
+    # the sampled tokens in one number: a resumed run must sample exactly what the uninterrupted one did
+    metrics["rollout/response_tokens_crc32"] = float(zlib.crc32(repr([s.response_ids for s in samples]).encode()))
+    return metrics, sync
+
+
+def save_actor(ctx: RankContext, completed_steps: int) -> Path:
+    """Begin the checkpoint after ``completed_steps`` steps: the actor's shards into its temporary directory."""
+    tmp = ctx.checkpointer.begin(completed_steps)
+    ctx.actor.save_checkpoint(tmp / ACTOR_DIR)
+    return tmp
+
+
+def finish_checkpoint(ctx: RankContext, tmp: Path, completed_steps: int, rank_state: dict, warmup_losses) -> Path:
+    """Every rank's RNG/task state, then rank 0's RLState and the rename; then W&B gets the covered steps."""
+    state = None
+    if ctx.writer is not None:
+        state = RLState(
+            completed_steps=completed_steps,
+            sampling_seed=ctx.sampling_base_seed,
+            next_sampling_seeds=[
+                sampling_seed(ctx.sampling_base_seed, completed_steps, r) for r in range(ctx.mesh.num_replicas)
+            ],
+            data_num_prompts_drawn=rank_state["task"]["num_drawn"],
+            wandb_run_id=ctx.writer.wandb_run_id,
+            wandb_step=ctx.writer.wandb_step + ctx.writer.num_deferred,
+            world_size=ctx.mesh.world_size,
+            layout=dict(
+                actor_tp=ctx.dims.tp,
+                actor_pp=ctx.dims.pp,
+                actor_vpp=ctx.dims.vpp,
+                actor_dp=ctx.dims.dp,
+                rollout_tp=ctx.mesh.rollout_tp,
+            ),
+            model=model_sizes(ctx.actor.shape),
+            exp=ctx.cfg.exp,
+            warmup_losses=list(warmup_losses),
+        )
+    path = ctx.checkpointer.finish(tmp, rank_state, state)
+    if ctx.writer is not None:
+        ctx.writer.flush_wandb()
+    return path
+
+
+def save_and_stop(ctx: RankContext, completed_steps: int, rank_state: dict, warmup_losses) -> int:
+    """A stop was agreed: save the state after ``completed_steps`` steps (unless that checkpoint exists),
+    close the outputs without a summary, return the exit code job.sbatch requeues on."""
+    if ctx.pending_save is not None:
+        path = finish_checkpoint(ctx, ctx.pending_save, completed_steps, rank_state, warmup_losses)
+    elif ctx.checkpointer.exists(completed_steps):  # resumed from exactly this state and trained nothing since
+        path = ctx.checkpointer.root / f"step_{completed_steps:08d}"
+    else:
+        ctx.engine.sleep(["weights", "kv_cache"])  # the run ends: room for the actor's state on the device
+        for what in ("params", "grads", "optimizer"):
+            if ctx.offloaded(what) and ctx.actor._offloaders[what].offloaded:
+                ctx.actor.onload(what)
+        path = finish_checkpoint(ctx, save_actor(ctx, completed_steps), completed_steps, rank_state, warmup_losses)
+    if ctx.writer is not None:
+        ctx.writer.close()
+        print(
+            f"stopped by {ctx.stop.received or 'a signal to another rank'} after {completed_steps} steps; checkpoint "
+            f"{path}; run again with the same run directory (resume=auto) to continue",
+            file=sys.stderr,
+            flush=True,
+        )
+    dist.barrier()
+    return PREEMPTED_EXIT_CODE
 
 
 def sft_warmup(ctx: RankContext) -> list[float]:
@@ -85,18 +175,33 @@ def sft_warmup(ctx: RankContext) -> list[float]:
     return losses
 
 
-def run_rank(cfg: RunConfig, run_dir: str) -> None:
-    """Everything one rank does for a run: set up, warm up, hand the engine the weights, then the steps."""
+def run_rank(cfg: RunConfig, run_dir: str) -> int:
+    """Everything one rank does for a run: set up (resuming if there is a checkpoint), warm up, hand the
+    engine the weights, then the steps. Returns the exit code (0; PREEMPTED_EXIT_CODE after a stop)."""
+    import os
     import warnings
 
     from tqdm import tqdm
 
+    from rl.checkpoint import StopRequest
+
     # megatron-core warns at import about missing Apex / Transformer Engine / CUDA env vars; on CPU that is expected
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
-    ctx = setup(cfg, Path(run_dir))
-    warmup_losses = sft_warmup(ctx)
-    if ctx.rank == 0 and warmup_losses:
-        print(f"supervised warm-up: loss {warmup_losses[0]:.3f} -> {warmup_losses[-1]:.3f}", flush=True)
+    stop = StopRequest(int(os.environ.get("RANK", "0"))).install()  # before the slow setup: a signal then still counts
+    ctx = setup(cfg, Path(run_dir), stop)
+    steps = cfg.trainer.steps
+    if ctx.start_step >= steps:
+        if ctx.rank == 0:
+            print(f"{ctx.resumed_from} already has {ctx.start_step} >= trainer.steps={steps} steps; nothing to do")
+        return 0
+    if ctx.resumed_state is not None:
+        warmup_losses = ctx.resumed_state.warmup_losses  # every checkpoint is after the warm-up
+        if ctx.rank == 0:
+            print(f"resuming from {ctx.resumed_from} (step {ctx.start_step} of {steps})", flush=True)
+    else:
+        warmup_losses = sft_warmup(ctx)
+        if ctx.rank == 0 and warmup_losses:
+            print(f"supervised warm-up: loss {warmup_losses[0]:.3f} -> {warmup_losses[-1]:.3f}", flush=True)
     for what in ("optimizer", "grads", "params"):
         if ctx.offloaded(what):
             ctx.actor.offload(what)
@@ -106,21 +211,40 @@ def run_rank(cfg: RunConfig, run_dir: str) -> None:
     ctx.sync_weights()  # the engine starts from the actor's weights
     if ctx.offloaded("params"):
         ctx.actor.offload("params")
-    rewards, all_rows, syncs = [], [], []
-    progress = tqdm(range(cfg.trainer.steps), desc=cfg.exp, disable=ctx.rank != 0, dynamic_ncols=True)
-    for step in progress:
-        metrics, sync = rl_step(ctx, step)
+    if ctx.resumed_rank_state is not None:  # every RNG and the data cursor exactly as when the checkpoint was taken
+        restore_rank_state(ctx.resumed_rank_state, ctx.task)
+    writer = ctx.writer
+    rewards = [m["reward/mean"] for m in writer.previous_metrics] if writer is not None else []
+    all_rows = list(writer.timeline_rows) if writer is not None else []
+    syncs = []
+    progress = tqdm(total=steps, initial=ctx.start_step, desc=cfg.exp, disable=ctx.rank != 0, dynamic_ncols=True)
+    for step in range(ctx.start_step, steps):
+        rank_state = capture_rank_state(ctx.task)  # the state at this step's start (a stop before train saves it)
+        try:
+            metrics, sync = rl_step(ctx, step)
+        except StopBeforeTrain:
+            progress.close()
+            return save_and_stop(ctx, step, rank_state, warmup_losses)
         syncs.append(sync)
         rows = ctx.timeline.take_rows()
         gathered: list | None = [None] * ctx.mesh.world_size if ctx.rank == 0 else None
         dist.gather_object(rows, gathered, dst=0)
-        if ctx.writer is not None:
+        if writer is not None:
             step_rows = [r for per_rank in gathered for r in per_rank]
             all_rows += step_rows
-            ctx.writer.log_timeline(step_rows)
-            peaks = ctx.writer.log_step(step, metrics, step_rows)
+            writer.log_timeline(step_rows)
+            peaks = writer.log_step(step, metrics, step_rows)
             rewards.append(metrics["reward/mean"])
+            progress.update()
             progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", peak_mib=f"{max(peaks.values()) / 2**20:.0f}")
-    if ctx.writer is not None:
-        ctx.writer.finish(summarize(ctx, rewards, all_rows, syncs, warmup_losses))
+        if ctx.stop_after_step or ctx.stop.agreed(ctx.dims.device):
+            progress.close()
+            return save_and_stop(ctx, step + 1, capture_rank_state(ctx.task), warmup_losses)
+        if ctx.pending_save is not None:
+            finish_checkpoint(ctx, ctx.pending_save, step + 1, capture_rank_state(ctx.task), warmup_losses)
+            ctx.pending_save = None
+    progress.close()
+    if writer is not None:
+        writer.finish(summarize(ctx, rewards, all_rows, syncs, warmup_losses))
     dist.barrier()
+    return 0

@@ -3,7 +3,10 @@
     python -m rl.main [--exp tiny_cpu] [--run-dir DIR] [key=value ...]
 
 Under torchrun / srun (``WORLD_SIZE`` and ``RANK`` set) this process is one rank and ``--run-dir``
-must name the directory every rank shares; otherwise it spawns the local ranks itself.
+must name the directory every rank shares; otherwise it spawns the local ranks itself. Bad input (config,
+files, the checkpoint to resume) fails in one line with exit code 2 before any rank starts.
+``resume=auto`` without ``--run-dir`` continues the newest unfinished run of the experiment whose config
+is the same (``trainer.steps`` may differ); ``resume=<checkpoint>`` continues in that checkpoint's run.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 from modelspec.tiny import resolve_model_path
+from rl.checkpoint import checkpoint_from_path
 from rl.compose import ConfigError, compose, resolve_path
 from rl.config import RunConfig
 from rl.launch import launched_externally, missing_devices, spawn_local
+from rl.preflight import find_unfinished_run, preflight, resume_point
 
 
-def prepare(cfg: RunConfig, run_dir: str | None) -> Path:
+def prepare(cfg: RunConfig, run_dir: str | Path | None) -> Path:
     """Materialize tiny checkpoints, pick and create the run directory, save the composed config."""
     import yaml
 
@@ -65,6 +70,38 @@ def recommended_utilization(cfg: RunConfig) -> str:
         return "0.5"
 
 
+def pick_run_dir(cfg: RunConfig, given: str | None) -> Path | None:
+    """Where the run writes: --run-dir; else the run directory of resume=<checkpoint>; else, for resume=auto,
+    the newest unfinished run of this experiment with the same config; else None (a new directory)."""
+    if given is not None:
+        return Path(given)
+    if cfg.resume not in ("auto", "never"):
+        try:
+            return checkpoint_from_path(cfg.resume).parent.parent  # <run dir>/checkpoints/step_*
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    if cfg.resume == "auto":
+        return find_unfinished_run(cfg, Path(resolve_path(cfg.output_dir)))
+    return None
+
+
+def check_launch(cfg: RunConfig, run_dir: str | None) -> None:
+    """What the launcher itself cannot do with this config (raises ConfigError)."""
+    if cfg.rollout.gpu_memory_utilization == "auto":
+        raise ConfigError(
+            "rollout.gpu_memory_utilization=auto needs the memory planner's KV budget, which make run does not "
+            f"hand the engine yet; set a float in (0, 1], e.g. rollout.gpu_memory_utilization="
+            f"{recommended_utilization(cfg)} (what `make plan EXP={cfg.exp}` recommends)"
+        )
+    if launched_externally() and run_dir is None:
+        raise ConfigError("--run-dir is required under torchrun/srun so all ranks share one")
+    if not launched_externally() and cfg.cluster.num_nodes > 1:
+        raise ConfigError(
+            f"cluster.num_nodes={cfg.cluster.num_nodes} needs a multi-node launcher; "
+            "use `make sbatch` (Slurm) or torchrun on each node"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--exp", default="tiny_cpu", help="experiment under experiments/conf/exp/")
@@ -73,41 +110,30 @@ def main(argv: list[str] | None = None) -> int:
         "overrides", nargs="*", help="Hydra overrides, e.g. actor.tp=2 rollout.wake_strategy=all_at_once"
     )
     args = parser.parse_args(argv)
+    # everything that can be wrong with the input fails here, in one line, before any rank starts
     try:
         cfg = compose(args.exp, args.overrides)
+        problem = missing_devices(cfg.cluster, launched_externally())
+        if problem is not None:
+            return needs_devices(cfg, args.overrides, problem)
+        check_launch(cfg, args.run_dir)
+        cfg.model.path = resolve_model_path(resolve_path(cfg.model.path))
+        run_dir = pick_run_dir(cfg, args.run_dir)
+        preflight(cfg, run_dir)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-
-    problem = missing_devices(cfg.cluster, launched_externally())
-    if problem is not None:
-        return needs_devices(cfg, args.overrides, problem)
-    if cfg.rollout.gpu_memory_utilization == "auto":
-        print(
-            "config error: rollout.gpu_memory_utilization=auto needs the memory planner's KV budget, which make run "
-            f"does not hand the engine yet; set a float in (0, 1], e.g. rollout.gpu_memory_utilization="
-            f"{recommended_utilization(cfg)} (what `make plan EXP={cfg.exp}` recommends)",
-            file=sys.stderr,
-        )
-        return 2
+    state = resume_point(cfg, run_dir)
+    if state is not None and state.completed_steps >= cfg.trainer.steps:
+        print(f"{run_dir} already did {state.completed_steps} steps (trainer.steps={cfg.trainer.steps}): nothing to do")
+        return 0
     from rl.loop import run_rank
 
+    run_dir = prepare(cfg, run_dir)
     if launched_externally():
-        if args.run_dir is None:
-            print("config error: --run-dir is required under torchrun/srun so all ranks share one", file=sys.stderr)
-            return 2
-        run_dir = prepare(cfg, args.run_dir)
-        run_rank(cfg, str(run_dir))
-        return 0
-    if cfg.cluster.num_nodes > 1:
-        print(
-            f"config error: cluster.num_nodes={cfg.cluster.num_nodes} needs a multi-node launcher; "
-            "use `make sbatch` (Slurm) or torchrun on each node",
-            file=sys.stderr,
-        )
-        return 2
-    run_dir = prepare(cfg, args.run_dir)
-    print(f"run directory: {run_dir}", flush=True)
+        return run_rank(cfg, str(run_dir))
+    resuming = f"; resuming after step {state.completed_steps}" if state is not None else ""
+    print(f"run directory: {run_dir}{resuming}", flush=True)
     return spawn_local(run_rank, cfg.cluster.world_size, (cfg, str(run_dir)))
 
 

@@ -1,5 +1,6 @@
-"""Build everything one rank holds for a run, in order: process groups and the mesh, the memory
-timeline, the actor (and reference actor), the engine, the weight-sync plan, the task, the writer."""
+"""Build everything one rank holds for a run, in order: process groups and the mesh, the checkpoint to
+resume from (if any), the memory timeline, the actor (and reference actor, loaded from the checkpoint
+when resuming), the engine, the weight-sync plan, the task, the writer, the checkpointer."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from modelspec import ColocatedMesh
+from rl.checkpoint import ACTOR_DIR, SAVE_PHASE, Checkpointer, RLState, StopRequest, load_rank_state, resolve_resume
 from rl.config import RunConfig
 from rl.data import DigitSumTask, Gsm8kTask
 from rl.losses import PolicyLoss
@@ -45,8 +47,25 @@ class RankContext:
     timeline: MemoryTimeline
     writer: RunWriter | None  # rank 0 only
     rollout_group: dist.ProcessGroup | None  # this rank's engine replica (native engine's TP group)
+    checkpointer: Checkpointer
+    stop: StopRequest
+    # resuming: the checkpoint, its RLState and this rank's saved RNG/task state (applied before the first step)
+    resumed_from: Path | None = None
+    resumed_state: RLState | None = None
+    resumed_rank_state: dict | None = None
     phase_seconds: dict[str, float] = field(default_factory=dict)
     t0: float = field(default_factory=time.monotonic)
+    pending_save: Path | None = None  # the checkpoint written after this step's train, finished after its logging
+    stop_after_step: bool = False  # every rank agreed (after train) to stop once this step is saved
+
+    @property
+    def start_step(self) -> int:
+        return self.resumed_state.completed_steps if self.resumed_state else 0
+
+    @property
+    def sampling_base_seed(self) -> int:
+        """The sampling-seed schedule's base: the checkpoint's when resuming (part of the saved state)."""
+        return self.resumed_state.sampling_seed if self.resumed_state else self.cfg.trainer.seed
 
     @property
     def rank(self) -> int:
@@ -59,7 +78,7 @@ class RankContext:
     @contextlib.contextmanager
     def phase(self, name: str, step: int):
         """Time and sample memory around one phase of the step."""
-        assert name in PHASES, name
+        assert name in PHASES or name == SAVE_PHASE, name
         start = time.monotonic()
         with self.timeline.phase(name, step):
             yield
@@ -82,21 +101,34 @@ def rollout_groups(mesh: ColocatedMesh) -> list[dist.ProcessGroup]:
     return [dist.new_group(mesh.replica_ranks(i)) for i in range(mesh.num_replicas)]
 
 
-def setup(cfg: RunConfig, run_dir: Path) -> RankContext:
+def _checkpoint_to_resume(cfg: RunConfig, run_dir: Path, rank: int) -> Path | None:
+    """Rank 0 decides (a run started under torchrun has no parent that did), every rank follows."""
+    box = [resolve_resume(cfg.resume, run_dir) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def setup(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None) -> RankContext:
     from transformers import AutoTokenizer
 
     from megatron_backend.actor import Actor
     from megatron_backend.parallel import initialize_model_parallel
     mesh = cfg.mesh()
-    dims = initialize_model_parallel(cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp, seed=cfg.actor.seed)
+    dims = initialize_model_parallel(
+        cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp, seed=cfg.actor.seed, timeout_s=cfg.cluster.timeout_s
+    )
     coords = mesh.actor_coords(dims.rank)
     if (coords.tp_rank, coords.pp_rank, coords.dp_rank) != (dims.tp_rank, dims.pp_rank, dims.dp_rank):
         raise RuntimeError("megatron's rank order is not tp-dp-pp; the weight-sync plan would be wrong")
     groups = rollout_groups(mesh)
+    checkpoint = _checkpoint_to_resume(cfg, run_dir, dims.rank)
+    resumed_state = RLState.read(checkpoint) if checkpoint else None
 
     probe = MemoryProbe(dims.device)
     timeline = MemoryTimeline(probe, dims.rank, interval_s=cfg.trainer.memory_sample_interval_s)
     actor = Actor(cfg.model.path, cfg.actor, dims, dtype=cfg.model.dtype)
+    if checkpoint is not None:
+        actor.load_checkpoint(checkpoint / ACTOR_DIR)  # any saved layout: dist checkpointing reshards
     ref_actor = None
     if cfg.algorithm.kl_coef > 0:
         ref_actor = Actor(cfg.model.path, cfg.actor, dims, dtype=cfg.model.dtype, train=False)
@@ -106,7 +138,21 @@ def setup(cfg: RunConfig, run_dir: Path) -> RankContext:
     weight_sync = cfg.weight_sync.build(
         actor.shape, mesh, dims.rank, dtype=cfg.model.dtype, te_norms=actor.layout.te_norms
     )
-    writer = cfg.wandb.build(run_dir, cfg, name=f"{cfg.exp}-{run_dir.name}") if dims.rank == 0 else None
+    writer = None
+    if dims.rank == 0:
+        writer = cfg.wandb.build(
+            run_dir,
+            cfg,
+            name=f"{cfg.exp}-{run_dir.name}",
+            completed_steps=resumed_state.completed_steps if resumed_state else 0,
+            wandb_run_id=resumed_state.wandb_run_id if resumed_state else None,
+            wandb_step=resumed_state.wandb_step if resumed_state else 0,
+            defer_wandb=cfg.trainer.save_every > 0,  # W&B gets a step once a checkpoint covers it
+        )
+    if checkpoint is not None:  # the timeline continues where the checkpoint's ended
+        box = [writer.last_t_s if writer is not None else 0.0]
+        dist.broadcast_object_list(box, src=0)
+        timeline.t0 = time.monotonic() - box[0]
     return RankContext(
         cfg=cfg,
         mesh=mesh,
@@ -121,6 +167,11 @@ def setup(cfg: RunConfig, run_dir: Path) -> RankContext:
         timeline=timeline,
         writer=writer,
         rollout_group=groups[mesh.replica(dims.rank)] if mesh.rollout_tp > 1 else None,
+        checkpointer=Checkpointer(run_dir, dims.rank, cfg.trainer.keep_last),
+        stop=stop or StopRequest(dims.rank),
+        resumed_from=checkpoint,
+        resumed_state=resumed_state,
+        resumed_rank_state=load_rank_state(checkpoint, dims.rank) if checkpoint else None,
     )
 
 

@@ -2,7 +2,11 @@
 
 W&B is offline unless ``wandb.mode=online`` (``wandb sync <run dir>/wandb/offline-run-*`` uploads later).
 ``wandb.init`` takes the run id from ``WANDB_RUN_ID`` and ``WANDB_RESUME`` from the environment: a Slurm
-job (``make sbatch``) fixes both, so a requeued job resumes the same W&B run.
+job (``make sbatch``) fixes both, so a requeued job resumes the same W&B run; a run resumed from a
+checkpoint takes the id saved in it. Records reach W&B only once a checkpoint covers their step (see
+:class:`RunWriter`), with explicit W&B steps that continue across resumes, so no step is logged twice.
+(W&B 0.31 does not resume *offline* runs: each attempt writes its own ``offline-run-*`` directory under
+the same id, holding only its own steps.)
 Timeline series are logged as ``memory/<metric>/rank<r>`` against a custom x-axis ``timeline/t_s``
 (seconds since the run started); per-step scalars against ``trainer/step``, among them
 ``memory/peak/<phase>`` (max over ranks of the phase's ``device_allocated``).
@@ -36,28 +40,91 @@ class WandbConfig:
         if self.mode not in WANDB_MODES:
             raise ValueError(f"wandb.mode={self.mode!r} is not one of {WANDB_MODES}")
 
-    def build(self, run_dir: Path, config: Any, name: str) -> RunWriter:
-        """Rank 0's writer of the run's files and W&B run."""
-        return RunWriter(run_dir, config, self.mode, self.project, self.entity, name)
+    def build(self, run_dir: Path, config: Any, name: str, **resume: Any) -> RunWriter:
+        """Rank 0's writer of the run's files and W&B run (``resume``: see :class:`RunWriter`)."""
+        return RunWriter(run_dir, config, self.mode, self.project, self.entity, name, **resume)
+
+
+def _truncate_jsonl(path: Path, completed_steps: int) -> list[dict]:
+    """Keep the records of steps < completed_steps (a resumed run redoes the rest); returns them."""
+    records = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by a kill
+                continue
+            if record.get("trainer/step", completed_steps) < completed_steps:
+                records.append(record)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records
+
+
+def _truncate_csv(path: Path, completed_steps: int) -> list[dict]:
+    """The timeline rows of steps < completed_steps, typed, rewritten to ``path``; returns them."""
+    rows = []
+    if path.is_file():
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                try:
+                    typed = {
+                        k: (v if k == "phase" else float(v) if k == "t_s" else int(float(v))) for k, v in row.items()
+                    }
+                except (TypeError, ValueError):  # a row cut by a kill
+                    continue
+                if typed["step"] < completed_steps:
+                    rows.append(typed)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    return rows
 
 
 class RunWriter:
-    """Everything rank 0 writes for one run. Other ranks never construct one."""
+    """Everything rank 0 writes for one run. Other ranks never construct one.
 
-    def __init__(self, run_dir: Path, config: Any, wandb_mode: str, project: str, entity: str | None, name: str):
+    Resuming (``completed_steps`` > 0): metrics.jsonl and memory_timeline.csv keep only the steps before
+    the checkpoint (the rest is redone), and the W&B run continues under ``wandb_run_id`` (else
+    ``WANDB_RUN_ID`` from the environment, else a new id). With ``defer_wandb`` the W&B records wait in
+    memory until :meth:`flush_wandb` (called once a checkpoint that covers them is complete), so no step
+    reaches W&B twice; their W&B step continues from ``wandb_step`` (saved in the checkpoint).
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        config: Any,
+        wandb_mode: str,
+        project: str,
+        entity: str | None,
+        name: str,
+        completed_steps: int = 0,
+        wandb_run_id: str | None = None,
+        wandb_step: int = 0,
+        defer_wandb: bool = False,
+    ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.config = asdict(config) if is_dataclass(config) else dict(config)
-        self.timeline_rows: list[dict] = []
-        self._metrics_file = open(self.run_dir / "metrics.jsonl", "a")
-        self._csv_file = open(self.run_dir / "memory_timeline.csv", "w", newline="")
+        metrics_path = self.run_dir / "metrics.jsonl"
+        restarted = completed_steps == 0 and metrics_path.is_file() and metrics_path.stat().st_size > 0
+        self.previous_metrics = _truncate_jsonl(metrics_path, completed_steps)
+        self.timeline_rows: list[dict] = _truncate_csv(self.run_dir / "memory_timeline.csv", completed_steps)
+        self._metrics_file = open(metrics_path, "a")
+        self._csv_file = open(self.run_dir / "memory_timeline.csv", "a", newline="")
         self._csv = csv.DictWriter(self._csv_file, fieldnames=CSV_COLUMNS, extrasaction="ignore")
-        self._csv.writeheader()
         self._defined: set[str] = set()
+        self._deferred: list[dict] | None = [] if defer_wandb else None
+        self.wandb_step = wandb_step  # the next W&B step (explicit, so a resumed run continues the count)
         self.wandb_run = None
         if wandb_mode != "disabled":
             import wandb
 
+            if restarted and wandb_run_id is None and not defer_wandb:
+                # an earlier attempt in this directory died and its W&B records (sent at once, nothing
+                # deferred) cannot be taken back: this fresh start is a new W&B run
+                wandb_run_id = wandb.util.generate_id()
             self.wandb_run = wandb.init(
                 mode=wandb_mode,
                 project=project,
@@ -66,9 +133,41 @@ class RunWriter:
                 dir=str(self.run_dir),
                 config=self.config,
                 reinit="finish_previous",
+                id=wandb_run_id,
+                resume="allow" if wandb_run_id else None,
             )
             self.wandb_run.define_metric("trainer/step")
             self.wandb_run.define_metric("timeline/t_s")
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        return self.wandb_run.id if self.wandb_run is not None else None
+
+    @property
+    def last_t_s(self) -> float:
+        """The timeline's last time stamp so far (a resumed run's timeline continues from it)."""
+        return max((row["t_s"] for row in self.timeline_rows), default=0.0)
+
+    @property
+    def num_deferred(self) -> int:
+        return len(self._deferred or ())
+
+    def _wandb_log(self, record: dict) -> None:
+        if self.wandb_run is None:
+            return
+        if self._deferred is not None:
+            self._deferred.append(record)
+            return
+        self.wandb_run.log(record, step=self.wandb_step)
+        self.wandb_step += 1
+
+    def flush_wandb(self) -> None:
+        """Send the deferred W&B records (their steps are now covered by a complete checkpoint)."""
+        deferred, self._deferred = self._deferred, None
+        for record in deferred or ():
+            self._wandb_log(record)
+        if deferred is not None:
+            self._deferred = []
 
     @property
     def wandb_dir(self) -> str | None:
@@ -93,7 +192,7 @@ class RunWriter:
                 key = f"memory/{metric}/rank{row['rank']}"
                 self._define(key, "timeline/t_s")
                 record[key] = row[metric]
-            self.wandb_run.log(record)
+            self._wandb_log(record)
 
     def log_step(self, step: int, metrics: dict[str, float], step_rows: list[dict]) -> dict[str, int]:
         """Per-step scalars plus ``memory/peak/<phase>`` from this step's rows; returns those peaks."""
@@ -106,8 +205,16 @@ class RunWriter:
             for key in record:
                 if key != "trainer/step":
                     self._define(key, "trainer/step")
-            self.wandb_run.log(record)
+            self._wandb_log(record)
         return peaks
+
+    def close(self) -> None:
+        """Stop without a summary (a preempted run): files closed, deferred W&B records dropped (the run
+        that resumes redoes their steps), the W&B run finished so that it can be resumed."""
+        self._metrics_file.close()
+        self._csv_file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
 
     def finish(self, summary: dict) -> dict:
         """Write the timeline plot and summary.json, close W&B. Returns the summary as written."""
@@ -120,7 +227,9 @@ class RunWriter:
         if self.wandb_run is not None:
             import wandb
 
-            self.wandb_run.log({"memory/timeline_chart": wandb.Image(str(png))})
+            self.flush_wandb()
+            self._deferred = None
+            self._wandb_log({"memory/timeline_chart": wandb.Image(str(png))})
             self.wandb_run.summary.update({k: v for k, v in summary.items() if k != "wandb_dir"})
             self.wandb_run.finish()
         return summary

@@ -52,7 +52,7 @@ def test_overrides_reach_the_components():
             ["actor.pp=2", "actor.vpp=4", "cluster.procs_per_node=4"],
             "actor.pp x actor.vpp = 2x4 must divide the 4 layers",
         ),
-        (["cluster.procs_per_node=3"], "world size 3 (cluster.num_nodes x cluster.procs_per_node) is not a multiple"),
+        (["cluster.procs_per_node=3"], "actor.tp=2 x actor.pp=1 does not divide the world size 3"),
         (["actor.dp=2"], "set actor.dp=1 or actor.dp=null"),
         (["rollout.tp=8", "cluster.procs_per_node=8", "actor.tp=2"], "rollout.tp=8 must divide the attention heads"),
         (["rollout.wake_strategy=lazy"], "rollout.wake_strategy='lazy' is not one of"),

@@ -31,7 +31,7 @@ def run_loop(tmp_path: Path, *overrides: str, exp: str = "tiny_cpu") -> dict:
 def test_bad_config_fails_before_any_rank_starts(capsys):
     assert main(["--exp", "tiny_cpu", "actor.tp=3"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("config error: world size 2") and err.count("\n") == 1
+    assert err.startswith("config error: actor.tp=3 x actor.pp=1 does not divide") and err.count("\n") == 1
     assert main(["--exp", "tiny_cpu", "cluster.num_nodes=2"]) == 2
     assert "needs a multi-node launcher" in capsys.readouterr().err
     assert main(["--exp", "tiny_cpu", "rollout.gpu_memory_utilization=auto"]) == 2

@@ -86,7 +86,7 @@ def test_make_sbatch_submit_runs_tiny_cpu_to_its_summary(tmp_path):
 
 def test_usr1_before_the_time_limit_requeues_the_same_job(tmp_path):
     """What `--signal=B:USR1@<s>` does near the time limit, sent by hand: the trap forwards USR1 to the step
-    (torchrun survives it), waits out the grace (the ranks have no checkpoint handler yet), requeues."""
+    (torchrun survives it), the ranks save a checkpoint and exit 0, the trap requeues."""
     job_id, run_dir, log = submit(tmp_path, "trainer.steps=1000 cluster.slurm_signal_seconds=30")
     try:
         wait_for(job_id, lambda f: log.exists() and "start (restart 0)" in log.read_text(), 300, log)

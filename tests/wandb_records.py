@@ -35,6 +35,8 @@ def iter_records(path: str | Path) -> Iterator:
         if kind == 0 and length == 0:  # zero padding at the end of a block
             offset += left_in_block
             continue
+        if offset + HEADER_BYTES + length > len(data):  # the last chunk of a run killed while writing
+            return
         payload = data[offset + HEADER_BYTES : offset + HEADER_BYTES + length]
         offset += HEADER_BYTES + length
         pending = payload if kind in (FULL, FIRST) else pending + payload

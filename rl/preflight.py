@@ -1,0 +1,206 @@
+"""Checks that read files or the environment, run by the launcher after composition and before any rank
+starts: the checkpoint's shards and tokenizer, the engine's package, the KV-cache budget, the data file,
+and the checkpoint a run resumes from. Each failure is one :class:`~rl.compose.ConfigError` line naming
+the key or file and the fix; all of them together take seconds (headers are read, never weights).
+
+Pure config checks (sizes that must divide, ranges) live in the configs' ``__post_init__``
+(:mod:`rl.config` and each component's dataclass) and fail earlier, at composition.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import asdict
+from pathlib import Path
+
+import yaml
+
+from modelspec import ModelShape, torch_dtype
+from planner.devices import device_preset
+from planner.sizes import engine_param_count, kv_bytes_per_token
+from rl.checkpoint import CHECKPOINT_DIR, RLState, checkpoint_from_path, complete_checkpoints, model_sizes
+from rl.compose import ConfigError
+from rl.config import RunConfig
+from rl.sampling import sampling_seed
+
+# engine -> the package it needs (the native engine is this repository)
+ENGINE_PACKAGES = {"vllm": "vllm"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+# keys that may change between the run that saved a checkpoint and the one that resumes it automatically
+RESUMABLE_CHANGES = ("resume", "trainer.steps")
+
+
+def preflight(cfg: RunConfig, run_dir: Path | None) -> None:
+    """Every file-level check; ``cfg.model.path`` must already be resolved (tiny checkpoints written)."""
+    check_engine_installed(cfg)
+    shape = cfg.model.shape()
+    check_tokenizer(cfg, shape)
+    check_model_files(cfg, shape)
+    check_kv_budget(cfg, shape)
+    check_data(cfg)
+    check_resume(cfg, run_dir, shape)
+
+
+def check_engine_installed(cfg: RunConfig) -> None:
+    package = ENGINE_PACKAGES.get(cfg.rollout.engine)
+    if package is None:
+        return
+    try:
+        found = importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a broken install, or one shadowed in sys.modules
+        found = False
+    if not found:
+        raise ConfigError(
+            f"rollout.engine={cfg.rollout.engine} needs the {package} package, which is not importable here; "
+            f"install it (`make install EXTRAS=dev,gpu` on a GPU machine) or use rollout.engine=native"
+        )
+
+
+def check_model_files(cfg: RunConfig, shape: ModelShape) -> None:
+    from megatron_backend.checkpoint import verify_hf_checkpoint
+
+    try:
+        verify_hf_checkpoint(cfg.model.path, shape)
+    except ValueError as exc:
+        raise ConfigError(f"model.path={cfg.model.path!r}: {exc}") from None
+
+
+def check_tokenizer(cfg: RunConfig, shape: ModelShape) -> None:
+    from transformers import AutoTokenizer
+
+    if not any((Path(cfg.model.path) / name).is_file() for name in TOKENIZER_FILES):
+        # transformers would build an empty tokenizer from config.json alone and fail much later
+        raise ConfigError(
+            f"model.path={cfg.model.path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the "
+            "checkpoint's tokenizer files there"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(
+            f"model.path={cfg.model.path!r} has no loadable tokenizer ({first}); the directory needs "
+            "tokenizer.json / tokenizer_config.json"
+        ) from None
+    if len(tokenizer) > shape.vocab_size:
+        raise ConfigError(
+            f"the tokenizer in model.path={cfg.model.path!r} has {len(tokenizer)} tokens but config.json's "
+            f"vocab_size is {shape.vocab_size}: token ids past the embedding would crash the run; use the "
+            "checkpoint's own tokenizer"
+        )
+
+
+def check_kv_budget(cfg: RunConfig, shape: ModelShape) -> None:
+    """The engine's KV cache must hold at least one ``max_model_len`` sequence (what the native engine and
+    vLLM both refuse to start without): utilization x capacity - engine weights - activation reserve."""
+    rollout = cfg.rollout
+    element_bytes = torch_dtype(cfg.model.dtype).itemsize
+    if cfg.cluster.device == "cpu":
+        capacity, capacity_key = int(rollout.cpu_capacity_gb * 2**30), "rollout.cpu_capacity_gb"
+    else:
+        capacity = device_preset(cfg.cluster.device, cfg.cluster.procs_per_node).total_bytes
+        capacity_key = f"cluster.device={cfg.cluster.device}"
+    weight_bytes = engine_param_count(shape, rollout.tp) * element_bytes
+    budget = int(rollout.gpu_memory_utilization * capacity) - weight_bytes - rollout.activation_reserve_mb * 2**20
+    max_model_len = rollout.max_model_len or shape.max_position_embeddings
+    needed = (
+        math.ceil(max_model_len / rollout.block_size)
+        * rollout.block_size
+        * kv_bytes_per_token(shape, rollout.tp, element_bytes)
+    )
+    if budget < needed:
+        raise ConfigError(
+            f"rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} x {capacity_key} "
+            f"({capacity / 2**30:.3g} GiB) leaves {budget / 2**20:.1f} MiB for the KV cache after the engine's "
+            f"weights and rollout.activation_reserve_mb, less than one max_model_len={max_model_len} sequence needs "
+            f"({needed / 2**20:.1f} MiB); raise rollout.gpu_memory_utilization"
+            + (" or rollout.cpu_capacity_gb" if cfg.cluster.device == "cpu" else "")
+            + ", or lower rollout.max_model_len"
+        )
+
+
+def check_data(cfg: RunConfig) -> None:
+    if cfg.data.path is not None and not Path(cfg.data.path).is_file():
+        raise ConfigError(f"data.path={cfg.data.path!r} does not exist; point it at a local .jsonl or .parquet file")
+
+
+def check_resume(cfg: RunConfig, run_dir: Path | None, shape: ModelShape) -> None:
+    """The checkpoint the run will resume from exists and fits the model; ``never`` overwrites nothing."""
+    existing = complete_checkpoints(run_dir / CHECKPOINT_DIR) if run_dir is not None else []
+    if cfg.resume == "never":
+        if existing:
+            raise ConfigError(
+                f"resume=never but {run_dir} already holds checkpoints ({existing[-1].name}); a fresh run there would "
+                "mix with them: give a new --run-dir, or resume=auto to continue it"
+            )
+        return
+    if cfg.resume == "auto":
+        checkpoint = existing[-1] if existing else None
+    else:
+        try:
+            checkpoint = checkpoint_from_path(cfg.resume)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    if checkpoint is None:
+        return
+    try:
+        state = RLState.read(checkpoint)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError(
+            f"resume: {checkpoint}/rl_state.json is unreadable ({exc}); pick another checkpoint"
+        ) from None
+    if state.model != model_sizes(shape):
+        raise ConfigError(
+            f"resume: {checkpoint} is of a model with {state.model}, model.path={cfg.model.path!r} has "
+            f"{model_sizes(shape)}; resume it with its own model, or resume=never"
+        )
+    schedule = [
+        sampling_seed(state.sampling_seed, state.completed_steps, r) for r in range(len(state.next_sampling_seeds))
+    ]
+    if schedule != state.next_sampling_seeds:
+        raise ConfigError(
+            f"resume: {checkpoint} was sampled with another seed schedule ({state.sampling_seed_schedule}); its steps "
+            "cannot be continued exactly by this code; resume=never starts over"
+        )
+
+
+def resume_point(cfg: RunConfig, run_dir: Path | None) -> RLState | None:
+    """The RLState the run will start from (after :func:`preflight`), or None for a fresh run."""
+    if cfg.resume == "never":
+        return None
+    if cfg.resume != "auto":
+        return RLState.read(checkpoint_from_path(cfg.resume))
+    existing = complete_checkpoints(run_dir / CHECKPOINT_DIR) if run_dir is not None else []
+    return RLState.read(existing[-1]) if existing else None
+
+
+def _comparable(config: dict) -> dict:
+    out = dict(config)
+    for key in RESUMABLE_CHANGES:
+        node = out
+        *parents, leaf = key.split(".")
+        for parent in parents:
+            node[parent] = dict(node.get(parent) or {})
+            node = node[parent]
+        node.pop(leaf, None)
+    return out
+
+
+def find_unfinished_run(cfg: RunConfig, runs_root: Path) -> Path | None:
+    """``make run`` with resume=auto and no --run-dir: the newest run of this experiment that has a complete
+    checkpoint, no summary.json (it did not finish) and the same config (up to RESUMABLE_CHANGES)."""
+    exp_dir = runs_root / cfg.exp
+    if not exp_dir.is_dir():
+        return None
+    wanted = _comparable(yaml.safe_load(yaml.safe_dump(asdict(cfg))))
+    for run_dir in sorted((p for p in exp_dir.iterdir() if p.is_dir()), reverse=True):
+        if (run_dir / "summary.json").exists() or not complete_checkpoints(run_dir / CHECKPOINT_DIR):
+            continue
+        try:
+            saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(saved, dict) and _comparable(saved) == wanted:
+            return run_dir
+    return None

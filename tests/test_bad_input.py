@@ -1,0 +1,206 @@
+"""Bad input never starts heavy work: each case below makes ``python -m rl.main`` print one line that names
+the key or file and the fix, and exit 2, before any rank process exists (spawning is made to fail here)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import rl.main
+from rl.main import main
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _copy(src: str, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_config(model_dir: Path, **changes) -> Path:
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(changes)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return model_dir
+
+
+def _missing_shard(tiny, tmp):
+    (_copy(tiny["qwen2"], tmp / "m") / "model.safetensors").unlink()
+    return [f"model.path={tmp / 'm'}"]
+
+
+def _truncated_shard(tiny, tmp):
+    shard = _copy(tiny["qwen2"], tmp / "m") / "model.safetensors"
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    return [f"model.path={tmp / 'm'}"]
+
+
+def _missing_indexed_shard(tiny, tmp):
+    """A sharded checkpoint whose index names a file that is not there."""
+    model = _copy(tiny["qwen2"], tmp / "m")
+    (model / "model.safetensors").rename(model / "model-00001-of-00002.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(str(model / "model-00001-of-00002.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+    weight_map = {n: "model-00001-of-00002.safetensors" for n in names}
+    weight_map["lm_head.weight"] = "model-00002-of-00002.safetensors"
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return [f"model.path={model}"]
+
+
+def _unsupported_architecture(tiny, tmp):
+    return [f"model.path={_edit_config(_copy(tiny['qwen2'], tmp / 'm'), model_type='gpt2')}"]
+
+
+def _vocab_too_small_for_tokenizer(tiny, tmp):
+    return [f"model.path={_edit_config(_copy(tiny['qwen2'], tmp / 'm'), vocab_size=64)}"]
+
+
+def _weights_of_another_model(tiny, tmp):
+    return [f"model.path={_edit_config(_copy(tiny['qwen2'], tmp / 'm'), intermediate_size=96)}"]
+
+
+def _no_tokenizer(tiny, tmp):
+    model = _copy(tiny["qwen2"], tmp / "m")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).unlink()
+    return [f"model.path={model}"]
+
+
+def _rollout_tp_vs_kv_heads(tiny, tmp):
+    # 12 heads, 8 KV heads: rollout.tp=6 divides the heads but neither divides nor is a multiple of the KV heads
+    model = tmp / "m"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps(
+            dict(
+                model_type="qwen2",
+                hidden_size=96,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=12,
+                num_key_value_heads=8,
+                vocab_size=128,
+                max_position_embeddings=64,
+            )
+        )
+    )
+    return [f"model.path={model}", "rollout.tp=6", "actor.tp=2", "cluster.procs_per_node=6"]
+
+
+def _not_a_checkpoint(tiny, tmp):
+    (tmp / "ckpt").mkdir()
+    return [f"resume={tmp / 'ckpt'}"]
+
+
+def _never_over_checkpoints(tiny, tmp):
+    checkpoint = tmp / "run" / "checkpoints" / "step_00000003"
+    (checkpoint / "actor").mkdir(parents=True)
+    (checkpoint / "actor" / "metadata.json").write_text("{}")
+    (checkpoint / "rl_state.json").write_text("{}")
+    return ["--run-dir", str(tmp / "run"), "resume=never"]
+
+
+def _vllm_not_installed(tiny, tmp, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if vLLM were not installed (find_spec then fails)
+    return ["rollout.engine=vllm"]
+
+
+# (case, overrides or a function(tiny dirs, tmp path[, monkeypatch]) -> overrides, text the line must contain)
+CASES = [
+    ("tp does not divide world", ["actor.tp=3"], "actor.tp=3 x actor.pp=1 does not divide the world size 2"),
+    ("world not a multiple of tp x pp", ["cluster.procs_per_node=3"], "does not divide the world size 3"),
+    ("tp x pp x dp != world", ["actor.dp=2"], "set actor.dp=1 or actor.dp=null"),
+    ("heads vs actor tp", ["actor.tp=4", "cluster.procs_per_node=4"], "actor.tp=4 must divide the attention heads"),
+    (
+        "layers vs pp",
+        ["actor.pp=3", "actor.tp=1", "rollout.tp=1", "cluster.procs_per_node=3"],
+        "must divide the 4 layers",
+    ),
+    ("rollout tp vs heads", ["rollout.tp=8", "cluster.procs_per_node=8", "actor.tp=2"], "rollout.tp=8 must divide"),
+    (
+        "rollout tp vs KV heads",
+        _rollout_tp_vs_kv_heads,
+        "rollout.tp=6 must divide the attention heads (12), and divide",
+    ),
+    ("batch vs micro-batch", ["trainer.prompts_per_step=4"], "not a multiple of actor.micro_batch_size=64"),
+    ("batch vs DP", ["actor.tp=1", "trainer.prompts_per_step=3"], "trainer.prompts_per_step=3 must split evenly"),
+    ("samples per prompt", ["rollout.n_samples_per_prompt=0"], "rollout.n_samples_per_prompt=0 must be >= 1"),
+    ("utilization > 1", ["rollout.gpu_memory_utilization=1.5"], "rollout.gpu_memory_utilization=1.5 is outside (0, 1]"),
+    ("utilization auto", ["rollout.gpu_memory_utilization=auto"], "rollout.gpu_memory_utilization=auto needs"),
+    ("KV budget", ["rollout.cpu_capacity_gb=0.05"], "for the KV cache after the engine's weights"),
+    ("bucket size", ["weight_sync.bucket_mb=0"], "weight_sync.bucket_mb=0 must be >= 1"),
+    ("missing model.path", ["model.path=/no/such/checkpoint"], "model.path='/no/such/checkpoint' has no config.json"),
+    ("missing shard", _missing_shard, "has neither model.safetensors nor model.safetensors.index.json"),
+    ("missing indexed shard", _missing_indexed_shard, "model-00002-of-00002.safetensors is missing"),
+    ("truncated shard", _truncated_shard, "model.safetensors is truncated or corrupt"),
+    ("unsupported architecture", _unsupported_architecture, "model_type 'gpt2' is not supported"),
+    ("weights of another model", _weights_of_another_model, "the weights and config.json are of different models"),
+    ("tokenizer vocab > model vocab", _vocab_too_small_for_tokenizer, "but config.json's vocab_size is 64"),
+    ("no tokenizer", _no_tokenizer, "has no tokenizer (none of tokenizer.json"),
+    ("unknown experiment", "--exp=nope", "EXP='nope' is not an experiment"),
+    ("unknown key", ["actor.foo=1"], "unknown config key 'actor.foo'"),
+    ("resume path not a checkpoint", _not_a_checkpoint, "is not a checkpoint"),
+    ("resume=never over checkpoints", _never_over_checkpoints, "resume=never but"),
+    ("engine not installed", _vllm_not_installed, "rollout.engine=vllm needs the vllm package"),
+    (
+        "data file missing",
+        ["data.task=gsm8k", "data.path=/no/such.jsonl", "trainer.sft_warmup_steps=0"],
+        "data.path='/no/such.jsonl' does not exist",
+    ),
+    ("checkpoint cadence", ["trainer.save_every=-1"], "trainer.save_every=-1 must be >= 0"),
+    ("collective timeout", ["cluster.timeout_s=1"], "cluster.timeout_s=1.0 must be >= 10"),
+]
+
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    def spawn_local(*args, **kwargs):
+        raise AssertionError("a rank was started for bad input")
+
+    monkeypatch.setattr(rl.main, "spawn_local", spawn_local)
+
+
+@pytest.mark.parametrize("name,case,expected", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_fails_in_one_line_before_any_rank(
+    name, case, expected, tiny_model_dirs, tmp_path, monkeypatch, capsys, no_ranks
+):
+    if callable(case):
+        args = (
+            case(tiny_model_dirs, tmp_path, monkeypatch)
+            if "monkeypatch" in case.__code__.co_varnames
+            else case(tiny_model_dirs, tmp_path)
+        )
+    else:
+        args = [case] if isinstance(case, str) else list(case)
+    exp = [a for a in args if a.startswith("--exp=")]
+    args = [a for a in args if not a.startswith("--exp=")]
+    start = time.perf_counter()
+    code = main([*(["--exp", exp[0].split("=", 1)[1]] if exp else []), *args])
+    seconds = time.perf_counter() - start
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    assert err.startswith("config error: ") and err.count("\n") == 1, err
+    assert expected in err, err
+    print(f"\n| {name} | `{err.strip()}` | {seconds:.2f} |")
+
+
+def test_there_are_at_least_twenty_cases():
+    assert len(CASES) >= 20
+
+
+def test_make_run_with_a_bad_tp_exits_nonzero_naming_actor_tp():
+    """As a user runs it: a fresh interpreter, `make run ARGS="actor.tp=3"` (the timing goes in the issue note)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "rl.main", "actor.tp=3"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "actor.tp=3" in proc.stderr, proc.stderr

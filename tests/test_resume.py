@@ -1,0 +1,134 @@
+"""Kill and resume the real loop (2 CPU ranks): a run stopped by SIGKILL at several points (one of them inside
+a checkpoint save) and by SIGTERM, and started again each time with resume=auto, ends with exactly the
+steps of the run that was never interrupted: same rewards, losses, grad norms and sampled tokens, each
+step once in metrics.jsonl and once across the W&B run's records."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from rl.checkpoint import complete_checkpoints
+from tests.wandb_records import find_run_file, history_rows
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = 5
+SETTINGS = (
+    f"trainer.steps={STEPS}",
+    "trainer.sft_warmup_steps=1",
+    "trainer.prompts_per_step=4",
+    "actor.micro_batch_size=16",
+    "trainer.ppo_epochs=1",
+    "trainer.save_every=1",
+    "trainer.keep_last=2",
+)
+# what differs between two runs of the same steps: wall-clock times, throughput, memory samples
+NONDETERMINISTIC = ("time/", "perf/", "memory/", "weight_sync/seconds")
+
+
+def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    """``python -m rl.main`` in its own session (so the test can kill the launcher and its ranks at once)."""
+    cmd = [sys.executable, "-m", "rl.main", "--run-dir", str(run_dir), *SETTINGS, *overrides]
+    return subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+
+
+def wait_for(proc: subprocess.Popen, condition, timeout_s: float = 600.0, interval_s: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (exit {proc.returncode}) first:\n{proc.stdout.read()[-4000:]}")
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(f"timed out:\n{proc.stdout.read()[-4000:]}")
+        time.sleep(interval_s)
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line)["trainer/step"] for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def saving(run_dir: Path) -> bool:
+    """A checkpoint is being written: its temporary directory exists and already holds actor shards."""
+    root = run_dir / "checkpoints"
+    return root.is_dir() and any(p.name.startswith(".tmp-") and any(p.glob("actor/*.distcp")) for p in root.iterdir())
+
+
+def kill_launcher_only(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher alone: its ranks must not outlive it (PR_SET_PDEATHSIG)."""
+    ranks = psutil.Process(proc.pid).children(recursive=True)
+    assert ranks, "the launcher has no rank processes"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    _, alive = psutil.wait_procs(ranks, timeout=30)
+    assert not alive, f"orphan ranks survived the launcher: {alive}"
+
+
+def deterministic(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(NONDETERMINISTIC)}
+
+
+@pytest.mark.slow
+def test_killed_and_resumed_run_equals_the_uninterrupted_run(tmp_path):
+    reference_dir, resumed_dir = tmp_path / "reference", tmp_path / "resumed"
+    reference = start(reference_dir)
+    assert reference.wait(timeout=900) == 0, reference.stdout.read()[-4000:]
+
+    # 1: SIGKILL to the launcher only, while step 1 runs (step 0 is logged, its checkpoint may be complete)
+    proc = start(resumed_dir)
+    wait_for(proc, lambda: logged_steps(resumed_dir))
+    time.sleep(2.0)
+    kill_launcher_only(proc)
+    # 2: SIGKILL to every process inside a checkpoint save: the half-written one must never be picked
+    proc = start(resumed_dir)
+    wait_for(proc, lambda: saving(resumed_dir))
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    before = [p.name for p in complete_checkpoints(resumed_dir / "checkpoints")]
+    # 3: SIGTERM (preemption) once this attempt completed a checkpoint: save at the next phase boundary, exit 0
+    proc = start(resumed_dir)
+    wait_for(proc, lambda: [p.name for p in complete_checkpoints(resumed_dir / "checkpoints")][-1:] > before[-1:])
+    proc.send_signal(signal.SIGTERM)  # to the launcher, which forwards it to its ranks
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    assert "stopped by SIGTERM" in out and not (resumed_dir / "summary.json").exists(), out[-4000:]
+    # 4: to the end
+    proc = start(resumed_dir)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-4000:]
+    assert "resuming from" in out
+
+    assert before, "no checkpoint was complete before the kill inside a save"
+    assert not list((resumed_dir / "checkpoints").glob(".tmp-*"))
+    assert [p.name for p in complete_checkpoints(resumed_dir / "checkpoints")] == [
+        f"step_{n:08d}" for n in (STEPS - 1, STEPS)
+    ]  # keep_last=2
+    want = [json.loads(line) for line in (reference_dir / "metrics.jsonl").read_text().splitlines()]
+    got = [json.loads(line) for line in (resumed_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["trainer/step"] for m in got] == list(range(STEPS))
+    assert [deterministic(m) for m in got] == [deterministic(m) for m in want]
+    assert len({m["rollout/response_tokens_crc32"] for m in want}) == STEPS  # the seed varies per step
+    reference_summary = json.loads((reference_dir / "summary.json").read_text())
+    summary = json.loads((resumed_dir / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["reward_last5"] == reference_summary["reward_last5"]
+
+    # W&B: each attempt wrote its own offline run; a step reaches W&B only once a checkpoint covers it, so no
+    # step is there twice (a SIGKILL may lose records the W&B service had not written yet: never duplicates)
+    runs = sorted((resumed_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 4, runs
+    per_run = [[h["trainer/step"] for h in history_rows(find_run_file(r)) if "trainer/step" in h] for r in runs]
+    steps = [s for run_steps in per_run for s in run_steps]
+    assert len(steps) == len(set(steps)) and set(steps) <= set(range(STEPS)), per_run
+    assert per_run[-1] and per_run[-1][-1] == STEPS - 1, per_run  # the last attempt ended normally
