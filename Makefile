@@ -37,7 +37,7 @@ VLLM_BUILD := $(if $(filter gpu,$(subst $(comma), ,$(EXTRAS))),cuda,cpu)
 # HF=tiny_models/<family> builds that tiny checkpoint on demand, so README examples work in a fresh clone
 TINY_HF := $(if $(filter $(TINY_DIR)/%,$(HF)),$(HF)/config.json)
 
-.PHONY: help install run plan sbatch sweep sweep-local test test-vllm test-gpu test-slow test-slurm lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout clean
+.PHONY: help install run plan sbatch sweep sweep-local test test-vllm test-gpu test-slow test-slurm lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout bench-train clean
 
 help: ## list the targets
 	@echo "usage: make <target> [EXP=<experiment>] [ARGS=\"<hydra overrides>\"]"
@@ -118,6 +118,9 @@ bench-entropy: $(STAMP) ## peak memory of chunked vs unchunked vocab entropy: on
 
 bench-rollout: $(STAMP) ## native engine vs transformers generate tokens/s (batch 32, tiny model): one JSON line
 	@$(PY) -m tools.bench_rollout $(ARGS)
+
+bench-train: $(STAMP) ## train-phase levers (packing, token budgets, recompute, chunked log-prob) with/without, measured vs planned: one JSON line each
+	@$(PY) -m tools.bench_train $(ARGS)
 
 clean: ## remove caches and generated tiny checkpoints (keeps .venv and runs/)
 	rm -rf .pytest_cache .ruff_cache $(TINY_DIR)

@@ -4,11 +4,15 @@ Batches are dicts of CPU or device tensors, identical on every TP/PP rank of one
 rank passes its own share):
 
 - ``input_ids`` [B, S] int64, right-padded prompt + response;
+- ``seq_lens`` [B] (optional): real tokens per row; without it rows count as unpadded;
 - ``loss_mask`` [B, S-1]: 1 where the target token ``input_ids[:, t+1]`` is a response token;
 - for training, whatever the loss function reads (``old_logprobs`` [B, S-1], ``advantages`` [B] or
   [B, S-1], ``ref_logprobs`` [B, S-1]).
 
 Log-probs are [B, S-1] fp32: ``logprobs[:, t] = log p(input_ids[:, t+1] | input_ids[:, :t+1])``.
+The model runs on micro-batches from :mod:`megatron_backend.packing` (padded [b, S] or packed THD
+[1, T], ``actor.remove_padding``; fixed size or a token budget); log-probs and entropy come from the
+chunked :func:`~megatron_backend.logprobs.fused_logprobs_entropy` at the response targets only.
 The loss function comes from ``rl`` (``rl.losses.PolicyLoss``); this package never imports ``rl``.
 
 Optimizer: on CUDA megatron-core's (``get_megatron_optimizer``; distributed optimizer when DP > 1);
@@ -29,9 +33,10 @@ import torch.distributed as dist
 from megatron_backend.checkpoint import chunk_params, gather_hf_state_dict, load_hf_into_chunks, local_shards
 from megatron_backend.config import ActorConfig
 from megatron_backend.layout import RankLayout, check_divisible, padded_vocab_size
-from megatron_backend.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
+from megatron_backend.logprobs import fused_logprobs_entropy
 from megatron_backend.memory import MemoryLedger, StorageOffloader, storage_bytes
-from megatron_backend.model import build_gpt_chunks, te_available
+from megatron_backend.model import build_gpt_chunks, recompute_kwargs, te_available
+from megatron_backend.packing import MicroBatch, build_micro_batch, partition, sequence_lengths
 from megatron_backend.parallel import ParallelDims
 from modelspec import BatchTotals, LossFn, ModelShape
 
@@ -49,7 +54,6 @@ class Actor:
         dims: ParallelDims,
         dtype: str = "float32",
         train: bool = True,
-        entropy_chunk_tokens: int = 1024,
         optimizer_impl: str = "auto",
     ):
         """``optimizer_impl``: ``auto`` (megatron-core's on CUDA, torch AdamW on CPU), ``megatron`` or
@@ -70,11 +74,17 @@ class Actor:
         check_divisible(self.shape, dims.tp, dims.pp, dims.vpp)
         self.layout = RankLayout(dims.tp, dims.pp, dims.vpp, dims.tp_rank, dims.pp_rank, te_norms=te_available())
         self.vocab_start = dims.tp_rank * padded_vocab_size(self.shape.vocab_size, dims.tp) // dims.tp
-        self.entropy_chunk_tokens = entropy_chunk_tokens
         self.ledger = MemoryLedger()
         self._offloaders = {what: StorageOffloader(_TAG[what], self.ledger) for what in OFFLOADABLE}
         with self.ledger.op("build"):
-            self.chunks = build_gpt_chunks(self.shape, dims, dtype)  # raw GPTModel per VPP stage
+            recompute = recompute_kwargs(
+                config.recompute, config.recompute_method, config.recompute_num_layers, config.recompute_modules
+            )
+            # micro-batch shapes vary with packing or token budgets: pipeline stages exchange shapes
+            variable = config.remove_padding or config.max_tokens_per_micro_batch is not None
+            variable = variable or config.forward_max_tokens is not None
+            # raw GPTModel per VPP stage
+            self.chunks = build_gpt_chunks(self.shape, dims, dtype, recompute=recompute, variable_seq_lengths=variable)
             self.num_bytes_loaded = load_hf_into_chunks(self.chunks, hf_dir, self.shape, self.layout)
             self.ledger.set("actor_params", resident_bytes=storage_bytes(self._param_tensors()))
         self.models = self.chunks  # DDP-wrapped when training
@@ -135,74 +145,90 @@ class Actor:
         self.ledger.set("actor_grads", resident_bytes=storage_bytes(self._grad_tensors()))
 
     # ---------------------------------------------------------------- forward passes
-    def _micro_batches(self, batch: dict) -> list[dict]:
-        num_seqs = batch["input_ids"].shape[0]
-        mbs = self.config.micro_batch_size
-        if num_seqs % mbs:
-            raise ValueError(f"batch of {num_seqs} sequences is not a multiple of actor.micro_batch_size={mbs}")
-        if self.dims.vpp and num_seqs // mbs < self.dims.pp:
+    def _micro_batches(self, batch: dict, max_tokens: int | None, response_only: bool) -> list[MicroBatch]:
+        """This rank's micro-batches (megatron_backend.packing): ``micro_batch_size`` sequences each, or
+        by the token budget ``max_tokens``; as many on every DP rank (the most any rank needs)."""
+        lengths = sequence_lengths(batch)
+        packed, width = self.config.remove_padding, batch["input_ids"].shape[1]
+        min_count = self.dims.pp if self.dims.vpp else 1
+
+        def split(at_least: int) -> list[list[int]]:
+            return partition(lengths.tolist(), self.config.micro_batch_size, max_tokens, packed, width, at_least)
+
+        groups = split(min_count)
+        if max_tokens is not None and self.dims.dp > 1:
+            count = torch.tensor([len(groups)], dtype=torch.long, device=self.dims.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dims.dp_group)
+            if int(count) > len(groups):
+                groups = split(int(count))
+        if self.dims.vpp and len(groups) < self.dims.pp:
             raise ValueError(
-                f"the interleaved (VPP) schedule needs >= PP={self.dims.pp} micro-batches, got {num_seqs // mbs}; "
-                f"lower actor.micro_batch_size or send more sequences"
+                f"the interleaved (VPP) schedule needs >= PP={self.dims.pp} micro-batches, got {len(groups)}; "
+                f"lower actor.micro_batch_size / the token budget or send more sequences"
             )
         device = self.dims.device
-        return [
-            {k: v[i : i + mbs].to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
-            for i in range(0, num_seqs, mbs)
-        ]
+        return [build_micro_batch(batch, g, lengths, packed, device, response_only) for g in groups]
 
-    def _run_schedule(self, micro_batches: list[dict], loss_func_factory, forward_only: bool) -> list[dict]:
+    def _run_schedule(self, micro_batches: list[MicroBatch], loss_func_factory, forward_only: bool) -> list[dict]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        seq_len = micro_batches[0]["input_ids"].shape[1]
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            tokens = mb["input_ids"]  # [b, S]
-            position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-            output = model(tokens, position_ids, attention_mask=None)  # last stage: logits [b, S, V_local]
+            # last stage: logits [b, S, V_local] (padded) or [1, T, V_local] (packed)
+            output = model(mb.input_ids, mb.position_ids, attention_mask=None, packed_seq_params=mb.packed_seq_params)
             return output, loss_func_factory(mb)
 
         many = len(self.models) > 1
+        # fixed-shape pipelines size their p2p buffers from these; variable ones send shapes first
+        seq_len = max(mb.input_ids.shape[1] for mb in micro_batches)
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=[iter(micro_batches) for _ in self.models] if many else iter(micro_batches),
             model=self.models if many else self.models[0],
             num_microbatches=len(micro_batches),
             seq_length=seq_len,
-            micro_batch_size=micro_batches[0]["input_ids"].shape[0],
+            micro_batch_size=max(mb.input_ids.shape[0] for mb in micro_batches),
             forward_only=forward_only,
         )
 
-    def _token_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        # logits [b, S, V_local] -> log p(tokens[:, t+1]) [b, S-1]
-        return vocab_parallel_logprobs(
-            logits[:, :-1], tokens[:, 1:], self.vocab_start, self.shape.vocab_size, self.dims.tp_group
+    def _logprobs_entropy(self, logits: torch.Tensor, mb: MicroBatch, keep_softmax: bool = False):
+        """(log-probs [M], entropy [M]) of the micro-batch's target rows (megatron_backend.logprobs)."""
+        return fused_logprobs_entropy(
+            logits,
+            mb.rows,
+            mb.targets,
+            self.vocab_start,
+            self.shape.vocab_size,
+            self.dims.tp_group,
+            self.config.logprob_chunk_tokens,
+            keep_softmax,
         )
 
     def _last_stage_src(self) -> int:
         return dist.get_global_rank(self.dims.pp_group, self.dims.pp - 1)
 
-    def compute_logprobs(self, batch: dict, with_entropy: bool = False, phase: str = "logprob"):
+    def compute_logprobs(
+        self, batch: dict, with_entropy: bool = False, phase: str = "logprob", response_only: bool = False
+    ):
         """Forward-only log-probs [B, S-1] (fp32, on every rank); with entropy: (logprobs, entropy).
 
-        ``phase`` names the ledger entry (the loop passes ``old_logprob`` / ``ref_logprob``).
+        Values at every real target (``seq_lens``), or with ``response_only`` only at the response
+        targets (``loss_mask``: all a loss reads, and less vocab-wide work); other positions are 0.
+        Micro-batches follow ``actor.max_tokens_per_forward_micro_batch``. ``phase`` names the ledger
+        entry (the loop passes ``old_logprob`` / ``ref_logprob``).
         """
         self._require_onloaded("compute_logprobs", ("params",))
+        if response_only and "loss_mask" not in batch:
+            raise ValueError("compute_logprobs(response_only=True) needs batch['loss_mask']")
         with self.ledger.op(phase), torch.no_grad():
-            micro_batches = self._micro_batches(batch)
+            micro_batches = self._micro_batches(batch, self.config.forward_max_tokens, response_only)
 
             def factory(mb):
                 def loss_func(logits):
-                    out = {"logprobs": self._token_logprobs(logits, mb["input_ids"])}
+                    logprobs, entropy = self._logprobs_entropy(logits, mb)
+                    out = {"logprobs": mb.to_dense(logprobs)}
                     if with_entropy:
-                        out["entropy"] = vocab_parallel_entropy(
-                            logits[:, :-1],
-                            self.vocab_start,
-                            self.shape.vocab_size,
-                            self.dims.tp_group,
-                            self.entropy_chunk_tokens,
-                        )
+                        out["entropy"] = mb.to_dense(entropy)
                     return torch.zeros((), device=logits.device), out
 
                 return loss_func
@@ -212,63 +238,74 @@ class Actor:
             keys = ("logprobs", "entropy") if with_entropy else ("logprobs",)
             results = []
             for key in keys:
+                value = torch.zeros(num_seqs, seq_len - 1, dtype=torch.float32, device=self.dims.device)
                 if self.dims.is_last_stage:
-                    value = torch.cat([o[key] for o in outputs]).float()
-                else:
-                    value = torch.empty(num_seqs, seq_len - 1, dtype=torch.float32, device=self.dims.device)
+                    for mb, out in zip(micro_batches, outputs):
+                        value[mb.index.to(value.device)] = out[key].float()
                 if self.dims.pp > 1:
                     dist.broadcast(value, src=self._last_stage_src(), group=self.dims.pp_group)
                 results.append(value)
         return tuple(results) if with_entropy else results[0]
 
     # ---------------------------------------------------------------- training
+    def compute_grads(self, batch: dict, loss_fn: LossFn) -> dict[str, float]:
+        """Forward + backward of ``batch`` over its micro-batches into the grad buffers (DP-reduced); metrics.
+
+        The loss of each micro-batch is normalized by the whole batch's totals (``BatchTotals``), so the
+        accumulated gradient does not depend on how the batch is split. When ``loss_fn.uses_entropy``
+        the micro-batch handed to it holds ``entropy`` [b, S-1] with gradient.
+        """
+        micro_batches = self._micro_batches(batch, self.config.max_tokens_per_micro_batch, response_only=True)
+        num_micro = len(micro_batches)
+        totals = BatchTotals(num_tokens=float(batch["loss_mask"].sum()), num_seqs=batch["input_ids"].shape[0])
+        uses_entropy = bool(getattr(loss_fn, "uses_entropy", False))
+        chunked = self.config.logprob_chunk_tokens is not None
+        keep_softmax = not chunked or (uses_entropy and not self.config.entropy_recompute)
+        for model in self.models:
+            model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+        def factory(mb):
+            def loss_func(logits):
+                logprobs, entropy = self._logprobs_entropy(logits, mb, keep_softmax)
+                data = dict(mb.data)
+                if uses_entropy:
+                    data["entropy"] = mb.to_dense(entropy)
+                loss, metrics = loss_fn(mb.to_dense(logprobs), data, totals)
+                metrics = {k: torch.as_tensor(v).detach().clone().float() for k, v in metrics.items()}
+                mask = data["loss_mask"]
+                metrics["entropy"] = (mb.to_dense(entropy.detach()) * mask).sum() / max(totals.num_tokens, 1.0)
+                # the schedule divides by the number of micro-batches; the loss is already batch-scaled
+                return loss * num_micro, metrics
+
+            return loss_func
+
+        outputs = self._run_schedule(micro_batches, factory, forward_only=False)
+        metrics = {}
+        if self.dims.is_last_stage:
+            for out in outputs:
+                for k, v in out.items():
+                    metrics[k] = metrics.get(k, 0.0) + float(v)
+        if self.dims.pp > 1:
+            box = [metrics]
+            dist.broadcast_object_list(box, src=self._last_stage_src(), group=self.dims.pp_group)
+            metrics = box[0]
+        metrics["num_micro_batches"] = float(num_micro)
+        metrics["num_tokens"] = totals.num_tokens
+        return metrics
+
     def train_step(self, batch: dict, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over ``batch`` split in micro-batches (grad accumulation); returns metrics."""
         if self.optimizer is None:
             raise RuntimeError("this Actor was built with train=False")
         self._require_onloaded("train_step")
         with self.ledger.op("train"):
-            micro_batches = self._micro_batches(batch)
-            num_micro = len(micro_batches)
-            totals = BatchTotals(num_tokens=float(batch["loss_mask"].sum()), num_seqs=batch["input_ids"].shape[0])
-            for model in self.models:
-                model.zero_grad_buffer()
-            self.optimizer.zero_grad()
-
-            def factory(mb):
-                def loss_func(logits):
-                    logprobs = self._token_logprobs(logits, mb["input_ids"])
-                    loss, metrics = loss_fn(logprobs, mb, totals)
-                    entropy = vocab_parallel_entropy(
-                        logits[:, :-1].detach(),
-                        self.vocab_start,
-                        self.shape.vocab_size,
-                        self.dims.tp_group,
-                        self.entropy_chunk_tokens,
-                    )
-                    metrics = {k: torch.as_tensor(v).detach().clone().float() for k, v in metrics.items()}
-                    metrics["entropy"] = (entropy * mb["loss_mask"]).sum() / max(totals.num_tokens, 1.0)
-                    # the schedule divides by the number of micro-batches; the loss is already batch-scaled
-                    return loss * num_micro, metrics
-
-                return loss_func
-
-            outputs = self._run_schedule(micro_batches, factory, forward_only=False)
-            metrics = {}
-            if self.dims.is_last_stage:
-                for out in outputs:
-                    for k, v in out.items():
-                        metrics[k] = metrics.get(k, 0.0) + float(v)
-            if self.dims.pp > 1:
-                box = [metrics]
-                dist.broadcast_object_list(box, src=self._last_stage_src(), group=self.dims.pp_group)
-                metrics = box[0]
+            metrics = self.compute_grads(batch, loss_fn)
             if self.optimizer_impl == "megatron":
                 _, grad_norm, _ = self.optimizer.step()
             else:
                 grad_norm = self._cpu_clip_and_step()
             metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-            metrics["num_tokens"] = totals.num_tokens
             self.ledger.set("optimizer", resident_bytes=storage_bytes(self._optimizer_tensors()))
         return metrics
 

@@ -14,9 +14,22 @@ class OffloadConfig:
     optimizer: bool = True
 
 
+RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")  # megatron's choices for a dense model
+
+
 @dataclass
 class ActorConfig:
-    """The trained policy: parallel layout and optimizer (``actor.*``)."""
+    """The trained policy: parallel layout, optimizer and the train-phase memory/throughput levers (``actor.*``).
+
+    Levers (docs/DESIGN.md, "Train-phase levers"): ``remove_padding`` packs each micro-batch's sequences
+    into one THD row; ``max_tokens_per_micro_batch`` / ``max_tokens_per_forward_micro_batch`` form
+    micro-batches by a token budget instead of ``micro_batch_size`` sequences; ``recompute*`` are
+    megatron-core's activation recomputation; ``logprob_chunk_tokens`` bounds the fp32 vocab-wide
+    temporaries of the log-prob/entropy pass (recomputed per chunk in backward); ``entropy_recompute``
+    does the same for an entropy term in the loss (``algorithm.entropy_coef > 0``).
+    """
 
     tp: int = 1
     pp: int = 1
@@ -28,6 +41,28 @@ class ActorConfig:
     grad_clip: float = 1.0
     seed: int = 1234
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    # sequence packing: the model runs on real tokens (megatron THD), not micro_batch_size x longest
+    remove_padding: bool = True
+    # token budget per train micro-batch (null: micro_batch_size sequences each); with remove_padding
+    # the budget counts real tokens, without it rows x padded length
+    max_tokens_per_micro_batch: int | None = None
+    # token budget of the forward-only passes (old_logprob, ref_logprob); null: 2 x max_tokens_per_micro_batch
+    # (nothing is kept for backward, so they fit about twice the tokens), or micro_batch_size sequences
+    max_tokens_per_forward_micro_batch: int | None = None
+    # give every DP rank the same number of tokens (equal sequence counts), before micro-batching
+    balance_dp_tokens: bool = True
+    # activation recomputation (megatron-core): none | selective (recompute_modules, default core_attn)
+    # | full (recompute_method uniform: every recompute_num_layers layers keep only their input; block:
+    # the first recompute_num_layers layers of each stage)
+    recompute: str = "none"
+    recompute_method: str = "uniform"
+    recompute_num_layers: int | None = None
+    recompute_modules: list[str] | None = None
+    # rows of fp32 [rows, vocab/TP] the log-prob/entropy pass works on at once, recomputed per chunk in
+    # backward; null: all response tokens of a micro-batch at once, softmax kept for backward (unfused)
+    logprob_chunk_tokens: int | None = 1024
+    # with an entropy term in the loss: recompute its softmax per chunk in backward instead of keeping it
+    entropy_recompute: bool = True
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "micro_batch_size"):
@@ -45,3 +80,41 @@ class ActorConfig:
             raise ValueError(f"actor.lr={self.lr} must be > 0")
         if self.grad_clip < 0:
             raise ValueError(f"actor.grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)")
+        for name in ("max_tokens_per_micro_batch", "max_tokens_per_forward_micro_batch", "logprob_chunk_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"actor.{name}={value!r} must be a positive integer, or null to turn it off")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"actor.recompute={self.recompute!r} is not one of {RECOMPUTE}")
+        if self.recompute_method not in RECOMPUTE_METHODS:
+            raise ValueError(f"actor.recompute_method={self.recompute_method!r} is not one of {RECOMPUTE_METHODS}")
+        if self.recompute_num_layers is not None:
+            if not isinstance(self.recompute_num_layers, int) or self.recompute_num_layers < 1:
+                raise ValueError(
+                    f"actor.recompute_num_layers={self.recompute_num_layers!r} must be a positive integer or null"
+                )
+            if self.recompute != "full":
+                raise ValueError(
+                    f"actor.recompute_num_layers={self.recompute_num_layers} only applies to actor.recompute=full "
+                    f"(got {self.recompute!r}); set it to null"
+                )
+        if self.recompute_modules is not None:
+            if self.recompute != "selective":
+                raise ValueError(
+                    f"actor.recompute_modules={self.recompute_modules} only applies to actor.recompute=selective "
+                    f"(got {self.recompute!r}); set it to null"
+                )
+            bad = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
+            if bad or not self.recompute_modules:
+                raise ValueError(
+                    f"actor.recompute_modules={self.recompute_modules}: pick a non-empty list from {RECOMPUTE_MODULES}"
+                )
+
+    @property
+    def forward_max_tokens(self) -> int | None:
+        """The forward-only passes' token budget (None: micro_batch_size sequences per micro-batch)."""
+        if self.max_tokens_per_forward_micro_batch is not None:
+            return self.max_tokens_per_forward_micro_batch
+        if self.max_tokens_per_micro_batch is not None:
+            return 2 * self.max_tokens_per_micro_batch
+        return None

@@ -2,6 +2,13 @@
 
 Supported families: Qwen2 (qkv bias), Llama 3.x (tied or untied embeddings) and Qwen3 (q/k norms).
 Local layer spec on CPU; Transformer Engine spec when TE is importable and CUDA is present.
+
+Packed sequences (``actor.remove_padding``) use megatron's THD layout everywhere: tokens [1, T] with
+``PackedSeqParams(qkv_format="thd", cu_seqlens...)``; RoPE restarts per sequence (megatron's
+``_apply_rotary_pos_emb_thd``, or TE's fused kernel). The attention kernel is TE's
+``TEDotProductAttention`` (flash / cuDNN varlen) with TE; without TE megatron's local
+``DotProductAttention`` refuses THD, so the local spec gets :class:`VarlenDotProductAttention`, which
+runs megatron's own unfused attention once per sequence.
 """
 
 from __future__ import annotations
@@ -37,12 +44,43 @@ def te_available() -> bool:
     return True
 
 
-def transformer_config(shape: ModelShape, dims: ParallelDims, dtype: str = "float32"):
-    """Map the model's shape onto megatron's TransformerConfig."""
+def recompute_kwargs(recompute: str, method: str = "uniform", num_layers: int | None = None, modules=None) -> dict:
+    """``actor.recompute*`` -> TransformerConfig's recompute_granularity / _method / _num_layers / _modules.
+
+    ``full`` with ``uniform`` and no layer count checkpoints every layer on its own (each keeps only its
+    input); ``block`` recomputes the first ``num_layers`` layers of each stage (all when None: megatron
+    caps it at the stage's layers). ``selective`` recomputes ``modules`` (megatron's default: core_attn).
+    """
+    if recompute == "none":
+        return {}
+    if recompute == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=list(modules) if modules else None)
+    if recompute == "full":
+        layers = num_layers if num_layers is not None else (1 if method == "uniform" else 1_000_000)
+        return dict(recompute_granularity="full", recompute_method=method, recompute_num_layers=layers)
+    raise ValueError(f"actor.recompute={recompute!r} is not one of none, selective, full")
+
+
+def transformer_config(
+    shape: ModelShape,
+    dims: ParallelDims,
+    dtype: str = "float32",
+    recompute: dict | None = None,
+    variable_seq_lengths: bool = False,
+):
+    """Map the model's shape onto megatron's TransformerConfig.
+
+    ``recompute``: :func:`recompute_kwargs`. ``variable_seq_lengths``: micro-batches differ in shape
+    (packed sequences, token-budget micro-batches), so pipeline stages send each other the shape first.
+    """
     from megatron.core.transformer import TransformerConfig
 
     params_dtype = torch_dtype(dtype)
     on_cpu = dims.device.type == "cpu"
+    recompute = dict(recompute or {})
+    if recompute.get("recompute_method") == "block":  # "all layers": megatron wants <= layers per stage
+        per_stage = shape.num_layers // (dims.pp * (dims.vpp or 1))
+        recompute["recompute_num_layers"] = min(recompute["recompute_num_layers"], per_stage)
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -78,10 +116,46 @@ def transformer_config(shape: ModelShape, dims: ParallelDims, dtype: str = "floa
         # batched ops post a forward and a backward tensor to the same peer and they cross. The
         # unbatched path posts even/odd-ordered ops on two communicators, which keeps them apart.
         batch_p2p_comm=not on_cpu,
+        variable_seq_lengths=variable_seq_lengths and dims.pp > 1,
+        # a dense model has no token dispatcher; megatron's default (allgather) rejects variable lengths
+        moe_token_dispatcher_type="alltoall",
+        **recompute,
     )
 
 
+def _varlen_attention_class():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class VarlenDotProductAttention(DotProductAttention):
+        """megatron's local (unfused) attention, THD-capable: one causal attention per packed sequence.
+
+        With ``packed_seq_params.qkv_format == "thd"`` megatron's SelfAttention hands q/k/v as
+        [T, heads, d] (batch dim squeezed, RoPE already applied per sequence); each sequence
+        ``cu_seqlens[i]:cu_seqlens[i+1]`` goes through the parent's forward as [L_i, 1, heads, d], so its
+        scores are [heads, L_i, L_i] (not [heads, T, T]) and the math is the padded path's. Output
+        [T, 1, heads * d], which SelfAttention reshapes as it does TE's THD output.
+        """
+
+        def forward(
+            self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+        ):
+            if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+                return super().forward(
+                    query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
+                )
+            bounds = packed_seq_params.cu_seqlens_q.tolist()
+            outs = []
+            for start, end in zip(bounds[:-1], bounds[1:]):
+                if end > start:
+                    q, k, v = (x[start:end].unsqueeze(1) for x in (query, key, value))  # [L, 1, heads, d]
+                    outs.append(super().forward(q, k, v, None, attn_mask_type, attention_bias, None))
+            return torch.cat(outs, dim=0)  # [T, 1, heads * d]
+
+    return VarlenDotProductAttention
+
+
 def layer_spec(config):
+    """TE's spec when TE is usable, else megatron's local spec with THD-capable core attention."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -89,15 +163,24 @@ def layer_spec(config):
 
     if te_available():
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    return get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = _varlen_attention_class()
+    return spec
 
 
-def build_gpt_chunks(shape: ModelShape, dims: ParallelDims, dtype: str = "float32", max_seq_len: int | None = None):
+def build_gpt_chunks(
+    shape: ModelShape,
+    dims: ParallelDims,
+    dtype: str = "float32",
+    max_seq_len: int | None = None,
+    recompute: dict | None = None,
+    variable_seq_lengths: bool = False,
+):
     """One GPTModel per virtual pipeline stage held by this rank (a list of length vpp or 1)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(shape, dims, dtype)
+    config = transformer_config(shape, dims, dtype, recompute, variable_seq_lengths)
     spec = layer_spec(config)
     num_chunks = dims.vpp or 1
     chunks = []

@@ -22,5 +22,6 @@ class BatchTotals:
     num_seqs: int
 
 
-# (logprobs [b, S-1] fp32, micro_batch dict, totals) -> (scalar loss, metrics)
+# (logprobs [b, S-1] fp32, micro_batch dict, totals) -> (scalar loss, metrics). A loss with a true
+# ``uses_entropy`` attribute also gets ``micro_batch["entropy"]`` [b, S-1] fp32, with its gradient.
 LossFn = Callable[[Any, dict, BatchTotals], tuple[Any, dict]]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from modelspec.dtypes import DTYPE_NAMES, element_bytes
@@ -10,7 +11,9 @@ from planner.devices import GIB, MIB, DeviceSpec
 
 ENGINES = ("vllm", "native")
 WAKE_STRATEGIES = ("staged", "all_at_once")
-RECOMPUTE = ("none", "full")
+RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
 ATTENTION = ("flash", "unfused")
 
 # Calibration constants (defaults; each has a PlanInputs field to override it). Measured runs refine them.
@@ -20,6 +23,17 @@ CPU_MARGIN_FRACTION = 0.10
 NCCL_BYTES_PER_COMMUNICATOR = 200 * MIB  # NCCL channel buffers of one communicator (gloo on CPU: none)
 VLLM_CUDA_GRAPH_BYTES = 1 * GIB  # vLLM's captured CUDA graphs: kept while the engine sleeps
 VLLM_MAX_BATCHED_TOKENS = 8192  # vLLM's max_num_batched_tokens, what its profile run sizes activations for
+
+
+@dataclass(frozen=True)
+class MicroBatches:
+    """How one pass splits a rank's sequences (the largest micro-batch)."""
+
+    count: int  # micro-batches per pass
+    sequences: int  # sequences in the largest
+    model_tokens: int  # tokens the model runs on: sequences x padded length, or their real tokens packed
+    response_tokens: int  # rows of the log-prob pass
+    attention_span: float  # each sequence's attention length: the padded length, or (packed) its mean
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,13 +59,30 @@ class PlanInputs:
     offload_grads: bool = True
     offload_optimizer: bool = True
     micro_batch_size: int = 1
-    recompute: str = "none"  # "full": only each layer's input is kept; layers recompute in backward
+    # actor.remove_padding: micro-batches run on real tokens (THD), attention spans each sequence
+    remove_padding: bool = False
+    max_tokens_per_micro_batch: int | None = None  # token budget of train micro-batches (None: micro_batch_size)
+    max_tokens_per_forward_micro_batch: int | None = None  # old/ref_logprob (None: 2 x the train budget)
+    # "full": layers keep only their input and recompute in backward (recompute_method uniform: units
+    # of recompute_num_layers layers; block: the first recompute_num_layers layers of each stage);
+    # "selective": recompute_modules recompute (megatron's default core_attn)
+    recompute: str = "none"
+    recompute_method: str = "uniform"
+    recompute_num_layers: int | None = None
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    logprob_chunk_tokens: int | None = None  # actor.logprob_chunk_tokens (None: the unfused pass)
+    entropy_grad: bool = False  # an entropy term in the loss (algorithm.entropy_coef > 0)
+    entropy_recompute: bool = True  # actor.entropy_recompute
     attention: str = "flash"  # "unfused": megatron's local spec (CPU) materializes [s, s] scores
     reference_model: bool = False  # a frozen reference actor (KL) stays resident
     # batch: every rank sees sequences_per_step / actor_dp sequences of prompt + response tokens
     sequences_per_step: int = 1
     prompt_tokens: int = 512
     response_tokens: int = 1024
+    # average lengths (None: prompt_tokens / response_tokens, every sequence as long as it may be: the
+    # worst case); with remove_padding or a token budget they decide the micro-batches' real tokens
+    mean_prompt_tokens: int | None = None
+    mean_response_tokens: int | None = None
     # rollout engine
     engine: str = "vllm"
     rollout_tp: int = 1
@@ -82,6 +113,24 @@ class PlanInputs:
         for name in ("prompt_tokens", "response_tokens", "max_num_seqs", "block_size", "vllm_max_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        for name in (
+            "max_tokens_per_micro_batch",
+            "max_tokens_per_forward_micro_batch",
+            "logprob_chunk_tokens",
+            "recompute_num_layers",
+            "mean_prompt_tokens",
+            "mean_response_tokens",
+        ):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value} must be >= 1, or None")
+        too_long = (self.mean_prompt_tokens or 0) > self.prompt_tokens
+        if too_long or (self.mean_response_tokens or 0) > self.response_tokens:
+            raise ValueError("mean_prompt_tokens / mean_response_tokens cannot exceed prompt_tokens / response_tokens")
+        if self.recompute_method not in RECOMPUTE_METHODS:
+            raise ValueError(f"recompute_method={self.recompute_method!r} is not one of {RECOMPUTE_METHODS}")
+        if not set(self.recompute_modules) <= set(RECOMPUTE_MODULES):
+            raise ValueError(f"recompute_modules={self.recompute_modules} must be drawn from {RECOMPUTE_MODULES}")
         if s.num_heads % self.actor_tp or s.num_kv_heads % self.actor_tp:
             raise ValueError(
                 f"actor_tp={self.actor_tp} must divide the {s.num_heads} heads and {s.num_kv_heads} KV heads; "
@@ -137,7 +186,38 @@ class PlanInputs:
 
     @property
     def num_micro_batches(self) -> int:
-        return max(1, self.sequences_per_rank // self.micro_batch_size)
+        return self.micro_batches(train=True).count
+
+    @property
+    def mean_seq_tokens(self) -> float:
+        return (self.mean_prompt_tokens or self.prompt_tokens) + (self.mean_response_tokens or self.response_tokens)
+
+    @property
+    def forward_max_tokens(self) -> int | None:
+        if self.max_tokens_per_forward_micro_batch is not None:
+            return self.max_tokens_per_forward_micro_batch
+        return None if self.max_tokens_per_micro_batch is None else 2 * self.max_tokens_per_micro_batch
+
+    def micro_batches(self, train: bool) -> MicroBatches:
+        """The micro-batches of a train (or forward-only) pass, as megatron_backend.packing forms them."""
+        n = self.sequences_per_rank
+        budget = self.max_tokens_per_micro_batch if train else self.forward_max_tokens
+        per_seq = self.mean_seq_tokens if self.remove_padding else self.seq_len
+        if budget is None:
+            count = max(1, n // self.micro_batch_size)
+        elif self.remove_padding:  # balanced bins of real tokens
+            count = min(n, max(1, math.ceil(n * per_seq / budget)))
+        else:  # rows of the padded length
+            count = math.ceil(n / max(1, budget // self.seq_len))
+        sequences = min(n, math.ceil(n / count))
+        response = self.mean_response_tokens or self.response_tokens
+        return MicroBatches(
+            count=count,
+            sequences=sequences,
+            model_tokens=math.ceil(sequences * per_seq),
+            response_tokens=math.ceil(sequences * response),
+            attention_span=per_seq,
+        )
 
     @property
     def engine_max_model_len(self) -> int:

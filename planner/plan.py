@@ -99,28 +99,73 @@ class _Stage:
     ref_params: int
     train_activations: int
     forward_activations: int
-    logits: int  # last stage only: the log-prob peak of one micro-batch (forward-only and train alike)
+    train_logits: int  # last stage only: the log-prob pass's peak over the largest train micro-batch
+    forward_logits: int  # last stage only: the same, forward-only (old/ref_logprob micro-batches)
+
+
+def _layer_bytes(inp: PlanInputs, mb, recomputed: tuple[str, ...] = ()) -> int:
+    """What one layer keeps for backward for micro-batch ``mb`` (``recomputed``: selective modules)."""
+    s, e, tp = inp.shape, inp.element_bytes, inp.actor_tp
+    per_layer = mb.model_tokens * layer_activation_bytes_per_token(s, tp, e, inp.attention, recomputed)
+    if inp.attention == "unfused" and "core_attn" not in recomputed:
+        per_layer += unfused_attention_bytes(s, tp, e, mb.sequences, mb.attention_span)
+    return per_layer
+
+
+def train_activation_bytes(inp: PlanInputs, layers: int, layers_per_chunk: int, micro_batches_in_flight: int) -> int:
+    """Activations one stage keeps for ``layers`` in-flight layers of the largest train micro-batch.
+
+    none: every layer's kept tensors. selective: without the recomputed modules', plus one layer's
+    recomputed part in backward. full/uniform: units of n layers keep only their input, one unit's
+    layers recompute at a time. full/block: the first n of each chunk's layers keep only their input.
+    Plus the stage input of each micro-batch in flight.
+    """
+    mb = inp.micro_batches(train=True)
+    full = _layer_bytes(inp, mb)
+    stage_input = mb.model_tokens * inp.shape.hidden_size * inp.element_bytes
+    if inp.recompute == "selective":
+        kept = _layer_bytes(inp, mb, tuple(inp.recompute_modules))
+        activations = layers * kept + (full - kept)
+    elif inp.recompute == "full" and inp.recompute_method == "uniform":
+        unit = min(inp.recompute_num_layers or 1, layers_per_chunk)
+        activations = math.ceil(layers / unit) * stage_input + unit * full
+    elif inp.recompute == "full":  # block
+        recomputed = min(inp.recompute_num_layers or layers_per_chunk, layers_per_chunk)
+        fraction = recomputed / layers_per_chunk
+        activations = round(layers * (fraction * stage_input + (1 - fraction) * full)) + full
+    else:
+        activations = layers * full
+    return activations + micro_batches_in_flight * stage_input
+
+
+def logprob_pass_bytes(inp: PlanInputs, train: bool) -> int:
+    """The last stage's log-prob/entropy pass over the largest micro-batch (sizes.logits_bytes)."""
+    mb = inp.micro_batches(train=train)
+    chunked = inp.logprob_chunk_tokens is not None
+    return logits_bytes(
+        inp.shape,
+        inp.actor_tp,
+        inp.element_bytes,
+        mb.model_tokens,
+        num_rows=mb.response_tokens,
+        chunk_tokens=inp.logprob_chunk_tokens,
+        train=train,
+        keep_softmax=not chunked or (inp.entropy_grad and not inp.entropy_recompute),
+        entropy_grad=train and inp.entropy_grad,
+        output_copy=not inp.remove_padding and mb.sequences > 1,
+    )
 
 
 def _stage(inp: PlanInputs, stage: int) -> _Stage:
     s, e, tp, pp = inp.shape, inp.element_bytes, inp.actor_tp, inp.actor_pp
     count = actor_stage_param_count(s, tp, pp, stage)
     params = count * e
-    num_tokens = inp.micro_batch_size * inp.seq_len
-    per_layer = num_tokens * layer_activation_bytes_per_token(s, tp, e, inp.attention)
-    if inp.attention == "unfused":
-        per_layer += unfused_attention_bytes(s, tp, e, inp.micro_batch_size, inp.seq_len)
-    stage_input = num_tokens * s.hidden_size * e  # embedding output (stage 0) or the received activation
     layers = in_flight_layers(s.num_layers, pp, inp.actor_vpp, stage, inp.num_micro_batches)
+    layers_per_chunk = s.num_layers // (pp * (inp.actor_vpp or 1))
     micro_batches_in_flight = max(1, layers // (s.num_layers // pp))
-    if inp.recompute == "full":
-        # each layer keeps only its input; backward recomputes one layer at a time
-        train_activations = layers * stage_input + per_layer
-    else:
-        train_activations = layers * per_layer
-    train_activations += micro_batches_in_flight * stage_input
+    forward_mb = inp.micro_batches(train=False)
+    forward_input = forward_mb.model_tokens * s.hidden_size * e
     last = stage == pp - 1
-    logits = logits_bytes(s, tp, e, num_tokens) if last else 0
     optimizer = count * optimizer_bytes_per_param(e) // (inp.actor_dp if inp.distributed_optimizer else 1)
     return _Stage(
         stage=stage,
@@ -128,9 +173,11 @@ def _stage(inp: PlanInputs, stage: int) -> _Stage:
         actor_grads=count * FP32_BYTES,  # megatron DDP main_grad buffers, fp32 (grad_reduce_in_fp32)
         optimizer=optimizer,
         ref_params=params if inp.reference_model else 0,
-        train_activations=train_activations,
-        forward_activations=per_layer + stage_input,  # forward-only: one layer's working set at a time
-        logits=logits,
+        train_activations=train_activation_bytes(inp, layers, layers_per_chunk, micro_batches_in_flight),
+        # forward-only: one layer's working set at a time
+        forward_activations=_layer_bytes(inp, forward_mb) + forward_input,
+        train_logits=logprob_pass_bytes(inp, train=True) if last else 0,
+        forward_logits=logprob_pass_bytes(inp, train=False) if last else 0,
     )
 
 
@@ -152,7 +199,7 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
     state = {"P": not inp.offload_params, "G": not inp.offload_grads, "O": not inp.offload_optimizer}
     state.update(W=True, K=True)
     start = dict(state)
-    forward = {"activations": st.forward_activations, "logits": st.logits}
+    forward = {"activations": st.forward_activations, "logits": st.forward_logits}
     steps: list[tuple[str, dict[str, bool], dict[str, int]]] = [
         ("rollout", {}, {"engine_reserve": rollout_reserve}),
         ("engine_sleep", {"W": False, "K": False}, {}),
@@ -161,7 +208,7 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
         ("onload_optimizer", {"O": True}, {}),
         ("old_logprob", {}, forward),
         ("ref_logprob", {}, forward if inp.reference_model else {}),
-        ("train", {}, {"activations": st.train_activations, "logits": st.logits}),
+        ("train", {}, {"activations": st.train_activations, "logits": st.train_logits}),
         ("offload_optimizer", {"O": not inp.offload_optimizer}, {}),
         ("offload_grads", {"G": not inp.offload_grads}, {}),
         ("wake_weights", {"W": True} if staged else {"W": True, "K": True}, {}),

@@ -53,7 +53,10 @@ def format_table(plan: Plan, side_by_side: list[tuple[str, Plan]] | None = None,
         f"plan{': ' + title if title else ''}  model {inp.shape.source or inp.shape.model_type}  device {inp.device.name}",
         f"actor TP={inp.actor_tp} PP={inp.actor_pp}{f' VPP={inp.actor_vpp}' if inp.actor_vpp else ''} DP={inp.actor_dp}"
         f" {inp.dtype}, offload params/grads/optimizer={offload}, micro-batch {inp.micro_batch_size} x "
-        f"{inp.seq_len} tokens ({inp.prompt_tokens} prompt + {inp.response_tokens} response), recompute={inp.recompute}",
+        f"{inp.seq_len} tokens ({inp.prompt_tokens} prompt + {inp.response_tokens} response), recompute={inp.recompute}"
+        f"{', packed' if inp.remove_padding else ''}"
+        f"{f', <= {inp.max_tokens_per_micro_batch} tokens/micro-batch' if inp.max_tokens_per_micro_batch else ''}"
+        f"{f', log-prob chunks of {inp.logprob_chunk_tokens}' if inp.logprob_chunk_tokens else ''}",
         f"engine {inp.engine} TP={inp.rollout_tp}, wake_strategy={inp.wake_strategy}, sync bucket "
         f"{gib(inp.sync_bucket_bytes)} GiB",
         f"device {gib(plan.capacity_bytes)} GiB - runtime {gib(plan.runtime_overhead_bytes)} - margin "

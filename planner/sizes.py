@@ -1,7 +1,8 @@
 """Element counts and bytes of each thing a rank holds, from the :class:`ModelShape` alone.
 
 Notation: h hidden, I intermediate, d head_dim, Hq / Hkv q / KV heads, L layers, V vocab, t a TP size,
-e the dtype's bytes, N tokens of one micro-batch (micro_batch_size x sequence length).
+e the dtype's bytes, N tokens of one micro-batch (micro_batch_size x sequence length padded; the
+real tokens of its sequences packed).
 
 The two layouts are the ones DESIGN.md pins (megatron-core's for the actor, vLLM's for the engine):
 megatron pads the vocab to a multiple of 128 x TP and gives the first pipeline stage the embedding
@@ -84,7 +85,9 @@ def kv_bytes_per_token(shape: ModelShape, rollout_tp: int, element_bytes: int) -
     return 2 * shape.num_layers * engine_kv_heads_per_rank(shape, rollout_tp) * shape.head_dim * element_bytes
 
 
-def layer_activation_bytes_per_token(shape: ModelShape, tp: int, element_bytes: int, attention: str) -> int:
+def layer_activation_bytes_per_token(
+    shape: ModelShape, tp: int, element_bytes: int, attention: str, recomputed: tuple[str, ...] = ()
+) -> int:
     """Bytes one decoder layer keeps for backward per token (megatron, no sequence parallelism).
 
     Kept per token: the inputs and outputs of the two fused RMSNorm+linear blocks (4h, not split by TP
@@ -92,29 +95,65 @@ def layer_activation_bytes_per_token(shape: ModelShape, tp: int, element_bytes: 
     (3(Hq + Hkv)d / t), the gate/up output and SwiGLU output (3I / t), all in the dtype, plus the fp32
     log-sum-exp per q head of flash attention. ``attention="unfused"`` (megatron's local spec, used
     on CPU) adds the per-token share of the [Hq/t, s, s] scores and probabilities: see
-    :func:`unfused_attention_bytes`.
+    :func:`unfused_attention_bytes`. ``recomputed`` (megatron's selective ``recompute_modules``) drops
+    what those modules recompute: ``layernorm`` the two norm outputs (2h), ``mlp`` the MLP's
+    internals (3I / t), ``core_attn`` the log-sum-exp (and the unfused scores, by the caller).
     """
     h, d, t = shape.hidden_size, shape.head_dim, tp
-    elements = 4 * h + 3 * (shape.num_heads + shape.num_kv_heads) * d // t + 3 * shape.intermediate_size // t
-    lse = FP32_BYTES * shape.num_heads // t if attention == "flash" else 0
+    norms = 4 * h - (2 * h if "layernorm" in recomputed else 0)
+    mlp = 0 if "mlp" in recomputed else 3 * shape.intermediate_size // t
+    elements = norms + 3 * (shape.num_heads + shape.num_kv_heads) * d // t + mlp
+    lse = FP32_BYTES * shape.num_heads // t if attention == "flash" and "core_attn" not in recomputed else 0
     return elements * element_bytes + lse
 
 
-def unfused_attention_bytes(shape: ModelShape, tp: int, element_bytes: int, micro_batch_size: int, seq_len: int) -> int:
-    """Scores and softmax probabilities [b, Hq/t, s, s] of one layer's unfused attention, in the dtype."""
-    return 2 * micro_batch_size * (shape.num_heads // tp) * seq_len * seq_len * element_bytes
+def unfused_attention_bytes(
+    shape: ModelShape, tp: int, element_bytes: int, micro_batch_size: float, seq_len: float
+) -> int:
+    """Scores and softmax probabilities [b, Hq/t, s, s] of one layer's unfused attention, in the dtype.
 
-
-def logits_bytes(shape: ModelShape, tp: int, element_bytes: int, num_tokens: int) -> int:
-    """Peak of the log-prob computation over vocab-parallel logits [N, V/t] on the last stage.
-
-    megatron_backend.logprobs: the logits in the dtype, their fp32 copy (none when already fp32), a
-    masked copy where the rank holds vocab padding, ``logits - max`` and its ``exp`` (the softmax kept
-    for backward) live together.
+    Packed sequences attend within themselves: b sequences of (mean) length s, not b x the padded length.
     """
-    vocab_padded = megatron_padded_vocab(shape.vocab_size, tp)
-    fp32_copies = 2 + (element_bytes < FP32_BYTES) + (vocab_padded > shape.vocab_size)
-    return num_tokens * (vocab_padded // tp) * (element_bytes + FP32_BYTES * fp32_copies)
+    return int(2 * micro_batch_size * (shape.num_heads // tp) * seq_len * seq_len * element_bytes)
+
+
+def logits_bytes(
+    shape: ModelShape,
+    tp: int,
+    element_bytes: int,
+    num_tokens: int,
+    num_rows: int | None = None,
+    chunk_tokens: int | None = None,
+    train: bool = False,
+    keep_softmax: bool | None = None,
+    entropy_grad: bool = False,
+    output_copy: bool = False,
+) -> int:
+    """Peak of the log-prob/entropy pass over vocab-parallel logits [N, V/t] on the last stage.
+
+    megatron_backend.logprobs.fused_logprobs_entropy over ``num_rows`` response rows (default: all N)
+    of the logits (the model's output, in the dtype; ``output_copy``: GPTModel's [s, b] -> [b, s]
+    ``contiguous()`` copy of a padded micro-batch of b > 1 rows lives with it for a moment), ``chunk_tokens``
+    rows at a time (None: all rows together). Per chunk: the gathered rows in fp32 (plus the 16-bit
+    gather when the dtype is narrower) and their exp. Training also keeps the softmax of every row
+    until backward when ``keep_softmax`` (default: unchunked), and backward holds the logits, their
+    gradient (dtype) and one chunk's fp32 softmax (and its p log p with an entropy gradient).
+    """
+    vocab = megatron_padded_vocab(shape.vocab_size, tp) // tp
+    logits = num_tokens * vocab * element_bytes
+    rows = num_tokens if num_rows is None else num_rows
+    work_rows = rows if chunk_tokens is None else min(chunk_tokens, rows)
+    narrow = element_bytes if element_bytes < FP32_BYTES else 0
+    forward_work = work_rows * vocab * (2 * FP32_BYTES + narrow)
+    forward = max(logits * (2 if output_copy else 1), logits + forward_work)
+    if not train:
+        return forward
+    keep = chunk_tokens is None if keep_softmax is None else keep_softmax
+    kept = rows * vocab * FP32_BYTES if keep else 0
+    if keep and chunk_tokens is not None:
+        forward = max(forward, logits + kept + forward_work)
+    backward = 2 * logits + kept + work_rows * vocab * (FP32_BYTES * (2 if entropy_grad else 1) + narrow)
+    return max(forward, backward)
 
 
 def in_flight_layers(num_layers: int, pp: int, vpp: int | None, stage: int, num_micro_batches: int) -> int:

@@ -1,9 +1,10 @@
 """Samples -> this DP rank's training batch: right-padded tokens, the loss mask, GRPO advantages.
 
 Shapes (B sequences of this DP rank, S = longest prompt + response):
-``input_ids`` [B, S] int64; ``loss_mask`` [B, S-1] (1 where the target ``input_ids[:, t+1]`` is a
-response token); ``engine_logprobs`` [B, S-1] (the engine's log-prob of each sampled token, 0
-elsewhere); ``advantages`` [B].
+``input_ids`` [B, S] int64; ``seq_lens`` [B] int64 (prompt + response tokens of each row: what the
+actor packs when ``actor.remove_padding``); ``loss_mask`` [B, S-1] (1 where the target
+``input_ids[:, t+1]`` is a response token); ``engine_logprobs`` [B, S-1] (the engine's log-prob of
+each sampled token, 0 elsewhere); ``advantages`` [B].
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_backend.packing import balanced_bins
 from rl.advantages import grpo_advantages
 
 
@@ -28,7 +30,7 @@ class Sample:
 
 
 def pack_sequences(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
-    """input_ids [B, S] = prompt + response, right-padded; loss_mask [B, S-1] on response targets."""
+    """input_ids [B, S] = prompt + response, right-padded; seq_lens [B]; loss_mask [B, S-1] on response targets."""
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     seq_len = max(lengths)
     input_ids = torch.full((len(samples), seq_len), pad_id, dtype=torch.long)
@@ -41,18 +43,46 @@ def pack_sequences(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor
         loss_mask[i, len(s.prompt_ids) - 1 : len(tokens) - 1] = 1.0
         if s.response_logprobs:
             engine_logprobs[i, len(s.prompt_ids) - 1 : len(tokens) - 1] = torch.tensor(s.response_logprobs)
-    return {"input_ids": input_ids, "loss_mask": loss_mask, "engine_logprobs": engine_logprobs}
+    return {
+        "input_ids": input_ids,
+        "seq_lens": torch.tensor(lengths, dtype=torch.long),
+        "loss_mask": loss_mask,
+        "engine_logprobs": engine_logprobs,
+    }
+
+
+def balanced_dp_shares(lengths: list[int], dp: int) -> list[list[int]]:
+    """Split sequence indices over ``dp`` ranks: equal counts, token sums as even as greedy
+    longest-first gets them (megatron_backend.packing.balanced_bins); deterministic on every rank."""
+    if len(lengths) % dp:
+        raise ValueError(f"{len(lengths)} sequences do not split evenly over {dp} DP ranks")
+    return balanced_bins(lengths, dp, max_count=len(lengths) // dp)
 
 
 def make_batch(
-    samples: list[Sample], group_size: int, dp: int, dp_rank: int, pad_id: int, device: torch.device
+    samples: list[Sample],
+    group_size: int,
+    dp: int,
+    dp_rank: int,
+    pad_id: int,
+    device: torch.device,
+    balance_tokens: bool = False,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """This DP rank's share of the step (whole GRPO groups: samples of a prompt are adjacent), and the
-    rewards of all samples [N] for the metrics."""
+    """This DP rank's share of the step, and the rewards of all samples [N] for the metrics.
+
+    Advantages are computed over all samples first (GRPO groups are adjacent in ``samples``), so the
+    share need not hold whole groups: ``balance_tokens`` (``actor.balance_dp_tokens``) gives every rank
+    as many sequences and about as many tokens (:func:`balanced_dp_shares`); otherwise rank r takes the
+    r-th contiguous slice (whole groups).
+    """
     rewards = torch.tensor([s.reward for s in samples])
     advantages = grpo_advantages(rewards, group_size=group_size)
     per_rank = len(samples) // dp
-    share = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-    batch = pack_sequences(samples[share], pad_id=pad_id)
+    if balance_tokens and dp > 1:
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        share = balanced_dp_shares(lengths, dp)[dp_rank]
+    else:
+        share = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
+    batch = pack_sequences([samples[i] for i in share], pad_id=pad_id)
     batch["advantages"] = advantages[share]
     return {k: v.to(device) for k, v in batch.items()}, rewards

@@ -136,7 +136,8 @@ class RunConfig:
                 "DP ranks (whole GRPO groups per rank); use a multiple of the DP size"
             )
         per_rank = self.trainer.prompts_per_step * self.rollout.n_samples_per_prompt // dp
-        if per_rank % self.actor.micro_batch_size:
+        fixed_size = self.actor.max_tokens_per_micro_batch is None or self.actor.forward_max_tokens is None
+        if fixed_size and per_rank % self.actor.micro_batch_size:
             raise ValueError(
                 f"each DP rank trains on {per_rank} sequences per step (trainer.prompts_per_step x "
                 f"rollout.n_samples_per_prompt / DP), not a multiple of actor.micro_batch_size="

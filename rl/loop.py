@@ -60,12 +60,13 @@ def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
         ctx.dims.dp_rank,
         ctx.tokenizer.pad_token_id or 0,
         ctx.dims.device,
+        balance_tokens=cfg.actor.balance_dp_tokens,
     )
     with phase("old_logprob", step):
-        batch["old_logprobs"] = actor.compute_logprobs(batch, phase="old_logprob")
+        batch["old_logprobs"] = actor.compute_logprobs(batch, phase="old_logprob", response_only=True)
     with phase("ref_logprob", step):
         if ctx.ref_actor is not None:
-            batch["ref_logprobs"] = ctx.ref_actor.compute_logprobs(batch, phase="ref_logprob")
+            batch["ref_logprobs"] = ctx.ref_actor.compute_logprobs(batch, phase="ref_logprob", response_only=True)
     if stop_agreed():
         raise StopBeforeTrain
     with phase("train", step):

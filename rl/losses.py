@@ -27,6 +27,9 @@ class PolicyLossConfig:
     kl_coef: float = 0.0  # 0 disables the KL term (no reference model needed)
     kl_estimator: str = "k3"
     loss_agg: str = "token-mean"
+    # entropy bonus: loss -= entropy_coef x entropy (aggregated like the loss); > 0 makes the actor
+    # hand the loss the entropy with its gradient (actor.entropy_recompute decides what backward keeps)
+    entropy_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if self.clip_eps_low < 0 or self.clip_eps_high < 0:
@@ -35,6 +38,8 @@ class PolicyLossConfig:
             raise ValueError(f"algorithm.dual_clip_c={self.dual_clip_c} must be > 1, or null to disable dual-clip")
         if self.kl_coef < 0:
             raise ValueError(f"algorithm.kl_coef={self.kl_coef} must be >= 0")
+        if self.entropy_coef < 0:
+            raise ValueError(f"algorithm.entropy_coef={self.entropy_coef} must be >= 0 (0 disables the entropy bonus)")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"algorithm.kl_estimator={self.kl_estimator!r} is not one of {KL_ESTIMATORS}")
         if self.loss_agg not in LOSS_AGGREGATIONS:
@@ -90,12 +95,14 @@ class PolicyLoss:
     """The actor's loss function: ``(logprobs, micro_batch, totals) -> (loss, metrics)``.
 
     ``micro_batch`` holds ``loss_mask``, ``old_logprobs``, ``advantages`` ([B, T], or [B] broadcast
-    over tokens) and, with ``kl_coef > 0``, ``ref_logprobs``. Metrics are already scaled like the loss
+    over tokens), with ``kl_coef > 0`` ``ref_logprobs``, and with ``entropy_coef > 0`` ``entropy`` [B, T]
+    (differentiable; the actor adds it when ``uses_entropy``). Metrics are already scaled like the loss
     (sums over micro-batches give batch values).
     """
 
     def __init__(self, config: PolicyLossConfig):
         self.config = config
+        self.uses_entropy = config.entropy_coef > 0  # read by the actor (modelspec.contract)
 
     def __call__(self, logprobs: torch.Tensor, micro_batch: dict, totals: BatchTotals):
         cfg = self.config
@@ -117,6 +124,9 @@ class PolicyLoss:
             kl_loss = aggregate(kl, mask, cfg.loss_agg, totals)
             loss = loss + cfg.kl_coef * kl_loss
             metrics["kl"] = kl_loss.detach()
+        if cfg.entropy_coef > 0:
+            entropy_bonus = aggregate(micro_batch["entropy"], mask, cfg.loss_agg, totals)
+            loss = loss - cfg.entropy_coef * entropy_bonus
         metrics["loss"] = loss.detach()
         return loss, metrics
 

@@ -38,6 +38,11 @@ class RolloutConfig:
     # (None: the checkpoint's max_position_embeddings); bytes kept free for activations when sizing the KV cache.
     block_size: int = 16
     max_num_seqs: int = 256
+    # Most tokens one engine step runs (the rollout-phase activation bound). vLLM: EngineArgs'
+    # ``max_num_batched_tokens`` (chunked prefill splits longer prompts; null = vLLM's default). Native:
+    # the prompt tokens one prefill batch may hold (admission stops there; a longer prompt is prefilled
+    # alone: no chunked prefill), null = no cap.
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     activation_reserve_mb: int = 64
     # Memory-saver backend for tagged sleep/wake: "auto" (torch-memory-saver on CUDA when installed, else
@@ -88,6 +93,11 @@ class RolloutConfig:
             raise ValueError(f"rollout.block_size={self.block_size} must be a power of two, e.g. 16")
         if self.max_num_seqs < 1:
             raise ValueError(f"rollout.max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"rollout.max_num_batched_tokens={self.max_num_batched_tokens} must be >= rollout.max_num_seqs="
+                f"{self.max_num_seqs} (every running sequence decodes one token per step); raise it or set it to null"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"rollout.max_model_len={self.max_model_len} must be >= 2 or null (from the checkpoint)")
         if self.activation_reserve_mb < 0:

@@ -63,6 +63,11 @@ def test_overrides_reach_the_components():
         (["trainer.prompts_per_step=4"], "each DP rank trains on 32 sequences per step"),
         (["actor.tp=1", "trainer.prompts_per_step=3"], "must split evenly over the 2 actor DP ranks"),
         (["model.path=/nope", "model.architecture=Qwen2.5-7B"], "model.architecture='Qwen2.5-7B' is neither"),
+        (["actor.max_tokens_per_micro_batch=0"], "actor.max_tokens_per_micro_batch=0 must be a positive integer"),
+        (["actor.recompute=sometimes"], "actor.recompute='sometimes' is not one of"),
+        (["actor.recompute_modules=[mlp]"], "only applies to actor.recompute=selective"),
+        (["rollout.max_num_batched_tokens=16"], "rollout.max_num_batched_tokens=16 must be >= rollout.max_num_seqs"),
+        (["algorithm.entropy_coef=-1"], "algorithm.entropy_coef=-1.0 must be >= 0"),
     ],
 )
 def test_bad_config_fails_with_one_line_naming_the_key(overrides, expected):
@@ -71,6 +76,22 @@ def test_bad_config_fails_with_one_line_naming_the_key(overrides, expected):
     message = str(info.value)
     assert expected in message
     assert "\n" not in message
+
+
+def test_lever_keys_compose_and_a_token_budget_lifts_the_micro_batch_size_check():
+    cfg = compose(
+        "tiny_cpu",
+        [
+            "trainer.prompts_per_step=4",  # 32 sequences per rank: not a multiple of micro_batch_size=64
+            "actor.max_tokens_per_micro_batch=512",
+            "actor.recompute=selective",
+            "actor.recompute_modules=[core_attn,mlp]",
+            "actor.logprob_chunk_tokens=null",
+            "rollout.max_num_batched_tokens=4096",
+        ],
+    )
+    assert cfg.actor.forward_max_tokens == 1024 and cfg.actor.recompute_modules == ["core_attn", "mlp"]
+    assert cfg.actor.logprob_chunk_tokens is None and cfg.rollout.max_num_batched_tokens == 4096
 
 
 def test_unknown_experiment():

@@ -54,6 +54,50 @@ def test_vocab_parallel_logprobs_entropy_and_grad_match_full_vocab():
     assert not grad[..., VOCAB:].any()  # padding columns get no gradient
 
 
+ROWS = torch.tensor([0, 2, 3, 6, 7, 8, 11, 14])  # response targets among the 15 flattened positions
+
+
+def _fused_vocab_parallel(rank, world_size, chunk_tokens, keep_softmax):
+    import torch.distributed as dist
+
+    from megatron_backend.logprobs import fused_logprobs_entropy
+
+    dist.init_process_group("gloo")
+    logits, target = _logits_and_target()
+    rows = PADDED // world_size
+    local = logits[..., rank * rows : (rank + 1) * rows].clone().requires_grad_(True)  # [B, T, 64]
+    logprobs, entropy = fused_logprobs_entropy(
+        local, ROWS, target.reshape(-1)[ROWS], rank * rows, VOCAB, dist.group.WORLD, chunk_tokens, keep_softmax
+    )
+    weights = torch.arange(1.0, 1.0 + len(ROWS))
+    (logprobs * weights + 0.3 * entropy * weights.flip(0)).sum().backward()
+    return logprobs.detach(), entropy.detach(), local.grad
+
+
+@pytest.mark.parametrize("chunk_tokens,keep_softmax", [(3, False), (None, True)])
+def test_fused_chunked_logprobs_entropy_grads_match_unchunked_full_vocab(chunk_tokens, keep_softmax):
+    """TP=2, padded vocab: chunked log-prob + entropy at selected rows, and their gradients (recomputed
+    per chunk in backward), equal full-vocab torch autograd; unselected rows and padding get no grad."""
+    results = run_ranks(_fused_vocab_parallel, 2, chunk_tokens, keep_softmax)
+    logits, target = _logits_and_target()
+    full = logits[..., :VOCAB].reshape(-1, VOCAB).clone().requires_grad_(True)  # [15, 99]
+    log_softmax = torch.log_softmax(full[ROWS], dim=-1)
+    expected = log_softmax.gather(-1, target.reshape(-1)[ROWS].unsqueeze(-1)).squeeze(-1)
+    expected_entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    weights = torch.arange(1.0, 1.0 + len(ROWS))
+    (expected * weights + 0.3 * expected_entropy * weights.flip(0)).sum().backward()
+    grad = torch.cat([results[0][2], results[1][2]], dim=-1).reshape(-1, PADDED)  # [15, 128]
+    for logprobs, entropy, _ in results:
+        assert torch.allclose(logprobs, expected.detach(), atol=1e-5)
+        assert torch.allclose(entropy, expected_entropy.detach(), atol=1e-5)
+    assert torch.allclose(grad[:, :VOCAB], full.grad, atol=1e-5)
+    assert full.grad[ROWS].abs().min() > 0
+    assert not grad[:, VOCAB:].any()  # padding columns
+    others = torch.ones(15, dtype=torch.bool)
+    others[ROWS] = False
+    assert not grad[others].any()  # rows not asked for
+
+
 def test_chunked_entropy_equals_unchunked_single_rank():
     from megatron_backend.logprobs import vocab_parallel_entropy
 

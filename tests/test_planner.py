@@ -362,3 +362,59 @@ def test_cpu_device_is_this_machines_memory_shared_by_its_ranks():
     assert device_preset("cpu", ranks_per_node=4).total_bytes == psutil.virtual_memory().total // 4
     assert device_preset("h100-80gb").name == "H100-80GB"
     assert device_preset("H200-141GB").total_bytes == 143771 * 2**20
+
+
+# ---------------------------------------------------------------- train-phase levers (issue 15)
+def _train(plan, component=None):
+    comps = plan.phase("train").components
+    return comps[component] if component else comps["activations"] + comps["logits"]
+
+
+def test_packing_and_token_budgets_follow_the_real_tokens():
+    # 8 sequences per rank, micro-batches of 4, responses of 128 on average out of 768 allowed
+    base = dict(sequences_per_step=16, micro_batch_size=4, mean_prompt_tokens=256, mean_response_tokens=128)
+    padded = make_plan(qwen7b_inputs(**base))
+    packed = make_plan(qwen7b_inputs(**base, remove_padding=True))
+    assert padded.inputs.micro_batches(train=True).model_tokens == 4 * 1024
+    assert packed.inputs.micro_batches(train=True).model_tokens == 4 * 384
+    assert _train(packed, "activations") < 0.4 * _train(padded, "activations")
+    assert _train(packed, "logits") < _train(padded, "logits")
+    # without mean lengths the planner assumes full-length sequences: packing alone bounds nothing
+    worst = make_plan(qwen7b_inputs(sequences_per_step=16, micro_batch_size=4, remove_padding=True))
+    assert _train(worst, "activations") == _train(
+        make_plan(qwen7b_inputs(sequences_per_step=16, micro_batch_size=4)), "activations"
+    )
+    # a token budget bounds every micro-batch whatever the lengths; forward-only gets twice the budget
+    budget = qwen7b_inputs(sequences_per_step=16, remove_padding=True, max_tokens_per_micro_batch=2048)
+    train_mb, forward_mb = budget.micro_batches(train=True), budget.micro_batches(train=False)
+    assert train_mb.model_tokens <= 2048 and train_mb.count == 4
+    assert forward_mb.model_tokens <= 4096 and forward_mb.count == 2
+    plan = make_plan(budget)
+    assert plan.phase("old_logprob").components["activations"] > 0
+    assert _train(plan) < _train(worst)
+    # padded rows under a budget: budget // padded length rows each
+    rows = qwen7b_inputs(sequences_per_step=16, max_tokens_per_micro_batch=3000).micro_batches(train=True)
+    assert (rows.sequences, rows.count, rows.model_tokens) == (2, 4, 2048)
+
+
+def test_recompute_and_chunked_logprob_lower_the_train_peak():
+    cpu = dict(attention="unfused", sequences_per_step=4, micro_batch_size=2)
+    none, selective, full = (make_plan(qwen7b_inputs(**cpu, recompute=r)) for r in ("none", "selective", "full"))
+    assert _train(full, "activations") < _train(selective, "activations") < _train(none, "activations")
+    block = make_plan(qwen7b_inputs(**cpu, recompute="full", recompute_method="block", recompute_num_layers=3))
+    assert _train(full, "activations") < _train(block, "activations") < _train(none, "activations")
+    mlp = make_plan(qwen7b_inputs(**cpu, recompute="selective", recompute_modules=("core_attn", "mlp")))
+    assert _train(mlp, "activations") < _train(selective, "activations")
+    # chunked log-prob: no fp32 softmax of every response token kept for backward
+    unchunked = make_plan(qwen7b_inputs(**cpu))
+    chunked = make_plan(qwen7b_inputs(**cpu, logprob_chunk_tokens=1024))
+    assert _train(chunked, "logits") < _train(unchunked, "logits")
+    entropy_kept = make_plan(
+        qwen7b_inputs(**cpu, logprob_chunk_tokens=1024, entropy_grad=True, entropy_recompute=False)
+    )
+    entropy_recomputed = make_plan(qwen7b_inputs(**cpu, logprob_chunk_tokens=1024, entropy_grad=True))
+    assert _train(chunked, "logits") <= _train(entropy_recomputed, "logits") < _train(entropy_kept, "logits")
+    with pytest.raises(ValueError, match="recompute_method"):
+        qwen7b_inputs(recompute_method="every")
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch=0"):
+        qwen7b_inputs(max_tokens_per_micro_batch=0)

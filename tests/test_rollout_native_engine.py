@@ -115,6 +115,23 @@ def test_continuous_batching_reuses_freed_blocks(tiny_model_dirs):
         assert max(max_abs_diff(x.logprobs, y.logprobs) for x, y in zip(a, b)) < 1e-4
 
 
+def test_max_num_batched_tokens_caps_prefill_batches(tiny_model_dirs):
+    model_dir = tiny_model_dirs["qwen2"]
+    prompts = PROMPTS + [[1, 9, 9, 9, 9, 9, 9], [1, 60]]
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=12)
+    free = _engine(model_dir)
+    uncapped = free.generate(prompts, params)
+    longest = max(len(p) for p in prompts)
+    capped = _engine(model_dir, max_num_seqs=4, max_num_batched_tokens=2 * longest)
+    out = capped.generate(prompts, params)
+    assert free.scheduler.max_prefill_tokens_seen > 2 * longest  # every sample prefilled together
+    assert capped.scheduler.max_prefill_tokens_seen <= 2 * longest  # two prompts per prefill at most
+    for a, b in zip(uncapped, out):
+        assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    with pytest.raises(ValueError, match="rollout.max_num_batched_tokens"):
+        RolloutConfig(max_num_seqs=8, max_num_batched_tokens=4)
+
+
 def test_sampling_controls(tiny_model_dirs):
     from transformers import AutoModelForCausalLM
 

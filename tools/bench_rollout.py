@@ -1,6 +1,11 @@
 """``make bench-rollout``: native engine vs transformers' ``generate``, same tiny model, prompts and lengths.
 
 Prints one JSON line: generated tokens/s of each, their ratio, and whether the greedy outputs agree.
+``--max-num-seqs`` / ``--max-num-batched-tokens`` set the native engine's batching knobs
+(``rollout.max_num_seqs`` / ``rollout.max_num_batched_tokens``). ``--sweep-knobs`` instead prints one
+JSON line with the native engine under several knob settings on prompts of mixed lengths: tokens/s
+(best of the alternating repeats), most sequences decoded together, largest prefill batch (padded
+tokens) and the peak RSS growth of ``generate`` (CPU).
 """
 
 from __future__ import annotations
@@ -20,7 +25,15 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads for both")
     parser.add_argument("--repeats", type=int, default=7, help="timed runs of each (alternating); the best counts")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="rollout.max_num_seqs of the native engine")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="rollout.max_num_batched_tokens of the native engine"
+    )
+    parser.add_argument("--sweep-knobs", action="store_true", help="native engine under several knob settings")
     args = parser.parse_args()
+    if args.sweep_knobs:
+        sweep_knobs(args)
+        return
 
     from transformers import AutoModelForCausalLM
 
@@ -36,7 +49,8 @@ def main() -> None:
     prompts[:, 0] = 1  # bos
 
     # native: greedy, eos ignored so every sequence runs max_new_tokens
-    engine = NativeEngine(RolloutConfig(cpu_capacity_gb=0.5), path, device="cpu")
+    knobs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = NativeEngine(RolloutConfig(cpu_capacity_gb=0.5, **knobs), path, device="cpu")
     params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens, ignore_eos=True)
     prompt_lists = prompts.tolist()
 
@@ -76,6 +90,7 @@ def main() -> None:
                 "prompt_len": args.prompt_len,
                 "max_new_tokens": args.max_new_tokens,
                 "threads": args.threads,
+                **knobs,
                 "native_tokens_per_s": round(native_tps, 1),
                 "hf_generate_tokens_per_s": round(hf_tps, 1),
                 "ratio": round(native_tps / hf_tps, 2),
@@ -83,6 +98,66 @@ def main() -> None:
             }
         )
     )
+
+
+def sweep_knobs(args) -> None:
+    """The native engine under (max_num_seqs, max_num_batched_tokens) settings, same prompts: one JSON line."""
+    from modelspec.tiny import resolve_model_path
+    from rollout.config import RolloutConfig
+    from rollout.engine import SamplingParams
+    from rollout.native import NativeEngine
+    from tools.bench_train import PeakRss
+
+    torch.set_num_threads(args.threads)
+    path = resolve_model_path(args.model)
+    gen = torch.Generator().manual_seed(0)
+    # mixed prompt lengths: 1x to 4x --prompt-len
+    lengths = torch.randint(args.prompt_len, 4 * args.prompt_len + 1, (args.batch,), generator=gen).tolist()
+    prompts = [[1] + torch.randint(4, 99, (n - 1,), generator=gen).tolist() for n in lengths]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens, ignore_eos=True)
+    longest = max(lengths)
+    settings = [
+        ("defaults", dict()),
+        ("max_num_seqs=batch/4", dict(max_num_seqs=max(1, args.batch // 4))),
+        ("max_num_batched_tokens=4x longest prompt", dict(max_num_seqs=args.batch, max_num_batched_tokens=4 * longest)),
+        (
+            "max_num_batched_tokens=longest prompt",
+            dict(max_num_seqs=args.batch, max_num_batched_tokens=max(longest, args.batch)),
+        ),
+    ]
+    engines = {
+        name: NativeEngine(RolloutConfig(cpu_capacity_gb=0.5, **kw), path, device="cpu") for name, kw in settings
+    }
+    best = dict.fromkeys(engines, float("inf"))
+    peaks: dict[str, list[int]] = {name: [] for name in engines}
+    outputs = {}
+    for name, engine in engines.items():  # warm-up
+        outputs[name] = [r[0].token_ids for r in engine.generate(prompts, params)]
+    for _ in range(args.repeats):
+        for name, engine in engines.items():
+            with PeakRss() as rss:
+                start = time.perf_counter()
+                engine.generate(prompts, params)
+                best[name] = min(best[name], time.perf_counter() - start)
+            peaks[name].append(rss.peak - rss.before)
+    generated = args.batch * args.max_new_tokens
+    rows = []
+    for name, _ in settings:
+        scheduler = engines[name].scheduler
+        rows.append(
+            {
+                "setting": name,
+                "max_num_seqs": scheduler.max_num_seqs,
+                "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+                "tokens_per_s": round(generated / best[name], 1),
+                "most_running": scheduler.max_running_seen,
+                "largest_prefill_tokens": scheduler.max_prefill_tokens_seen,
+                "generate_peak_rss_growth_mib": round(sorted(peaks[name])[len(peaks[name]) // 2] / 2**20, 1),
+                "greedy_equal_to_defaults": outputs[name] == outputs["defaults"],
+            }
+        )
+    line = dict(bench="rollout_knobs", model=args.model, batch=args.batch, prompt_lens=[min(lengths), longest])
+    print(json.dumps({**line, "max_new_tokens": args.max_new_tokens, "settings": rows}))
 
 
 if __name__ == "__main__":

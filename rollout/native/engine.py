@@ -68,7 +68,13 @@ class NativeEngine:
             self.shape, self.tps, self.weights, self.kv_cache, self.max_model_len, group, self.device, self.dtype
         )
         self.scheduler = Scheduler(
-            self.model, self.kv_cache, cfg.max_num_seqs, self.max_model_len, self.shape.eos_token_id, self.device
+            self.model,
+            self.kv_cache,
+            cfg.max_num_seqs,
+            self.max_model_len,
+            self.shape.eos_token_id,
+            self.device,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
         )
         self._src_rank = 0 if group is None else dist.get_global_rank(group, 0)
 

@@ -1,7 +1,9 @@
 """Continuous batching for the native engine: admit, prefill, decode, retire.
 
-Each sample of each prompt is one sequence. Waiting sequences are admitted FIFO while ``max_num_seqs``
-and free KV blocks allow; a sequence reserves the blocks for prompt + max_tokens when admitted.
+Each sample of each prompt is one sequence. Waiting sequences are admitted FIFO while ``max_num_seqs``,
+``max_num_batched_tokens`` (the padded prompt tokens of one prefill batch: admitted x longest prompt)
+and free KV blocks allow; a sequence reserves the blocks for prompt + max_tokens when admitted. A
+prompt is never split (no chunked prefill): one longer than the budget is prefilled alone.
 Admitted sequences are prefilled together, then every running sequence decodes one token per step in
 one batched forward. A sequence finishes on a stop token, at max_tokens, or when its context is full;
 it frees its blocks at once and waiting sequences take them at the next step.
@@ -127,11 +129,14 @@ class Scheduler:
         max_model_len: int,
         eos_token_id: int | None,
         device: torch.device,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         self.model, self.kv_cache = model, kv_cache
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_id, self.device = eos_token_id, device
         self.max_running_seen = 0  # most sequences decoded together (continuous-batching stats)
+        self.max_prefill_tokens_seen = 0  # largest prefill batch, padded tokens
 
     def _stop_tokens(self, params: SamplingParams) -> torch.Tensor:
         stop_ids = set(params.stop_token_ids)
@@ -142,10 +147,15 @@ class Scheduler:
     def _admit(
         self, waiting: deque, prompts: Sequence[Sequence[int]], params: SamplingParams, num_running: int
     ) -> list[SequenceState]:
-        """Waiting (prompt, sample) pairs, FIFO, while max_num_seqs and free blocks allow."""
-        kv, admitted = self.kv_cache, []
+        """Waiting (prompt, sample) pairs, FIFO, while max_num_seqs, max_num_batched_tokens and free blocks allow."""
+        kv, admitted, longest = self.kv_cache, [], 0
         while waiting and num_running + len(admitted) < self.max_num_seqs:
             i, j = waiting[0]
+            longest_with = max(longest, len(prompts[i]))
+            budget = self.max_num_batched_tokens
+            if budget is not None and admitted and (len(admitted) + 1) * longest_with > budget:
+                break
+            longest = longest_with
             need = kv.blocks_for(min(len(prompts[i]) + params.max_tokens, self.max_model_len))
             if need > kv.allocator.num_free:
                 if not num_running and not admitted:
@@ -173,7 +183,10 @@ class Scheduler:
                 table = torch.zeros((len(admitted), width), dtype=torch.long, device=self.device)
                 for b, seq in enumerate(admitted):
                     table[b, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.long)
-                logits = self.model.prefill([list(prompts[s.prompt_index]) for s in admitted], table)
+                prefill_prompts = [list(prompts[s.prompt_index]) for s in admitted]
+                padded_tokens = len(prefill_prompts) * max(len(p) for p in prefill_prompts)
+                self.max_prefill_tokens_seen = max(self.max_prefill_tokens_seen, padded_tokens)
+                logits = self.model.prefill(prefill_prompts, table)
                 tokens, logprobs = sample(logits)
                 prompt_lens = [len(prompts[s.prompt_index]) for s in admitted]
                 limits = [min(params.max_tokens, self.max_model_len - n) for n in prompt_lens]
