@@ -22,6 +22,7 @@ VPP         ?=
 TRAIN_TP    ?= 1
 TRAIN_PP    ?= 1
 ROLLOUT_TP  ?= 1
+ENGINE      ?= native
 PYTEST_ARGS ?=
 JSON        ?=
 NODES       ?=
@@ -102,7 +103,7 @@ tiny-models: $(STAMP) ## write the tiny Qwen2 / Llama / Qwen3 HF checkpoints to 
 	$(PY) -m modelspec.tiny --out $(TINY_DIR)
 
 verify-sync: $(STAMP) $(TINY_HF) ## HF=<dir> -> actor TRAIN_TP x TRAIN_PP -> reshard -> engine ROLLOUT_TP; engine vs transformers (one JSON line)
-	@$(PY) -m tools.verify_sync --hf $(HF) --train-tp $(TRAIN_TP) --train-pp $(TRAIN_PP) --rollout-tp $(ROLLOUT_TP) $(ARGS)
+	@$(PY) -m tools.verify_sync --hf $(HF) --train-tp $(TRAIN_TP) --train-pp $(TRAIN_PP) --rollout-tp $(ROLLOUT_TP) --engine $(ENGINE) $(ARGS)
 
 bench-sync: $(STAMP) ## planned reshard vs gather+broadcast baseline on 4 CPU ranks (one JSON line)
 	@$(PY) -m tools.bench_sync $(ARGS)

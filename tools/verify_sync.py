@@ -1,4 +1,4 @@
-"""``make verify-sync``: a HF checkpoint -> the actor (TP x PP) -> planned reshard -> the native engine.
+"""``make verify-sync``: a HF checkpoint -> the actor (TP x PP) -> planned reshard -> the engine (native or vLLM).
 
     python -m tools.verify_sync --hf DIR --train-tp T --train-pp P --rollout-tp R [--bucket-mb B]
 
@@ -7,7 +7,9 @@ ranks: the actor loads the checkpoint into its shards, the engine starts with EM
 them only through the weight sync (verified by checksums), then generates greedily from fixed prompts.
 Rank 0 scores the generated tokens with transformers and prints one JSON line:
 ``max_abs_logprob_diff`` (engine vs transformers log-probs of the same tokens), ``num_tokens``,
-``bytes_moved`` (the sync's cross-rank bytes), ``seconds`` (slowest rank), and the layout.
+``bytes_moved`` (the sync's cross-rank bytes), ``seconds`` (slowest rank), and the layout. With
+``--engine vllm`` also ``max_abs_logprob_diff_fresh``: the same greedy generation by a fresh vLLM engine
+built from the actor's exported checkpoint (inf when the tokens differ).
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 PROMPTS = ("1+2=", "The quick brown fox", "def add(a, b):", "RL on CPU, 7*6=")
 
@@ -59,16 +64,45 @@ def _rank_main(args: argparse.Namespace) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.hf)
     prompt_ids = [tokenizer(p).input_ids for p in PROMPTS]
     max_len = max(len(p) for p in prompt_ids) + args.max_new_tokens
-    rollout_cfg = RolloutConfig(tp=rtp, max_new_tokens=args.max_new_tokens, temperature=0.0, max_model_len=max_len)
-    engine = make_engine(
-        rollout_cfg, args.hf, group=groups[mesh.replica(rank)] if rtp > 1 else None, device=dims.device, load=False
+    rollout_cfg = RolloutConfig(
+        engine=args.engine,
+        tp=rtp,
+        max_new_tokens=args.max_new_tokens,
+        temperature=0.0,
+        max_model_len=max_len,
+        kv_cache_mb=args.kv_cache_mb if args.engine == "vllm" else None,
     )
+    group = groups[mesh.replica(rank)] if rtp > 1 else None
+    engine = make_engine(rollout_cfg, args.hf, mesh=mesh, rank=rank, group=group, device=dims.device, load=False)
     sync = WeightSyncConfig(bucket_mb=args.bucket_mb, verify=True).build(
         actor.shape, mesh, rank, dtype=actor.dtype, te_norms=actor.layout.te_norms
     )
     result = sync(actor.local_params(), engine.begin_weight_update())
     engine.finish_weight_update()
-    completions = engine.generate(prompt_ids, SamplingParams(n=1, temperature=0.0, max_tokens=args.max_new_tokens))
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=args.max_new_tokens)
+    completions = engine.generate(prompt_ids, greedy)
+    fresh_diff = None
+    if args.engine == "vllm":
+        # a fresh engine built from the actor's exported checkpoint must give the same tokens and log-probs
+        export_dir = Path(args.export_dir or tempfile.mkdtemp(prefix="verify-sync-"))
+        actor.save_hf(export_dir)  # collective: rank 0 writes
+        if rank == 0:
+            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+                if (Path(args.hf) / name).is_file():
+                    shutil.copy(Path(args.hf) / name, export_dir / name)
+        dist.barrier()
+        engine.shutdown()
+        fresh = make_engine(rollout_cfg, str(export_dir), mesh=mesh, rank=rank, device=dims.device)
+        fresh_completions = fresh.generate(prompt_ids, greedy)
+        fresh_diff = max(
+            (
+                float((torch.tensor(a[0].logprobs) - torch.tensor(b[0].logprobs)).abs().max())
+                if a[0].token_ids == b[0].token_ids
+                else float("inf")
+            )
+            for a, b in zip(completions, fresh_completions)
+        )
+        fresh.shutdown()
     seconds = [None] * world
     dist.all_gather_object(seconds, result.stats.seconds)
     if rank == 0:
@@ -93,7 +127,9 @@ def _rank_main(args: argparse.Namespace) -> None:
                     train_pp=args.train_pp,
                     rollout_tp=rtp,
                     world_size=world,
+                    engine=args.engine,
                     max_abs_logprob_diff=max_diff,
+                    max_abs_logprob_diff_fresh=fresh_diff,
                     num_tokens=num_tokens,
                     bytes_moved=sync.plan.bytes_moved,
                     seconds=max(seconds),
@@ -118,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rollout-tp", type=int, default=1)
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--engine", choices=("native", "vllm"), default="native")
+    parser.add_argument("--kv-cache-mb", type=int, default=64, help="vLLM's KV cache on CPU")
+    parser.add_argument("--export-dir", default=None, help="vllm: where the actor's checkpoint is exported")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning)
     problem = check_input(args)
