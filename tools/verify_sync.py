@@ -73,7 +73,9 @@ def _rank_main(args: argparse.Namespace) -> None:
         kv_cache_mb=args.kv_cache_mb if args.engine == "vllm" else None,
     )
     group = groups[mesh.replica(rank)] if rtp > 1 else None
-    engine = make_engine(rollout_cfg, args.hf, mesh=mesh, rank=rank, group=group, device=dims.device, load=False)
+    engine = make_engine(
+        rollout_cfg, args.hf, mesh=mesh, rank=rank, group=group, device=dims.device, dtype=actor.dtype, load=False
+    )
     sync = WeightSyncConfig(bucket_mb=args.bucket_mb, verify=True).build(
         actor.shape, mesh, rank, dtype=actor.dtype, te_norms=actor.layout.te_norms
     )
@@ -92,7 +94,7 @@ def _rank_main(args: argparse.Namespace) -> None:
                     shutil.copy(Path(args.hf) / name, export_dir / name)
         dist.barrier()
         engine.shutdown()
-        fresh = make_engine(rollout_cfg, str(export_dir), mesh=mesh, rank=rank, device=dims.device)
+        fresh = make_engine(rollout_cfg, str(export_dir), mesh=mesh, rank=rank, device=dims.device, dtype=actor.dtype)
         fresh_completions = fresh.generate(prompt_ids, greedy)
         fresh_diff = max(
             (
