@@ -86,7 +86,9 @@ def _rank_main(args: argparse.Namespace) -> None:
     fresh_diff = None
     if args.engine == "vllm":
         # a fresh engine built from the actor's exported checkpoint must give the same tokens and log-probs
-        export_dir = Path(args.export_dir or tempfile.mkdtemp(prefix="verify-sync-"))
+        chosen = [args.export_dir or (tempfile.mkdtemp(prefix="verify-sync-") if rank == 0 else None)]
+        dist.broadcast_object_list(chosen, src=0)  # one directory for every rank
+        export_dir = Path(chosen[0])
         actor.save_hf(export_dir)  # collective: rank 0 writes
         if rank == 0:
             for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
