@@ -15,26 +15,21 @@ and the state at its start saved), after ``train`` (the step finishes and is sav
 
 from __future__ import annotations
 
-import sys
 import zlib
 from pathlib import Path
 
 import torch.distributed as dist
 
-from rl.batching import Sample, make_batch, pack_sequences
-from rl.checkpoint import ACTOR_DIR, SAVE_PHASE, RLState, capture_rank_state, model_sizes, restore_rank_state
+from rl.batching import make_batch
+from rl.checkpoint import SAVE_PHASE, capture_rank_state, restore_rank_state
 from rl.config import RunConfig
-from rl.launch import PREEMPTED_EXIT_CODE
-from rl.losses import sft_loss
 from rl.metrics import engine_actor_logprob_gap, step_metrics, summarize
 from rl.sampling import generate_samples, sampling_seed
+from rl.saving import StopBeforeTrain, finish_checkpoint, save_actor, save_and_stop
 from rl.setup import RankContext, setup, start_engine
+from rl.warmup import sft_warmup
 from rl.weight_sync import SyncResult
 from rollout import SamplingParams
-
-
-class StopBeforeTrain(Exception):
-    """Every rank agreed to stop before this step's ``train``: the training state is still the step's start."""
 
 
 def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
@@ -96,84 +91,6 @@ def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
     # the sampled tokens in one number: a resumed run must sample exactly what the uninterrupted one did
     metrics["rollout/response_tokens_crc32"] = float(zlib.crc32(repr([s.response_ids for s in samples]).encode()))
     return metrics, sync
-
-
-def save_actor(ctx: RankContext, completed_steps: int) -> Path:
-    """Begin the checkpoint after ``completed_steps`` steps: the actor's shards into its temporary directory."""
-    tmp = ctx.checkpointer.begin(completed_steps)
-    ctx.actor.save_checkpoint(tmp / ACTOR_DIR)
-    return tmp
-
-
-def finish_checkpoint(ctx: RankContext, tmp: Path, completed_steps: int, rank_state: dict, warmup_losses) -> Path:
-    """Every rank's RNG/task state, then rank 0's RLState and the rename; then W&B gets the covered steps."""
-    state = None
-    if ctx.writer is not None:
-        state = RLState(
-            completed_steps=completed_steps,
-            sampling_seed=ctx.sampling_base_seed,
-            next_sampling_seeds=[
-                sampling_seed(ctx.sampling_base_seed, completed_steps, r) for r in range(ctx.mesh.num_replicas)
-            ],
-            data_num_prompts_drawn=rank_state["task"]["num_drawn"],
-            wandb_run_id=ctx.writer.wandb_run_id,
-            wandb_step=ctx.writer.wandb_step + ctx.writer.num_deferred,
-            world_size=ctx.mesh.world_size,
-            layout=dict(
-                actor_tp=ctx.dims.tp,
-                actor_pp=ctx.dims.pp,
-                actor_vpp=ctx.dims.vpp,
-                actor_dp=ctx.dims.dp,
-                rollout_tp=ctx.mesh.rollout_tp,
-            ),
-            model=model_sizes(ctx.actor.shape),
-            exp=ctx.cfg.exp,
-            warmup_losses=list(warmup_losses),
-        )
-    path = ctx.checkpointer.finish(tmp, rank_state, state)
-    if ctx.writer is not None:
-        ctx.writer.flush_wandb()
-    return path
-
-
-def save_and_stop(ctx: RankContext, completed_steps: int, rank_state: dict, warmup_losses) -> int:
-    """A stop was agreed: save the state after ``completed_steps`` steps (unless that checkpoint exists),
-    close the outputs without a summary, return the exit code job.sbatch requeues on."""
-    if ctx.pending_save is not None:
-        path = finish_checkpoint(ctx, ctx.pending_save, completed_steps, rank_state, warmup_losses)
-    elif ctx.checkpointer.exists(completed_steps):  # resumed from exactly this state and trained nothing since
-        path = ctx.checkpointer.root / f"step_{completed_steps:08d}"
-    else:
-        ctx.engine.sleep(["weights", "kv_cache"])  # the run ends: room for the actor's state on the device
-        for what in ("params", "grads", "optimizer"):
-            if ctx.offloaded(what) and ctx.actor._offloaders[what].offloaded:
-                ctx.actor.onload(what)
-        path = finish_checkpoint(ctx, save_actor(ctx, completed_steps), completed_steps, rank_state, warmup_losses)
-    if ctx.writer is not None:
-        ctx.writer.close()
-        print(
-            f"stopped by {ctx.stop.received or 'a signal to another rank'} after {completed_steps} steps; checkpoint "
-            f"{path}; run again with the same run directory (resume=auto) to continue",
-            file=sys.stderr,
-            flush=True,
-        )
-    dist.barrier()
-    return PREEMPTED_EXIT_CODE
-
-
-def sft_warmup(ctx: RankContext) -> list[float]:
-    """Optional supervised warm-up on the task's format examples (trainer.sft_warmup_steps); its losses."""
-    losses, tok = [], ctx.tokenizer
-    for _ in range(ctx.cfg.trainer.sft_warmup_steps):
-        examples = ctx.task.format_examples(ctx.cfg.trainer.prompts_per_step * ctx.cfg.rollout.n_samples_per_prompt)
-        samples = [
-            Sample(i, tok(e.prompt).input_ids, tok(e.answer).input_ids + [tok.eos_token_id], [], "stop", 0.0)
-            for i, e in enumerate(examples)
-        ]
-        batch = pack_sequences(samples[ctx.dims.dp_rank :: ctx.dims.dp], pad_id=tok.pad_token_id or 0)
-        metrics = ctx.actor.train_step({k: v.to(ctx.dims.device) for k, v in batch.items()}, sft_loss)
-        losses.append(float(metrics["sft_loss"]))
-    return losses
 
 
 def run_rank(cfg: RunConfig, run_dir: str) -> int:
