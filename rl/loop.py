@@ -10,7 +10,8 @@ inside the step right after ``train`` (``save_checkpoint``), when the actor's pa
 states are resident and the engine is asleep, so it costs no extra device memory; it is completed
 (renamed into place) after the step is logged. SIGUSR1 / SIGTERM are acted on at the next of four
 boundaries every rank agrees on: after the onloads or after the log-prob passes (the step is abandoned
-and the state at its start saved), after ``train`` (the step finishes and is saved), at the step's end.
+and the state at its start saved), after ``train`` (the step finishes and is saved), at the step's end
+(and once after the warm-up).
 """
 
 from __future__ import annotations
@@ -120,6 +121,8 @@ def run_rank(cfg: RunConfig, run_dir: str) -> int:
         warmup_losses = sft_warmup(ctx)
         if ctx.rank == 0 and warmup_losses:
             print(f"supervised warm-up: loss {warmup_losses[0]:.3f} -> {warmup_losses[-1]:.3f}", flush=True)
+        if ctx.stop.agreed(ctx.dims.device):  # signalled during setup or the warm-up: keep the warm-up
+            return save_and_stop(ctx, 0, capture_rank_state(ctx.task), warmup_losses, engine_awake=False)
     for what in ("optimizer", "grads", "params"):
         if ctx.offloaded(what):
             ctx.actor.offload(what)
@@ -142,7 +145,7 @@ def run_rank(cfg: RunConfig, run_dir: str) -> int:
             metrics, sync = rl_step(ctx, step)
         except StopBeforeTrain:
             progress.close()
-            return save_and_stop(ctx, step, rank_state, warmup_losses)
+            return save_and_stop(ctx, step, rank_state, warmup_losses, engine_awake=False)
         syncs.append(sync)
         rows = ctx.timeline.take_rows()
         gathered: list | None = [None] * ctx.mesh.world_size if ctx.rank == 0 else None
@@ -157,7 +160,8 @@ def run_rank(cfg: RunConfig, run_dir: str) -> int:
             progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", peak_mib=f"{max(peaks.values()) / 2**20:.0f}")
         if ctx.stop_after_step or ctx.stop.agreed(ctx.dims.device):
             progress.close()
-            return save_and_stop(ctx, step + 1, capture_rank_state(ctx.task), warmup_losses)
+            # after train (the step saved itself) or at the step's end (the engine is awake again)
+            return save_and_stop(ctx, step + 1, capture_rank_state(ctx.task), warmup_losses, engine_awake=True)
         if ctx.pending_save is not None:
             finish_checkpoint(ctx, ctx.pending_save, step + 1, capture_rank_state(ctx.task), warmup_losses)
             ctx.pending_save = None

@@ -57,7 +57,7 @@ def finish_checkpoint(ctx: RankContext, tmp: Path, completed_steps: int, rank_st
     return path
 
 
-def save_and_stop(ctx: RankContext, completed_steps: int, rank_state: dict, warmup_losses) -> int:
+def save_and_stop(ctx: RankContext, completed_steps: int, rank_state: dict, warmup_losses, engine_awake: bool) -> int:
     """A stop was agreed: save the state after ``completed_steps`` steps (unless that checkpoint exists),
     close the outputs without a summary, return the exit code job.sbatch requeues on."""
     if ctx.pending_save is not None:
@@ -65,10 +65,11 @@ def save_and_stop(ctx: RankContext, completed_steps: int, rank_state: dict, warm
     elif ctx.checkpointer.exists(completed_steps):  # resumed from exactly this state and trained nothing since
         path = ctx.checkpointer.root / f"step_{completed_steps:08d}"
     else:
-        ctx.engine.sleep(["weights", "kv_cache"])  # the run ends: room for the actor's state on the device
+        if engine_awake:
+            ctx.engine.sleep(["weights", "kv_cache"])  # the run ends: room for the actor's state on the device
         for what in ("params", "grads", "optimizer"):
-            if ctx.offloaded(what) and ctx.actor._offloaders[what].offloaded:
-                ctx.actor.onload(what)
+            if ctx.offloaded(what):
+                ctx.actor.onload(what)  # a no-op for what is resident already
         path = finish_checkpoint(ctx, save_actor(ctx, completed_steps), completed_steps, rank_state, warmup_losses)
     if ctx.writer is not None:
         ctx.writer.close()

@@ -6,6 +6,7 @@ way): the next training step from the loaded state equals the next step of the r
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.dist import run_ranks
@@ -19,6 +20,16 @@ def _batch(vocab_size: int) -> dict:
     loss_mask = torch.zeros(NUM_SEQS, SEQ_LEN - 1)
     loss_mask[:, PROMPT_LEN - 1 :] = 1.0
     return {"input_ids": input_ids, "loss_mask": loss_mask}
+
+
+def _clear_moments(optimizer) -> None:
+    stack = [optimizer]  # megatron: ChainedOptimizer -> MegatronOptimizer -> torch optimizer
+    while stack:
+        opt = stack.pop()
+        if hasattr(opt, "chained_optimizers"):
+            stack.extend(opt.chained_optimizers)
+        else:
+            (opt if isinstance(opt, torch.optim.Optimizer) else opt.optimizer).state.clear()
 
 
 def _save_then_load_elsewhere(rank, world_size, hf_dir, ckpt_dir, save_layout, load_layout):
@@ -60,7 +71,7 @@ def _save_then_load_elsewhere(rank, world_size, hf_dir, ckpt_dir, save_layout, l
 
     no_moments = build(load_layout)
     no_moments.load_checkpoint(ckpt_dir)
-    no_moments.optimizer.state.clear()  # same params, Adam restarted: what losing the optimizer state costs
+    _clear_moments(no_moments.optimizer)  # same params, Adam restarted: what losing the optimizer state costs
     step(no_moments)
     restarted_state = no_moments.export_hf(dst=0)
     if rank != 0:
@@ -113,3 +124,16 @@ def test_checkpoint_reloads_bit_exact_and_reshards_tp_and_pp(tiny_model_dirs, tm
     results = run_ranks(_all_scenarios, 2, tiny_model_dirs, str(tmp_path))[0]
     for name, result in results.items():
         _check(result, same_layout=name.endswith("_same"))
+
+
+@pytest.mark.gpu
+def test_megatron_optimizer_checkpoint_round_trip(tiny_model_dirs, tmp_path):
+    """CUDA: megatron-core's own optimizer (``optimizer_impl=auto`` picks it) through the same save/load."""
+    result = run_ranks(
+        _save_then_load_elsewhere, 1, tiny_model_dirs["qwen2"], str(tmp_path / "gpu"), (1, 1, None), (1, 1, None)
+    )[0]
+    result = {
+        k: ({n: t.cpu() for n, t in v.items()} if k.endswith(("state", "saved", "loaded")) else v)
+        for k, v in result.items()
+    }
+    _check(result, same_layout=True)

@@ -9,11 +9,10 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from rl.checkpoint import complete_checkpoints, is_complete
-from tests.test_resume import wait_for
+from tests.test_resume import rank_processes, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 VICTIM = 2
@@ -21,16 +20,6 @@ VICTIM = 2
 
 def _files(checkpoint: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(checkpoint)): (p.stat().st_size, p.stat().st_mtime_ns) for p in checkpoint.rglob("*")}
-
-
-def _rank_pid(launcher: psutil.Process, rank: int) -> int:
-    for child in launcher.children():
-        try:
-            if child.environ().get("RANK") == str(rank):
-                return child.pid
-        except psutil.Error:
-            continue
-    raise AssertionError(f"no rank {rank} under the launcher")
 
 
 @pytest.mark.slow
@@ -49,7 +38,9 @@ def test_a_dead_rank_stops_the_job_with_its_name_and_keeps_the_checkpoint(tmp_pa
         checkpoint = complete_checkpoints(run_dir / "checkpoints")[-1]
         before = _files(checkpoint)
         time.sleep(1.0)  # into the next step
-        psutil.Process(_rank_pid(psutil.Process(proc.pid), VICTIM)).send_signal(signal.SIGKILL)
+        ranks = rank_processes(proc.pid)
+        assert len(ranks) == 4, ranks
+        ranks[VICTIM].send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         _, err = proc.communicate(timeout=120)  # the bound: a hang fails here
         exit_seconds = time.monotonic() - killed_at
@@ -65,4 +56,5 @@ def test_a_dead_rank_stops_the_job_with_its_name_and_keeps_the_checkpoint(tmp_pa
     assert is_complete(newest)
     if newest == checkpoint:
         assert _files(checkpoint) == before
-    print(f"exit {proc.returncode} {exit_seconds:.1f} s after the kill: {err.strip().splitlines()[-1]}")
+    line = next(line for line in err.splitlines() if f"rank {VICTIM} was killed" in line)
+    print(f"exit {proc.returncode} {exit_seconds:.1f} s after the kill: {line}")

@@ -76,6 +76,19 @@ def kill_launcher_only(proc: subprocess.Popen) -> None:
     assert not alive, f"orphan ranks survived the launcher: {alive}"
 
 
+def rank_processes(launcher_pid: int) -> list[psutil.Process]:
+    """The launcher's rank processes in rank order (spawned in that order; multiprocessing's resource
+    tracker, also a child, is left out). /proc environ cannot tell: RANK is set after the process starts."""
+    ranks = []
+    for child in psutil.Process(launcher_pid).children():
+        try:
+            if "spawn_main" in " ".join(child.cmdline()):
+                ranks.append(child)
+        except psutil.Error:
+            continue
+    return sorted(ranks, key=lambda p: (p.create_time(), p.pid))
+
+
 def deterministic(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith(NONDETERMINISTIC)}
 

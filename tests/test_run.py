@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from rl.checkpoint import SAVE_PHASE, complete_checkpoints
 from rl.main import main
 from rl.memory import PHASES
 from tests.wandb_records import find_run_file, history_rows
@@ -49,10 +50,12 @@ def test_short_run_writes_every_output_and_a_readable_wandb_run(tmp_path):
     )
     run_dir = Path(summary["run_dir"])
     assert summary["steps"] == 2 and summary["weight_sync"]["verified"] is True
-    assert set(summary["phase_peak_bytes"]) == set(PHASES)
+    # every phase, and the checkpoint saved after the last step (trainer.save_every > 0)
+    assert set(summary["phase_peak_bytes"]) == {*PHASES, SAVE_PHASE}
     with open(run_dir / "memory_timeline.csv") as f:
         rows = list(csv.DictReader(f))
-    assert {r["phase"] for r in rows} == set(PHASES) and {r["rank"] for r in rows} == {"0", "1"}
+    assert {r["phase"] for r in rows} == {*PHASES, SAVE_PHASE} and {r["rank"] for r in rows} == {"0", "1"}
+    assert [p.name for p in complete_checkpoints(run_dir / "checkpoints")] == ["step_00000002"]
     assert (run_dir / "memory_timeline.png").stat().st_size > 10_000
     assert (run_dir / "config.yaml").is_file()
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

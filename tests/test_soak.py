@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.test_resume import logged_steps
+from tests.test_resume import logged_steps, rank_processes
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 100
@@ -36,18 +36,6 @@ RSS_SLACK_BYTES = 16 * 2**20
 FD_SLACK, THREAD_SLACK, CHILD_SLACK = 2, 1, 0
 
 
-def _rank_processes(launcher: psutil.Process) -> dict[int, psutil.Process]:
-    ranks = {}
-    for child in launcher.children():
-        try:
-            rank = child.environ().get("RANK")
-        except psutil.Error:
-            continue
-        if rank is not None:
-            ranks[int(rank)] = child
-    return ranks
-
-
 def _sample(process: psutil.Process) -> dict[str, int] | None:
     try:
         with process.oneshot():
@@ -63,10 +51,9 @@ def test_hundred_steps_and_nothing_grows(tmp_path):
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     samples: dict[int, list[tuple[int, dict]]] = defaultdict(list)  # rank -> [(step running, sample)]
     try:
-        launcher = psutil.Process(proc.pid)
         while proc.poll() is None:
             step = len(logged_steps(run_dir))  # the step in progress
-            for rank, process in _rank_processes(launcher).items():
+            for rank, process in enumerate(rank_processes(proc.pid)):
                 if (sample := _sample(process)) is not None:
                     samples[rank].append((step, sample))
             time.sleep(0.5)

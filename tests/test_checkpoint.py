@@ -1,0 +1,188 @@
+"""Checkpoint mechanics without the loop: only complete checkpoints are picked, the rename makes one
+complete, keep_last, a resumed run's outputs cut back to the checkpoint, W&B records held until a
+checkpoint covers them, the stop signal, and the launcher naming a dead rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rl.checkpoint import (
+    ACTOR_DIR,
+    STATE_FILE,
+    Checkpointer,
+    RLState,
+    StopRequest,
+    checkpoint_from_path,
+    complete_checkpoints,
+    latest_checkpoint,
+    resolve_resume,
+    step_dir_name,
+)
+from rl.launch import free_port, spawn_local
+from rl.memory import METRICS
+from rl.tracking import RunWriter
+from tests.wandb_records import find_run_file, history_rows
+
+
+def _fake_complete(root: Path, completed_steps: int) -> Path:
+    path = root / step_dir_name(completed_steps)
+    (path / ACTOR_DIR).mkdir(parents=True)
+    (path / ACTOR_DIR / "metadata.json").write_text("{}")
+    (path / STATE_FILE).write_text("{}")
+    return path
+
+
+def _state(completed_steps: int) -> RLState:
+    return RLState(
+        completed_steps=completed_steps,
+        sampling_seed=0,
+        next_sampling_seeds=[completed_steps],
+        data_num_prompts_drawn=4 * completed_steps,
+        wandb_run_id=None,
+        wandb_step=0,
+        world_size=1,
+        layout={},
+        model={},
+        exp="unit",
+    )
+
+
+@pytest.fixture
+def single_rank_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_only_complete_checkpoints_are_picked(tmp_path):
+    root = tmp_path / "run" / "checkpoints"
+    complete = _fake_complete(root, 2)
+    (root / step_dir_name(4) / ACTOR_DIR).mkdir(parents=True)  # no rl_state.json: not finished
+    (root / f".tmp-{step_dir_name(5)}").mkdir()  # being written when the run died
+    assert complete_checkpoints(root) == [complete]
+    assert latest_checkpoint(root) == complete
+    assert resolve_resume("auto", tmp_path / "run") == complete
+    assert resolve_resume("never", tmp_path / "run") is None
+    assert checkpoint_from_path(tmp_path / "run") == complete  # a run directory names its newest checkpoint
+    assert checkpoint_from_path(complete) == complete
+    with pytest.raises(ValueError, match="is not a checkpoint"):
+        checkpoint_from_path(root / step_dir_name(4))
+    with pytest.raises(ValueError, match="does not exist"):
+        checkpoint_from_path(tmp_path / "nowhere")
+
+
+def test_a_checkpoint_appears_only_when_complete_and_the_last_two_are_kept(tmp_path, single_rank_group):
+    run_dir = tmp_path / "run"
+    leftover = run_dir / "checkpoints" / f".tmp-{step_dir_name(9)}"
+    leftover.mkdir(parents=True)
+    checkpointer = Checkpointer(run_dir, rank=0, keep_last=2)
+    assert not leftover.exists()  # a killed run's half-written checkpoint is removed at the next start
+    for completed in (1, 2, 3):
+        tmp = checkpointer.begin(completed)
+        (tmp / ACTOR_DIR).mkdir()
+        (tmp / ACTOR_DIR / "metadata.json").write_text("{}")
+        assert latest_checkpoint(run_dir / "checkpoints") != run_dir / "checkpoints" / step_dir_name(completed)
+        final = checkpointer.finish(tmp, {"torch": torch.get_rng_state()}, _state(completed))
+        assert final.name == step_dir_name(completed) and not tmp.exists()
+    assert [p.name for p in complete_checkpoints(run_dir / "checkpoints")] == [step_dir_name(2), step_dir_name(3)]
+    assert RLState.read(final).data_num_prompts_drawn == 12
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [step_dir_name(2), step_dir_name(3)]
+
+
+def test_stop_request_is_agreed_after_a_signal(single_rank_group):
+    previous = {sig: signal.getsignal(sig) for sig in StopRequest.SIGNALS}
+    try:
+        stop = StopRequest(rank=1).install()
+        assert not stop.agreed(torch.device("cpu"))
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.received == "SIGUSR1" and stop.agreed(torch.device("cpu"))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _log_steps(writer: RunWriter, steps) -> None:
+    for step in steps:
+        row = dict(t_s=float(step), step=step, phase="rollout", rank=0)
+        row.update(dict.fromkeys(METRICS, step))
+        writer.log_timeline([row])
+        writer.log_step(step, {"reward/mean": step / 10}, [row])
+
+
+def test_resumed_outputs_are_cut_back_and_wandb_gets_each_step_once(tmp_path):
+    first = RunWriter(tmp_path, {"exp": "unit"}, "offline", "rlmem-test", None, "unit", defer_wandb=True)
+    _log_steps(first, range(3))
+    first.flush_wandb()  # a checkpoint after 3 steps
+    _log_steps(first, range(3, 5))  # steps 3 and 4 are logged, then the run dies before their checkpoint
+    first.close()
+    run_id, wandb_step = first.wandb_run_id, first.wandb_step
+    resumed = RunWriter(
+        tmp_path,
+        {"exp": "unit"},
+        "offline",
+        "rlmem-test",
+        None,
+        "unit",
+        completed_steps=3,
+        wandb_run_id=run_id,
+        wandb_step=wandb_step,
+        defer_wandb=True,
+    )
+    assert [m["trainer/step"] for m in resumed.previous_metrics] == [0, 1, 2]
+    assert resumed.last_t_s == 2.0 and resumed.wandb_run_id == run_id
+    _log_steps(resumed, range(3, 5))
+    resumed.finish({"steps": 5})
+    import wandb
+
+    wandb.teardown()  # finish() can return before W&B's service process has written the last records
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["trainer/step"] for m in metrics] == [0, 1, 2, 3, 4]
+    rows = (tmp_path / "memory_timeline.csv").read_text().splitlines()
+    assert [int(float(r.split(",")[1])) for r in rows[1:]] == [0, 1, 2, 3, 4]
+    runs = sorted((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert len(runs) == 2
+    per_run = [[h["trainer/step"] for h in history_rows(find_run_file(r)) if "trainer/step" in h] for r in runs]
+    assert per_run == [[0, 1, 2], [3, 4]]  # the first attempt's steps 3, 4 never reached W&B
+
+
+def _one_rank_dies(kill_rank: int, marker_dir: str) -> None:
+    if int(os.environ["RANK"]) == kill_rank:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)  # blocked for good (as in a collective with the dead rank): the launcher must stop it
+    Path(marker_dir, f"rank{os.environ['RANK']}-outlived").touch()
+
+
+def test_launcher_names_the_dead_rank_and_stops_the_others(capfd, tmp_path):
+    assert spawn_local(_one_rank_dies, 3, (1, str(tmp_path))) == 128 + signal.SIGKILL
+    err = capfd.readouterr().err
+    assert "rank 1 was killed by SIGKILL; stopping ranks [0, 2]" in err, err
+    assert not list(tmp_path.iterdir())  # the others were killed, not waited for
+
+
+def _wait_for_sigterm(ready_dir: str) -> int:
+    stop = StopRequest(int(os.environ["RANK"])).install()
+    Path(ready_dir, os.environ["RANK"]).touch()
+    deadline = time.monotonic() + 120
+    while stop.received is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return 0 if stop.received == "SIGTERM" else 3
+
+
+def test_launcher_forwards_sigterm_to_its_ranks(tmp_path):
+    import threading
+
+    def signal_when_ready() -> None:  # SIGTERM to this process, the launcher, once both ranks listen
+        while len(list(tmp_path.iterdir())) < 2:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=signal_when_ready, daemon=True).start()
+    assert spawn_local(_wait_for_sigterm, 2, (str(tmp_path),)) == 0  # both ranks saw SIGTERM and exited 0
