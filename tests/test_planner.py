@@ -114,22 +114,10 @@ def test_engine_weights_match_the_vllm_layout():
 
     for name in ("Qwen2.5-0.5B-Instruct", "Qwen2.5-7B-Instruct", "Qwen2.5-32B-Instruct", "Qwen3-8B"):
         shape = ModelShape.from_architecture(name)
-        config = dict(
-            model_type=shape.model_type,
-            num_hidden_layers=shape.num_layers,
-            hidden_size=shape.hidden_size,
-            intermediate_size=shape.intermediate_size,
-            num_attention_heads=shape.num_heads,
-            num_key_value_heads=shape.num_kv_heads,
-            head_dim=shape.head_dim,
-            vocab_size=shape.vocab_size,
-            tie_word_embeddings=shape.tie_word_embeddings,
-            rms_norm_eps=shape.rms_norm_eps,
-        )
         for tp in (1, 2, shape.num_heads // 2):
             if shape.num_kv_heads % tp and tp % shape.num_kv_heads:
                 continue
-            real = sum(math.prod(p.local_shape) for p in vllm_param_layouts(config, tp, 0))
+            real = sum(math.prod(p.local_shape) for p in vllm_param_layouts(shape, tp, 0))
             assert engine_param_count(shape, tp) == real, (name, tp)
 
 
