@@ -130,6 +130,9 @@ def write_tiny_model(family: str, out_dir: str | os.PathLike, seed: int = SEED, 
     tmp = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=out_dir.parent))
     tmp.chmod(0o755)
     try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # a progress bar on stderr would bury the one-line errors of the CLIs
         model.save_pretrained(tmp)
         build_tokenizer().save_pretrained(tmp)
         if out_dir.exists():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -121,6 +122,7 @@ class RunWriter:
         if wandb_mode != "disabled":
             import wandb
 
+            wandb_run_id = wandb_run_id or os.environ.get("WANDB_RUN_ID")  # a requeued Slurm job's fixed id
             if restarted and wandb_run_id is None and not defer_wandb:
                 # an earlier attempt in this directory died and its W&B records (sent at once, nothing
                 # deferred) cannot be taken back: this fresh start is a new W&B run

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from modelspec import ModelShape
 from modelspec.host_memory import release_freed_host_memory
 from modelspec.mesh import ColocatedMesh
 from modelspec.tiny import write_tiny_model
@@ -71,7 +72,7 @@ def _write_slices(engine, new_path: str, tp: int, rank: int, fallback: tuple[str
     from rollout.layout import assemble_local, split_in_place, vllm_param_layouts
 
     hf = load_file(str(Path(new_path) / "model.safetensors"))
-    layouts = vllm_param_layouts(json.loads((Path(new_path) / "config.json").read_text()), tp=tp, tp_rank=rank % tp)
+    layouts = vllm_param_layouts(ModelShape.from_pretrained(new_path), tp=tp, tp_rank=rank % tp)
     dst = engine.begin_weight_update()
     seen = {name: (tuple(t.shape), str(t.dtype)) for name, t in dst.items()}
     in_place, fell_back = split_in_place(layouts, {n: t for n, t in dst.items() if n not in fallback})
@@ -477,10 +478,9 @@ def test_vllm_engine_without_vllm_says_how_to_install(tmp_path):
 
 
 def test_split_in_place_sends_missing_or_reshaped_tensors_to_the_fallback():
-    from modelspec.tiny import tiny_hf_config
     from rollout.layout import split_in_place, vllm_param_layouts
 
-    layouts = vllm_param_layouts(tiny_hf_config("qwen2"), tp=2, tp_rank=1)
+    layouts = vllm_param_layouts(ModelShape.from_pretrained("tiny:qwen2"), tp=2, tp_rank=1)
     destinations = {layout.name: torch.zeros(layout.local_shape) for layout in layouts}
     del destinations["model.norm.weight"]
     destinations["model.layers.0.mlp.down_proj.weight"] = torch.zeros(3)

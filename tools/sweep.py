@@ -174,7 +174,7 @@ def validate(exp: str, fixed: list[str], grid: list[dict[str, Any]]) -> list[Poi
     from rl.planning import plan_inputs
 
     points = []
-    for index, params in enumerate(tqdm(grid, desc=f"checking points on {exp}", unit="point", leave=False)):
+    for index, params in enumerate(tqdm(grid, desc=f"checking points on {exp}", unit="point", leave=False, disable=None)):
         point = Point(index, params, point_overrides(params))
         try:
             point.cfg = compose(exp, [*fixed, *point.overrides])
@@ -405,7 +405,7 @@ def local(args: argparse.Namespace, sweep: dict, grid: list[dict[str, Any]]) -> 
     print(f"sweep directory: {sweep_dir}", flush=True)
     interrupted = False
     signal.signal(signal.SIGTERM, _interrupt)  # scancel / kill: stop the running point too, keep the table
-    progress = tqdm(runnable, desc=f"{args.sweep} on {args.exp}", unit="point", dynamic_ncols=True)
+    progress = tqdm(runnable, desc=f"{args.sweep} on {args.exp}", unit="point", dynamic_ncols=True, disable=None)
     try:
         for point in progress:
             run_dir = sweep_dir / point.name
