@@ -82,6 +82,9 @@ class TrainerConfig:
     sft_warmup_steps: int = 0
     memory_sample_interval_s: float = 0.05  # background memory sampler period inside phases
     ppo_epochs: int = 1  # optimizer steps per RL step on the same rollouts (PPO epochs; ratio clipping acts from 2)
+    # the run stops when an engine and an actor log-prob of a sampled token differ by more (any rank);
+    # null: the model dtype's default (rl.metrics.LOGPROB_GAP_TOLERANCE)
+    max_logprob_gap: float | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -94,6 +97,10 @@ class TrainerConfig:
             raise ValueError(f"trainer.sft_warmup_steps={self.sft_warmup_steps} must be >= 0")
         if self.memory_sample_interval_s <= 0:
             raise ValueError(f"trainer.memory_sample_interval_s={self.memory_sample_interval_s} must be > 0")
+        if self.max_logprob_gap is not None and self.max_logprob_gap <= 0:
+            raise ValueError(
+                f"trainer.max_logprob_gap={self.max_logprob_gap} must be > 0, or null for the dtype's default"
+            )
 
 
 @dataclass(kw_only=True)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from rl.batching import Sample, make_batch, pack_sequences
 from rl.config import RunConfig
 from rl.losses import sft_loss
-from rl.metrics import engine_actor_logprob_gap, step_metrics, summarize
+from rl.metrics import check_logprob_gap, engine_actor_logprob_gap, logprob_gap_tolerance, step_metrics, summarize
 from rl.sampling import generate_samples, sampling_seed
 from rl.setup import RankContext, setup
 from rl.weight_sync import SyncResult
@@ -45,9 +45,19 @@ def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
     )
     with phase("old_logprob", step):
         batch["old_logprobs"] = actor.compute_logprobs(batch, phase="old_logprob")
+    # the worst engine-vs-actor gap over all ranks; too large: stop before training on wrong log-probs
+    gap = engine_actor_logprob_gap(batch, sample_offset=ctx.dims.dp_rank * batch["input_ids"].shape[0])
+    check_logprob_gap(gap, step, logprob_gap_tolerance(cfg.trainer.max_logprob_gap, cfg.model.dtype), cfg.model.dtype)
+    ctx.logprob_gaps.append(gap.value)
+    with phase("onload_ref", step):
+        if ctx.offloaded("ref_params"):
+            ctx.ref_actor.onload("params")
     with phase("ref_logprob", step):
         if ctx.ref_actor is not None:
             batch["ref_logprobs"] = ctx.ref_actor.compute_logprobs(batch, phase="ref_logprob")
+    with phase("offload_ref", step):
+        if ctx.offloaded("ref_params"):
+            ctx.ref_actor.offload("params")
     with phase("train", step):
         for _ in range(cfg.trainer.ppo_epochs):
             train_metrics = actor.train_step(batch, ctx.loss)
@@ -66,8 +76,7 @@ def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
         if tags := cfg.rollout.wake_tags("wake_kv_cache"):
             engine.wake_up(tags)
     num_train_tokens = int(batch["loss_mask"].sum()) * ctx.dims.dp
-    gap = engine_actor_logprob_gap(batch)
-    return step_metrics(samples, rewards, num_train_tokens, train_metrics, ctx.phase_seconds, sync, gap), sync
+    return step_metrics(samples, rewards, num_train_tokens, train_metrics, ctx.phase_seconds, sync, gap.value), sync
 
 
 def sft_warmup(ctx: RankContext) -> list[float]:
@@ -101,7 +110,7 @@ def run_rank(cfg: RunConfig, run_dir: str) -> None:
     for what in ("optimizer", "grads", "params"):
         if ctx.offloaded(what):
             ctx.actor.offload(what)
-    rewards, all_rows, syncs = [], [], []
+    rewards, syncs = [], []
     progress = tqdm(range(cfg.trainer.steps), desc=cfg.exp, disable=ctx.rank != 0, dynamic_ncols=True)
     for step in progress:
         metrics, sync = rl_step(ctx, step)
@@ -111,11 +120,10 @@ def run_rank(cfg: RunConfig, run_dir: str) -> None:
         dist.gather_object(rows, gathered, dst=0)
         if ctx.writer is not None:
             step_rows = [r for per_rank in gathered for r in per_rank]
-            all_rows += step_rows
             ctx.writer.log_timeline(step_rows)
             peaks = ctx.writer.log_step(step, metrics, step_rows)
             rewards.append(metrics["reward/mean"])
             progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", peak_mib=f"{max(peaks.values()) / 2**20:.0f}")
     if ctx.writer is not None:
-        ctx.writer.finish(summarize(ctx, rewards, all_rows, syncs, warmup_losses))
+        ctx.writer.finish(summarize(ctx, rewards, ctx.writer.read_rows(), syncs, warmup_losses))
     dist.barrier()

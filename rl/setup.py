@@ -45,6 +45,7 @@ class RankContext:
     timeline: MemoryTimeline
     writer: RunWriter | None  # rank 0 only
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    logprob_gaps: list[float] = field(default_factory=list)  # per step, the worst over all ranks
     t0: float = field(default_factory=time.monotonic)
 
     @property
@@ -65,7 +66,10 @@ class RankContext:
         self.phase_seconds[name] = time.monotonic() - start
 
     def offloaded(self, what: str) -> bool:
-        """Whether ``actor.offload.<what>`` moves it to host between its uses."""
+        """Whether ``actor.offload.<what>`` moves it to host between its uses (``ref_params``: the
+        reference actor's params, when there is a reference actor)."""
+        if what == "ref_params" and self.ref_actor is None:
+            return False
         return bool(getattr(self.cfg.actor.offload, what))
 
     def sync_weights(self) -> SyncResult:
@@ -95,7 +99,7 @@ def setup(cfg: RunConfig, run_dir: Path) -> RankContext:
         raise RuntimeError("megatron's rank order is not tp-dp-pp; the weight-sync plan would be wrong")
     groups = rollout_groups(mesh)
 
-    probe = MemoryProbe(dims.device)
+    probe = MemoryProbe(dims.device)  # after imports and process-group setup: the CPU baseline
     timeline = MemoryTimeline(probe, dims.rank, interval_s=cfg.trainer.memory_sample_interval_s)
     actor = Actor(cfg.model.path, cfg.actor, dims, dtype=cfg.model.dtype)
     ref_actor = None
@@ -112,7 +116,10 @@ def setup(cfg: RunConfig, run_dir: Path) -> RankContext:
     probe.add_ledger(lambda: _tagged(actor.memory(), dims.device))
     probe.add_ledger(lambda: _tagged(engine.memory(), dims.device))
     if ref_actor is not None:
-        probe.add_ledger(lambda: {k: v for k, v in _tagged(ref_actor.memory(), dims.device).items() if k == "host_pinned"})
+        # the reference actor's params under their own tag (its ledger calls them actor_params)
+        probe.add_ledger(lambda: _tagged(ref_actor.memory(), dims.device, rename={"actor_params": "ref_params"}))
+        if cfg.actor.offload.ref_params:
+            ref_actor.offload("params")  # on host until its first ref_logprob
     weight_sync = cfg.weight_sync.build(
         actor.shape, mesh, dims.rank, dtype=cfg.model.dtype, te_norms=actor.layout.te_norms
     )
@@ -133,9 +140,10 @@ def setup(cfg: RunConfig, run_dir: Path) -> RankContext:
     )
 
 
-def _tagged(memory: dict[str, int], device: torch.device) -> dict[str, int]:
-    """A side's ``memory()`` -> the timeline's tags, plus pinned host copies (CUDA only)."""
-    out = {k: v for k, v in memory.items() if k in TAGS}
+def _tagged(memory: dict[str, int], device: torch.device, rename: dict[str, str] | None = None) -> dict[str, int]:
+    """A side's ``memory()`` -> the timeline's tags (``rename``d first), plus pinned host copies (CUDA only)."""
+    rename = rename or {}
+    out = {rename.get(k, k): v for k, v in memory.items() if rename.get(k, k) in TAGS}
     if device.type == "cuda":
         out["host_pinned"] = sum(v for k, v in memory.items() if k.startswith("host/"))
     return out
