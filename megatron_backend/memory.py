@@ -31,7 +31,7 @@ import torch
 from modelspec.host_memory import release_freed_host_memory
 
 TAGS = ("actor_params", "actor_grads", "optimizer")
-CPU_COPY_CHUNK_BYTES = 16 << 20  # a multiple of the page size: what one CPU host copy maps at a time
+CPU_COPY_CHUNK_BYTES = 4 << 20  # a multiple of the page size: what one CPU host copy maps at a time
 
 
 class MemoryLedger:

@@ -135,8 +135,8 @@ def plot_stages(
     title: str = "",
 ) -> Path:
     """The stage chart (module doc) to ``path``: one panel per rank of one run's ``rows``, or, given
-    ``[(label, rows), ...]``, one column per run (same y-scale), for comparing runs. ``step``: default
-    :func:`representative_step` of each run."""
+    ``[(label, rows), ...]``, the panels of each run one under the other on the same y-scale, to compare
+    runs. ``step``: default :func:`representative_step` of each run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -144,20 +144,28 @@ def plot_stages(
 
     if runs and isinstance(runs[0], dict):
         runs = [("", runs)]
-    ranks = sorted({r["rank"] for _, rows in runs for r in rows})[:max_ranks]
+    panels = [
+        (label, rows, rank, representative_step(rows) if step is None else step)
+        for label, rows in runs
+        for rank in sorted({r["rank"] for r in rows})[:max_ranks]
+    ]
     top = max(int(r[PEAK_METRIC]) for _, rows in runs for r in rows)
     scale, unit = _unit(top)
-    fig, axes = plt.subplots(len(ranks), len(runs), figsize=(14 * len(runs) ** 0.8, 4.2 * len(ranks) + 1.0), squeeze=False)
-    for col, (label, rows) in enumerate(runs):
-        run_step = representative_step(rows) if step is None else step
-        for row_index, rank in enumerate(ranks):
-            ax = axes[row_index, col]
-            _draw_stages(ax, rows, rank, run_step, scale, unit, heading=f"{label}: " if label else "")
-            ax.set_ylim(0, top / scale * 1.25)
+    height = 4.0 * len(panels) + 1.0
+    fig, axes = plt.subplots(len(panels), 1, figsize=(14, height), squeeze=False)
+    window = wake_window_phases()
+    for ax, (label, rows, rank, run_step) in zip(axes[:, 0], panels):
+        _draw_stages(ax, rows, rank, run_step, scale, unit, heading=f"{label}: " if label else "")
+        ax.set_ylim(0, top / scale * 1.25)
+        phases = [p for p in PHASES if p in phase_after(rows, rank, run_step)]
+        inside = [i for i, p in enumerate(phases) if p in window]
+        if inside:  # where staged and all-at-once differ
+            ax.axvspan(inside[0] - 0.45, inside[-1] + 0.45, color="gold", alpha=0.15, lw=0, zorder=0)
+            ax.text(inside[0] - 0.4, top / scale * 1.2, "wake window", fontsize=8, va="top", color="darkgoldenrod")
     tags_seen = [t for t in TAGS if any(r[f"tag/{t}"] for _, rows in runs for r in rows)]
-    fig.legend(handles=_legend_handles(tags_seen), loc="upper center", ncol=4, fontsize=8, bbox_to_anchor=(0.5, 0.985))
-    fig.suptitle(title or f"memory after each phase ({unit})", y=0.998, fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 1.1 / (4.2 * len(ranks) + 1.0)))
+    fig.legend(handles=_legend_handles(tags_seen), loc="upper center", ncol=4, fontsize=8, bbox_to_anchor=(0.5, 1 - 0.3 / height))
+    fig.suptitle(title or f"memory after each phase ({unit})", y=1 - 0.05 / height, fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.7 / height))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
@@ -259,13 +267,13 @@ def compare_table(runs: list[tuple[str, list[dict]]]) -> str:
     extra = {
         "wake window": [max(steady_peak(rows, window, r) for r in {x["rank"] for x in rows}) for _, rows in runs],
     }
-    header = f"{'peak MiB':<18}" + "".join(f" {label[:22]:>22}" for label, _ in runs)
+    header = f"{'peak MiB':<26}" + "".join(f" {label[:22]:>22}" for label, _ in runs)
     if len(runs) > 1:
         header += "".join(f" {('delta ' + label)[:22]:>22}" for label, _ in runs[1:])
     lines = [header]
 
     def line(name: str, values: list[int | None]) -> str:
-        text = f"{name:<18}" + "".join(f" {_mib(v) if v is not None else '-':>22}" for v in values)
+        text = f"{name:<26}" + "".join(f" {_mib(v) if v is not None else '-':>22}" for v in values)
         base = values[0]
         for v in values[1:]:
             text += f" {_mib(v - base) if v is not None and base is not None else '-':>22}"

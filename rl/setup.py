@@ -89,10 +89,14 @@ def setup(cfg: RunConfig, run_dir: Path) -> RankContext:
     from transformers import AutoTokenizer
 
     from megatron_backend.actor import Actor
-    from megatron_backend.parallel import initialize_model_parallel
+    from megatron_backend.parallel import default_device, initialize_model_parallel
+    from modelspec.host_memory import configure_host_allocator
     from rollout import make_engine
 
     mesh = cfg.mesh()
+    if default_device().type == "cpu":
+        # the process's memory is the device's here: keep it from creeping with allocator fragmentation
+        configure_host_allocator()
     dims = initialize_model_parallel(cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp, seed=cfg.actor.seed)
     coords = mesh.actor_coords(dims.rank)
     if (coords.tp_rank, coords.pp_rank, coords.dp_rank) != (dims.tp_rank, dims.pp_rank, dims.dp_rank):

@@ -50,8 +50,11 @@ def report(run_dir: str | Path) -> str:
 
 def compare(run_dirs: list[str], out: str | Path) -> str:
     runs = [load_run(d) for d in run_dirs]
-    first_rank = [(f"run {i}", [r for r in rows if r["rank"] == min(x["rank"] for x in rows)]) for i, (_, rows) in enumerate(runs)]
-    chart = plot_stages(first_rank, out, title="memory after each phase (measured), side by side")
+    first_rank = [
+        (f"run {i} ({label})", [r for r in rows if r["rank"] == min(x["rank"] for x in rows)])
+        for i, (label, rows) in enumerate(runs)
+    ]
+    chart = plot_stages(first_rank, out, title="memory after each phase (measured), one run under the other")
     legend = "\n".join(f"run {i}: {d} ({label})" for i, (d, (label, _)) in enumerate(zip(run_dirs, runs)))
     return f"{legend}\n{compare_table([(f'run {i}', rows) for i, (_, rows) in enumerate(runs)])}\nchart: {chart}"
 
