@@ -31,6 +31,9 @@ SWEEP       ?= util_offload
 SWEEP_ID    ?=
 ALLOW_INFEASIBLE ?=
 SWEEP_PARALLEL ?=
+RUN         ?=
+RUNS        ?=
+OUT         ?= compare.png
 
 STAMP := $(VENV)/.installed-$(EXTRAS)
 comma := ,
@@ -38,7 +41,7 @@ VLLM_BUILD := $(if $(filter gpu,$(subst $(comma), ,$(EXTRAS))),cuda,cpu)
 # HF=tiny_models/<family> builds that tiny checkpoint on demand, so README examples work in a fresh clone
 TINY_HF := $(if $(filter $(TINY_DIR)/%,$(HF)),$(HF)/config.json)
 
-.PHONY: help install run plan sbatch sweep sweep-local test test-vllm test-gpu test-slow test-slurm lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout bench-train clean
+.PHONY: help install run plan report compare sbatch sweep sweep-local test test-vllm test-gpu test-slow test-slurm lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout bench-train clean
 
 help: ## list the targets
 	@echo "usage: make <target> [EXP=<experiment>] [ARGS=\"<hydra overrides>\"]"
@@ -72,6 +75,12 @@ run: $(STAMP) ## run experiment EXP (default tiny_cpu: the whole loop on 2 CPU p
 
 plan: $(STAMP) ## predicted memory of every phase of EXP on its device, KV cache sized to fit (no GPU); JSON=<path> writes it
 	@$(PY) -m tools.plan --exp $(EXP) $(if $(JSON),--json $(JSON)) $(ARGS)
+report: $(STAMP) ## RUN=<run dir>: stage chart + timeline PNGs into it and the per-phase memory table, from its files
+	@$(PY) -m tools.report $(RUN)
+
+compare: $(STAMP) ## RUNS="<dir> <dir>": measured phase peaks side by side, stage charts one under the other (OUT=compare.png)
+	@$(PY) -m tools.report $(RUNS) --out $(OUT)
+
 sbatch: $(STAMP) ## render runs/<EXP>/<timestamp>/job.sbatch [NODES=<n>] [SUBMIT=1: sbatch it, print the job id]
 	@$(PY) -m tools.sbatch --exp $(EXP) $(if $(NODES),--nodes $(NODES)) $(if $(filter 1 yes true,$(SUBMIT)),--submit) $(ARGS)
 

@@ -39,6 +39,7 @@ from megatron_backend.model import build_gpt_chunks, recompute_kwargs, te_availa
 from megatron_backend.packing import MicroBatch, build_micro_batch, partition, sequence_lengths
 from megatron_backend.parallel import ParallelDims
 from modelspec import BatchTotals, LossFn, ModelShape
+from modelspec.host_memory import release_freed_host_memory
 
 OFFLOADABLE = ("params", "grads", "optimizer")
 _TAG = {"params": "actor_params", "grads": "actor_grads", "optimizer": "optimizer"}
@@ -245,6 +246,7 @@ class Actor:
                 if self.dims.pp > 1:
                     dist.broadcast(value, src=self._last_stage_src(), group=self.dims.pp_group)
                 results.append(value)
+        self._release_freed_host_memory()
         return tuple(results) if with_entropy else results[0]
 
     # ---------------------------------------------------------------- training
@@ -307,7 +309,15 @@ class Actor:
                 grad_norm = self._cpu_clip_and_step()
             metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
             self.ledger.set("optimizer", resident_bytes=storage_bytes(self._optimizer_tensors()))
+        self._release_freed_host_memory()
         return metrics
+
+    def _release_freed_host_memory(self) -> None:
+        """On CPU, give the pages of the freed activations and logits back to the OS at the end of a pass, so
+        the next phase starts from what the actor really holds (CUDA's caching allocator keeps them, as
+        device_reserved says)."""
+        if self.dims.device.type == "cpu":
+            release_freed_host_memory()
 
     def _grad_norm_params(self) -> list[torch.nn.Parameter]:
         """Each gradient counted once across TP (replicated params on TP rank 0) and the tied copy skipped."""
@@ -415,7 +425,7 @@ class Actor:
         return self.ledger.snapshot()
 
     def memory_peaks(self) -> dict[str, dict[str, int]]:
-        """op name (build, old_logprob, train, offload_params, ...) -> peak bytes per tag and host_rss."""
+        """op name (build, old_logprob, train, offload_params, ...) -> the ledger's peak bytes per tag."""
         return {op: dict(peak) for op, peak in self.ledger.peaks.items()}
 
     # ---------------------------------------------------------------- checkpoints

@@ -12,6 +12,8 @@ class OffloadConfig:
     params: bool = True
     grads: bool = True
     optimizer: bool = True
+    # the reference actor's params (algorithm.kl_coef > 0): on host except around its ref_logprob pass
+    ref_params: bool = True
 
 
 RECOMPUTE = ("none", "selective", "full")

@@ -3,7 +3,10 @@
 Tags (DESIGN.md, "Memory: names and sources"): ``actor_params``, ``actor_grads``, ``optimizer``. The
 ledger counts the bytes each tag holds in the actor's working memory (the GPU on CUDA; the original
 tensor storages on CPU) and, separately, the host copies made by offload. Every operation runs inside
-``ledger.op(name)`` and leaves its peak per tag (and peak process RSS) in ``ledger.peaks[name]``.
+``ledger.op(name)`` and leaves its peak per tag in ``ledger.peaks[name]``. The ledger explains memory, it
+does not measure it: the measurement (``rl/memory.py``) owns the device's peak counters and resets them
+once per phase, so nothing here touches ``torch.cuda.reset_peak_memory_stats`` (a reset inside a phase
+would make the phase's peak cover only its last operation).
 
 Offload copies each distinct storage behind a set of tensors into one host buffer, then releases the
 original with ``untyped_storage().resize_(0)``: parameter, ``main_grad`` and optimizer-state views keep
@@ -11,9 +14,10 @@ their identity (and the DDP buffer views stay valid), so onload is ``resize_`` b
 
 The host buffer is pinned host memory on CUDA. On CPU the "device" already is host memory, so the
 host tier is a file-backed shared mapping (a temp file in ``offload_dir``, i.e. the page cache): the
-bytes are written there and the mapping's pages are dropped from this process (``MADV_DONTNEED``), and
-``malloc_trim`` hands the freed original back to the OS, so process RSS really drops by what was
-offloaded.
+bytes are copied there, and back, in chunks of ``CPU_COPY_CHUNK_BYTES``, each chunk's pages dropped from
+this process right after (``MADV_DONTNEED``; the page cache keeps the bytes, no ``msync`` needed), so
+the copy never maps more than one chunk into the process; ``malloc_trim`` hands the freed original
+back to the OS, so process RSS really drops by what was offloaded.
 """
 
 from __future__ import annotations
@@ -22,16 +26,12 @@ import contextlib
 import mmap
 import tempfile
 
-import psutil
 import torch
 
 from modelspec.host_memory import release_freed_host_memory
 
 TAGS = ("actor_params", "actor_grads", "optimizer")
-
-
-def _rss_bytes() -> int:
-    return psutil.Process().memory_info().rss
+CPU_COPY_CHUNK_BYTES = 4 << 20  # a multiple of the page size: what one CPU host copy maps at a time
 
 
 class MemoryLedger:
@@ -62,29 +62,19 @@ class MemoryLedger:
     def _observe(self) -> None:
         if self._current is None:
             return
-        sample = self.snapshot()
-        sample["host_rss"] = _rss_bytes()
-        if torch.cuda.is_available():
-            sample["device_allocated"] = torch.cuda.memory_allocated()
-        for key, value in sample.items():
+        for key, value in self.snapshot().items():
             self._current[key] = max(self._current.get(key, 0), value)
 
     @contextlib.contextmanager
     def op(self, name: str):
-        """Track the peak of every tag (and RSS) while ``name`` runs; kept in ``peaks[name]``."""
+        """Track the ledger's peak per tag while ``name`` runs; kept in ``peaks[name]`` (no device counters)."""
         outer = self._current
         self._current = {}
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
         self._observe()
         try:
             yield
         finally:
             self._observe()
-            if torch.cuda.is_available():
-                self._current["device_allocated"] = max(
-                    self._current.get("device_allocated", 0), torch.cuda.max_memory_allocated()
-                )
             self.peaks[name] = self._current
             if outer is not None:
                 for key, value in self._current.items():
@@ -125,19 +115,26 @@ class HostCopy:
         self._file = tempfile.TemporaryFile(dir=offload_dir, prefix="actor-offload-")
         self._file.truncate(max(self.nbytes, 1))
         self._mmap = mmap.mmap(self._file.fileno(), max(self.nbytes, 1), flags=mmap.MAP_SHARED)
+        self._copy_chunks(src=view, to_host=True)
+
+    def _copy_chunks(self, src: torch.Tensor, to_host: bool) -> None:
+        """CPU: copy between ``src`` ([nbytes] uint8) and the mapping one chunk at a time, dropping each
+        chunk's pages from this process after it (the file, i.e. the page cache, keeps the bytes)."""
         host = torch.frombuffer(self._mmap, dtype=torch.uint8, count=self.nbytes)
-        host.copy_(view)
+        for start in range(0, self.nbytes, CPU_COPY_CHUNK_BYTES):
+            chunk = slice(start, min(start + CPU_COPY_CHUNK_BYTES, self.nbytes))
+            if to_host:
+                host[chunk].copy_(src[chunk])
+            else:
+                src[chunk].copy_(host[chunk])
+            self._mmap.madvise(mmap.MADV_DONTNEED, start, chunk.stop - start)
         del host
-        self._mmap.flush()
-        self._mmap.madvise(mmap.MADV_DONTNEED)  # pages leave this process; the file keeps the bytes
 
     def copy_to(self, view: torch.Tensor) -> None:
         if self.pinned:
             view.copy_(self._host, non_blocking=True)
             return
-        host = torch.frombuffer(self._mmap, dtype=torch.uint8, count=self.nbytes)
-        view.copy_(host)
-        del host
+        self._copy_chunks(src=view, to_host=False)
 
     def free(self) -> None:
         if self.pinned:

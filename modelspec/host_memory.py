@@ -1,4 +1,5 @@
-"""Returning freed host memory to the OS, so the process's resident memory really drops."""
+"""Returning freed host memory to the OS, so the process's resident memory really drops, and keeping
+glibc's allocator from fragmenting it."""
 
 from __future__ import annotations
 
@@ -13,3 +14,26 @@ def release_freed_host_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim
         pass
+
+
+# mallopt(3) parameters
+_M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
+
+
+def configure_host_allocator(mmap_threshold_bytes: int = 1 << 20, arena_max: int = 1) -> bool:
+    """Make glibc hand big buffers straight back to the OS and reuse the rest; False where not glibc.
+
+    glibc's defaults let a process's RSS creep for several steps of a loop that frees and re-allocates
+    activations of varying sizes: its mmap threshold rises after each large free (up to 32 MiB), so
+    later buffers below it come from heaps that fragment, one heap per thread (an arena each). A fixed
+    threshold (allocations of ``mmap_threshold_bytes`` or more are mmapped, and unmapped on free) and
+    ``arena_max`` arenas keep the resident memory flat from step to step. Call it early, before
+    threads start allocating.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold_bytes))) and bool(mallopt(_M_ARENA_MAX, int(arena_max)))

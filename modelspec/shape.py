@@ -123,7 +123,9 @@ class ModelShape:
         config_file = ARCHITECTURES_DIR / f"{name}.json"
         if not config_file.is_file():
             raise ValueError(f"architecture {name!r} is not shipped; choose one of {list_architectures()}")
-        return cls.from_hf_config(_with_class_defaults(json.loads(config_file.read_text())), source=f"{ARCH_PREFIX}{name}")
+        return cls.from_hf_config(
+            _with_class_defaults(json.loads(config_file.read_text())), source=f"{ARCH_PREFIX}{name}"
+        )
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelShape:

@@ -179,3 +179,26 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# ---------------------------------------------------------------- sized checkpoints (memory_cpu)
+# Same tokenizer and builder as the tiny families, but large enough that memory is worth measuring:
+# in fp32 on one rank (actor TP=1) params, grads and engine weights are ~122 MB each, Adam's states
+# ~244 MB. head_dim 64 (vLLM's CPU attention takes 32/64/80/96/112/128). Built on demand by
+# ``resolve_model_path("tiny:qwen2_memory")``, never by ``make tiny-models`` or the test fixtures.
+SIZED_FAMILIES: dict[str, tuple[str, dict]] = {
+    "qwen2_memory": (
+        "Qwen2Config",
+        dict(
+            _COMMON,
+            hidden_size=512,
+            intermediate_size=2048,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            vocab_size=128,
+            rope_theta=1_000_000.0,
+            tie_word_embeddings=False,
+        ),
+    ),
+}
+TINY_FAMILIES.update(SIZED_FAMILIES)

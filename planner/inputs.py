@@ -74,7 +74,8 @@ class PlanInputs:
     entropy_grad: bool = False  # an entropy term in the loss (algorithm.entropy_coef > 0)
     entropy_recompute: bool = True  # actor.entropy_recompute
     attention: str = "flash"  # "unfused": megatron's local spec (CPU) materializes [s, s] scores
-    reference_model: bool = False  # a frozen reference actor (KL) stays resident
+    reference_model: bool = False  # a frozen reference actor (KL)
+    offload_ref_params: bool = True  # its params on host except around ref_logprob (actor.offload.ref_params)
     # batch: every rank sees sequences_per_step / actor_dp sequences of prompt + response tokens
     sequences_per_step: int = 1
     prompt_tokens: int = 512

@@ -10,7 +10,10 @@ ends (offloads peak at their start, onloads and wakes at their end), plus its tr
 | rollout | - | engine activations |
 | engine_sleep | - engine weights, - KV cache | |
 | onload_params / _grads / _optimizer | + that state, where its offload flag is on | |
-| old_logprob, ref_logprob | - | forward activations, logits (ref: only with a reference model) |
+| old_logprob | - | forward activations, logits |
+| onload_ref | + reference params, where ``offload_ref_params`` is on (reference model only) | |
+| ref_logprob | - | forward activations, logits (only with a reference model) |
+| offload_ref | - reference params, where ``offload_ref_params`` is on | |
 | train | - | activations kept for backward, logits |
 | offload_optimizer / _grads | - that state, where its offload flag is on | |
 | wake_weights | + engine weights (+ KV cache when all_at_once) | |
@@ -18,8 +21,8 @@ ends (offloads peak at their start, onloads and wakes at their end), plus its tr
 | offload_params | - actor params, where its flag is on | |
 | wake_kv_cache | + KV cache (staged) | |
 
-Always resident: the reference actor's params, communicator buffers and the engine's persistent
-reserve (vLLM's CUDA graphs). The plan is for the worst rank: every pipeline stage is planned (the
+Always resident: communicator buffers and the engine's persistent reserve (vLLM's CUDA graphs); the
+reference actor's params too unless ``offload_ref_params``. The plan is for the worst rank: every pipeline stage is planned (the
 first holds the embedding and the most in-flight micro-batches, the last the output layer and the
 logits) and the stage with the highest peak is reported.
 """
@@ -51,7 +54,9 @@ PHASES = (
     "onload_grads",
     "onload_optimizer",
     "old_logprob",
+    "onload_ref",
     "ref_logprob",
+    "offload_ref",
     "train",
     "offload_optimizer",
     "offload_grads",
@@ -75,7 +80,14 @@ COMPONENTS = (
 )
 ENGINES_FOR_UTILIZATION = ("vllm", "native", "sglang")
 # state that comes and goes between phases -> its component
-_STATE = {"P": "actor_params", "G": "actor_grads", "O": "optimizer", "W": "engine_weights", "K": "kv_cache"}
+_STATE = {
+    "P": "actor_params",
+    "G": "actor_grads",
+    "O": "optimizer",
+    "R": "ref_params",
+    "W": "engine_weights",
+    "K": "kv_cache",
+}
 
 
 @dataclass(frozen=True)
@@ -191,13 +203,14 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
         "optimizer": st.optimizer,
         "engine_weights": weights,
         "kv_cache": kv_cache_bytes,
+        "ref_params": st.ref_params,
     }
     persistent_reserve = inp.graph_bytes
     rollout_reserve = persistent_reserve + engine_rollout_activation_bytes(inp)
     # a rank stages at most what it sends (its actor shard) plus what it receives (its engine shard)
     bucket = min(inp.sync_bucket_bytes, st.actor_params + weights)
     state = {"P": not inp.offload_params, "G": not inp.offload_grads, "O": not inp.offload_optimizer}
-    state.update(W=True, K=True)
+    state.update(R=not inp.offload_ref_params, W=True, K=True)
     start = dict(state)
     forward = {"activations": st.forward_activations, "logits": st.forward_logits}
     steps: list[tuple[str, dict[str, bool], dict[str, int]]] = [
@@ -207,7 +220,9 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
         ("onload_grads", {"G": True}, {}),
         ("onload_optimizer", {"O": True}, {}),
         ("old_logprob", {}, forward),
+        ("onload_ref", {"R": True}, {}),
         ("ref_logprob", {}, forward if inp.reference_model else {}),
+        ("offload_ref", {"R": not inp.offload_ref_params}, {}),
         ("train", {}, {"activations": st.train_activations, "logits": st.train_logits}),
         ("offload_optimizer", {"O": not inp.offload_optimizer}, {}),
         ("offload_grads", {"G": not inp.offload_grads}, {}),
@@ -223,7 +238,6 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
         for key, component in _STATE.items():
             if state[key] or after[key]:
                 components[component] = sizes[component]
-        components["ref_params"] = st.ref_params
         components["comm_buffers"] = inp.comm_bytes
         components["engine_reserve"] = persistent_reserve
         components.update(transient)

@@ -39,7 +39,6 @@ CHECKPOINT_DIR = "checkpoints"
 ACTOR_DIR = "actor"
 RANKS_DIR = "ranks"
 STATE_FILE = "rl_state.json"
-SAVE_PHASE = "save_checkpoint"  # the timeline's name for a save (not a phase of every step)
 FORMAT_VERSION = 1
 SAMPLING_SEED_SCHEDULE = "rl.sampling.sampling_seed(seed, step, replica) v1"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")

@@ -102,6 +102,8 @@ def missing_devices(cluster: ClusterConfig, external: bool) -> str | None:
     if not external and found < cluster.procs_per_node:
         return f"this machine has {found} CUDA device(s)"
     return None
+
+
 def _die_with_parent() -> None:
     """Linux: the kernel SIGKILLs this rank when the launcher dies, so ``kill -9`` of ``make run`` leaves no
     orphan ranks behind (they would go on writing checkpoints into a run that is being restarted)."""

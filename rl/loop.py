@@ -22,9 +22,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 from rl.batching import make_batch
-from rl.checkpoint import SAVE_PHASE, capture_rank_state, restore_rank_state
+from rl.checkpoint import capture_rank_state, restore_rank_state
 from rl.config import RunConfig
-from rl.metrics import engine_actor_logprob_gap, step_metrics, summarize
+from rl.memory import SAVE_PHASE
+from rl.metrics import check_logprob_gap, engine_actor_logprob_gap, logprob_gap_tolerance, step_metrics, summarize
 from rl.sampling import generate_samples, sampling_seed
 from rl.saving import StopBeforeTrain, finish_checkpoint, save_actor, save_and_stop
 from rl.setup import RankContext, setup, start_engine
@@ -60,9 +61,19 @@ def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
     )
     with phase("old_logprob", step):
         batch["old_logprobs"] = actor.compute_logprobs(batch, phase="old_logprob", response_only=True)
+    # the worst engine-vs-actor gap over all ranks; too large: stop before training on wrong log-probs
+    gap = engine_actor_logprob_gap(batch, sample_offset=ctx.dims.dp_rank * batch["input_ids"].shape[0])
+    check_logprob_gap(gap, step, logprob_gap_tolerance(cfg.trainer.max_logprob_gap, cfg.model.dtype), cfg.model.dtype)
+    ctx.logprob_gaps.append(gap.value)
+    with phase("onload_ref", step):
+        if ctx.offloaded("ref_params"):
+            ctx.ref_actor.onload("params")
     with phase("ref_logprob", step):
         if ctx.ref_actor is not None:
             batch["ref_logprobs"] = ctx.ref_actor.compute_logprobs(batch, phase="ref_logprob", response_only=True)
+    with phase("offload_ref", step):
+        if ctx.offloaded("ref_params"):
+            ctx.ref_actor.offload("params")
     if stop_agreed():
         raise StopBeforeTrain
     with phase("train", step):
@@ -87,8 +98,7 @@ def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
         if tags := cfg.rollout.wake_tags("wake_kv_cache"):
             engine.wake_up(tags)
     num_train_tokens = int(batch["loss_mask"].sum()) * ctx.dims.dp
-    gap = engine_actor_logprob_gap(batch)
-    metrics = step_metrics(samples, rewards, num_train_tokens, train_metrics, ctx.phase_seconds, sync, gap)
+    metrics = step_metrics(samples, rewards, num_train_tokens, train_metrics, ctx.phase_seconds, sync, gap.value)
     # the sampled tokens in one number: a resumed run must sample exactly what the uninterrupted one did
     metrics["rollout/response_tokens_crc32"] = float(zlib.crc32(repr([s.response_ids for s in samples]).encode()))
     return metrics, sync
@@ -136,7 +146,6 @@ def run_rank(cfg: RunConfig, run_dir: str) -> int:
         restore_rank_state(ctx.resumed_rank_state, ctx.task)
     writer = ctx.writer
     rewards = [m["reward/mean"] for m in writer.previous_metrics] if writer is not None else []
-    all_rows = list(writer.timeline_rows) if writer is not None else []
     syncs = []
     progress = tqdm(total=steps, initial=ctx.start_step, desc=cfg.exp, disable=ctx.rank != 0, dynamic_ncols=True)
     for step in range(ctx.start_step, steps):
@@ -152,7 +161,6 @@ def run_rank(cfg: RunConfig, run_dir: str) -> int:
         dist.gather_object(rows, gathered, dst=0)
         if writer is not None:
             step_rows = [r for per_rank in gathered for r in per_rank]
-            all_rows += step_rows
             writer.log_timeline(step_rows)
             peaks = writer.log_step(step, metrics, step_rows)
             rewards.append(metrics["reward/mean"])
@@ -167,6 +175,6 @@ def run_rank(cfg: RunConfig, run_dir: str) -> int:
             ctx.pending_save = None
     progress.close()
     if writer is not None:
-        writer.finish(summarize(ctx, rewards, all_rows, syncs, warmup_losses))
+        writer.finish(summarize(ctx, rewards, writer.read_rows(), syncs, warmup_losses))
     dist.barrier()
     return 0

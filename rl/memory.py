@@ -1,28 +1,51 @@
-"""The per-phase memory timeline: what each rank holds, sampled at every phase boundary and inside phases.
+"""The per-phase memory timeline: what each rank holds, measured at every phase boundary and inside phases.
 
-Metric names (DESIGN.md, "Memory: names and sources"), per rank and sample:
+Metric names (DESIGN.md, "Memory: names and sources"), per rank and sample. Every ``device_*`` figure
+is a measurement; the tags only explain it.
 
-- ``device_allocated`` / ``device_reserved``: torch's CUDA allocator. On CPU there is no device, so
-  both are the sum of the project's per-tag ledger (what the actor and engine hold under their tags).
-- ``device_used``: NVML's used memory for this GPU (includes vLLM pools, NCCL buffers: memory outside
-  torch's allocator). On CPU: the process RSS, the closest thing to "everything this rank holds".
-- ``host_rss``: process resident set size (psutil).
-- ``host_pinned``: bytes the project pinned (reported by the ledgers' ``host_pinned`` entry).
-- ``tag/<name>``: bytes held under each memory-saver tag: ``weights``, ``kv_cache`` (engine),
-  ``actor_params``, ``actor_grads``, ``optimizer`` (actor).
+- ``device_used``: what the device reports in use at the sample. CUDA: ``total - free`` from
+  ``torch.cuda.mem_get_info(device)`` (cudaMemGetInfo on the device this process sees, so
+  ``CUDA_VISIBLE_DEVICES`` is honoured; it includes vLLM's sleep-mode pool, torch-memory-saver,
+  NCCL buffers and the CUDA context: memory torch's allocator never sees). CPU: the process's
+  resident memory (RSS) minus the baseline taken when the probe was built (after imports and
+  process-group setup), so it counts what the run allocated, not the Python runtime and libraries.
+- ``device_peak``: the highest device memory since the current phase began, measured. CUDA: torch's
+  allocator high-water mark (``max_memory_reserved``, its peak counters reset at every phase entry)
+  over what the device holds outside the allocator at the sample (``device_used - memory_reserved``).
+  CPU: the kernel's RSS high-water mark (``VmHWM`` of ``/proc/self/status``, reset at every phase
+  entry through ``/proc/self/clear_refs``) minus the baseline, so a peak between two samples is caught.
+- ``device_allocated`` / ``device_reserved``: torch's CUDA allocator at the sample. On CPU there is no
+  allocator to ask; both repeat ``device_used``.
+- ``host_rss``: the process's resident set size (absolute).
+- ``host_pinned``: bytes the project pinned in host memory (the ledgers' ``host_pinned`` entry, CUDA).
+- ``tag/<name>``: bytes the components' ledgers say they hold under each tag: ``weights``,
+  ``kv_cache`` (engine), ``actor_params``, ``actor_grads``, ``optimizer`` (actor), ``ref_params``
+  (the reference actor). An explanation of ``device_used``, never a substitute for it.
+
+Why RSS on CPU and not USS/PSS: the pages a process shares are the libraries mapped at import (torch,
+megatron, gloo), all in the baseline and constant afterwards, so RSS minus the baseline counts what the
+run allocates; the offload host tier is a file mapping whose pages are dropped from the process after
+the copy (``megatron_backend/memory.py``). USS/PSS have no kernel high-water mark and cost a walk of
+``/proc/self/smaps`` per sample.
 
 :class:`MemoryTimeline` samples at the start and end of every ``with timeline.phase(name, step):``
-and, inside it, from a background thread every ``interval_s`` (default 50 ms), so each phase has a
-true peak, not just end points. Rows are plain dicts: ``t_s, step, phase, rank, <metrics>``.
+and, inside it, from a background thread every ``interval_s``. Rows are plain dicts:
+``t_s, step, phase, rank, <metrics>``. The functions at the end read rows (from a run, or from
+``memory_timeline.csv`` with :func:`read_timeline_csv`): per-phase peaks, what each phase released
+(measured next to the ledger's expectation), the per-phase drift over steps.
 """
 
 from __future__ import annotations
 
 import contextlib
+import csv
 import os
+import re
+import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 
 import psutil
 import torch
@@ -31,35 +54,98 @@ from megatron_backend.memory import TAGS as ACTOR_TAGS
 from planner.plan import PHASES  # the step's phases in order (DESIGN.md, "The one loop"), shared with the planner
 from rollout.memory_saver import TAGS as ENGINE_TAGS
 
-# Memory tags: the engine's (rollout.memory_saver) and the actor's (megatron_backend.memory), each named once.
-TAGS = ENGINE_TAGS + ACTOR_TAGS
-BASE_METRICS = ("device_allocated", "device_reserved", "device_used", "host_rss", "host_pinned")
+# A checkpoint save (rl/checkpoint.py) runs after train on the steps that save: not a phase of every step
+# (so not the planner's), but the timeline records it in its place.
+SAVE_PHASE = "save_checkpoint"
+TIMELINE_PHASES = PHASES[: PHASES.index("train") + 1] + (SAVE_PHASE,) + PHASES[PHASES.index("train") + 1 :]
+
+# Memory tags: the engine's (rollout.memory_saver), the actor's (megatron_backend.memory) and the
+# reference actor's params (its ledger's actor_params, renamed in rl.setup).
+REF_TAGS = ("ref_params",)
+TAGS = ENGINE_TAGS + ACTOR_TAGS + REF_TAGS
+BASE_METRICS = ("device_used", "device_peak", "device_allocated", "device_reserved", "host_rss", "host_pinned")
 METRICS = BASE_METRICS + tuple(f"tag/{tag}" for tag in TAGS)
-# The metric a phase's peak is reported in (`memory/peak/<phase>`, summary.json's phase_peak_bytes).
-PEAK_METRIC = "device_allocated"
+# The measured metrics: a phase's peak (`memory/peak/<phase>`, summary.json's phase_peak_bytes) and what
+# the device holds at a sample (memory after a phase, bytes released by a phase).
+PEAK_METRIC = "device_peak"
+USED_METRIC = "device_used"
+# Phases that hand memory back, and the tags whose ledger says how much (the expected bytes).
+RELEASE_TAGS = {
+    "engine_sleep": ENGINE_TAGS,
+    "offload_optimizer": ("optimizer",),
+    "offload_grads": ("actor_grads",),
+    "offload_params": ("actor_params",),
+    "offload_ref": ("ref_params",),
+}
+# Where the engine and the actor change hands (DESIGN.md): staged and all-at-once differ only here.
+WAKE_WINDOW = ("wake_weights", "wake_kv_cache")
 
 LedgerFn = Callable[[], dict[str, int]]
 
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+class ProcessMemory:
+    """This process's resident memory and the kernel's high-water mark of it (Linux), resettable.
+
+    ``read()`` -> (rss, peak rss since the last ``reset_peak()``). Where ``/proc`` is missing or
+    ``clear_refs`` refuses the reset, the peak is the current RSS and only the sampler sees inside phases
+    (``tracks_peak`` says which).
+    """
+
+    def __init__(self) -> None:
+        self._process = psutil.Process(os.getpid())
+        self.tracks_peak = _STATUS.exists() and self._try_reset()
+
+    @staticmethod
+    def _try_reset() -> bool:
+        try:
+            _CLEAR_REFS.write_text("5")  # 5: reset the peak RSS (VmHWM) to the current RSS, proc(5)
+        except OSError:
+            return False
+        return True
+
+    def reset_peak(self) -> None:
+        if self.tracks_peak:
+            self._try_reset()
+
+    def read(self) -> tuple[int, int]:
+        if not self.tracks_peak:
+            rss = self._process.memory_info().rss
+            return rss, rss
+        status = _STATUS.read_text()
+        rss = int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.M).group(1)) * 1024
+        hwm = int(re.search(r"^VmHWM:\s+(\d+) kB", status, re.M).group(1)) * 1024
+        return rss, max(rss, hwm)
+
 
 class MemoryProbe:
-    """Reads one sample of this rank's memory. ``ledgers`` return ``{tag: bytes}`` (may include ``host_pinned``)."""
+    """Reads one sample of this rank's memory (see the module doc for what each metric measures).
+
+    Build it after imports and process-group setup: on CPU that moment is the baseline. ``ledgers``
+    return ``{tag: bytes}`` (may include ``host_pinned``).
+    """
 
     def __init__(self, device: torch.device, ledgers: list[LedgerFn] | None = None):
-        self.device = device
+        self.device = torch.device(device)
         self.ledgers: list[LedgerFn] = list(ledgers or [])
-        self._process = psutil.Process(os.getpid())
-        self._nvml_handle = None
-        if device.type == "cuda":
-            with contextlib.suppress(Exception):  # NVML missing (e.g. some containers): device_used = reserved
-                import pynvml
-
-                pynvml.nvmlInit()
-                self._nvml_handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+        self.process = ProcessMemory()
+        self.on_cuda = self.device.type == "cuda"
+        # CPU: what the process held before the run allocated anything (runtime, libraries, groups)
+        self.baseline_bytes = 0 if self.on_cuda else self.process.read()[0]
 
     def add_ledger(self, ledger: LedgerFn) -> None:
         self.ledgers.append(ledger)
 
-    def read(self) -> dict[str, int]:
+    def reset_peak(self) -> None:
+        """Start a new high-water mark (at every phase entry; nothing else may reset it mid-phase)."""
+        if self.on_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.process.reset_peak()
+
+    def tags(self) -> tuple[dict[str, int], int]:
+        """The ledgers' {tag: bytes} and host_pinned bytes."""
         tags = dict.fromkeys(TAGS, 0)
         host_pinned = 0
         for ledger in self.ledgers:
@@ -68,22 +154,27 @@ class MemoryProbe:
                     host_pinned += int(value)
                 else:
                     tags[key] = tags.get(key, 0) + int(value)
-        host_rss = self._process.memory_info().rss
-        if self.device.type == "cuda":
+        return tags, host_pinned
+
+    def read(self) -> dict[str, int]:
+        tags, host_pinned = self.tags()
+        host_rss, host_rss_peak = self.process.read()
+        if self.on_cuda:
             allocated = torch.cuda.memory_allocated(self.device)
             reserved = torch.cuda.memory_reserved(self.device)
-            used = reserved
-            if self._nvml_handle is not None:
-                import pynvml
-
-                used = int(pynvml.nvmlDeviceGetMemoryInfo(self._nvml_handle).used)
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            # outside the allocator (context, vLLM's pool, NCCL) as at this sample, plus torch's own peak
+            peak = used - reserved + torch.cuda.max_memory_reserved(self.device)
         else:
-            allocated = reserved = sum(tags.values())
-            used = host_rss
+            used = host_rss - self.baseline_bytes
+            allocated = reserved = used
+            peak = host_rss_peak - self.baseline_bytes
         sample = dict(
+            device_used=used,
+            device_peak=max(peak, used),
             device_allocated=allocated,
             device_reserved=reserved,
-            device_used=used,
             host_rss=host_rss,
             host_pinned=host_pinned,
         )
@@ -92,7 +183,12 @@ class MemoryProbe:
 
 
 class MemoryTimeline:
-    """Per-rank samples at phase boundaries plus a background sampler inside phases."""
+    """Per-rank samples at phase boundaries plus one background sampler thread inside phases.
+
+    The sampler is one daemon thread for the whole run (a thread per phase would leave a stack and a
+    malloc arena behind now and then: memory growth the timeline itself would cause). A lock keeps its
+    samples strictly inside the phase they are labelled with.
+    """
 
     def __init__(self, probe: MemoryProbe, rank: int, interval_s: float = 0.05, t0: float | None = None):
         if interval_s <= 0:
@@ -103,59 +199,188 @@ class MemoryTimeline:
         self.t0 = time.monotonic() if t0 is None else t0
         self.rows: list[dict] = []
         self.phase_seconds: dict[tuple[int, str], float] = {}
-        self._lock = threading.Lock()
+        self._rows_lock = threading.Lock()
+        self._phase_lock = threading.Lock()  # held while a phase starts or ends, and by each background sample
+        self._active: tuple[int, str] | None = None  # (step, phase) being sampled
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def sample(self, step: int, phase: str) -> dict:
         row = dict(t_s=time.monotonic() - self.t0, step=step, phase=phase, rank=self.rank, **self.probe.read())
-        with self._lock:
+        with self._rows_lock:
             self.rows.append(row)
         return row
 
+    def _sampler(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            with self._phase_lock:
+                if self._active is not None:
+                    self.sample(*self._active)
+
     @contextlib.contextmanager
     def phase(self, name: str, step: int) -> Iterator[None]:
-        """Sample at entry and exit; a daemon thread samples every ``interval_s`` in between."""
-        if self.probe.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.probe.device)
+        """Reset the peak trackers and sample at entry; the sampler samples every ``interval_s``; sample at exit."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._sampler, name="memory-sampler", daemon=True)
+            self._thread.start()
         start = time.monotonic()
-        self.sample(step, name)
-        stop = threading.Event()
-
-        def sampler() -> None:
-            while not stop.wait(self.interval_s):
-                self.sample(step, name)
-
-        thread = threading.Thread(target=sampler, name=f"memory-sampler-{name}", daemon=True)
-        thread.start()
+        with self._phase_lock:
+            self.probe.reset_peak()
+            self.sample(step, name)
+            self._active = (step, name)
         try:
             yield
         finally:
-            stop.set()
-            thread.join()
-            end_row = self.sample(step, name)
-            if self.probe.device.type == "cuda":
-                # the allocator's own high-water mark catches peaks between two samples
-                end_row["device_allocated"] = max(
-                    end_row["device_allocated"], torch.cuda.max_memory_allocated(self.probe.device)
-                )
+            with self._phase_lock:
+                self._active = None
+                self.sample(step, name)
             self.phase_seconds[(step, name)] = time.monotonic() - start
+
+    def close(self) -> None:
+        """Stop the sampler thread (it is a daemon: a run that ends without this loses nothing)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
     def take_rows(self) -> list[dict]:
         """Rows recorded since the last call (for gathering to rank 0 once per step)."""
-        with self._lock:
+        with self._rows_lock:
             rows, self.rows = self.rows, []
         return rows
 
 
-def phase_peaks(rows: list[dict], metric: str = PEAK_METRIC) -> dict[str, int]:
+# ---------------------------------------------------------------- reading rows
+def read_timeline_csv(path: str | Path) -> list[dict]:
+    """``memory_timeline.csv`` -> rows as the timeline made them (ints, ``t_s`` float)."""
+
+    def parse(key: str, value: str):
+        if key == "phase":
+            return value
+        return float(value) if key == "t_s" else int(value)
+
+    with open(path, newline="") as f:
+        return [{k: parse(k, v) for k, v in raw.items() if v != ""} for raw in csv.DictReader(f)]
+
+
+def steady_steps(rows: Iterable[dict]) -> list[int]:
+    """The steps to judge steady state on: all but step 0 when there are more (step 0 creates the
+    optimizer's states and warms the allocators)."""
+    steps = sorted({int(r["step"]) for r in rows})
+    return steps[1:] if len(steps) > 1 else steps
+
+
+def phase_samples(rows: Iterable[dict]) -> dict[tuple[int, int, str], list[dict]]:
+    """(rank, step, phase) -> its rows in time order."""
+    out: dict[tuple[int, int, str], list[dict]] = {}
+    for row in sorted(rows, key=lambda r: r["t_s"]):
+        out.setdefault((int(row["rank"]), int(row["step"]), row["phase"]), []).append(row)
+    return out
+
+
+def phase_peaks(rows: Iterable[dict], metric: str = PEAK_METRIC) -> dict[str, int]:
     """phase -> max of ``metric`` over all given rows (all ranks, all samples) of that phase."""
     peaks: dict[str, int] = {}
     for row in rows:
-        peaks[row["phase"]] = max(peaks.get(row["phase"], 0), int(row[metric]))
+        value = int(row[metric])
+        peaks[row["phase"]] = max(peaks.get(row["phase"], value), value)
     return peaks
 
 
-def window_peak(rows: list[dict], first_phase: str, last_phase: str, metric: str = PEAK_METRIC) -> int:
+def window_peak(rows: Iterable[dict], first_phase: str, last_phase: str, metric: str = PEAK_METRIC) -> int:
     """Max of ``metric`` over the phases from ``first_phase`` to ``last_phase`` (in PHASES order)."""
     i, j = PHASES.index(first_phase), PHASES.index(last_phase)
     window = set(PHASES[i : j + 1])
     return max((int(r[metric]) for r in rows if r["phase"] in window), default=0)
+
+
+def steady_peak(rows: list[dict], phases: Iterable[str], rank: int) -> int:
+    """Median over the steady steps of one rank's measured peak over ``phases`` (one step each)."""
+    phases = set(phases)
+    per_step = [
+        max(
+            (int(r[PEAK_METRIC]) for r in rows if r["rank"] == rank and r["step"] == step and r["phase"] in phases),
+            default=0,
+        )
+        for step in steady_steps(rows)
+    ]
+    return int(statistics.median(per_step)) if per_step else 0
+
+
+def wake_window_phases() -> tuple[str, ...]:
+    i, j = PHASES.index(WAKE_WINDOW[0]), PHASES.index(WAKE_WINDOW[1])
+    return PHASES[i : j + 1]
+
+
+def phase_after(rows: list[dict], rank: int, step: int) -> dict[str, dict]:
+    """phase -> the last sample of ``phase`` on ``rank`` in ``step``: the memory after that phase."""
+    return {phase: samples[-1] for (r, s, phase), samples in phase_samples(rows).items() if r == rank and s == step}
+
+
+def released_bytes(rows: list[dict]) -> dict[str, dict[str, int]]:
+    """What each hand-off phase gave back, per rank, measured next to expected.
+
+    phase -> {measured, expected, rank}: ``device_used`` at the phase's first sample minus at its last
+    (measured) and the drop of the phase's tags in the ledgers (expected), median over the steady
+    steps, for the rank where the two differ most. Only phases whose ledger expected a release appear.
+    """
+    groups = phase_samples(rows)
+    steady = set(steady_steps(rows))
+    out: dict[str, dict[str, int]] = {}
+    for phase, tags in RELEASE_TAGS.items():
+        per_rank: dict[int, tuple[list[int], list[int]]] = {}
+        for (rank, step, name), samples in groups.items():
+            if name != phase or step not in steady:
+                continue
+            first, last = samples[0], samples[-1]
+            expected = sum(int(first.get(f"tag/{t}", 0)) - int(last.get(f"tag/{t}", 0)) for t in tags)
+            measured = int(first[USED_METRIC]) - int(last[USED_METRIC])
+            per_rank.setdefault(rank, ([], []))
+            per_rank[rank][0].append(measured)
+            per_rank[rank][1].append(expected)
+        candidates = []
+        for rank, (measured, expected) in per_rank.items():
+            m, e = int(statistics.median(measured)), int(statistics.median(expected))
+            if e > 0:
+                candidates.append(dict(measured=m, expected=e, rank=rank))
+        if candidates:
+            out[phase] = max(candidates, key=lambda c: abs(c["measured"] - c["expected"]))
+    return out
+
+
+def phase_peak_rows(rows: Iterable[dict], metric: str = PEAK_METRIC) -> list[dict]:
+    """One row per (rank, step, phase): its peak of ``metric`` (what :func:`phase_drift` needs, compactly)."""
+    return [
+        dict(rank=rank, step=step, phase=phase, **{metric: max(int(s[metric]) for s in samples)})
+        for (rank, step, phase), samples in phase_samples(rows).items()
+    ]
+
+
+def phase_drift(rows: list[dict], metric: str = PEAK_METRIC) -> dict[str, dict[str, float]]:
+    """Growth of each phase's measured peak over the steady steps, per rank; the worst rank per phase.
+
+    phase -> {bytes, fraction, rank, steps}: the Theil-Sen slope of the per-step peak (the median of the
+    slopes between every two steps) times (last step - first step), and that over the phase's peak. A
+    leak grows every step and shows in full; a one-time rise (allocators warming up over the first
+    steps) or a noisy step moves the median little. Needs at least 3 steady steps (else empty). Takes
+    samples or :func:`phase_peak_rows`.
+    """
+    steps = set(steady_steps(rows))
+    if len(steps) < 3:
+        return {}
+    peaks: dict[tuple[int, str], dict[int, int]] = {}
+    for row in rows:
+        if row["step"] in steps:
+            by_step = peaks.setdefault((int(row["rank"]), row["phase"]), {})
+            by_step[row["step"]] = max(by_step.get(row["step"], int(row[metric])), int(row[metric]))
+    out: dict[str, dict[str, float]] = {}
+    for (rank, phase), by_step in peaks.items():
+        xs = sorted(by_step)
+        if len(xs) < 3:
+            continue
+        slope = statistics.median((by_step[b] - by_step[a]) / (b - a) for i, a in enumerate(xs) for b in xs[i + 1 :])
+        growth = slope * (xs[-1] - xs[0])
+        entry = dict(bytes=growth, fraction=growth / max(max(by_step.values()), 1), rank=rank, steps=len(xs))
+        if phase not in out or entry["fraction"] > out[phase]["fraction"]:
+            out[phase] = entry
+    return out

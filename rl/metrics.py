@@ -1,22 +1,98 @@
-"""What a step and a run report: rewards, lengths, throughput, phase seconds, weight-sync bytes, and
-the run summary (summary.json)."""
+"""What a step and a run report: rewards, lengths, throughput, phase seconds, weight-sync bytes, the
+engine-vs-actor log-prob check, and the run summary (summary.json)."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import asdict, dataclass
 
 import torch
+import torch.distributed as dist
 
 from rl.batching import Sample
-from rl.memory import phase_peaks, window_peak
+from rl.memory import (
+    PEAK_METRIC,
+    TAGS,
+    phase_drift,
+    phase_peaks,
+    released_bytes,
+    steady_peak,
+    wake_window_phases,
+)
 from rl.weight_sync import SyncResult
 
+# max |engine - actor| log-prob of a sampled token before the run stops, per model dtype (the default of
+# trainer.max_logprob_gap). Measured on memory_cpu's model (native engine vs megatron, 768 sampled tokens):
+# float32 1.4e-6, bfloat16 0.014. A layout or sync bug moves log-probs by whole nats on a trained model.
+LOGPROB_GAP_TOLERANCE = {"float32": 1e-3, "bfloat16": 1.0, "float16": 0.5}
 
-def engine_actor_logprob_gap(batch: dict[str, torch.Tensor]) -> float:
-    """max |engine log-prob - actor log-prob| over this DP rank's response tokens: the two must agree
-    (same weights), so a jump shows a broken weight sync or a layout bug at once."""
+
+class LogprobGapError(RuntimeError):
+    """The engine and the actor disagree on the sampled tokens' log-probs: the run must not train on them."""
+
+
+@dataclass(frozen=True)
+class LogprobGap:
+    """The largest |actor - engine| log-prob over every rank's response tokens, and where it is."""
+
+    value: float = 0.0
+    rank: int = -1
+    sample: int = -1  # index in the step's samples (all prompts x n, prompt-major)
+    response_token: int = -1  # position within that sample's response
+    token_id: int = -1
+    actor_logprob: float = 0.0
+    engine_logprob: float = 0.0
+
+    def describe(self) -> str:
+        return (
+            f"old_logprobs vs engine_logprobs differ by {self.value:.3g} at rank {self.rank}, sample {self.sample}, "
+            f"response token {self.response_token} (token id {self.token_id}): actor {self.actor_logprob:.6g}, "
+            f"engine {self.engine_logprob:.6g}"
+        )
+
+
+def engine_actor_logprob_gap(batch: dict[str, torch.Tensor], sample_offset: int = 0) -> LogprobGap:
+    """The worst |actor - engine| log-prob over every rank's response tokens (gathered over the world).
+
+    ``batch``: this DP rank's ``input_ids`` [B, S], ``loss_mask`` / ``old_logprobs`` / ``engine_logprobs``
+    [B, S-1]; its row i is sample ``sample_offset + i`` of the step. The two must agree (same weights),
+    so a jump shows a broken weight sync or a layout bug at once, on whichever rank it happens.
+    """
     mask = batch["loss_mask"] > 0
-    return float((batch["old_logprobs"] - batch["engine_logprobs"])[mask].abs().max()) if mask.any() else 0.0
+    local = LogprobGap()
+    if mask.any():
+        gap = (batch["old_logprobs"] - batch["engine_logprobs"]).abs().masked_fill(~mask, -1.0)  # [B, S-1]
+        flat = int(gap.argmax())
+        row, col = divmod(flat, gap.shape[1])
+        first_response = int(mask[row].nonzero()[0])  # target position of the response's first token
+        local = LogprobGap(
+            value=float(gap[row, col]),
+            rank=dist.get_rank() if dist.is_initialized() else 0,
+            sample=sample_offset + row,
+            response_token=col - first_response,
+            token_id=int(batch["input_ids"][row, col + 1]),
+            actor_logprob=float(batch["old_logprobs"][row, col]),
+            engine_logprob=float(batch["engine_logprobs"][row, col]),
+        )
+    if not dist.is_initialized():
+        return local
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, asdict(local))
+    return max((LogprobGap(**g) for g in gathered), key=lambda g: (g.value, -g.rank))
+
+
+def check_logprob_gap(gap: LogprobGap, step: int, tolerance: float, dtype: str) -> None:
+    """Stop the run (every rank sees the same gathered gap) before it trains on wrong log-probs."""
+    if gap.value > tolerance:
+        raise LogprobGapError(
+            f"step {step}: {gap.describe()}; more than trainer.max_logprob_gap={tolerance:g} ({dtype}). The "
+            "engine's weights are not the actor's: check the weight sync (`make verify-sync`) and both layouts"
+        )
+
+
+def logprob_gap_tolerance(max_logprob_gap: float | None, dtype: str) -> float:
+    """trainer.max_logprob_gap, or the default for the model's dtype."""
+    return LOGPROB_GAP_TOLERANCE[dtype] if max_logprob_gap is None else max_logprob_gap
 
 
 def step_metrics(
@@ -46,23 +122,39 @@ def step_metrics(
     return out
 
 
-def summarize(ctx, rewards: list[float], rows: list[dict], syncs: list[SyncResult], warmup_losses: list[float]) -> dict:
-    """summary.json: rewards first/last 5 steps, per-phase peaks, the wake-window peak, weight-sync totals."""
-    per_rank_window = {
-        r: window_peak([row for row in rows if row["rank"] == r], "wake_weights", "wake_kv_cache")
-        for r in range(ctx.mesh.world_size)
+def memory_summary(rows: list[dict], world_size: int) -> dict:
+    """The measured memory of a run (summary.json, ``make report``): peaks, hand-offs, drift.
+
+    Steady-state figures are medians over the steps after the first (rl.memory.steady_steps), per rank.
+    ``tag_bytes`` is each ledger tag's largest value per rank: what the memory is expected to be made of.
+    """
+    ranks = range(world_size)
+    window = wake_window_phases()
+    return {
+        "measured_metric": PEAK_METRIC,
+        "phase_peak_bytes": phase_peaks(rows),  # max over ranks and steps
+        "wake_window_peak_bytes": {str(r): steady_peak(rows, window, r) for r in ranks},
+        "rollout_peak_bytes": {str(r): steady_peak(rows, ("rollout",), r) for r in ranks},
+        "tag_bytes": {
+            str(r): {t: max((int(x[f"tag/{t}"]) for x in rows if x["rank"] == r), default=0) for t in TAGS}
+            for r in ranks
+        },
+        "released_bytes": released_bytes(rows),
+        "phase_drift": phase_drift(rows),
     }
+
+
+def summarize(ctx, rewards: list[float], rows: list[dict], syncs: list[SyncResult], warmup_losses: list[float]) -> dict:
+    """summary.json: rewards first/last 5 steps, the measured memory (:func:`memory_summary`), weight-sync totals."""
     plan = ctx.weight_sync.plan
     return {
         "exp": ctx.cfg.exp,
         "steps": len(rewards),
         "reward_first5": sum(rewards[:5]) / max(1, len(rewards[:5])),
         "reward_last5": sum(rewards[-5:]) / max(1, len(rewards[-5:])),
-        "phase_peak_bytes": phase_peaks(rows),
-        "wake_window_peak_bytes": max(per_rank_window.values(), default=0),
-        "actor_param_bytes": ctx.actor.memory().get("host/actor_params", 0)
-        or ctx.actor.memory().get("actor_params", 0),
+        "memory": memory_summary(rows, ctx.mesh.world_size),
         "wake_strategy": ctx.cfg.rollout.wake_strategy,
+        "engine_actor_logprob_diff_max": max(ctx.logprob_gaps, default=0.0),
         "weight_sync": {
             "bytes": plan.bytes_moved,  # all ranks, per sync
             "seconds": sum(s.stats.seconds for s in syncs) / max(1, len(syncs)),

@@ -53,6 +53,7 @@ def plan_inputs(cfg, prompt_tokens: int | None = None) -> PlanInputs:
         entropy_recompute=actor.entropy_recompute,
         attention="flash" if on_cuda else "unfused",  # Transformer Engine on CUDA, megatron's local spec on CPU
         reference_model=cfg.algorithm.kl_coef > 0,
+        offload_ref_params=actor.offload.ref_params,
         sequences_per_step=cfg.trainer.prompts_per_step * rollout.n_samples_per_prompt,
         prompt_tokens=max(1, prompt_tokens),
         response_tokens=rollout.max_new_tokens,

@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 
 from modelspec import ColocatedMesh
-from rl.checkpoint import ACTOR_DIR, SAVE_PHASE, Checkpointer, RLState, StopRequest, load_rank_state, resolve_resume
+from rl.checkpoint import ACTOR_DIR, Checkpointer, RLState, StopRequest, load_rank_state, resolve_resume
 from rl.config import RunConfig
 from rl.data import DigitSumTask, Gsm8kTask
 from rl.losses import PolicyLoss
-from rl.memory import PHASES, TAGS, MemoryProbe, MemoryTimeline
+from rl.memory import TAGS, TIMELINE_PHASES, MemoryProbe, MemoryTimeline
 from rl.tracking import RunWriter
 from rl.weight_sync import SyncResult, WeightSync
 
@@ -54,6 +54,7 @@ class RankContext:
     resumed_state: RLState | None = None
     resumed_rank_state: dict | None = None
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    logprob_gaps: list[float] = field(default_factory=list)  # per step, the worst over all ranks
     t0: float = field(default_factory=time.monotonic)
     pending_save: Path | None = None  # the checkpoint written after this step's train, finished after its logging
     stop_after_step: bool = False  # every rank agreed (after train) to stop once this step is saved
@@ -78,14 +79,17 @@ class RankContext:
     @contextlib.contextmanager
     def phase(self, name: str, step: int):
         """Time and sample memory around one phase of the step."""
-        assert name in PHASES or name == SAVE_PHASE, name
+        assert name in TIMELINE_PHASES, name
         start = time.monotonic()
         with self.timeline.phase(name, step):
             yield
         self.phase_seconds[name] = time.monotonic() - start
 
     def offloaded(self, what: str) -> bool:
-        """Whether ``actor.offload.<what>`` moves it to host between its uses."""
+        """Whether ``actor.offload.<what>`` moves it to host between its uses (``ref_params``: the
+        reference actor's params, when there is a reference actor)."""
+        if what == "ref_params" and self.ref_actor is None:
+            return False
         return bool(getattr(self.cfg.actor.offload, what))
 
     def sync_weights(self) -> SyncResult:
@@ -112,8 +116,13 @@ def setup(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None) -> Ran
     from transformers import AutoTokenizer
 
     from megatron_backend.actor import Actor
-    from megatron_backend.parallel import initialize_model_parallel
+    from megatron_backend.parallel import default_device, initialize_model_parallel
+    from modelspec.host_memory import configure_host_allocator
+
     mesh = cfg.mesh()
+    if default_device().type == "cpu":
+        # the process's memory is the device's here: keep it from creeping with allocator fragmentation
+        configure_host_allocator()
     dims = initialize_model_parallel(
         cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp, seed=cfg.actor.seed, timeout_s=cfg.cluster.timeout_s
     )
@@ -124,7 +133,7 @@ def setup(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None) -> Ran
     checkpoint = _checkpoint_to_resume(cfg, run_dir, dims.rank)
     resumed_state = RLState.read(checkpoint) if checkpoint else None
 
-    probe = MemoryProbe(dims.device)
+    probe = MemoryProbe(dims.device)  # after imports and process-group setup: the CPU baseline
     timeline = MemoryTimeline(probe, dims.rank, interval_s=cfg.trainer.memory_sample_interval_s)
     actor = Actor(cfg.model.path, cfg.actor, dims, dtype=cfg.model.dtype)
     if checkpoint is not None:
@@ -134,7 +143,10 @@ def setup(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None) -> Ran
         ref_actor = Actor(cfg.model.path, cfg.actor, dims, dtype=cfg.model.dtype, train=False)
     probe.add_ledger(lambda: _tagged(actor.memory(), dims.device))
     if ref_actor is not None:
-        probe.add_ledger(lambda: {k: v for k, v in _tagged(ref_actor.memory(), dims.device).items() if k == "host_pinned"})
+        # the reference actor's params under their own tag (its ledger calls them actor_params)
+        probe.add_ledger(lambda: _tagged(ref_actor.memory(), dims.device, rename={"actor_params": "ref_params"}))
+        if cfg.actor.offload.ref_params:
+            ref_actor.offload("params")  # on host until its first ref_logprob
     weight_sync = cfg.weight_sync.build(
         actor.shape, mesh, dims.rank, dtype=cfg.model.dtype, te_norms=actor.layout.te_norms
     )
@@ -197,9 +209,10 @@ def start_engine(ctx: RankContext) -> RolloutEngine:
     return engine
 
 
-def _tagged(memory: dict[str, int], device: torch.device) -> dict[str, int]:
-    """A side's ``memory()`` -> the timeline's tags, plus pinned host copies (CUDA only)."""
-    out = {k: v for k, v in memory.items() if k in TAGS}
+def _tagged(memory: dict[str, int], device: torch.device, rename: dict[str, str] | None = None) -> dict[str, int]:
+    """A side's ``memory()`` -> the timeline's tags (``rename``d first), plus pinned host copies (CUDA only)."""
+    rename = rename or {}
+    out = {rename.get(k, k): v for k, v in memory.items() if rename.get(k, k) in TAGS}
     if device.type == "cuda":
         out["host_pinned"] = sum(v for k, v in memory.items() if k.startswith("host/"))
     return out

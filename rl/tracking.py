@@ -1,4 +1,4 @@
-"""Run outputs on rank 0: metrics.jsonl, memory_timeline.{csv,png}, summary.json and a W&B run.
+"""Run outputs on rank 0: metrics.jsonl, memory_timeline.csv, the memory charts, summary.json and a W&B run.
 
 W&B is offline unless ``wandb.mode=online`` (``wandb sync <run dir>/wandb/offline-run-*`` uploads later).
 ``wandb.init`` takes the run id from ``WANDB_RUN_ID`` and ``WANDB_RESUME`` from the environment: a Slurm
@@ -7,9 +7,12 @@ checkpoint takes the id saved in it. Records reach W&B only once a checkpoint co
 :class:`RunWriter`), with explicit W&B steps that continue across resumes, so no step is logged twice.
 (W&B 0.31 does not resume *offline* runs: each attempt writes its own ``offline-run-*`` directory under
 the same id, holding only its own steps.)
-Timeline series are logged as ``memory/<metric>/rank<r>`` against a custom x-axis ``timeline/t_s``
-(seconds since the run started); per-step scalars against ``trainer/step``, among them
-``memory/peak/<phase>`` (max over ranks of the phase's ``device_allocated``).
+Timeline series are logged as ``memory/<metric>/rank<r>`` against a custom x-axis ``timeline/step``
+(the step, each step split evenly among its phases; ``timeline/t_s`` rides along); per-step scalars
+against ``trainer/step``, among them ``memory/peak/<phase>`` (max over ranks of the phase's measured
+peak, ``device_peak``) and ``memory/drift/<phase>`` (growth of that peak over the steady steps so far,
+as a fraction of it). At the end: ``memory/stage_chart`` and ``memory/timeline_chart`` images
+(:mod:`rl.memory_charts`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from rl.memory import METRICS, PEAK_METRIC, PHASES, phase_peaks
+from rl.memory import METRICS, phase_drift, phase_peak_rows, phase_peaks, read_timeline_csv
+from rl.memory_charts import plot_stages, plot_timeline, run_label, timeline_x
 
 CSV_COLUMNS = ("t_s", "step", "phase", "rank", *METRICS)
 
@@ -66,15 +70,13 @@ def _truncate_csv(path: Path, completed_steps: int) -> list[dict]:
     rows = []
     if path.is_file():
         with open(path, newline="") as f:
-            for row in csv.DictReader(f):
+            for raw in csv.DictReader(f):
                 try:
-                    typed = {
-                        k: (v if k == "phase" else float(v) if k == "t_s" else int(float(v))) for k, v in row.items()
-                    }
+                    row = {k: (v if k == "phase" else float(v) if k == "t_s" else int(v)) for k, v in raw.items()}
                 except (TypeError, ValueError):  # a row cut by a kill
                     continue
-                if typed["step"] < completed_steps:
-                    rows.append(typed)
+                if row["step"] < completed_steps:
+                    rows.append(row)
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
         writer.writeheader()
@@ -111,7 +113,12 @@ class RunWriter:
         metrics_path = self.run_dir / "metrics.jsonl"
         restarted = completed_steps == 0 and metrics_path.is_file() and metrics_path.stat().st_size > 0
         self.previous_metrics = _truncate_jsonl(metrics_path, completed_steps)
-        self.timeline_rows: list[dict] = _truncate_csv(self.run_dir / "memory_timeline.csv", completed_steps)
+        previous_rows = _truncate_csv(self.run_dir / "memory_timeline.csv", completed_steps)
+        # the timeline's last time stamp so far (a resumed run's timeline continues from it)
+        self.last_t_s = max((row["t_s"] for row in previous_rows), default=0.0)
+        # one summary row per (rank, step, phase) with its measured peak, for the drift: the samples themselves
+        # live in memory_timeline.csv only (keeping them in memory would grow rank 0 with every step)
+        self.phase_peak_rows: list[dict] = phase_peak_rows(previous_rows)
         self._metrics_file = open(metrics_path, "a")
         self._csv_file = open(self.run_dir / "memory_timeline.csv", "a", newline="")
         self._csv = csv.DictWriter(self._csv_file, fieldnames=CSV_COLUMNS, extrasaction="ignore")
@@ -139,16 +146,11 @@ class RunWriter:
                 resume="allow" if wandb_run_id else None,
             )
             self.wandb_run.define_metric("trainer/step")
-            self.wandb_run.define_metric("timeline/t_s")
+            self.wandb_run.define_metric("timeline/step")
 
     @property
     def wandb_run_id(self) -> str | None:
         return self.wandb_run.id if self.wandb_run is not None else None
-
-    @property
-    def last_t_s(self) -> float:
-        """The timeline's last time stamp so far (a resumed run's timeline continues from it)."""
-        return max((row["t_s"] for row in self.timeline_rows), default=0.0)
 
     @property
     def num_deferred(self) -> int:
@@ -183,24 +185,31 @@ class RunWriter:
     def log_timeline(self, rows: list[dict]) -> None:
         """Append gathered rows (all ranks) to the CSV and to W&B's timeline series."""
         rows = sorted(rows, key=lambda r: (r["t_s"], r["rank"]))
-        self.timeline_rows.extend(rows)
+        self.phase_peak_rows += phase_peak_rows(rows)
         self._csv.writerows(rows)
         self._csv_file.flush()
         if self.wandb_run is None:
             return
-        for row in rows:
-            record = {"timeline/t_s": row["t_s"]}
+        for row, x in zip(rows, timeline_x(rows)):
+            record = {"timeline/step": x, "timeline/t_s": row["t_s"]}
             for metric in METRICS:
                 key = f"memory/{metric}/rank{row['rank']}"
-                self._define(key, "timeline/t_s")
+                self._define(key, "timeline/step")
                 record[key] = row[metric]
             self._wandb_log(record)
 
+    def read_rows(self) -> list[dict]:
+        """Every sample written so far, all ranks (read back from memory_timeline.csv)."""
+        self._csv_file.flush()
+        return read_timeline_csv(self.run_dir / "memory_timeline.csv")
+
     def log_step(self, step: int, metrics: dict[str, float], step_rows: list[dict]) -> dict[str, int]:
-        """Per-step scalars plus ``memory/peak/<phase>`` from this step's rows; returns those peaks."""
+        """Per-step scalars, ``memory/peak/<phase>`` (measured, this step's rows) and ``memory/drift/<phase>``
+        (all steps so far, once there are enough); returns the peaks."""
         peaks = phase_peaks(step_rows)
         record = {"trainer/step": step, **metrics}
         record.update({f"memory/peak/{phase}": value for phase, value in peaks.items()})
+        record.update({f"memory/drift/{p}": d["fraction"] for p, d in phase_drift(self.phase_peak_rows).items()})
         self._metrics_file.write(json.dumps(record) + "\n")
         self._metrics_file.flush()
         if self.wandb_run is not None:
@@ -219,9 +228,11 @@ class RunWriter:
             self.wandb_run.finish()
 
     def finish(self, summary: dict) -> dict:
-        """Write the timeline plot and summary.json, close W&B. Returns the summary as written."""
-        png = self.run_dir / "memory_timeline.png"
-        plot_timeline(self.timeline_rows, png)
+        """Write the memory charts and summary.json, close W&B. Returns the summary as written."""
+        rows = self.read_rows()
+        timeline_png = plot_timeline(rows, self.run_dir / "memory_timeline.png")
+        title = f"memory after each phase (measured): {run_label(self.config)}"
+        stages_png = plot_stages(rows, self.run_dir / "memory_stages.png", title=title)
         summary = dict(summary, wandb_dir=self.wandb_dir)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self._metrics_file.close()
@@ -231,74 +242,12 @@ class RunWriter:
 
             self.flush_wandb()
             self._deferred = None
-            self._wandb_log({"memory/timeline_chart": wandb.Image(str(png))})
+            self._wandb_log(
+                {
+                    "memory/stage_chart": wandb.Image(str(stages_png)),
+                    "memory/timeline_chart": wandb.Image(str(timeline_png)),
+                }
+            )
             self.wandb_run.summary.update({k: v for k, v in summary.items() if k != "wandb_dir"})
             self.wandb_run.finish()
         return summary
-
-
-def plot_timeline(rows: list[dict], path: Path, max_ranks: int = 4) -> None:
-    """One panel per rank, phases shaded in their own colours. Left axis: what the device holds
-    (``device_allocated`` and each tag, MiB); right axis: the process view (``host_rss``, and
-    ``device_used`` where it differs, e.g. NVML on GPU). Lines identical to another are not redrawn."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    ranks = sorted({r["rank"] for r in rows})[:max_ranks] or [0]
-    fig, axes = plt.subplots(len(ranks), 1, figsize=(15, 3.4 * len(ranks) + 1.2), sharex=True, squeeze=False)
-    cmap = plt.get_cmap("tab20")
-    phase_colors = {phase: cmap(i % 20) for i, phase in enumerate(PHASES)}
-    for ax, rank in zip(axes[:, 0], ranks):
-        rank_rows = [r for r in rows if r["rank"] == rank]
-        t = [r["t_s"] for r in rank_rows]
-        spans: dict[tuple[int, str], list[float]] = {}
-        for r in rank_rows:  # shade each contiguous (step, phase) span
-            span = spans.setdefault((r["step"], r["phase"]), [r["t_s"], r["t_s"]])
-            span[0], span[1] = min(span[0], r["t_s"]), max(span[1], r["t_s"])
-        for (_, phase), (t_start, t_end) in spans.items():
-            ax.axvspan(t_start, t_end, color=phase_colors.get(phase, "grey"), alpha=0.35, lw=0)
-
-        def series(metric: str, rank_rows=rank_rows) -> list[float]:
-            return [r[metric] / 2**20 for r in rank_rows]
-
-        ax.plot(t, series(PEAK_METRIC), "-", color="black", lw=2.0, label=PEAK_METRIC)
-        if series("device_reserved") != series(PEAK_METRIC):
-            ax.plot(t, series("device_reserved"), "-", color="grey", lw=1.2, label="device_reserved")
-        for i, metric in enumerate(m for m in METRICS if m.startswith("tag/")):
-            if any(series(metric)):
-                ax.plot(t, series(metric), "--", lw=1.4, color=plt.get_cmap("tab10")(i), label=metric)
-        ax.set_ylabel(f"rank {rank}: device MiB")
-        ax.grid(alpha=0.3)
-        host = ax.twinx()
-        host.plot(t, series("host_rss"), ":", color="tab:red", lw=1.4, label="host_rss (right)")
-        if series("device_used") != series("host_rss"):
-            host.plot(t, series("device_used"), ":", color="tab:purple", lw=1.4, label="device_used (right)")
-        if any(series("host_pinned")):
-            host.plot(t, series("host_pinned"), ":", color="tab:brown", lw=1.4, label="host_pinned (right)")
-        host.set_ylabel("process MiB")
-        lines = ax.get_legend_handles_labels()
-        host_lines = host.get_legend_handles_labels()
-        ax.legend(
-            lines[0] + host_lines[0],
-            lines[1] + host_lines[1],
-            loc="upper left",
-            bbox_to_anchor=(1.06, 1.0),
-            fontsize=8,
-            framealpha=0.9,
-        )
-    seen = [p for p in PHASES if any(r["phase"] == p for r in rows)]
-    fig.legend(
-        handles=[Patch(color=phase_colors[p], alpha=0.5, label=p) for p in seen],
-        loc="upper center",
-        ncol=min(7, max(1, len(seen))),
-        fontsize=8,
-        title="phases (shaded)",
-    )
-    axes[-1, 0].set_xlabel("seconds since start")
-    top = 1 - 1.1 / (3.4 * len(ranks) + 1.2)
-    fig.tight_layout(rect=(0, 0, 1, top))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

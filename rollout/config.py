@@ -114,6 +114,7 @@ class RolloutConfig:
     def wake_tags(self, phase: str) -> tuple[str, ...]:
         """The tags the engine wakes at ``phase`` (``wake_weights`` or ``wake_kv_cache``) under this strategy."""
         return WAKE_TAGS[self.wake_strategy][phase]
+
     def kv_cache_budget_bytes(self, capacity_bytes: int, weight_bytes: int) -> int:
         """Bytes the KV cache may take: ``kv_cache_mb`` when set, else utilization x capacity - weights -
         activation reserve (capacity: the device's total memory, or ``cpu_capacity_gb`` on CPU)."""

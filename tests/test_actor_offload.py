@@ -1,4 +1,5 @@
-"""Offload/onload of params, grad buffers and optimizer states: bit-exact, ledger to zero, RSS drops."""
+"""Offload/onload of params, grad buffers and optimizer states: bit-exact, and the process's measured memory
+drops (and comes back) by what was moved, never holding more than one copy chunk on top while copying."""
 
 from __future__ import annotations
 
@@ -28,12 +29,12 @@ def _state(actor):
 
 
 def _offload_checks(rank, world_size, tiny_dir, wide_dir, saved_dir):
-    import psutil
-
     from megatron_backend.actor import Actor
     from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
+    from modelspec.host_memory import release_freed_host_memory
     from rl.losses import PolicyLoss, PolicyLossConfig
+    from rl.memory import ProcessMemory
 
     loss_fn = PolicyLoss(PolicyLossConfig())
     dims = initialize_model_parallel(tp=1, pp=1)
@@ -47,7 +48,6 @@ def _offload_checks(rank, world_size, tiny_dir, wide_dir, saved_dir):
     cycled.train_step(batch, loss_fn)
     before = _state(cycled)
     out["released"] = cycled.offload(["params", "grads", "optimizer"])
-    out["offloaded_memory"] = cycled.memory()
     try:
         cycled.train_step(batch, loss_fn)
         out["train_while_offloaded"] = "ran"
@@ -68,29 +68,28 @@ def _offload_checks(rank, world_size, tiny_dir, wide_dir, saved_dir):
     out["batch_input_ids"] = batch["input_ids"]
     del plain, cycled
 
-    # 2) a wider model: the ledger reaches zero per tag and process RSS drops by what was released
+    # 2) a wider model: the process's measured memory drops by what each offload moved, and its high-water
+    # mark while copying stays within one chunk of where it started
     wide = Actor(wide_dir, ActorConfig(micro_batch_size=4, lr=1e-4), dims)
     wide.train_step(_batch(wide), loss_fn)
-    process = psutil.Process()
+    process = ProcessMemory()
     rss = {}
     for what, tag in (("params", "actor_params"), ("grads", "actor_grads"), ("optimizer", "optimizer")):
-        resident = wide.memory()[tag]
-        rss_before = process.memory_info().rss
+        release_freed_host_memory()
+        process.reset_peak()
+        before, _ = process.read()
         released = wide.offload(what)[tag]
-        rss[tag] = dict(
-            resident_bytes=resident,
-            released_bytes=released,
-            rss_drop_bytes=rss_before - process.memory_info().rss,
-            ledger_after=wide.memory()[tag],
-            host_after=wide.memory()[f"host/{tag}"],
-            peak=wide.ledger.peaks[f"offload_{what}"],
-        )
-    rss_offloaded = process.memory_info().rss
-    wide.onload()  # the config's switches: all three on by default
+        after, peak = process.read()
+        rss[tag] = dict(released_bytes=released, rss_drop_bytes=before - after, peak_over_start_bytes=peak - before)
+    offloaded, _ = process.read()
+    process.reset_peak()
+    restored = sum(wide.onload().values())  # the config's switches: all three on by default
+    onloaded, peak = process.read()
     out["wide_rss"] = rss
-    out["wide_rss_onload_growth"] = process.memory_info().rss - rss_offloaded
-    out["wide_memory_after_onload"] = wide.memory()
-    out["peaks"] = {k: v for k, v in wide.ledger.peaks.items()}
+    out["wide_onload"] = dict(
+        restored_bytes=restored, rss_growth_bytes=onloaded - offloaded, peak_over_end_bytes=peak - onloaded
+    )
+    out["tracks_peak"] = process.tracks_peak
     return out
 
 
@@ -106,25 +105,27 @@ def _write_wide_checkpoint(path):
     return str(path)
 
 
-def test_offload_onload_bit_exact_ledger_and_rss(tiny_model_dirs, tmp_path):
+def test_offload_onload_bit_exact_and_measured(tiny_model_dirs, tmp_path):
+    from megatron_backend.memory import CPU_COPY_CHUNK_BYTES
+
     wide_dir = _write_wide_checkpoint(tmp_path / "wide")
     out = run_ranks(_offload_checks, 1, tiny_model_dirs["qwen2"], wide_dir, str(tmp_path / "trained"))[0]
     assert all(out["released"][tag] > 0 for tag in TAGS), out["released"]
-    assert all(out["offloaded_memory"][tag] == 0 for tag in TAGS), out["offloaded_memory"]
-    assert all(out["offloaded_memory"][f"host/{tag}"] == out["released"][tag] for tag in TAGS)
     assert "onload" in out["train_while_offloaded"]
     assert out["num_optimizer_tensors"] > 0 and out["bit_exact"]
     assert out["step_equal"] and out["metrics_plain"] == out["metrics_cycled"]
+    slack = 4 << 20  # page tables, allocator bookkeeping
     for tag, row in out["wide_rss"].items():
-        assert row["released_bytes"] == row["resident_bytes"] > 40e6, (tag, row)
-        assert row["ledger_after"] == 0 and row["host_after"] == row["released_bytes"], (tag, row)
-        # the original storage is really gone: RSS drops by most of it (allocator slack aside)
-        assert row["rss_drop_bytes"] > 0.8 * row["released_bytes"], (tag, row)
-        assert row["peak"][tag] == row["resident_bytes"], (tag, row)
-    assert out["wide_rss_onload_growth"] > 0.8 * sum(r["released_bytes"] for r in out["wide_rss"].values())
-    after = out["wide_memory_after_onload"]
-    assert all(after[tag] == out["wide_rss"][tag]["resident_bytes"] and after[f"host/{tag}"] == 0 for tag in TAGS)
-    assert {"build", "train", "logprob", "onload_params", "onload_grads", "onload_optimizer"} <= set(out["peaks"])
+        assert row["released_bytes"] > 40e6, (tag, row)
+        # the original storage is really gone: RSS drops by what the offload says it moved
+        assert abs(row["rss_drop_bytes"] - row["released_bytes"]) <= 0.1 * row["released_bytes"], (tag, row)
+        if out["tracks_peak"]:  # the copy to the host tier maps one chunk at a time
+            assert row["peak_over_start_bytes"] <= CPU_COPY_CHUNK_BYTES + slack, (tag, row)
+    onload = out["wide_onload"]
+    assert onload["restored_bytes"] == sum(r["released_bytes"] for r in out["wide_rss"].values())
+    assert abs(onload["rss_growth_bytes"] - onload["restored_bytes"]) <= 0.1 * onload["restored_bytes"], onload
+    if out["tracks_peak"]:
+        assert onload["peak_over_end_bytes"] <= CPU_COPY_CHUNK_BYTES + slack, onload
     from transformers import AutoModelForCausalLM
 
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "trained", dtype=torch.float32).eval()

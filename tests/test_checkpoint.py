@@ -147,7 +147,8 @@ def test_resumed_outputs_are_cut_back_and_wandb_gets_each_step_once(tmp_path):
     assert [m["trainer/step"] for m in metrics] == [0, 1, 2, 3, 4]
     rows = (tmp_path / "memory_timeline.csv").read_text().splitlines()
     assert [int(float(r.split(",")[1])) for r in rows[1:]] == [0, 1, 2, 3, 4]
-    runs = sorted((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))
+    # offline-run-<time>-<id>, with "-1" added when the resumed attempt starts in the same second
+    runs = sorted((tmp_path / "wandb").glob(f"offline-run-*-{run_id}*"))
     assert len(runs) == 2
     per_run = [[h["trainer/step"] for h in history_rows(find_run_file(r)) if "trainer/step" in h] for r in runs]
     assert per_run == [[0, 1, 2], [3, 4]]  # the first attempt's steps 3, 4 never reached W&B

@@ -1,78 +1,208 @@
-"""Memory timeline sampling, run outputs and the offline W&B run read back through wandb's protobufs."""
+"""The memory timeline measures: process memory on CPU (with the kernel's high-water mark between samples),
+CUDA's allocator and device-used through torch's real API; rows -> peaks, hand-offs, drift; run outputs
+and the offline W&B run read back through wandb's protobufs."""
 
 from __future__ import annotations
 
 import csv
+import inspect
 import json
-import time
 
+import pytest
 import torch
 
-from rl.memory import METRICS, PHASES, MemoryProbe, MemoryTimeline, phase_peaks, window_peak
+from modelspec.host_memory import release_freed_host_memory
+from rl.memory import (
+    METRICS,
+    PHASES,
+    MemoryProbe,
+    MemoryTimeline,
+    phase_drift,
+    phase_peaks,
+    read_timeline_csv,
+    released_bytes,
+    window_peak,
+)
 from rl.tracking import RunWriter
 from tests.wandb_records import find_run_file, history_rows
 
-
-def test_background_sampler_catches_a_peak_inside_a_phase():
-    held = {"weights": 0}
-    timeline = MemoryTimeline(MemoryProbe(torch.device("cpu"), [lambda: dict(held)]), rank=0, interval_s=0.005)
-    with timeline.phase("weight_sync", step=0):
-        held["weights"] = 10 << 20  # a transient bucket, gone again before the phase ends
-        deadline = time.monotonic() + 5
-        while not any(r["tag/weights"] for r in timeline.rows) and time.monotonic() < deadline:
-            time.sleep(0.005)
-        held["weights"] = 0
-    rows = timeline.take_rows()
-    assert rows[0]["tag/weights"] == 0 and rows[-1]["tag/weights"] == 0  # boundaries miss it
-    assert phase_peaks(rows)["weight_sync"] == 10 << 20  # the sampler did not
-    assert set(METRICS) <= set(rows[0]) and rows[0]["host_rss"] > 0
-    assert timeline.take_rows() == []
+MB = 1 << 20
 
 
-def test_ledgers_add_up_per_tag_and_pinned():
-    probe = MemoryProbe(
-        torch.device("cpu"), [lambda: {"weights": 5, "kv_cache": 7}, lambda: {"actor_params": 11, "host_pinned": 3}]
+def _touch(num_bytes: int) -> torch.Tensor:
+    return torch.ones(num_bytes // 4, dtype=torch.float32)  # every page written: resident
+
+
+def test_a_peak_between_two_samples_is_measured():
+    """A 96 MB buffer lives and dies inside a phase while the sampler sleeps: device_peak still sees it."""
+    timeline = MemoryTimeline(MemoryProbe(torch.device("cpu")), rank=0, interval_s=3600)
+    if not timeline.probe.process.tracks_peak:
+        pytest.skip("no resettable RSS high-water mark (/proc/self/clear_refs) on this system")
+    release_freed_host_memory()
+    with timeline.phase("train", step=0):
+        buffer = _touch(96 * MB)
+        del buffer
+        release_freed_host_memory()
+    first, last = timeline.take_rows()
+    assert abs(last["device_used"] - first["device_used"]) < 16 * MB  # the boundaries miss it
+    assert last["device_peak"] - first["device_used"] > 90 * MB  # the kernel's high-water mark did not
+    assert set(METRICS) <= set(first) and first["host_rss"] > 0
+    assert first["device_used"] == first["host_rss"] - timeline.probe.baseline_bytes
+    # the next phase starts a new high-water mark
+    with timeline.phase("wake_weights", step=0):
+        pass
+    assert all(r["device_peak"] - first["device_used"] < 16 * MB for r in timeline.take_rows())
+    timeline.close()
+
+
+def test_memory_held_is_measured_not_read_from_the_ledger():
+    """The ledger claims 1 GiB of weights that do not exist and misses a real 64 MB buffer: the measured
+    columns show the buffer and not the claim; the tag columns repeat the claim (an explanation only)."""
+    probe = MemoryProbe(torch.device("cpu"), [lambda: {"weights": 1 << 30, "kv_cache": 7}, lambda: {"host_pinned": 3}])
+    timeline = MemoryTimeline(probe, rank=0, interval_s=0.01)
+    with timeline.phase("rollout", step=0):
+        pass
+    before = timeline.take_rows()[-1]
+    kept = _touch(64 * MB)
+    with timeline.phase("engine_sleep", step=0):
+        pass
+    after = timeline.take_rows()[-1]
+    del kept
+    timeline.close()
+    assert 60 * MB < after["device_used"] - before["device_used"] < 80 * MB
+    assert after["device_used"] < 1 << 30 and after["tag/weights"] == 1 << 30 and after["tag/kv_cache"] == 7
+    assert after["host_pinned"] == 3
+    assert after["device_allocated"] == after["device_reserved"] == after["device_used"]  # no CPU allocator
+
+
+def _checked(real, value, calls: list):
+    """A stand-in for ``real`` that refuses any call the real function would refuse (its signature)."""
+    signature = inspect.signature(real)
+
+    def stub(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        calls.append((real.__name__, dict(bound.arguments)))
+        return value
+
+    return stub
+
+
+def test_cuda_probe_uses_torch_allocator_stats_and_device_used(monkeypatch):
+    """CUDA: allocator counters and cudaMemGetInfo through torch's real functions (signatures checked), for
+    the torch.device this rank uses (CUDA_VISIBLE_DEVICES-relative: no NVML by physical index)."""
+    gib = 1 << 30
+    values = dict(
+        memory_allocated=10 * gib,
+        memory_reserved=12 * gib,
+        max_memory_reserved=20 * gib,
+        mem_get_info=(60 * gib, 80 * gib),  # (free, total)
+        reset_peak_memory_stats=None,
     )
+    calls: list = []
+    for name, value in values.items():
+        monkeypatch.setattr(torch.cuda, name, _checked(getattr(torch.cuda, name), value, calls))
+    device = torch.device("cuda", 3)
+    probe = MemoryProbe(device, [lambda: {"weights": 5 * gib}])
+    probe.reset_peak()
     sample = probe.read()
-    assert sample["tag/weights"] == 5 and sample["tag/kv_cache"] == 7 and sample["tag/actor_params"] == 11
-    assert sample["device_allocated"] == 23 and sample["host_pinned"] == 3
-    assert sample["device_used"] == sample["host_rss"]
+    assert sample["device_used"] == 20 * gib  # total - free: includes memory torch's allocator never saw
+    assert sample["device_allocated"] == 10 * gib and sample["device_reserved"] == 12 * gib
+    # the allocator's peak since the phase began, over what the device holds outside the allocator now
+    assert sample["device_peak"] == 20 * gib - 12 * gib + 20 * gib
+    assert sample["tag/weights"] == 5 * gib
+    assert {name for name, _ in calls} == set(values)
+    assert all(args.get("device") == device for _, args in calls), calls
 
 
-def test_window_peak_spans_phases_in_order():
-    rows = [dict(phase=p, device_allocated=i) for i, p in enumerate(PHASES)]
+def _rows(values: dict[str, list[int]], steps: int, rank: int = 0, tags: dict[str, list[int]] | None = None):
+    """Synthetic rows: per phase, per step, the device_used of its first and last sample."""
+    rows, t = [], 0.0
+    for step in range(steps):
+        for phase, (first, last) in values.items():
+            for i, used in enumerate((first, last)):
+                t += 1.0
+                row = dict.fromkeys(METRICS, 0)
+                row.update(t_s=t, step=step, phase=phase, rank=rank, device_used=used, device_peak=max(first, last))
+                for tag, (tag_first, tag_last) in (tags or {}).items():
+                    row[f"tag/{tag}"] = (tag_first, tag_last)[i]
+                rows.append(row)
+    return rows
+
+
+def test_released_bytes_are_measured_next_to_the_ledgers_expectation():
+    rows = _rows(
+        {"engine_sleep": [900, 300], "offload_params": [500, 400]},
+        steps=3,
+        tags={"weights": [400, 0], "kv_cache": [200, 0], "actor_params": [100, 0]},
+    )
+    released = released_bytes(rows)
+    assert released["engine_sleep"] == dict(measured=600, expected=600, rank=0)
+    assert released["offload_params"] == dict(measured=100, expected=100, rank=0)
+    assert "offload_grads" not in released  # nothing expected, nothing reported
+
+
+def test_drift_is_the_growth_of_a_phase_peak_over_the_steady_steps():
+    steps = 6
+    rows = []
+    for step in range(steps):
+        leak = 10 * step
+        rows += [
+            dict(r, step=step)
+            for r in _rows({"train": [1000 + leak, 1000 + leak], "rollout": [500, 500 + (step % 2)]}, steps=1)
+        ]
+    # allocators settle over the first steps, then stay (9 steady steps, as memory_cpu's 10-step run)
+    warm_up = {1: 1000, 2: 1030, 3: 1040, 4: 1040, 5: 1041, 6: 1040, 7: 1041, 8: 1041, 9: 1040}
+    rows += [dict(r, step=s) for s, used in warm_up.items() for r in _rows({"wake_weights": [used, used]}, steps=1)]
+    drift = phase_drift(rows)
+    assert drift["train"]["bytes"] == pytest.approx(40)  # steps 1..5: 10 per step, a leak in full
+    assert drift["train"]["fraction"] == pytest.approx(40 / 1050)
+    assert abs(drift["rollout"]["bytes"]) <= 1  # noise
+    assert drift["wake_weights"]["fraction"] < 0.02  # a one-time rise is not a leak
+    assert phase_drift(rows[: 4 * 3]) == {}  # fewer than 3 steady steps: no verdict
+
+
+def test_peaks_and_window():
+    rows = [dict(phase=p, device_peak=i, rank=0) for i, p in enumerate(PHASES)]
     assert window_peak(rows, "wake_weights", "wake_kv_cache") == PHASES.index("wake_kv_cache")
     assert window_peak(rows, "rollout", "engine_sleep") == 1
+    assert phase_peaks(rows + [dict(phase="train", device_peak=10**9, rank=1)])["train"] == 10**9
 
 
 def test_run_outputs_and_offline_wandb_run_read_back(tmp_path):
     held = {"weights": 0, "actor_params": 1 << 20}
     timeline = MemoryTimeline(MemoryProbe(torch.device("cpu"), [lambda: dict(held)]), rank=0, interval_s=0.01)
     writer = RunWriter(tmp_path, {"exp": "unit"}, "offline", "rlmem-test", None, "unit")
-    for step in range(2):
+    steps = 4
+    for step in range(steps):
         for i, phase in enumerate(PHASES):
             with timeline.phase(phase, step):
                 held["weights"] = (i + 1) << 16
+                buffer = _touch(8 * MB) if phase == "train" else None
+                del buffer
         rows = timeline.take_rows()
-        other_rank = [dict(r, rank=1, device_allocated=r["device_allocated"] * 2) for r in rows]
+        other_rank = [dict(r, rank=1, device_peak=r["device_peak"] + (1 << 30)) for r in rows]
         writer.log_timeline(rows + other_rank)
         peaks = writer.log_step(step, {"reward/mean": 0.25 * step}, rows + other_rank)
-        assert peaks["train"] == 2 * ((1 << 20) + ((PHASES.index("train") + 1) << 16))  # max over ranks
-    summary = writer.finish({"steps": 2})
+        assert peaks["train"] == max(r["device_peak"] for r in other_rank if r["phase"] == "train")  # max over ranks
+    timeline.close()
+    summary = writer.finish({"steps": steps})
 
+    csv_rows = read_timeline_csv(tmp_path / "memory_timeline.csv")
+    assert {r["phase"] for r in csv_rows} == set(PHASES) and {r["rank"] for r in csv_rows} == {0, 1}
     with open(tmp_path / "memory_timeline.csv") as f:
-        csv_rows = list(csv.DictReader(f))
-    assert {r["phase"] for r in csv_rows} == set(PHASES) and {r["rank"] for r in csv_rows} == {"0", "1"}
-    assert (tmp_path / "memory_timeline.png").stat().st_size > 10_000
-    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2
-    assert [json.loads(line)["trainer/step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
-        0,
-        1,
-    ]
+        assert list(csv.DictReader(f))[0]["device_peak"] == str(csv_rows[0]["device_peak"])
+    for png in ("memory_timeline.png", "memory_stages.png"):
+        assert (tmp_path / png).stat().st_size > 10_000, png
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == steps
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["trainer/step"] for m in metrics] == list(range(steps))
+    assert "memory/drift/train" not in metrics[2] and "memory/drift/train" in metrics[3]  # from 3 steady steps
 
     history = history_rows(find_run_file(summary["wandb_dir"]))
-    timeline_points = [h for h in history if "memory/device_allocated/rank1" in h]
-    assert len(timeline_points) == len(csv_rows) // 2 and all("timeline/t_s" in h for h in timeline_points)
+    timeline_points = [h for h in history if "memory/device_used/rank1" in h]
+    assert len(timeline_points) == len(csv_rows) // 2 and all("timeline/step" in h for h in timeline_points)
+    assert all(0 <= h["timeline/step"] <= steps for h in timeline_points)
     step_rows = [h for h in history if "memory/peak/train" in h]
-    assert [h["trainer/step"] for h in step_rows] == [0, 1]
-    assert step_rows[1]["memory/peak/train"] == peaks["train"] and step_rows[1]["reward/mean"] == 0.25
+    assert [h["trainer/step"] for h in step_rows] == list(range(steps))
+    assert step_rows[1]["memory/peak/train"] == metrics[1]["memory/peak/train"] and step_rows[1]["reward/mean"] == 0.25
+    assert any(h.get("memory/stage_chart/_type") == "image-file" for h in history)

@@ -152,8 +152,16 @@ def test_every_phase_is_itemized_in_every_component():
     assert plan.phase("weight_sync").components["sync_bucket"] == 512 * 2**20
     assert sum(p.components["sync_bucket"] for p in plan.phases) == 512 * 2**20  # weight_sync only
     assert plan.phase("ref_logprob").components["activations"] == 0  # no reference model
-    with_ref = make_plan(qwen7b_inputs(reference_model=True))
-    assert all(p.components["ref_params"] == plan.phase("train").components["actor_params"] for p in with_ref.phases)
+    params = plan.phase("train").components["actor_params"]
+    resident_ref = make_plan(qwen7b_inputs(reference_model=True, offload_ref_params=False))
+    assert all(p.components["ref_params"] == params for p in resident_ref.phases)
+    with_ref = make_plan(qwen7b_inputs(reference_model=True))  # offloaded between its uses (the default)
+    assert {p.name for p in with_ref.phases if p.components["ref_params"]} == {
+        "onload_ref",
+        "ref_logprob",
+        "offload_ref",
+    }
+    assert all(with_ref.phase(n).components["ref_params"] == params for n in ("onload_ref", "ref_logprob"))
     assert (
         with_ref.phase("ref_logprob").components["activations"] == plan.phase("old_logprob").components["activations"]
     )

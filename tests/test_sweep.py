@@ -124,14 +124,14 @@ def fake_run(run_dir: Path, peaks: dict[int, dict[str, int]], step_seconds: list
     """A run directory as rl.main leaves it: timeline rows per rank and phase, metrics per step, summary."""
     run_dir.mkdir(parents=True)
     with open(run_dir / "memory_timeline.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["t_s", "step", "phase", "rank", "device_used", "device_allocated"])
+        writer = csv.DictWriter(f, fieldnames=["t_s", "step", "phase", "rank", "device_peak", "device_allocated"])
         writer.writeheader()
         for rank, per_phase in peaks.items():
             for phase, value in per_phase.items():
                 writer.writerow(
-                    dict(t_s=0.1, step=0, phase=phase, rank=rank, device_used=value // 2, device_allocated=1)
+                    dict(t_s=0.1, step=0, phase=phase, rank=rank, device_peak=value // 2, device_allocated=1)
                 )
-                writer.writerow(dict(t_s=0.2, step=0, phase=phase, rank=rank, device_used=value, device_allocated=1))
+                writer.writerow(dict(t_s=0.2, step=0, phase=phase, rank=rank, device_peak=value, device_allocated=1))
     steps = [{"trainer/step": i, "time/rollout": s * 0.75, "time/train": s * 0.25} for i, s in enumerate(step_seconds)]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in steps))
     (run_dir / "summary.json").write_text(json.dumps({"steps": len(steps), "reward_last5": reward}))

@@ -67,8 +67,10 @@ def test_norms_and_biases_are_random(tiny_model_dirs, family):
             t = f.get_tensor(name)
             assert t.unique().numel() == t.numel(), name  # every element distinct: no constant fill
         if family == "qwen2":
-            assert not torch.equal(f.get_tensor("model.layers.0.self_attn.q_proj.bias"),
-                                   f.get_tensor("model.layers.1.self_attn.q_proj.bias"))
+            assert not torch.equal(
+                f.get_tensor("model.layers.0.self_attn.q_proj.bias"),
+                f.get_tensor("model.layers.1.self_attn.q_proj.bias"),
+            )
 
 
 def test_tiny_checkpoints_are_deterministic(tmp_path):

@@ -44,6 +44,7 @@ import yaml
 
 from rl.compose import REPO_ROOT, ConfigError, compose
 from rl.config import RunConfig
+from rl.memory import PEAK_METRIC
 from tools.sbatch import _SHELL_SAFE_PATH, fill, gpus_per_node, new_run_dir, resource_lines
 
 SWEEPS_DIR = REPO_ROOT / "experiments" / "sweeps"
@@ -51,8 +52,8 @@ ARRAY_TEMPLATE = REPO_ROOT / "experiments" / "slurm" / "sweep.sbatch"
 ARGS_MACRO = "${args_no_hyphens}"
 # what the sweep's command reads from the environment (${envvar:...}); the array script exports both
 EXP_ENV, RUN_DIR_ENV = "RLMEM_EXP", "RLMEM_RUN_DIR"
-# measured peak of a phase: device_used, max over ranks (CUDA: NVML's used memory; CPU: the process RSS)
-MEASURED_METRIC = "device_used"
+# measured peak of a phase, max over ranks (rl.memory: CUDA allocator peak + memory outside it; CPU: RSS high-water mark)
+MEASURED_METRIC = PEAK_METRIC
 _SWEEP_ID = re.compile(r"^[\w.-]+/[\w.-]+/\w+$")
 WANDB_SWEEP_TIMEOUT_S = 120
 _SHORT = {"gpu_memory_utilization": "util", "wake_strategy": "wake", "kv_cache_bytes": "kv_bytes"}
@@ -174,7 +175,9 @@ def validate(exp: str, fixed: list[str], grid: list[dict[str, Any]]) -> list[Poi
     from rl.planning import plan_inputs
 
     points = []
-    for index, params in enumerate(tqdm(grid, desc=f"checking points on {exp}", unit="point", leave=False, disable=None)):
+    for index, params in enumerate(
+        tqdm(grid, desc=f"checking points on {exp}", unit="point", leave=False, disable=None)
+    ):
         point = Point(index, params, point_overrides(params))
         try:
             point.cfg = compose(exp, [*fixed, *point.overrides])
@@ -523,8 +526,8 @@ def write_markdown(rows: list[dict[str, Any]], params: list[str], path: Path, ti
     text = [
         f"# Sweep {title}",
         "",
-        f"Measured: the max over ranks of `{MEASURED_METRIC}` in each phase (CUDA: NVML's used memory; CPU: the "
-        f"process RSS), in {unit}. Predicted: the planner's peak on the experiment's device. Step time: the median "
+        f"Measured: the max over ranks of `{MEASURED_METRIC}` in each phase (CUDA: the allocator's peak plus what the device holds "
+        f"outside it; CPU: the process's RSS high-water mark over its start), in {unit}. Predicted: the planner's peak on the experiment's device. Step time: the median "
         "over steps of the phases' seconds. Reward: mean of the last 5 steps.",
         "",
         _table(header, body),

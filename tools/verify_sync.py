@@ -91,7 +91,12 @@ def _rank_main(args: argparse.Namespace) -> None:
         export_dir = Path(chosen[0])
         actor.save_hf(export_dir)  # collective: rank 0 writes
         if rank == 0:
-            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+            for name in (
+                "tokenizer.json",
+                "tokenizer_config.json",
+                "special_tokens_map.json",
+                "generation_config.json",
+            ):
                 if (Path(args.hf) / name).is_file():
                     shutil.copy(Path(args.hf) / name, export_dir / name)
         dist.barrier()

@@ -1,9 +1,9 @@
 """The loop's weight sync: plan once at setup, then every step move the actor's shards into the engine.
 
-    sync = WeightSyncConfig(bucket_mb=512).build(shape, mesh, rank, dtype="bfloat16")
-    dst = engine.begin_weight_update()
-    result = sync(actor.local_params(), dst)
-    engine.finish_weight_update()
+sync = WeightSyncConfig(bucket_mb=512).build(shape, mesh, rank, dtype="bfloat16")
+dst = engine.begin_weight_update()
+result = sync(actor.local_params(), dst)
+engine.finish_weight_update()
 """
 
 from __future__ import annotations

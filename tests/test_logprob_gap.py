@@ -1,0 +1,63 @@
+"""The engine-vs-actor log-prob check: the worst token over every rank, and a run that stops on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl.metrics import (
+    LOGPROB_GAP_TOLERANCE,
+    LogprobGapError,
+    check_logprob_gap,
+    engine_actor_logprob_gap,
+    logprob_gap_tolerance,
+)
+from tests.dist import run_ranks
+
+
+def _batch(num_seqs: int = 3, seq_len: int = 8, prompt_len: int = 3, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    loss_mask = torch.zeros(num_seqs, seq_len - 1)
+    loss_mask[:, prompt_len - 1 :] = 1.0  # response targets start at the last prompt position
+    engine = -torch.rand(num_seqs, seq_len - 1, generator=gen) * loss_mask
+    return {
+        "input_ids": torch.randint(0, 50, (num_seqs, seq_len), generator=gen),
+        "loss_mask": loss_mask,
+        "engine_logprobs": engine,
+        "old_logprobs": engine + 1e-7 * loss_mask,
+    }
+
+
+def test_the_worst_response_token_is_found_and_named():
+    batch = _batch()
+    batch["old_logprobs"][1, 5] += 0.25  # sequence 1, target position 5 = its 4th response token
+    batch["old_logprobs"][2, 0] += 9.0  # a prompt position: not sampled by the engine, ignored
+    gap = engine_actor_logprob_gap(batch, sample_offset=10)
+    assert gap.value == pytest.approx(0.25, abs=1e-6)
+    assert (gap.sample, gap.response_token, gap.token_id) == (11, 3, int(batch["input_ids"][1, 6]))
+    with pytest.raises(LogprobGapError, match=r"step 7: .*sample 11, response token 3") as info:
+        check_logprob_gap(gap, step=7, tolerance=logprob_gap_tolerance(None, "float32"), dtype="float32")
+    assert "trainer.max_logprob_gap=0.001" in str(info.value)
+    check_logprob_gap(gap, step=7, tolerance=logprob_gap_tolerance(0.5, "float32"), dtype="float32")  # raised bar
+    assert LOGPROB_GAP_TOLERANCE["bfloat16"] > LOGPROB_GAP_TOLERANCE["float32"]
+
+
+def _gap_on_ranks(rank: int, world_size: int):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    batch = _batch(seed=rank)
+    if rank == 1:  # only this DP rank's share is wrong
+        batch["old_logprobs"][0, 4] -= 2.0
+    gap = engine_actor_logprob_gap(batch, sample_offset=rank * 3)
+    try:
+        check_logprob_gap(gap, step=3, tolerance=1e-3, dtype="float32")
+    except LogprobGapError as exc:
+        return str(exc)
+    return "trained on it"
+
+
+def test_every_rank_stops_on_a_gap_seen_by_one():
+    messages = run_ranks(_gap_on_ranks, 2)
+    assert messages[0] == messages[1]  # the same gathered verdict, so no rank trains on
+    assert "step 3" in messages[0] and "rank 1, sample 3, response token 2" in messages[0]
