@@ -88,6 +88,7 @@ def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
             if ctx.offloaded(what):
                 actor.offload(what)
     with phase("wake_weights", step):
+        ctx.check_wake("wake_weights")
         engine.wake_up(cfg.rollout.wake_tags("wake_weights"))
     with phase("weight_sync", step):
         sync = ctx.sync_weights()
@@ -96,6 +97,7 @@ def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
             actor.offload("params")
     with phase("wake_kv_cache", step):
         if tags := cfg.rollout.wake_tags("wake_kv_cache"):
+            ctx.check_wake("wake_kv_cache")
             engine.wake_up(tags)
     num_train_tokens = int(batch["loss_mask"].sum()) * ctx.dims.dp
     metrics = step_metrics(samples, rewards, num_train_tokens, train_metrics, ctx.phase_seconds, sync, gap.value)

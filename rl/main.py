@@ -59,15 +59,20 @@ def needs_devices(cfg: RunConfig, overrides: list[str], problem: str) -> int:
     return 2
 
 
-def recommended_utilization(cfg: RunConfig) -> str:
-    """The planner's gpu_memory_utilization for ``cfg`` (a placeholder when it cannot plan)."""
+def check_auto_plan(cfg: RunConfig) -> None:
+    """gpu_memory_utilization=auto: the planner must be able to pick a KV cache before any rank starts."""
     from planner import make_plan
+    from planner.report import verdict
     from rl.planning import plan_inputs
 
     try:
-        return str(make_plan(plan_inputs(cfg)).recommended_gpu_memory_utilization)
-    except ValueError:
-        return "0.5"
+        plan = make_plan(plan_inputs(cfg))
+    except ValueError as exc:
+        raise ConfigError(f"rollout.gpu_memory_utilization=auto needs a memory plan: {exc}") from None
+    if not plan.fits:
+        raise ConfigError(
+            f"rollout.gpu_memory_utilization=auto: {verdict(plan)} (`make plan EXP={cfg.exp}` shows every phase)"
+        )
 
 
 def pick_run_dir(cfg: RunConfig, given: str | None) -> Path | None:
@@ -87,12 +92,8 @@ def pick_run_dir(cfg: RunConfig, given: str | None) -> Path | None:
 
 def check_launch(cfg: RunConfig, run_dir: str | None) -> None:
     """What the launcher itself cannot do with this config (raises ConfigError)."""
-    if cfg.rollout.gpu_memory_utilization == "auto":
-        raise ConfigError(
-            "rollout.gpu_memory_utilization=auto needs the memory planner's KV budget, which make run does not "
-            f"hand the engine yet; set a float in (0, 1], e.g. rollout.gpu_memory_utilization="
-            f"{recommended_utilization(cfg)} (what `make plan EXP={cfg.exp}` recommends)"
-        )
+    if cfg.rollout.gpu_memory_utilization == "auto" and cfg.rollout.kv_cache_bytes is None:
+        check_auto_plan(cfg)
     if launched_externally() and run_dir is None:
         raise ConfigError("--run-dir is required under torchrun/srun so all ranks share one")
     if not launched_externally() and cfg.cluster.num_nodes > 1:

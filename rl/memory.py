@@ -384,3 +384,12 @@ def phase_drift(rows: list[dict], metric: str = PEAK_METRIC) -> dict[str, dict[s
         if phase not in out or entry["fraction"] > out[phase]["fraction"]:
             out[phase] = entry
     return out
+
+
+def measured_free_bytes(device: torch.device, ranks_per_node: int = 1) -> int:
+    """What a new allocation can take now. CUDA: the device's free memory (``mem_get_info``: vLLM's sleep
+    pool and torch-memory-saver allocate outside torch's cache, so its cached blocks do not count). CPU: the
+    machine's available memory, shared evenly by the ranks on it."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return int(psutil.virtual_memory().available) // max(1, ranks_per_node)

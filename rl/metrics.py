@@ -19,6 +19,7 @@ from rl.memory import (
     steady_peak,
     wake_window_phases,
 )
+from rl.planning import prediction_errors
 from rl.weight_sync import SyncResult
 
 # max |engine - actor| log-prob of a sampled token before the run stops, per model dtype (the default of
@@ -153,6 +154,16 @@ def summarize(ctx, rewards: list[float], rows: list[dict], syncs: list[SyncResul
         "reward_first5": sum(rewards[:5]) / max(1, len(rewards[:5])),
         "reward_last5": sum(rewards[-5:]) / max(1, len(rewards[-5:])),
         "memory": memory_summary(rows, ctx.mesh.world_size),
+        # the plan made before the engine started (rl.planning): what it predicted per phase, and the error
+        "memory_plan": None
+        if ctx.plan is None
+        else {
+            "peak_phase": ctx.plan.peak_phase,
+            "peak_bytes": ctx.plan.peak_bytes,
+            "fits": ctx.plan.fits,
+            "kv_cache": asdict(ctx.kv_choice) if ctx.kv_choice is not None else None,
+            "phases": prediction_errors(ctx.plan, rows),
+        },
         "wake_strategy": ctx.cfg.rollout.wake_strategy,
         "engine_actor_logprob_diff_max": max(ctx.logprob_gaps, default=0.0),
         "weight_sync": {

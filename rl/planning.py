@@ -6,7 +6,10 @@ experiment's devices (rl/main.py); ``make sweep`` / ``make sweep-local`` check e
 
 from __future__ import annotations
 
-from planner import PlanInputs, device_preset
+import dataclasses
+from dataclasses import dataclass
+
+from planner import Plan, PlanInputs, device_preset
 from planner.devices import MIB
 
 # Prompts are data, not config: without rollout.max_model_len (which bounds prompt + response) plan for this
@@ -61,7 +64,7 @@ def plan_inputs(cfg, prompt_tokens: int | None = None) -> PlanInputs:
         rollout_tp=rollout.tp,
         wake_strategy=rollout.wake_strategy,
         gpu_memory_utilization=None if util == "auto" else float(util),
-        kv_cache_bytes=getattr(rollout, "kv_cache_bytes", None),
+        kv_cache_bytes=rollout.kv_cache_bytes,
         engine_capacity_bytes=int(rollout.cpu_capacity_gb * 2**30),
         max_num_seqs=rollout.max_num_seqs,
         **({"vllm_max_batched_tokens": rollout.max_num_batched_tokens} if rollout.max_num_batched_tokens else {}),
@@ -70,3 +73,82 @@ def plan_inputs(cfg, prompt_tokens: int | None = None) -> PlanInputs:
         native_activation_reserve_bytes=rollout.activation_reserve_mb * MIB,
         sync_bucket_bytes=cfg.weight_sync.bucket_mb * MIB,
     )
+
+
+# ---------------------------------------------------------------- the plan inside a run
+@dataclass(frozen=True)
+class KvCacheChoice:
+    """The KV cache this run's engine gets, and where the number came from (logged at start)."""
+
+    kv_cache_bytes: int | None  # None: the engine sizes it from gpu_memory_utilization itself
+    gpu_memory_utilization: float
+    source: str
+    tokens: int
+
+    def line(self) -> str:
+        if self.kv_cache_bytes is None:
+            return f"KV cache: from rollout.gpu_memory_utilization={self.gpu_memory_utilization:g} ({self.source})"
+        return (
+            f"KV cache: {self.kv_cache_bytes / 2**30:.3f} GiB per rank ({self.kv_cache_bytes} bytes, {self.tokens} "
+            f"tokens), {self.source}; the engine gets it as bytes (gpu_memory_utilization={self.gpu_memory_utilization:.4f})"
+        )
+
+
+def choose_kv_cache(cfg, plan: Plan, measured_free_bytes: int | None = None) -> KvCacheChoice:
+    """What the engine is handed. ``rollout.kv_cache_bytes`` wins; ``gpu_memory_utilization=auto`` takes the
+    planner's recommendation, bounded (when ``measured_free_bytes`` is given: CUDA, after the actor is built
+    and offloaded) by what the device has free for weights + KV cache + engine reserve less the plan's
+    margin, in whole blocks. A float utilization is left to the engine."""
+    rollout = cfg.rollout
+    if rollout.kv_cache_bytes is not None:
+        util = rollout.gpu_memory_utilization
+        util = plan.equivalent_utilization(rollout.kv_cache_bytes)[rollout.engine] if util == "auto" else util
+        return KvCacheChoice(rollout.kv_cache_bytes, util, "rollout.kv_cache_bytes", plan.kv_cache_tokens())
+    if rollout.gpu_memory_utilization != "auto":
+        return KvCacheChoice(None, rollout.gpu_memory_utilization, "the engine's own sizing", plan.kv_cache_tokens())
+    kv, source = plan.recommended_kv_cache_bytes, "chosen by the planner (gpu_memory_utilization=auto)"
+    if measured_free_bytes is not None:
+        block = plan.kv_bytes_per_token * plan.inputs.block_size
+        room = measured_free_bytes - plan.engine_weight_bytes - plan.rollout_engine_reserve_bytes - plan.margin_bytes
+        if room < kv:
+            kv = max(0, room) // block * block
+            source += f", bounded by the {measured_free_bytes / 2**30:.2f} GiB measured free"
+    if kv < plan.min_kv_cache_bytes:
+        raise ValueError(
+            f"rollout.gpu_memory_utilization=auto: no KV cache fits ({kv / 2**30:.3f} GiB < one max_model_len "
+            f"sequence, {plan.min_kv_cache_bytes / 2**30:.3f} GiB): offload more of the actor (actor.offload.*), "
+            "use rollout.wake_strategy=staged or lower rollout.max_model_len"
+        )
+    util = plan.equivalent_utilization(kv)[rollout.engine]
+    return KvCacheChoice(kv, util, source, plan.kv_cache_tokens(kv))
+
+
+def engine_config(cfg, choice: KvCacheChoice):
+    """``cfg.rollout`` as the engine gets it: an ``auto`` utilization resolved to bytes (and its fraction)."""
+    if choice.kv_cache_bytes is None or cfg.rollout.gpu_memory_utilization != "auto":
+        return cfg.rollout
+    return dataclasses.replace(
+        cfg.rollout,
+        kv_cache_bytes=choice.kv_cache_bytes,
+        gpu_memory_utilization=min(1.0, choice.gpu_memory_utilization),
+    )
+
+
+def prediction_errors(plan: Plan, rows: list[dict], min_bytes: int = 0) -> dict[str, dict[str, float]]:
+    """phase -> predicted (the plan's worst rank), measured (max over ranks of the median over the steady
+    steps of the phase's measured peak) and their relative error (predicted / measured - 1), for the
+    phases the run measured at or above ``min_bytes``."""
+    from rl.memory import steady_peak
+
+    ranks = sorted({int(r["rank"]) for r in rows})
+    out = {}
+    for phase in plan.phases:
+        measured = max((steady_peak(rows, (phase.name,), rank) for rank in ranks), default=0)
+        if measured <= 0 or measured < min_bytes:
+            continue
+        out[phase.name] = {
+            "predicted_bytes": phase.predicted_bytes,
+            "measured_bytes": measured,
+            "relative_error": phase.predicted_bytes / measured - 1.0,
+        }
+    return out

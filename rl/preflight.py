@@ -95,6 +95,8 @@ def check_kv_budget(cfg: RunConfig, shape: ModelShape) -> None:
     """The engine's KV cache must hold at least one ``max_model_len`` sequence (what the native engine and
     vLLM both refuse to start without): utilization x capacity - engine weights - activation reserve."""
     rollout = cfg.rollout
+    if rollout.gpu_memory_utilization == "auto" and rollout.kv_cache_bytes is None:
+        return  # the planner picks it (rl.main.check_auto_plan refuses a plan where none fits)
     element_bytes = torch_dtype(cfg.model.dtype).itemsize
     if cfg.cluster.device == "cpu":
         capacity, capacity_key = int(rollout.cpu_capacity_gb * 2**30), "rollout.cpu_capacity_gb"
@@ -102,13 +104,19 @@ def check_kv_budget(cfg: RunConfig, shape: ModelShape) -> None:
         capacity = device_preset(cfg.cluster.device, cfg.cluster.procs_per_node).total_bytes
         capacity_key = f"cluster.device={cfg.cluster.device}"
     weight_bytes = engine_param_count(shape, rollout.tp) * element_bytes
-    budget = int(rollout.gpu_memory_utilization * capacity) - weight_bytes - rollout.activation_reserve_mb * 2**20
+    budget = rollout.kv_cache_budget_bytes(capacity, weight_bytes)
     max_model_len = rollout.max_model_len or shape.max_position_embeddings
     needed = (
         math.ceil(max_model_len / rollout.block_size)
         * rollout.block_size
         * kv_bytes_per_token(shape, rollout.tp, element_bytes)
     )
+    if budget < needed and rollout.kv_cache_bytes is not None:
+        raise ConfigError(
+            f"rollout.kv_cache_bytes={rollout.kv_cache_bytes} ({budget / 2**20:.1f} MiB) is less than one "
+            f"max_model_len={max_model_len} sequence needs ({needed / 2**20:.1f} MiB); raise it, or lower "
+            "rollout.max_model_len"
+        )
     if budget < needed:
         raise ConfigError(
             f"rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} x {capacity_key} "

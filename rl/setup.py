@@ -5,6 +5,7 @@ when resuming), the engine, the weight-sync plan, the task, the writer, the chec
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,8 @@ from rl.checkpoint import ACTOR_DIR, Checkpointer, RLState, StopRequest, load_ra
 from rl.config import RunConfig
 from rl.data import DigitSumTask, Gsm8kTask
 from rl.losses import PolicyLoss
-from rl.memory import TAGS, TIMELINE_PHASES, MemoryProbe, MemoryTimeline
+from rl.memory import TAGS, TIMELINE_PHASES, MemoryProbe, MemoryTimeline, measured_free_bytes
+from rl.planning import KvCacheChoice
 from rl.tracking import RunWriter
 from rl.weight_sync import SyncResult, WeightSync
 
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
 
     from megatron_backend.actor import Actor
     from megatron_backend.parallel import ParallelDims
+    from planner import Plan
     from rollout import RolloutEngine
 
 
@@ -58,6 +61,8 @@ class RankContext:
     t0: float = field(default_factory=time.monotonic)
     pending_save: Path | None = None  # the checkpoint written after this step's train, finished after its logging
     stop_after_step: bool = False  # every rank agreed (after train) to stop once this step is saved
+    plan: Plan | None = None  # the memory plan with the engine's KV cache (start_engine); None: not plannable
+    kv_choice: KvCacheChoice | None = None
 
     @property
     def start_step(self) -> int:
@@ -92,12 +97,32 @@ class RankContext:
             return False
         return bool(getattr(self.cfg.actor.offload, what))
 
+    def check_wake(self, phase: str) -> None:
+        """Before an engine wake: the measured free memory against what the plan says ``phase`` allocates.
+        Every rank checks; if any falls short, all stop with the worst rank's line (phase, shortfall and a
+        ``rollout.kv_cache_bytes`` that fits) instead of dying inside the engine."""
+        if self.plan is None:
+            return
+        from planner import check_fits
+
+        check = check_fits(self.plan, measured_free_bytes(self.dims.device, self.cfg.cluster.procs_per_node), phase)
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (check.shortfall_bytes, check.line))
+        shortfall, line = max(gathered, key=lambda g: g[0])
+        if shortfall > 0:
+            rank = gathered.index((shortfall, line))
+            raise MemoryPlanError(f"rank {rank}: {line}")
+
     def sync_weights(self) -> SyncResult:
         """Planned reshard of the actor's shards straight into the engine's (awake) weights."""
         destinations = self.engine.begin_weight_update()
         result = self.weight_sync(self.actor.local_params(), destinations)
         self.engine.finish_weight_update()
         return result
+
+
+class MemoryPlanError(RuntimeError):
+    """The memory measured free before an engine wake is less than the plan says the wake needs."""
 
 
 def rollout_groups(mesh: ColocatedMesh) -> list[dist.ProcessGroup]:
@@ -190,12 +215,41 @@ def setup(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None) -> Ran
 def start_engine(ctx: RankContext) -> RolloutEngine:
     """Build the engine with empty weights (the first weight sync writes them). Called once the actor has
     offloaded what its flags say, so that what the engine sees at start-up (vLLM checks free memory against
-    its utilization and sizes the KV cache from it) is what the step leaves it at the KV-cache wake."""
+    its utilization and sizes the KV cache from it) is what the step leaves it at the KV-cache wake.
+
+    The KV cache: ``rollout.kv_cache_bytes``, else for ``gpu_memory_utilization=auto`` the planner's
+    recommendation (on CUDA bounded by the free memory measured now, the least over ranks), handed to the
+    engine as bytes; a float utilization is the engine's to apply. The plan, made with that KV cache, is
+    kept for the wake checks and the predicted-vs-measured calibration."""
+    from planner import make_plan
+    from rl.planning import choose_kv_cache, engine_config, plan_inputs
     from rollout import make_engine
 
     cfg, dims = ctx.cfg, ctx.dims
+    auto = cfg.rollout.gpu_memory_utilization == "auto"
+    try:
+        plan = make_plan(plan_inputs(cfg))
+    except ValueError as exc:  # e.g. a device the planner has no preset for: run unplanned unless asked to plan
+        if auto:
+            raise
+        print(f"rank {dims.rank}: no memory plan ({exc}); no wake checks or calibration", flush=True)
+        plan = None
+    rollout_cfg = cfg.rollout
+    if plan is not None:
+        free = None
+        if auto and dims.device.type == "cuda":
+            least = torch.tensor([torch.cuda.mem_get_info(dims.device)[0]], dtype=torch.int64, device=dims.device)
+            dist.all_reduce(least, op=dist.ReduceOp.MIN)
+            free = int(least)
+        ctx.kv_choice = choose_kv_cache(cfg, plan, free)
+        rollout_cfg = engine_config(cfg, ctx.kv_choice)
+        if rollout_cfg is not cfg.rollout:  # plan again with the KV cache the engine gets
+            plan = make_plan(plan_inputs(dataclasses.replace(cfg, rollout=rollout_cfg)))
+        if dims.rank == 0:
+            print(ctx.kv_choice.line(), flush=True)
+    ctx.plan = plan
     ctx.engine = make_engine(
-        cfg.rollout,
+        rollout_cfg,
         cfg.model.path,
         mesh=ctx.mesh,
         rank=dims.rank,
@@ -206,6 +260,8 @@ def start_engine(ctx: RankContext) -> RolloutEngine:
     )
     engine = ctx.engine
     ctx.timeline.probe.add_ledger(lambda: _tagged(engine.memory(), dims.device))
+    if ctx.writer is not None and plan is not None:
+        ctx.writer.predicted_bytes = {p.name: p.predicted_bytes for p in plan.phases}
     return engine
 
 

@@ -10,8 +10,9 @@ the same id, holding only its own steps.)
 Timeline series are logged as ``memory/<metric>/rank<r>`` against a custom x-axis ``timeline/step``
 (the step, each step split evenly among its phases; ``timeline/t_s`` rides along); per-step scalars
 against ``trainer/step``, among them ``memory/peak/<phase>`` (max over ranks of the phase's measured
-peak, ``device_peak``) and ``memory/drift/<phase>`` (growth of that peak over the steady steps so far,
-as a fraction of it). At the end: ``memory/stage_chart`` and ``memory/timeline_chart`` images
+peak, ``device_peak``), ``memory/predicted/<phase>`` and ``memory/prediction_error/<phase>`` (the memory
+plan's prediction and predicted / measured - 1) and ``memory/drift/<phase>`` (growth of that peak over the
+steady steps so far, as a fraction of it). At the end: ``memory/stage_chart`` and ``memory/timeline_chart`` images
 (:mod:`rl.memory_charts`).
 """
 
@@ -123,6 +124,8 @@ class RunWriter:
         self._csv_file = open(self.run_dir / "memory_timeline.csv", "a", newline="")
         self._csv = csv.DictWriter(self._csv_file, fieldnames=CSV_COLUMNS, extrasaction="ignore")
         self._defined: set[str] = set()
+        # phase -> the memory plan's prediction (set by rl.setup.start_engine): logged beside each measured peak
+        self.predicted_bytes: dict[str, int] = {}
         self._deferred: list[dict] | None = [] if defer_wandb else None
         self.wandb_step = wandb_step  # the next W&B step (explicit, so a resumed run continues the count)
         self.wandb_run = None
@@ -210,6 +213,10 @@ class RunWriter:
         record = {"trainer/step": step, **metrics}
         record.update({f"memory/peak/{phase}": value for phase, value in peaks.items()})
         record.update({f"memory/drift/{p}": d["fraction"] for p, d in phase_drift(self.phase_peak_rows).items()})
+        for phase, measured in peaks.items():
+            if phase in self.predicted_bytes and measured > 0:
+                record[f"memory/predicted/{phase}"] = self.predicted_bytes[phase]
+                record[f"memory/prediction_error/{phase}"] = self.predicted_bytes[phase] / measured - 1.0
         self._metrics_file.write(json.dumps(record) + "\n")
         self._metrics_file.flush()
         if self.wandb_run is not None:

@@ -51,9 +51,10 @@ class RolloutConfig:
     # vLLM sleep level: 1 keeps a host copy of the weights, 2 drops them (RL re-syncs weights after wake).
     # (On CPU a host copy IS the weights: level 1 keeps them resident, level 2 releases them.)
     sleep_level: int = 2
-    # Explicit KV-cache budget per rank in MiB (vLLM's kv_cache_memory_bytes). None: CUDA vLLM sizes it from
-    # gpu_memory_utilization; on CPU the vLLM engine takes kv_cache_budget_bytes() of cpu_capacity_gb.
-    kv_cache_mb: int | None = None
+    # KV-cache bytes per rank (vLLM's kv_cache_memory_bytes): wins over gpu_memory_utilization when set, so an
+    # engine upgrade cannot change the cache at the same fraction. None: sized from gpu_memory_utilization
+    # (of the device's total on CUDA, of cpu_capacity_gb on CPU); with "auto" the planner picks it (rl/planning.py).
+    kv_cache_bytes: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -104,8 +105,13 @@ class RolloutConfig:
             raise ValueError(f"rollout.activation_reserve_mb={self.activation_reserve_mb} must be >= 0")
         if self.memory_saver not in MEMORY_SAVERS:
             raise ValueError(f"rollout.memory_saver={self.memory_saver!r} is not one of {MEMORY_SAVERS}")
-        if self.kv_cache_mb is not None and self.kv_cache_mb < 1:
-            raise ValueError(f"rollout.kv_cache_mb={self.kv_cache_mb} must be >= 1 or null (sized from the budget)")
+        if self.kv_cache_bytes is not None and (
+            not isinstance(self.kv_cache_bytes, int) or self.kv_cache_bytes < 2**20
+        ):
+            raise ValueError(
+                f"rollout.kv_cache_bytes={self.kv_cache_bytes!r} must be an integer >= 1048576 (1 MiB), or null to "
+                "size it from rollout.gpu_memory_utilization"
+            )
         if self.sleep_level not in (1, 2):
             raise ValueError(
                 f"rollout.sleep_level={self.sleep_level} must be 1 (keep a host copy of weights) or 2 (drop them)"
@@ -116,10 +122,10 @@ class RolloutConfig:
         return WAKE_TAGS[self.wake_strategy][phase]
 
     def kv_cache_budget_bytes(self, capacity_bytes: int, weight_bytes: int) -> int:
-        """Bytes the KV cache may take: ``kv_cache_mb`` when set, else utilization x capacity - weights -
+        """Bytes the KV cache may take: ``kv_cache_bytes`` when set, else utilization x capacity - weights -
         activation reserve (capacity: the device's total memory, or ``cpu_capacity_gb`` on CPU)."""
-        if self.kv_cache_mb is not None:
-            return self.kv_cache_mb << 20
+        if self.kv_cache_bytes is not None:
+            return self.kv_cache_bytes
         util = self.gpu_memory_utilization
         if util == "auto":
             raise ValueError(

@@ -127,12 +127,13 @@ def engine_args(
         load_format="auto" if load else "dummy",
         enforce_eager=platform == "cpu",  # CPU: no torch.compile warm-up (minutes on 2 cores)
     )
-    if cfg.kv_cache_mb is not None:
-        kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_mb << 20
+    if cfg.kv_cache_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_bytes
     if platform == "cuda":
-        # vLLM's cumem sleep mode; without kv_cache_mb vLLM sizes the KV cache from this fraction
+        # vLLM's cumem sleep mode. Without kv_cache_bytes vLLM sizes the KV cache from this fraction; with it,
+        # vLLM still checks at start-up that the device has utilization x total free (its request_memory)
         kwargs.update(enable_sleep_mode=True, gpu_memory_utilization=cfg.gpu_memory_utilization)
-    elif cfg.kv_cache_mb is None:
+    elif cfg.kv_cache_bytes is None:
         # CPU vLLM would take gpu_memory_utilization x the NODE's memory; size it as the native engine does
         shape = ModelShape.from_pretrained(model_path)
         elem = 4 if dtype == "auto" else element_bytes(dtype)  # auto: assume fp32 (the smaller KV budget)
@@ -142,7 +143,7 @@ def engine_args(
         if budget <= 0:
             raise ValueError(
                 f"KV cache budget {budget / 2**20:.0f} MiB <= 0: raise rollout.cpu_capacity_gb or "
-                "rollout.gpu_memory_utilization, or set rollout.kv_cache_mb"
+                "rollout.gpu_memory_utilization, or set rollout.kv_cache_bytes"
             )
         kwargs["kv_cache_memory_bytes"] = budget
     kwargs.update(overrides)

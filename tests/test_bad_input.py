@@ -135,7 +135,7 @@ CASES = [
     ("batch vs DP", ["actor.tp=1", "trainer.prompts_per_step=3"], "trainer.prompts_per_step=3 must split evenly"),
     ("samples per prompt", ["rollout.n_samples_per_prompt=0"], "rollout.n_samples_per_prompt=0 must be >= 1"),
     ("utilization > 1", ["rollout.gpu_memory_utilization=1.5"], "rollout.gpu_memory_utilization=1.5 is outside (0, 1]"),
-    ("utilization auto", ["rollout.gpu_memory_utilization=auto"], "rollout.gpu_memory_utilization=auto needs"),
+    ("KV cache bytes", ["rollout.kv_cache_bytes=1000"], "rollout.kv_cache_bytes=1000 must be an integer >= 1048576"),
     ("KV budget", ["rollout.cpu_capacity_gb=0.05"], "for the KV cache after the engine's weights"),
     ("bucket size", ["weight_sync.bucket_mb=0"], "weight_sync.bucket_mb=0 must be >= 1"),
     ("missing model.path", ["model.path=/no/such/checkpoint"], "model.path='/no/such/checkpoint' has no config.json"),

@@ -34,8 +34,8 @@ def test_bad_config_fails_before_any_rank_starts(capsys):
     assert err.startswith("config error: actor.tp=3 x actor.pp=1 does not divide") and err.count("\n") == 1
     assert main(["--exp", "tiny_cpu", "cluster.num_nodes=2"]) == 2
     assert "needs a multi-node launcher" in capsys.readouterr().err
-    assert main(["--exp", "tiny_cpu", "rollout.gpu_memory_utilization=auto"]) == 2
-    assert "needs the memory planner" in capsys.readouterr().err
+    assert main(["--exp", "tiny_cpu", "rollout.kv_cache_bytes=1000"]) == 2
+    assert "rollout.kv_cache_bytes=1000 must be an integer >= 1048576" in capsys.readouterr().err
 
 
 def test_short_run_writes_every_output_and_a_readable_wandb_run(tmp_path):
@@ -46,9 +46,16 @@ def test_short_run_writes_every_output_and_a_readable_wandb_run(tmp_path):
         "trainer.prompts_per_step=4",
         "actor.micro_batch_size=16",
         "algorithm.kl_coef=0.01",  # also builds the reference actor
+        "rollout.gpu_memory_utilization=auto",  # the planner picks the KV cache and hands it over in bytes
     )
     run_dir = Path(summary["run_dir"])
     assert summary["steps"] == 2 and summary["weight_sync"]["verified"] is True
+    plan = summary["memory_plan"]
+    kv = plan["kv_cache"]
+    assert "chosen by the planner" in kv["source"] and kv["kv_cache_bytes"] >= 2**20 and kv["tokens"] > 0
+    assert 0 < kv["gpu_memory_utilization"] <= 1
+    # every phase the run measured has the plan's prediction beside it
+    assert set(plan["phases"]) == set(PHASES) and all(p["predicted_bytes"] > 0 for p in plan["phases"].values())
     # every phase, and the checkpoint saved after the last step (trainer.save_every > 0)
     assert set(summary["memory"]["phase_peak_bytes"]) == {*PHASES, SAVE_PHASE}
     rows = read_timeline_csv(run_dir / "memory_timeline.csv")
@@ -71,7 +78,7 @@ def test_short_run_writes_every_output_and_a_readable_wandb_run(tmp_path):
     per_step = [h for h in history if "trainer/step" in h]
     assert [h["trainer/step"] for h in per_step] == [0, 1]
     for phase in PHASES:
-        assert all(f"memory/peak/{phase}" in h for h in per_step), phase
+        assert all(f"memory/peak/{phase}" in h and f"memory/prediction_error/{phase}" in h for h in per_step), phase
     timeline = [h for h in history if "timeline/step" in h]
     assert len(timeline) == len(rows)  # one record per sample (rank-specific keys)
     assert any(h.get("memory/tag/kv_cache/rank1", 0) > 0 for h in timeline)

@@ -103,7 +103,7 @@ def _one_rank(rank: int, world_size: int, checkpoints: dict, big_path: str) -> d
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    cfg = RolloutConfig(engine="vllm", tp=1, kv_cache_mb=KV_MB, max_model_len=128)
+    cfg = RolloutConfig(engine="vllm", tp=1, kv_cache_bytes=KV_MB << 20, max_model_len=128)
     out: dict = {}
     for family, (path_a, path_b) in checkpoints.items():
         engine = _build(cfg, path_a, rank, world_size)
@@ -144,7 +144,7 @@ def _one_rank(rank: int, world_size: int, checkpoints: dict, big_path: str) -> d
 
 def _sleep_wake(rank: int, world_size: int, path: str, kv_mb: int = 256) -> dict:
     """RSS and memory() around sleep / staged wake, sizes well above allocator noise."""
-    cfg = RolloutConfig(engine="vllm", tp=world_size, kv_cache_mb=kv_mb, max_model_len=128)
+    cfg = RolloutConfig(engine="vllm", tp=world_size, kv_cache_bytes=kv_mb << 20, max_model_len=128)
     engine = _build(cfg, path, rank, world_size)
     before = _tokens_and_logprobs(engine.generate(PROMPTS, GREEDY))
     r: dict = {"memory": [engine.memory()], "rss": [_rss()]}
@@ -178,7 +178,7 @@ def _sleep_wake(rank: int, world_size: int, path: str, kv_mb: int = 256) -> dict
 
 def _level_one(rank: int, world_size: int, path: str) -> dict:
     """sleep_level=1 on CPU: the KV cache goes, the weights stay resident (a host copy IS the weights)."""
-    cfg = RolloutConfig(engine="vllm", tp=1, kv_cache_mb=KV_MB, max_model_len=128, sleep_level=1)
+    cfg = RolloutConfig(engine="vllm", tp=1, kv_cache_bytes=KV_MB << 20, max_model_len=128, sleep_level=1)
     engine = _build(cfg, path, rank, world_size)
     before = _tokens_and_logprobs(engine.generate(PROMPTS, GREEDY))
     awake = engine.memory()
@@ -194,7 +194,7 @@ def _dummy_start(rank: int, world_size: int, path: str) -> dict:
     """load=False (the loop's start): dummy weights, refused until the first weight update writes them."""
     from rollout.vllm_engine import VllmEngine
 
-    cfg = RolloutConfig(engine="vllm", tp=1, kv_cache_mb=KV_MB, max_model_len=128)
+    cfg = RolloutConfig(engine="vllm", tp=1, kv_cache_bytes=KV_MB << 20, max_model_len=128)
     engine = VllmEngine(
         cfg, path, ColocatedMesh(world_size=world_size), rank, dtype="float32", load=False, device="cpu"
     )
@@ -213,7 +213,7 @@ def _two_ranks(rank: int, world_size: int, checkpoints: dict) -> dict:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    cfg = RolloutConfig(engine="vllm", tp=2, kv_cache_mb=KV_MB, max_model_len=128)
+    cfg = RolloutConfig(engine="vllm", tp=2, kv_cache_bytes=KV_MB << 20, max_model_len=128)
     out: dict = {}
     for family in ("llama", "qwen2"):  # tied + vocab padding on rank 1; qkv bias with one KV head per rank
         path_a, path_b = checkpoints[family]
@@ -232,7 +232,7 @@ def _four_ranks(rank: int, world_size: int, path: str) -> dict:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    cfg = RolloutConfig(engine="vllm", tp=2, kv_cache_mb=KV_MB, max_model_len=128)
+    cfg = RolloutConfig(engine="vllm", tp=2, kv_cache_bytes=KV_MB << 20, max_model_len=128)
     engine = _build(cfg, path, rank, world_size)
     from vllm.distributed import parallel_state
 

@@ -70,7 +70,7 @@ def _rank_main(args: argparse.Namespace) -> None:
         max_new_tokens=args.max_new_tokens,
         temperature=0.0,
         max_model_len=max_len,
-        kv_cache_mb=args.kv_cache_mb if args.engine == "vllm" else None,
+        kv_cache_bytes=args.kv_cache_mb << 20 if args.engine == "vllm" else None,
     )
     group = groups[mesh.replica(rank)] if rtp > 1 else None
     engine = make_engine(

@@ -25,17 +25,9 @@ from rollout.memory_saver import MemorySaver
 
 
 def kv_cache_budget_bytes(cfg: RolloutConfig, device: torch.device, weight_bytes: int) -> int:
-    """Bytes the KV cache may take: utilization x capacity - weights - activation reserve."""
-    util = cfg.gpu_memory_utilization
-    if util == "auto":
-        raise ValueError(
-            "rollout.gpu_memory_utilization='auto' must be resolved by the planner before the engine starts"
-        )
-    if device.type == "cuda":
-        capacity = torch.cuda.mem_get_info(device)[1]
-    else:
-        capacity = int(cfg.cpu_capacity_gb * 2**30)
-    return int(util * capacity) - weight_bytes - cfg.activation_reserve_mb * 2**20
+    """:meth:`RolloutConfig.kv_cache_budget_bytes` of this device's capacity (CUDA: its total memory)."""
+    capacity = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else int(cfg.cpu_capacity_gb * 2**30)
+    return cfg.kv_cache_budget_bytes(capacity, weight_bytes)
 
 
 class BlockAllocator:
