@@ -18,6 +18,10 @@ ATTENTION = ("flash", "unfused")
 
 # Calibration constants (defaults; each has a PlanInputs field to override it). Measured runs refine them.
 CUDA_RUNTIME_OVERHEAD_BYTES = 1 * GIB  # CUDA context, cuBLAS / NCCL / vLLM kernels and workspaces per process
+# CPU: what a rank's process holds beyond the project's tensors once the run is under way, over the memory
+# probe's baseline (taken after imports and process-group setup): the tokenizer, megatron's and the engine's
+# Python objects, gloo buffers and the allocator's slack. Measured 36-52 MiB on tiny_cpu and memory_cpu.
+CPU_RUNTIME_OVERHEAD_BYTES = 48 * MIB
 CUDA_MARGIN_FRACTION = 0.05  # caching-allocator fragmentation and slack, of the device total
 CPU_MARGIN_FRACTION = 0.10
 NCCL_BYTES_PER_COMMUNICATOR = 200 * MIB  # NCCL channel buffers of one communicator (gloo on CPU: none)
@@ -96,11 +100,12 @@ class PlanInputs:
     block_size: int = 16
     native_activation_reserve_bytes: int = 64 * MIB
     vllm_max_batched_tokens: int = VLLM_MAX_BATCHED_TOKENS
+    native_max_batched_tokens: int | None = None  # the native engine's prefill cap (rollout.max_num_batched_tokens)
     cuda_graph_bytes: int | None = None  # None: VLLM_CUDA_GRAPH_BYTES for vLLM on CUDA, else 0
     # weight sync and device
     sync_bucket_bytes: int = 512 * MIB
     margin_fraction: float | None = None  # None: CUDA_MARGIN_FRACTION / CPU_MARGIN_FRACTION
-    runtime_overhead_bytes: int | None = None  # None: CUDA_RUNTIME_OVERHEAD_BYTES on CUDA, 0 on CPU
+    runtime_overhead_bytes: int | None = None  # None: CUDA_ / CPU_RUNTIME_OVERHEAD_BYTES
     comm_bytes_per_communicator: int | None = None  # None: NCCL_BYTES_PER_COMMUNICATOR on CUDA, 0 on CPU
 
     def __post_init__(self) -> None:
@@ -238,7 +243,7 @@ class PlanInputs:
     def runtime_bytes(self) -> int:
         if self.runtime_overhead_bytes is not None:
             return self.runtime_overhead_bytes
-        return CUDA_RUNTIME_OVERHEAD_BYTES if self.on_cuda else 0
+        return CUDA_RUNTIME_OVERHEAD_BYTES if self.on_cuda else CPU_RUNTIME_OVERHEAD_BYTES
 
     @property
     def graph_bytes(self) -> int:

@@ -207,8 +207,10 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
     }
     persistent_reserve = inp.graph_bytes
     rollout_reserve = persistent_reserve + engine_rollout_activation_bytes(inp)
-    # a rank stages at most what it sends (its actor shard) plus what it receives (its engine shard)
-    bucket = min(inp.sync_bucket_bytes, st.actor_params + weights)
+    # a rank stages at most what it sends (its actor shard) plus what it receives (its engine shard); with
+    # actor TP = PP = engine TP = 1 its engine replica is itself and every copy is local (no staging)
+    local_only = inp.actor_tp == inp.actor_pp == inp.rollout_tp == 1
+    bucket = 0 if local_only else min(inp.sync_bucket_bytes, st.actor_params + weights)
     state = {"P": not inp.offload_params, "G": not inp.offload_grads, "O": not inp.offload_optimizer}
     state.update(R=not inp.offload_ref_params, W=True, K=True)
     start = dict(state)
@@ -249,9 +251,17 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
 
 
 def engine_rollout_activation_bytes(inp: PlanInputs) -> int:
-    """What the engine takes beyond weights, KV cache and CUDA graphs while it generates."""
+    """What the engine takes beyond weights, KV cache and CUDA graphs while it generates. vLLM: its profiled
+    peak (max_num_batched_tokens, max_num_seqs). native: the same working set for the batch it really runs
+    (its replica's sequences, all prompts prefilled at once unless max_num_batched_tokens caps them); its
+    activation reserve is headroom kept out of the KV cache, not memory it allocates."""
     if inp.engine == "native":
-        return inp.native_activation_reserve_bytes
+        replicas = inp.actor_tp * inp.actor_pp * inp.actor_dp // inp.rollout_tp
+        seqs = min(inp.max_num_seqs, math.ceil(inp.sequences_per_step / replicas))
+        prefill = seqs * inp.prompt_tokens
+        if inp.native_max_batched_tokens:
+            prefill = min(prefill, max(inp.native_max_batched_tokens, inp.prompt_tokens))
+        return engine_activation_bytes(inp.shape, inp.rollout_tp, inp.element_bytes, prefill, seqs)
     return engine_activation_bytes(
         inp.shape, inp.rollout_tp, inp.element_bytes, inp.vllm_max_batched_tokens, inp.max_num_seqs
     )

@@ -60,6 +60,10 @@ class DigitSumTask(_SeededSampling):
             problems.append(Problem(prompt=f"{a}+{b}=", answer=str(a + b)))
         return problems
 
+    def longest_prompts(self) -> list[str]:
+        """Candidates for the longest prompt (the memory plan sizes sequences by it)."""
+        return [f"{self.max_operand}+{self.max_operand}="]
+
     def format_examples(self, num_examples: int) -> list[Problem]:
         """Supervised warm-up data: real prompts with RANDOM answers in the answer range.
 
@@ -118,6 +122,10 @@ class Gsm8kTask(_SeededSampling):
     def sample(self, num_prompts: int) -> list[Problem]:
         self.num_drawn += num_prompts
         return [self.rng.choice(self.problems) for _ in range(num_prompts)]
+
+    def longest_prompts(self) -> list[str]:
+        """Candidates for the longest prompt in tokens: the longest ones in characters."""
+        return sorted((p.prompt for p in self.problems), key=len)[-8:]
 
     @staticmethod
     def reward(response: str, answer: str) -> float:

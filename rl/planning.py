@@ -68,6 +68,7 @@ def plan_inputs(cfg, prompt_tokens: int | None = None) -> PlanInputs:
         engine_capacity_bytes=int(rollout.cpu_capacity_gb * 2**30),
         max_num_seqs=rollout.max_num_seqs,
         **({"vllm_max_batched_tokens": rollout.max_num_batched_tokens} if rollout.max_num_batched_tokens else {}),
+        native_max_batched_tokens=rollout.max_num_batched_tokens,
         max_model_len=rollout.max_model_len,
         block_size=rollout.block_size,
         native_activation_reserve_bytes=rollout.activation_reserve_mb * MIB,
@@ -135,9 +136,10 @@ def engine_config(cfg, choice: KvCacheChoice):
 
 
 def prediction_errors(plan: Plan, rows: list[dict], min_bytes: int = 0) -> dict[str, dict[str, float]]:
-    """phase -> predicted (the plan's worst rank), measured (max over ranks of the median over the steady
-    steps of the phase's measured peak) and their relative error (predicted / measured - 1), for the
-    phases the run measured at or above ``min_bytes``."""
+    """phase -> predicted (the plan's worst rank, plus its runtime overhead: the measurement includes the
+    CUDA context or, on CPU, what the process allocates beside the tensors), measured (max over ranks of
+    the median over the steady steps of the phase's measured peak) and their relative error (predicted /
+    measured - 1), for the phases the run measured at or above ``min_bytes``."""
     from rl.memory import steady_peak
 
     ranks = sorted({int(r["rank"]) for r in rows})
@@ -146,9 +148,10 @@ def prediction_errors(plan: Plan, rows: list[dict], min_bytes: int = 0) -> dict[
         measured = max((steady_peak(rows, (phase.name,), rank) for rank in ranks), default=0)
         if measured <= 0 or measured < min_bytes:
             continue
+        predicted = phase.predicted_bytes + plan.runtime_overhead_bytes
         out[phase.name] = {
-            "predicted_bytes": phase.predicted_bytes,
+            "predicted_bytes": predicted,
             "measured_bytes": measured,
-            "relative_error": phase.predicted_bytes / measured - 1.0,
+            "relative_error": predicted / measured - 1.0,
         }
     return out

@@ -227,8 +227,10 @@ def start_engine(ctx: RankContext) -> RolloutEngine:
 
     cfg, dims = ctx.cfg, ctx.dims
     auto = cfg.rollout.gpu_memory_utilization == "auto"
+    # sequences as long as this task's longest prompt + max_new_tokens (not max_model_len: the data decides)
+    prompt_tokens = max(len(ctx.tokenizer(p).input_ids) for p in ctx.task.longest_prompts())
     try:
-        plan = make_plan(plan_inputs(cfg))
+        plan = make_plan(plan_inputs(cfg, prompt_tokens))
     except ValueError as exc:  # e.g. a device the planner has no preset for: run unplanned unless asked to plan
         if auto:
             raise
@@ -244,7 +246,7 @@ def start_engine(ctx: RankContext) -> RolloutEngine:
         ctx.kv_choice = choose_kv_cache(cfg, plan, free)
         rollout_cfg = engine_config(cfg, ctx.kv_choice)
         if rollout_cfg is not cfg.rollout:  # plan again with the KV cache the engine gets
-            plan = make_plan(plan_inputs(dataclasses.replace(cfg, rollout=rollout_cfg)))
+            plan = make_plan(plan_inputs(dataclasses.replace(cfg, rollout=rollout_cfg), prompt_tokens))
         if dims.rank == 0:
             print(ctx.kv_choice.line(), flush=True)
     ctx.plan = plan
@@ -261,7 +263,7 @@ def start_engine(ctx: RankContext) -> RolloutEngine:
     engine = ctx.engine
     ctx.timeline.probe.add_ledger(lambda: _tagged(engine.memory(), dims.device))
     if ctx.writer is not None and plan is not None:
-        ctx.writer.predicted_bytes = {p.name: p.predicted_bytes for p in plan.phases}
+        ctx.writer.predicted_bytes = {p.name: p.predicted_bytes + plan.runtime_overhead_bytes for p in plan.phases}
     return engine
 
 

@@ -237,9 +237,11 @@ class RunWriter:
     def finish(self, summary: dict) -> dict:
         """Write the memory charts and summary.json, close W&B. Returns the summary as written."""
         rows = self.read_rows()
-        timeline_png = plot_timeline(rows, self.run_dir / "memory_timeline.png")
-        title = f"memory after each phase (measured): {run_label(self.config)}"
-        stages_png = plot_stages(rows, self.run_dir / "memory_stages.png", title=title)
+        charts = {}
+        if rows:  # a run stopped before its first step has no samples to draw
+            charts["memory/timeline_chart"] = plot_timeline(rows, self.run_dir / "memory_timeline.png")
+            title = f"memory after each phase (measured): {run_label(self.config)}"
+            charts["memory/stage_chart"] = plot_stages(rows, self.run_dir / "memory_stages.png", title=title)
         summary = dict(summary, wandb_dir=self.wandb_dir)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self._metrics_file.close()
@@ -249,12 +251,8 @@ class RunWriter:
 
             self.flush_wandb()
             self._deferred = None
-            self._wandb_log(
-                {
-                    "memory/stage_chart": wandb.Image(str(stages_png)),
-                    "memory/timeline_chart": wandb.Image(str(timeline_png)),
-                }
-            )
+            if charts:
+                self._wandb_log({key: wandb.Image(str(png)) for key, png in charts.items()})
             self.wandb_run.summary.update({k: v for k, v in summary.items() if k != "wandb_dir"})
             self.wandb_run.finish()
         return summary

@@ -117,8 +117,9 @@ def test_offload_onload_bit_exact_and_measured(tiny_model_dirs, tmp_path):
     slack = 4 << 20  # page tables, allocator bookkeeping
     for tag, row in out["wide_rss"].items():
         assert row["released_bytes"] > 40e6, (tag, row)
-        # the original storage is really gone: RSS drops by what the offload says it moved
-        assert abs(row["rss_drop_bytes"] - row["released_bytes"]) <= 0.1 * row["released_bytes"], (tag, row)
+        # the original storage is really gone: RSS drops by at least 90% of what the offload says it moved (and
+        # not much more: the allocator may hand back a few other free pages at the same time)
+        assert 0.9 * row["released_bytes"] <= row["rss_drop_bytes"] <= row["released_bytes"] + (16 << 20), (tag, row)
         if out["tracks_peak"]:  # the copy to the host tier maps one chunk at a time
             assert row["peak_over_start_bytes"] <= CPU_COPY_CHUNK_BYTES + slack, (tag, row)
     onload = out["wide_onload"]

@@ -43,9 +43,23 @@ def test_every_state_is_large_enough_to_measure(staged):
     assert (Path(summary["run_dir"]) / "memory_stages.png").stat().st_size > 20_000
 
 
+def _assert_plan_within(summary: dict, tolerance: float, min_bytes: int = 50 * MB) -> None:
+    """The memory plan made before the engine started predicts every phase the run measured above
+    ``min_bytes`` (steady median, worst rank) within ``tolerance``."""
+    phases = {k: v for k, v in summary["memory_plan"]["phases"].items() if v["measured_bytes"] >= min_bytes}
+    assert len(phases) >= 14, phases
+    off = {k: round(v["relative_error"], 3) for k, v in phases.items() if abs(v["relative_error"]) > tolerance}
+    assert not off, off
+
+
+def test_the_plan_predicts_every_phase_within_10_percent(staged):
+    _assert_plan_within(staged[0], 0.10)
+
+
 def test_staged_wake_saves_the_actors_params_at_the_wake_peak(staged, tmp_path):
     summary, rows = staged
-    _, all_at_once = _run(tmp_path, "rollout.wake_strategy=all_at_once", "trainer.steps=2")
+    all_at_once_summary, all_at_once = _run(tmp_path, "rollout.wake_strategy=all_at_once", "trainer.steps=3")
+    _assert_plan_within(all_at_once_summary, 0.10)
     window = wake_window_phases()
     for rank in RANKS:
         params = _tag_bytes(summary, rank, "actor_params")
