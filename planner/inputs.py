@@ -267,6 +267,6 @@ class PlanInputs:
     @property
     def utilization_capacity_bytes(self) -> int:
         """What the engine's ``gpu_memory_utilization`` is a fraction of."""
-        if self.engine == "native" and not self.on_cuda and self.engine_capacity_bytes is not None:
+        if not self.on_cuda and self.engine_capacity_bytes is not None:  # both engines on CPU: cpu_capacity_gb
             return self.engine_capacity_bytes
         return self.device.total_bytes
