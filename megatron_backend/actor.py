@@ -76,7 +76,10 @@ class Actor:
         self.layout = RankLayout(dims.tp, dims.pp, dims.vpp, dims.tp_rank, dims.pp_rank, te_norms=te_available())
         self.vocab_start = dims.tp_rank * padded_vocab_size(self.shape.vocab_size, dims.tp) // dims.tp
         self.ledger = MemoryLedger()
-        self._offloaders = {what: StorageOffloader(_TAG[what], self.ledger) for what in OFFLOADABLE}
+        # grads: released and handed back zeroed, never copied (compute_grads zeroes them before use)
+        self._offloaders = {
+            what: StorageOffloader(_TAG[what], self.ledger, keep_contents=what != "grads") for what in OFFLOADABLE
+        }
         with self.ledger.op("build"):
             recompute = recompute_kwargs(
                 config.recompute, config.recompute_method, config.recompute_num_layers, config.recompute_modules
@@ -126,6 +129,7 @@ class Actor:
                 params_dtype=config.params_dtype,
             )
             self.optimizer = get_megatron_optimizer(opt_config, self.models)
+            use_loss_scaling(self.chunks, self.optimizer)
         else:
             if self.dtype != "float32":
                 raise ValueError(f"model.dtype={self.dtype!r}: the torch AdamW path needs float32 params")
@@ -474,3 +478,12 @@ class Actor:
         tensors = {k: v.contiguous() for k, v in state.items()}
         save_file(tensors, str(Path(out_dir) / "model.safetensors"), metadata={"format": "pt"})
         shutil.copy(self.hf_dir / "config.json", Path(out_dir) / "config.json")
+
+
+def use_loss_scaling(chunks, optimizer) -> None:
+    """Let megatron's schedule scale the loss by the optimizer's loss scale before backward (as megatron's
+    own training.py does). ``schedules.backward_step`` scales only through ``config.grad_scale_func``, and
+    the fp16 optimizer starts its scaler at 2**32 and divides the grads by it in ``step()``: without this,
+    fp16 grads come out 2**-32 too small. (bf16/fp32: the scale is 1.)"""
+    for chunk in chunks:
+        chunk.config.grad_scale_func = optimizer.scale_loss

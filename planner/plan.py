@@ -400,7 +400,9 @@ class Plan:
 def _kv_from_utilization(inp: PlanInputs, weights: int, rollout_reserve: int) -> int:
     """The KV cache an engine sizes itself from ``gpu_memory_utilization``."""
     util = inp.gpu_memory_utilization
-    if inp.engine == "native" or not inp.on_cuda:  # vLLM on CPU is handed the native engine's budget (rollout/vllm_engine.py)
+    if (
+        inp.engine == "native" or not inp.on_cuda
+    ):  # vLLM on CPU is handed the native engine's budget (rollout/vllm_engine.py)
         return int(util * inp.utilization_capacity_bytes) - weights - inp.native_activation_reserve_bytes
     return int(util * inp.device.total_bytes) - weights - rollout_reserve
 

@@ -48,6 +48,7 @@ def _offload_checks(rank, world_size, tiny_dir, wide_dir, saved_dir):
     cycled.train_step(batch, loss_fn)
     before = _state(cycled)
     out["released"] = cycled.offload(["params", "grads", "optimizer"])
+    out["host_while_offloaded"] = {t: cycled.memory()[f"host/{t}"] for t in TAGS}
     try:
         cycled.train_step(batch, loss_fn)
         out["train_while_offloaded"] = "ran"
@@ -55,9 +56,15 @@ def _offload_checks(rank, world_size, tiny_dir, wide_dir, saved_dir):
         out["train_while_offloaded"] = str(exc)
     cycled.onload(["params", "grads", "optimizer"])
     after = _state(cycled)
+    # params and optimizer states come back bit-exact; grads (zeroed by the next step before use) are
+    # released without a host copy and come back zeroed
     out["bit_exact"] = all(
-        len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)) for a, b in zip(before, after)
+        len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+        for a, b in ((before[0], after[0]), (before[2], after[2]))
     )
+    out["grads_nonzero_before"] = any(bool(t.any()) for t in before[1])
+    out["grads_zero_after"] = len(after[1]) == len(before[1]) and not any(bool(t.any()) for t in after[1])
+
     out["num_optimizer_tensors"] = len(before[2])
     out["metrics_plain"] = plain.train_step(batch, loss_fn)
     out["metrics_cycled"] = cycled.train_step(batch, loss_fn)
@@ -113,6 +120,9 @@ def test_offload_onload_bit_exact_and_measured(tiny_model_dirs, tmp_path):
     assert all(out["released"][tag] > 0 for tag in TAGS), out["released"]
     assert "onload" in out["train_while_offloaded"]
     assert out["num_optimizer_tensors"] > 0 and out["bit_exact"]
+    assert out["grads_nonzero_before"] and out["grads_zero_after"]
+    host = out["host_while_offloaded"]  # what crossed to the host: params and optimizer, not the grads
+    assert host["actor_grads"] == 0 and host["actor_params"] == out["released"]["actor_params"] > 0
     assert out["step_equal"] and out["metrics_plain"] == out["metrics_cycled"]
     slack = 4 << 20  # page tables, allocator bookkeeping
     for tag, row in out["wide_rss"].items():

@@ -1,0 +1,88 @@
+"""CUDA-only fixes exercised on CPU where they can be: exact-size pinned host copies (cudaHostRegister
+instead of the caching host allocator) and megatron's loss scaling wired to the optimizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_backend.memory import pinned_empty, unpin
+from tests.dist import run_ranks
+
+
+class StubCudart:
+    """torch.cuda.cudart()'s two calls as torch/cuda/_pin_memory_utils.py makes them:
+    cudaHostRegister(data_ptr: int, size: int, flags: int) and cudaHostUnregister(data_ptr: int), each
+    returning a cudaError (0: success)."""
+
+    def __init__(self, fail: bool = False):
+        self.registered: dict[int, int] = {}
+        self.fail = fail
+
+    def cudaHostRegister(self, ptr, size, flags):  # noqa: N802 (CUDA's name)
+        assert all(isinstance(x, int) for x in (ptr, size, flags)), (ptr, size, flags)
+        if self.fail:
+            return 2  # cudaErrorMemoryAllocation
+        self.registered[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr):  # noqa: N802
+        assert isinstance(ptr, int) and ptr in self.registered, ptr
+        del self.registered[ptr]
+        return 0
+
+
+def test_pinned_host_copies_are_exactly_the_bytes_moved():
+    cudart = StubCudart()
+    sizes = [3 * 2**20 + 1, 5 * 2**20]  # not powers of two: the caching allocator would round to 4 and 8 MiB
+    hosts = [pinned_empty(n, cudart=cudart) for n in sizes]
+    assert [h.numel() for h in hosts] == sizes and all(h.device.type == "cpu" for h in hosts)
+    assert sorted(cudart.registered.values()) == sorted(sizes)  # registered exactly, each its own buffer
+    assert {h.data_ptr() for h in hosts} == set(cudart.registered)
+    for h in hosts:
+        unpin(h, cudart=cudart)
+    assert cudart.registered == {}
+    with pytest.raises(RuntimeError, match="cudaHostRegister of 100 bytes failed with cudaError 2"):
+        pinned_empty(100, cudart=StubCudart(fail=True))
+
+
+def _grads_with_and_without_loss_scaling(rank, world_size, tiny_dir):
+    from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+    from megatron_backend.actor import Actor, use_loss_scaling
+    from megatron_backend.config import ActorConfig
+    from megatron_backend.parallel import initialize_model_parallel
+    from rl.losses import PolicyLoss, PolicyLossConfig
+
+    class ScaledOptimizer:
+        """The loss-scale part of megatron's optimizer: its real scale_loss over a fixed scale."""
+
+        scale_loss = MegatronOptimizer.scale_loss
+
+        def get_loss_scale(self):
+            return torch.tensor([1024.0])
+
+    dims = initialize_model_parallel(tp=1, pp=1)
+    loss_fn = PolicyLoss(PolicyLossConfig())
+    grads = []
+    for scaled in (False, True):
+        actor = Actor(tiny_dir, ActorConfig(micro_batch_size=2), dims)
+        if scaled:
+            use_loss_scaling(actor.chunks, ScaledOptimizer())
+        gen = torch.Generator().manual_seed(0)
+        input_ids = torch.randint(0, actor.shape.vocab_size, (4, 12), generator=gen)
+        loss_mask = torch.zeros(4, 11)
+        loss_mask[:, 6:] = 1.0
+        batch = {"input_ids": input_ids, "loss_mask": loss_mask, "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])}
+        batch["old_logprobs"] = actor.compute_logprobs(batch)
+        actor.compute_grads(batch, loss_fn)
+        grads.append([t.clone() for t in actor._grad_tensors()])
+    return grads
+
+
+def test_megatron_scales_the_loss_by_the_optimizers_scale(tiny_model_dirs):
+    plain, scaled = run_ranks(_grads_with_and_without_loss_scaling, 1, tiny_model_dirs["qwen2"])[0]
+    assert any(bool(g.any()) for g in plain)
+    # megatron's backward_step multiplied the loss by 1024 through config.grad_scale_func (a power of two:
+    # exact in floating point); the megatron optimizer divides it back out in step()
+    assert all(torch.allclose(s, 1024 * p, rtol=1e-5, atol=0) for p, s in zip(plain, scaled))
