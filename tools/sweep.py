@@ -382,6 +382,11 @@ def collect_result(run_dir: Path) -> dict:
         data = json.loads(summary.read_text())
         out["reward"] = data.get("reward_last5")
         out["steps"] = data.get("steps")
+        # the plan the run made before its engine started (the task's real prompt lengths, the KV cache
+        # the engine got): a sharper prediction than the launch-time check's worst case
+        phases = (data.get("memory_plan") or {}).get("phases") or {}
+        if phases:
+            out["predicted"] = {phase: v["predicted_bytes"] for phase, v in phases.items()}
     return out
 
 
@@ -459,8 +464,9 @@ def table_rows(points: list[Point]) -> list[dict[str, Any]]:
         measured = p.result.get("measured", {})
         row: dict[str, Any] = {"index": p.index, "point": p.name, **p.params, "status": p.status}
         predicted = {ph.name: ph.predicted_bytes for ph in p.plan.phases} if p.plan is not None else {}
-        row["predicted_peak_bytes"] = p.plan.peak_bytes if p.plan is not None else None
-        row["predicted_peak_phase"] = p.plan.peak_phase if p.plan is not None else None
+        predicted = p.result.get("predicted") or predicted  # the run's own plan, when it ran
+        row["predicted_peak_bytes"] = max(predicted.values()) if predicted else None
+        row["predicted_peak_phase"] = max(predicted, key=predicted.get) if predicted else None
         row["measured_peak_bytes"] = max(measured.values()) if measured else None
         row["measured_peak_phase"] = max(measured, key=measured.get) if measured else None
         row["step_seconds"] = p.result.get("step_seconds")
@@ -527,7 +533,7 @@ def write_markdown(rows: list[dict[str, Any]], params: list[str], path: Path, ti
         f"# Sweep {title}",
         "",
         f"Measured: the max over ranks of `{MEASURED_METRIC}` in each phase (CUDA: the allocator's peak plus what the device holds "
-        f"outside it; CPU: the process's RSS high-water mark over its start), in {unit}. Predicted: the planner's peak on the experiment's device. Step time: the median "
+        f"outside it; CPU: the process's RSS high-water mark over its start), in {unit}. Predicted: the plan the run made before its engine started (summary.json memory_plan; for points not run, the launch-time check on the experiment's device). Step time: the median "
         "over steps of the phases' seconds. Reward: mean of the last 5 steps.",
         "",
         _table(header, body),
