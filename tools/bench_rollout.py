@@ -1,6 +1,8 @@
-"""``make bench-rollout``: native engine vs transformers' ``generate``, same tiny model, prompts and lengths.
+"""``make bench-rollout``: native engine vs vLLM vs transformers' ``generate``, same model, prompts and lengths.
 
-Prints one JSON line: generated tokens/s of each, their ratio, and whether the greedy outputs agree.
+Prints one JSON line: generated tokens/s of each, their ratio, and whether the greedy outputs agree. vLLM
+(its CPU build on CPU; one rank, external launcher) is measured when it is importable, else its fields are
+null.
 ``--max-num-seqs`` / ``--max-num-batched-tokens`` set the native engine's batching knobs
 (``rollout.max_num_seqs`` / ``rollout.max_num_batched_tokens``). ``--sweep-knobs`` instead prints one
 JSON line with the native engine under several knob settings on prompts of mixed lengths: tokens/s
@@ -70,18 +72,26 @@ def main() -> None:
             )
         return out[:, args.prompt_len :].tolist()
 
-    # warm up both, then alternate timed runs so load from other processes hits both alike; keep the best
-    native_out, hf_out = run_native(), run_hf()
-    native_s, hf_s = float("inf"), float("inf")
+    runners = {"native": run_native, "hf": run_hf}
+    vllm_engine = _vllm_engine(path, args, knobs)
+    if vllm_engine is not None:
+
+        def run_vllm():
+            out = vllm_engine.generate(prompt_lists, params)
+            return [r[0].token_ids for r in out]
+
+        runners["vllm"] = run_vllm
+    # warm up each, then alternate timed runs so load from other processes hits all alike; keep the best
+    outputs = {name: run() for name, run in runners.items()}
+    best = dict.fromkeys(runners, float("inf"))
     for _ in range(args.repeats):
-        start = time.perf_counter()
-        native_out = run_native()
-        native_s = min(native_s, time.perf_counter() - start)
-        start = time.perf_counter()
-        hf_out = run_hf()
-        hf_s = min(hf_s, time.perf_counter() - start)
-    native_tps = sum(len(o) for o in native_out) / native_s
-    hf_tps = sum(len(o) for o in hf_out) / hf_s
+        for name, run in runners.items():
+            start = time.perf_counter()
+            outputs[name] = run()
+            best[name] = min(best[name], time.perf_counter() - start)
+    tps = {name: sum(len(o) for o in outputs[name]) / best[name] for name in runners}
+    native_out, hf_out = outputs["native"], outputs["hf"]
+    native_tps, hf_tps = tps["native"], tps["hf"]
     print(
         json.dumps(
             {
@@ -95,9 +105,39 @@ def main() -> None:
                 "hf_generate_tokens_per_s": round(hf_tps, 1),
                 "ratio": round(native_tps / hf_tps, 2),
                 "greedy_outputs_equal": native_out == hf_out,
+                "vllm_tokens_per_s": round(tps["vllm"], 1) if "vllm" in tps else None,
+                "vllm_over_native": round(tps["vllm"] / native_tps, 2) if "vllm" in tps else None,
+                "vllm_greedy_outputs_equal": outputs["vllm"] == hf_out if "vllm" in outputs else None,
             }
         )
     )
+
+
+def _vllm_engine(path: str, args, knobs: dict):
+    """vLLM on one rank (a world of 1), or None when vLLM is not installed."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return None
+    import os
+
+    import torch.distributed as dist
+
+    from modelspec import ColocatedMesh
+    from rl.launch import free_port
+    from rollout.config import RolloutConfig
+    from rollout.vllm_engine import VllmEngine
+
+    if not dist.is_initialized():
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ["MASTER_PORT"] = str(free_port())
+        dist.init_process_group("gloo")
+    cfg = RolloutConfig(
+        engine="vllm", kv_cache_bytes=64 << 20, max_model_len=args.prompt_len + args.max_new_tokens, **knobs
+    )
+    engine = VllmEngine(cfg, path, ColocatedMesh(world_size=1), 0, dtype="float32")
+    torch.set_num_threads(args.threads)  # vLLM's CPU worker may have changed it for its own serving
+    return engine
 
 
 def sweep_knobs(args) -> None:
