@@ -26,6 +26,10 @@ CUDA_MARGIN_FRACTION = 0.05  # caching-allocator fragmentation and slack, of the
 CPU_MARGIN_FRACTION = 0.10
 NCCL_BYTES_PER_COMMUNICATOR = 200 * MIB  # NCCL channel buffers of one communicator (gloo on CPU: none)
 VLLM_CUDA_GRAPH_BYTES = 1 * GIB  # vLLM's captured CUDA graphs: kept while the engine sleeps
+# vLLM's CPU build: what a rank holds for it beyond weights and KV cache, asleep or awake (its modules,
+# imported when the engine starts, after the memory probe's baseline, and its engine core's objects).
+# Measured 178 MiB per rank on memory_cpu (tiny:qwen2_memory, 2 ranks).
+VLLM_CPU_RUNTIME_BYTES = 176 * MIB
 VLLM_MAX_BATCHED_TOKENS = 8192  # vLLM's max_num_batched_tokens, what its profile run sizes activations for
 
 
@@ -246,10 +250,14 @@ class PlanInputs:
         return CUDA_RUNTIME_OVERHEAD_BYTES if self.on_cuda else CPU_RUNTIME_OVERHEAD_BYTES
 
     @property
-    def graph_bytes(self) -> int:
-        if self.cuda_graph_bytes is not None:
-            return self.cuda_graph_bytes
-        return VLLM_CUDA_GRAPH_BYTES if self.engine == "vllm" and self.on_cuda else 0
+    def engine_persistent_bytes(self) -> int:
+        """What the engine keeps while it sleeps besides weights and KV cache: vLLM's CUDA graphs on CUDA
+        (``cuda_graph_bytes``), its runtime on CPU; 0 for the native engine."""
+        if self.engine != "vllm":
+            return 0
+        if not self.on_cuda:
+            return VLLM_CPU_RUNTIME_BYTES
+        return VLLM_CUDA_GRAPH_BYTES if self.cuda_graph_bytes is None else self.cuda_graph_bytes
 
     @property
     def num_communicators(self) -> int:

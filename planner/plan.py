@@ -205,7 +205,10 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
         "kv_cache": kv_cache_bytes,
         "ref_params": st.ref_params,
     }
-    persistent_reserve = inp.graph_bytes
+    persistent_reserve = inp.engine_persistent_bytes
+    # vLLM's CPU build takes new weights through its layerwise reload: the layers' unprocessed weights are
+    # materialized beside the repacked ones until vLLM repacks them again (measured: the engine's weights)
+    reload = weights if inp.engine == "vllm" and not inp.on_cuda else 0
     rollout_reserve = persistent_reserve + engine_rollout_activation_bytes(inp)
     # a rank stages at most what it sends (its actor shard) plus what it receives (its engine shard); with
     # actor TP = PP = engine TP = 1 its engine replica is itself and every copy is local (no staging)
@@ -229,7 +232,7 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
         ("offload_optimizer", {"O": not inp.offload_optimizer}, {}),
         ("offload_grads", {"G": not inp.offload_grads}, {}),
         ("wake_weights", {"W": True} if staged else {"W": True, "K": True}, {}),
-        ("weight_sync", {}, {"sync_bucket": bucket}),
+        ("weight_sync", {}, {"sync_bucket": bucket, "engine_reserve": persistent_reserve + reload}),
         ("offload_params", {"P": not inp.offload_params}, {}),
         ("wake_kv_cache", {"K": True}, {}),
     ]
@@ -251,11 +254,12 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
 
 
 def engine_rollout_activation_bytes(inp: PlanInputs) -> int:
-    """What the engine takes beyond weights, KV cache and CUDA graphs while it generates. vLLM: its profiled
-    peak (max_num_batched_tokens, max_num_seqs). native: the same working set for the batch it really runs
+    """What the engine takes beyond weights, KV cache and CUDA graphs while it generates. vLLM on CUDA: its
+    profiled peak (max_num_batched_tokens, max_num_seqs). native, and vLLM on CPU: the same working set for
+    the batch it really runs
     (its replica's sequences, all prompts prefilled at once unless max_num_batched_tokens caps them); its
     activation reserve is headroom kept out of the KV cache, not memory it allocates."""
-    if inp.engine == "native":
+    if inp.engine == "native" or not inp.on_cuda:  # vLLM's CPU worker reserves no profiled activation peak
         replicas = inp.actor_tp * inp.actor_pp * inp.actor_dp // inp.rollout_tp
         seqs = min(inp.max_num_seqs, math.ceil(inp.sequences_per_step / replicas))
         prefill = seqs * inp.prompt_tokens
@@ -377,7 +381,7 @@ class Plan:
         inp = self.inputs
         kv = self.kv_cache_bytes if kv_cache_bytes is None else kv_cache_bytes
         weights = self.engine_weight_bytes
-        vllm_reserve = inp.graph_bytes + engine_activation_bytes(
+        vllm_reserve = inp.engine_persistent_bytes + engine_activation_bytes(
             inp.shape, inp.rollout_tp, inp.element_bytes, inp.vllm_max_batched_tokens, inp.max_num_seqs
         )
         rollout = self.phase("rollout").components
@@ -410,7 +414,7 @@ def _kv_from_utilization(inp: PlanInputs, weights: int, rollout_reserve: int) ->
 def make_plan(inp: PlanInputs) -> Plan:
     """Predict every phase on the worst rank and size the KV cache (see the module doc)."""
     weights = engine_param_count(inp.shape, inp.rollout_tp) * inp.element_bytes
-    rollout_reserve = inp.graph_bytes + engine_rollout_activation_bytes(inp)
+    rollout_reserve = inp.engine_persistent_bytes + engine_rollout_activation_bytes(inp)
     per_token = kv_bytes_per_token(inp.shape, inp.rollout_tp, inp.element_bytes)
     block = per_token * inp.block_size
     blocks_per_seq = math.ceil(inp.engine_max_model_len / inp.block_size)

@@ -116,7 +116,7 @@ def test_rollout_gives_the_kv_cache_what_the_offloaded_actor_leaves(plan):
     # the engine reserve: vLLM's CUDA graphs (1 GiB default) + its profiled activations for 8192 tokens and the
     # sampler (about 1.6 GB) is 2.6 GB, below the blog's 7-14 GB of CUDA graph + I/O buffers under SGLang:
     # the first constants for calibration against measured runs to revisit
-    graph = plan.inputs.graph_bytes
+    graph = plan.inputs.engine_persistent_bytes
     assert graph < BLOG["cuda_graph"][0]
     assert rollout["engine_reserve"] < BLOG["cuda_graph"][0] + BLOG["io_buffers"][0]
     # per token: 2 x 28 layers x 4 KV heads x 128 x 2 bytes = 56 KiB, so the KV cache holds ~2.2M tokens
