@@ -85,4 +85,5 @@ def make_batch(
         share = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
     batch = pack_sequences([samples[i] for i in share], pad_id=pad_id)
     batch["advantages"] = advantages[share]
+    batch["sample_index"] = torch.tensor(share)  # [B]: which of the step's samples each row is
     return {k: v.to(device) for k, v in batch.items()}, rewards

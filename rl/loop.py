@@ -62,7 +62,7 @@ def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
     with phase("old_logprob", step):
         batch["old_logprobs"] = actor.compute_logprobs(batch, phase="old_logprob", response_only=True)
     # the worst engine-vs-actor gap over all ranks; too large: stop before training on wrong log-probs
-    gap = engine_actor_logprob_gap(batch, sample_offset=ctx.dims.dp_rank * batch["input_ids"].shape[0])
+    gap = engine_actor_logprob_gap(batch)
     check_logprob_gap(gap, step, logprob_gap_tolerance(cfg.trainer.max_logprob_gap, cfg.model.dtype), cfg.model.dtype)
     ctx.logprob_gaps.append(gap.value)
     with phase("onload_ref", step):

@@ -39,6 +39,9 @@ def test_the_worst_response_token_is_found_and_named():
         check_logprob_gap(gap, step=7, tolerance=logprob_gap_tolerance(None, "float32"), dtype="float32")
     assert "trainer.max_logprob_gap=0.001" in str(info.value)
     check_logprob_gap(gap, step=7, tolerance=logprob_gap_tolerance(0.5, "float32"), dtype="float32")  # raised bar
+    # a token-balanced DP share is not contiguous: the batch names each row's sample
+    batch["sample_index"] = torch.tensor([4, 0, 9])
+    assert engine_actor_logprob_gap(batch).sample == 0
     assert LOGPROB_GAP_TOLERANCE["bfloat16"] > LOGPROB_GAP_TOLERANCE["float32"]
 
 
