@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rl.memory import RELEASE_TAGS, phase_drift, read_timeline_csv, released_bytes, steady_peak, wake_window_phases
-from tests.test_run import run_loop
+from tests.test_run import assert_plan_within, run_loop
 
 pytestmark = pytest.mark.slow
 MB = 10**6
@@ -43,23 +43,14 @@ def test_every_state_is_large_enough_to_measure(staged):
     assert (Path(summary["run_dir"]) / "memory_stages.png").stat().st_size > 20_000
 
 
-def _assert_plan_within(summary: dict, tolerance: float, min_bytes: int = 50 * MB) -> None:
-    """The memory plan made before the engine started predicts every phase the run measured above
-    ``min_bytes`` (steady median, worst rank) within ``tolerance``."""
-    phases = {k: v for k, v in summary["memory_plan"]["phases"].items() if v["measured_bytes"] >= min_bytes}
-    assert len(phases) >= 14, phases
-    off = {k: round(v["relative_error"], 3) for k, v in phases.items() if abs(v["relative_error"]) > tolerance}
-    assert not off, off
-
-
 def test_the_plan_predicts_every_phase_within_10_percent(staged):
-    _assert_plan_within(staged[0], 0.10)
+    assert_plan_within(staged[0], 0.10)
 
 
 def test_staged_wake_saves_the_actors_params_at_the_wake_peak(staged, tmp_path):
     summary, rows = staged
     all_at_once_summary, all_at_once = _run(tmp_path, "rollout.wake_strategy=all_at_once", "trainer.steps=3")
-    _assert_plan_within(all_at_once_summary, 0.10)
+    assert_plan_within(all_at_once_summary, 0.10)
     window = wake_window_phases()
     for rank in RANKS:
         params = _tag_bytes(summary, rank, "actor_params")
