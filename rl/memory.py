@@ -251,16 +251,25 @@ class MemoryTimeline:
 
 
 # ---------------------------------------------------------------- reading rows
-def read_timeline_csv(path: str | Path) -> list[dict]:
-    """``memory_timeline.csv`` -> rows as the timeline made them (ints, ``t_s`` float)."""
+def read_timeline_csv(path: str | Path, skip_broken: bool = False) -> list[dict]:
+    """``memory_timeline.csv`` -> rows as the timeline made them (ints, ``t_s`` float; empty cells left
+    out). ``skip_broken``: drop a row that does not parse (the last line of a file cut by a kill) instead of
+    raising."""
 
     def parse(key: str, value: str):
         if key == "phase":
             return value
         return float(value) if key == "t_s" else int(value)
 
+    rows = []
     with open(path, newline="") as f:
-        return [{k: parse(k, v) for k, v in raw.items() if v != ""} for raw in csv.DictReader(f)]
+        for raw in csv.DictReader(f):
+            try:
+                rows.append({k: parse(k, v) for k, v in raw.items() if v != ""})
+            except (TypeError, ValueError):  # a missing cell reads as None, a cut number as garbage
+                if not skip_broken:
+                    raise
+    return rows
 
 
 def steady_steps(rows: Iterable[dict]) -> list[int]:

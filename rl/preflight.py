@@ -10,18 +10,17 @@ Pure config checks (sizes that must divide, ranges) live in the configs' ``__pos
 from __future__ import annotations
 
 import importlib.util
-import math
 from dataclasses import asdict
 from pathlib import Path
 
 import yaml
 
-from modelspec import ModelShape, torch_dtype
-from planner.devices import device_preset
-from planner.sizes import engine_param_count, kv_bytes_per_token
+from modelspec import ModelShape
+from planner import make_plan
 from rl.checkpoint import CHECKPOINT_DIR, RLState, checkpoint_from_path, complete_checkpoints, model_sizes
 from rl.compose import ConfigError
 from rl.config import RunConfig
+from rl.planning import plan_inputs
 from rl.sampling import sampling_seed
 
 # engine -> the package it needs (the native engine is this repository)
@@ -37,7 +36,7 @@ def preflight(cfg: RunConfig, run_dir: Path | None) -> None:
     shape = cfg.model.shape()
     check_tokenizer(cfg, shape)
     check_model_files(cfg, shape)
-    check_kv_budget(cfg, shape)
+    check_kv_budget(cfg)
     check_data(cfg)
     check_resume(cfg, run_dir, shape)
 
@@ -91,41 +90,37 @@ def check_tokenizer(cfg: RunConfig, shape: ModelShape) -> None:
         )
 
 
-def check_kv_budget(cfg: RunConfig, shape: ModelShape) -> None:
+def check_kv_budget(cfg: RunConfig) -> None:
     """The engine's KV cache must hold at least one ``max_model_len`` sequence (what the native engine and
-    vLLM both refuse to start without): utilization x capacity - engine weights - activation reserve."""
+    vLLM both refuse to start without). The KV cache is the one the memory plan gives this config's engine
+    (``planner.plan``: each engine's own sizing rule), so launch and ``make plan`` agree."""
     rollout = cfg.rollout
     if rollout.gpu_memory_utilization == "auto" and rollout.kv_cache_bytes is None:
         return  # the planner picks it (rl.main.check_auto_plan refuses a plan where none fits)
-    element_bytes = torch_dtype(cfg.model.dtype).itemsize
-    if cfg.cluster.device == "cpu":
-        capacity, capacity_key = int(rollout.cpu_capacity_gb * 2**30), "rollout.cpu_capacity_gb"
-    else:
-        capacity = device_preset(cfg.cluster.device, cfg.cluster.procs_per_node).total_bytes
-        capacity_key = f"cluster.device={cfg.cluster.device}"
-    weight_bytes = engine_param_count(shape, rollout.tp) * element_bytes
-    budget = rollout.kv_cache_budget_bytes(capacity, weight_bytes)
-    max_model_len = rollout.max_model_len or shape.max_position_embeddings
-    needed = (
-        math.ceil(max_model_len / rollout.block_size)
-        * rollout.block_size
-        * kv_bytes_per_token(shape, rollout.tp, element_bytes)
-    )
-    if budget < needed and rollout.kv_cache_bytes is not None:
+    try:
+        plan = make_plan(plan_inputs(cfg))
+    except ValueError as exc:
+        raise ConfigError(f"the memory plan of this config failed: {exc}") from None
+    if not plan.kv_cache_too_small:
+        return
+    kv, needed = plan.kv_cache_bytes, plan.min_kv_cache_bytes
+    max_model_len = plan.inputs.engine_max_model_len
+    if rollout.kv_cache_bytes is not None:
         raise ConfigError(
-            f"rollout.kv_cache_bytes={rollout.kv_cache_bytes} ({budget / 2**20:.1f} MiB) is less than one "
-            f"max_model_len={max_model_len} sequence needs ({needed / 2**20:.1f} MiB); raise it, or lower "
+            f"rollout.kv_cache_bytes={rollout.kv_cache_bytes} ({kv / 2**20:.1f} MiB in whole blocks) is less than "
+            f"one max_model_len={max_model_len} sequence needs ({needed / 2**20:.1f} MiB); raise it, or lower "
             "rollout.max_model_len"
         )
-    if budget < needed:
-        raise ConfigError(
-            f"rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} x {capacity_key} "
-            f"({capacity / 2**30:.3g} GiB) leaves {budget / 2**20:.1f} MiB for the KV cache after the engine's "
-            f"weights and rollout.activation_reserve_mb, less than one max_model_len={max_model_len} sequence needs "
-            f"({needed / 2**20:.1f} MiB); raise rollout.gpu_memory_utilization"
-            + (" or rollout.cpu_capacity_gb" if cfg.cluster.device == "cpu" else "")
-            + ", or lower rollout.max_model_len"
-        )
+    on_cpu = cfg.cluster.device == "cpu"
+    capacity_key = "rollout.cpu_capacity_gb" if on_cpu else f"cluster.device={cfg.cluster.device}"
+    raise ConfigError(
+        f"rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} x {capacity_key} "
+        f"({plan.inputs.utilization_capacity_bytes / 2**30:.3g} GiB) leaves {kv / 2**20:.1f} MiB for the KV cache "
+        f"after the engine's weights and activation reserve, less than one max_model_len={max_model_len} sequence "
+        f"needs ({needed / 2**20:.1f} MiB); raise rollout.gpu_memory_utilization"
+        + (" or rollout.cpu_capacity_gb" if on_cpu else "")
+        + ", or lower rollout.max_model_len"
+    )
 
 
 def check_data(cfg: RunConfig) -> None:

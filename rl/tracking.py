@@ -68,16 +68,8 @@ def _truncate_jsonl(path: Path, completed_steps: int) -> list[dict]:
 
 def _truncate_csv(path: Path, completed_steps: int) -> list[dict]:
     """The timeline rows of steps < completed_steps, typed, rewritten to ``path``; returns them."""
-    rows = []
-    if path.is_file():
-        with open(path, newline="") as f:
-            for raw in csv.DictReader(f):
-                try:
-                    row = {k: (v if k == "phase" else float(v) if k == "t_s" else int(v)) for k, v in raw.items()}
-                except (TypeError, ValueError):  # a row cut by a kill
-                    continue
-                if row["step"] < completed_steps:
-                    rows.append(row)
+    rows = read_timeline_csv(path, skip_broken=True) if path.is_file() else []
+    rows = [row for row in rows if "step" in row and row["step"] < completed_steps]
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
         writer.writeheader()

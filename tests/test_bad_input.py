@@ -137,6 +137,11 @@ CASES = [
     ("utilization > 1", ["rollout.gpu_memory_utilization=1.5"], "rollout.gpu_memory_utilization=1.5 is outside (0, 1]"),
     ("KV cache bytes", ["rollout.kv_cache_bytes=1000"], "rollout.kv_cache_bytes=1000 must be an integer >= 1048576"),
     ("KV budget", ["rollout.cpu_capacity_gb=0.05"], "for the KV cache after the engine's weights"),
+    (
+        "KV bytes < one sequence",
+        ["--exp=memory_cpu", "rollout.kv_cache_bytes=1048576", "rollout.max_model_len=256"],
+        "rollout.kv_cache_bytes=1048576 (1.0 MiB in whole blocks) is less than one max_model_len=256 sequence",
+    ),
     ("bucket size", ["weight_sync.bucket_mb=0"], "weight_sync.bucket_mb=0 must be >= 1"),
     ("missing model.path", ["model.path=/no/such/checkpoint"], "model.path='/no/such/checkpoint' has no config.json"),
     ("missing shard", _missing_shard, "has neither model.safetensors nor model.safetensors.index.json"),

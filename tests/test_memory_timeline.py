@@ -206,3 +206,20 @@ def test_run_outputs_and_offline_wandb_run_read_back(tmp_path):
     assert [h["trainer/step"] for h in step_rows] == list(range(steps))
     assert step_rows[1]["memory/peak/train"] == metrics[1]["memory/peak/train"] and step_rows[1]["reward/mean"] == 0.25
     assert any(h.get("memory/stage_chart/_type") == "image-file" for h in history)
+
+
+def test_a_resumed_writer_keeps_the_completed_steps_rows_and_drops_a_row_cut_by_a_kill(tmp_path):
+    """memory_timeline.csv of a killed run: rows of completed steps survive a resume (also one with an empty
+    cell, a metric that rank did not report), later steps and the half-written last line are dropped."""
+    head = "t_s,step,phase,rank,device_used,device_peak,tag/ref_params\n"
+    (tmp_path / "memory_timeline.csv").write_text(
+        head + "0.5,0,rollout,0,100,110,\n1.0,0,train,0,200,210,7\n1.5,1,rollout,0,300,310,7\n2.0,1,tra"
+    )
+    with pytest.raises((TypeError, ValueError)):
+        read_timeline_csv(tmp_path / "memory_timeline.csv")
+    writer = RunWriter(tmp_path, {"exp": "unit"}, "disabled", "rlmem-test", None, "unit", completed_steps=1)
+    writer.close()
+    rows = read_timeline_csv(tmp_path / "memory_timeline.csv")
+    assert [(r["t_s"], r["phase"], r["device_used"]) for r in rows] == [(0.5, "rollout", 100), (1.0, "train", 200)]
+    assert "tag/ref_params" not in rows[0] and rows[1]["tag/ref_params"] == 7
+    assert writer.last_t_s == 1.0
