@@ -1,35 +1,37 @@
 """The colocated RL loop: one GRPO step per iteration, its phases named and ordered as in docs/DESIGN.md.
 
-Every rank runs :func:`run_rank`. The actor (megatron-core, TP x PP x DP) and the rollout engine
-(rollout TP x replicas) share each rank's device; :func:`rl_step` is the paper-level view of a step.
-Building the rank (:mod:`rl.setup`), batching (:mod:`rl.batching`), the rollout across replicas
-(:mod:`rl.sampling`), the metrics (:mod:`rl.metrics`) and checkpoints (:mod:`rl.checkpoint`) live beside it.
-
-Checkpoints and stopping (docs/DESIGN.md, "Checkpoints, resume, preemption"): a checkpoint is written
-inside the step right after ``train`` (``save_checkpoint``), when the actor's params, grads and optimizer
-states are resident and the engine is asleep, so it costs no extra device memory; it is completed
-(renamed into place) after the step is logged. SIGUSR1 / SIGTERM are acted on at the next of four
-boundaries every rank agrees on: after the onloads or after the log-prob passes (the step is abandoned
-and the state at its start saved), after ``train`` (the step finishes and is saved), at the step's end
-(and once after the warm-up).
-"""
+Every rank runs :func:`run_rank`; :func:`rl_step` is the paper-level view of a step. The actor
+(megatron-core, TP x PP x DP) and the engine (rollout TP x replicas) share each rank's device. Building
+the rank (:mod:`rl.setup`), batching, the rollout across replicas (:mod:`rl.sampling`), metrics and
+checkpoints (:mod:`rl.saving`) live beside it. A checkpoint is written right after ``train``, when the
+actor is resident and the engine asleep (no extra device memory), and completed after the step is logged;
+SIGUSR1 / SIGTERM act at the next boundary every rank agrees on (docs/DESIGN.md, "Checkpoints, resume,
+preemption")."""
 
 from __future__ import annotations
 
+import os
 import zlib
 from pathlib import Path
 
 import torch.distributed as dist
+from tqdm import tqdm
 
-from rl.batching import make_batch
-from rl.checkpoint import capture_rank_state, restore_rank_state
+from rl.checkpoint import StopRequest, capture_rank_state, restore_rank_state
 from rl.config import RunConfig
 from rl.memory import SAVE_PHASE
-from rl.metrics import check_logprob_gap, engine_actor_logprob_gap, logprob_gap_tolerance, step_metrics, summarize
+from rl.metrics import (
+    check_logprob_gap,
+    engine_actor_logprob_gap,
+    log_step,
+    logprob_gap_tolerance,
+    step_metrics,
+    summarize,
+)
 from rl.sampling import generate_samples, sampling_seed
 from rl.saving import StopBeforeTrain, finish_checkpoint, save_actor, save_and_stop
-from rl.setup import RankContext, setup, start_engine
-from rl.warmup import sft_warmup
+from rl.setup import RankContext, setup, start_rollout
+from rl.warmup import resume_or_warm_up
 from rl.weight_sync import SyncResult
 from rollout import SamplingParams
 
@@ -50,15 +52,7 @@ def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
                 actor.onload(what)
     if stop_agreed():
         raise StopBeforeTrain
-    batch, rewards = make_batch(
-        samples,
-        cfg.rollout.n_samples_per_prompt,
-        ctx.dims.dp,
-        ctx.dims.dp_rank,
-        ctx.tokenizer.pad_token_id or 0,
-        ctx.dims.device,
-        balance_tokens=cfg.actor.balance_dp_tokens,
-    )
+    batch, rewards = ctx.make_batch(samples)
     with phase("old_logprob", step):
         batch["old_logprobs"] = actor.compute_logprobs(batch, phase="old_logprob", response_only=True)
     # the worst engine-vs-actor gap over all ranks; too large: stop before training on wrong log-probs
@@ -109,15 +103,6 @@ def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
 def run_rank(cfg: RunConfig, run_dir: str) -> int:
     """Everything one rank does for a run: set up (resuming if there is a checkpoint), warm up, hand the
     engine the weights, then the steps. Returns the exit code (0; PREEMPTED_EXIT_CODE after a stop)."""
-    import os
-    import warnings
-
-    from tqdm import tqdm
-
-    from rl.checkpoint import StopRequest
-
-    # megatron-core warns at import about missing Apex / Transformer Engine / CUDA env vars; on CPU that is expected
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
     stop = StopRequest(int(os.environ.get("RANK", "0"))).install()  # before the slow setup: a signal then still counts
     ctx = setup(cfg, Path(run_dir), stop)
     steps = cfg.trainer.steps
@@ -125,29 +110,13 @@ def run_rank(cfg: RunConfig, run_dir: str) -> int:
         if ctx.rank == 0:
             print(f"{ctx.resumed_from} already has {ctx.start_step} >= trainer.steps={steps} steps; nothing to do")
         return 0
-    if ctx.resumed_state is not None:
-        warmup_losses = ctx.resumed_state.warmup_losses  # every checkpoint is after the warm-up
-        if ctx.rank == 0:
-            print(f"resuming from {ctx.resumed_from} (step {ctx.start_step} of {steps})", flush=True)
-    else:
-        warmup_losses = sft_warmup(ctx)
-        if ctx.rank == 0 and warmup_losses:
-            print(f"supervised warm-up: loss {warmup_losses[0]:.3f} -> {warmup_losses[-1]:.3f}", flush=True)
-        if ctx.stop.agreed(ctx.dims.device):  # signalled during setup or the warm-up: keep the warm-up
-            return save_and_stop(ctx, 0, capture_rank_state(ctx.task), warmup_losses, engine_awake=False)
-    for what in ("optimizer", "grads", "params"):
-        if ctx.offloaded(what):
-            ctx.actor.offload(what)
-    start_engine(ctx)  # sized with the actor offloaded, as the step leaves the device at the KV-cache wake
-    if ctx.offloaded("params"):
-        ctx.actor.onload("params")
-    ctx.sync_weights()  # the engine starts from the actor's weights
-    if ctx.offloaded("params"):
-        ctx.actor.offload("params")
+    warmup_losses = resume_or_warm_up(ctx)
+    if ctx.resumed_state is None and ctx.stop.agreed(ctx.dims.device):  # signalled during setup or warm-up
+        return save_and_stop(ctx, 0, capture_rank_state(ctx.task), warmup_losses, engine_awake=False)
+    start_rollout(ctx)  # the engine starts, sized with the actor offloaded, and takes the actor's weights
     if ctx.resumed_rank_state is not None:  # every RNG and the data cursor exactly as when the checkpoint was taken
         restore_rank_state(ctx.resumed_rank_state, ctx.task)
-    writer = ctx.writer
-    rewards = [m["reward/mean"] for m in writer.previous_metrics] if writer is not None else []
+    rewards = [m["reward/mean"] for m in ctx.writer.previous_metrics] if ctx.writer is not None else []
     syncs = []
     progress = tqdm(total=steps, initial=ctx.start_step, desc=cfg.exp, disable=ctx.rank != 0, dynamic_ncols=True)
     for step in range(ctx.start_step, steps):
@@ -158,16 +127,11 @@ def run_rank(cfg: RunConfig, run_dir: str) -> int:
             progress.close()
             return save_and_stop(ctx, step, rank_state, warmup_losses, engine_awake=False)
         syncs.append(sync)
-        rows = ctx.timeline.take_rows()
-        gathered: list | None = [None] * ctx.mesh.world_size if ctx.rank == 0 else None
-        dist.gather_object(rows, gathered, dst=0)
-        if writer is not None:
-            step_rows = [r for per_rank in gathered for r in per_rank]
-            writer.log_timeline(step_rows)
-            peaks = writer.log_step(step, metrics, step_rows)
+        peak_bytes = log_step(ctx, step, metrics)
+        if peak_bytes is not None:  # rank 0
             rewards.append(metrics["reward/mean"])
             progress.update()
-            progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", peak_mib=f"{max(peaks.values()) / 2**20:.0f}")
+            progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", peak_mib=f"{peak_bytes / 2**20:.0f}")
         if ctx.stop_after_step or ctx.stop.agreed(ctx.dims.device):
             progress.close()
             # after train (the step saved itself) or at the step's end (the engine is awake again)
@@ -176,7 +140,7 @@ def run_rank(cfg: RunConfig, run_dir: str) -> int:
             finish_checkpoint(ctx, ctx.pending_save, step + 1, capture_rank_state(ctx.task), warmup_losses)
             ctx.pending_save = None
     progress.close()
-    if writer is not None:
-        writer.finish(summarize(ctx, rewards, writer.read_rows(), syncs, warmup_losses))
+    if ctx.writer is not None:
+        ctx.writer.finish(summarize(ctx, rewards, ctx.writer.read_rows(), syncs, warmup_losses))
     dist.barrier()
     return 0

@@ -124,6 +124,20 @@ def step_metrics(
     return out
 
 
+def log_step(ctx, step: int, metrics: dict[str, float]) -> int | None:
+    """Gather every rank's timeline rows of the step on rank 0, which writes them and the step's metrics
+    (metrics.jsonl, memory_timeline.csv, W&B). Returns the step's highest measured phase peak on rank 0
+    (None on the others)."""
+    rows = ctx.timeline.take_rows()
+    gathered: list | None = [None] * ctx.mesh.world_size if ctx.rank == 0 else None
+    dist.gather_object(rows, gathered, dst=0)
+    if ctx.writer is None:
+        return None
+    step_rows = [r for per_rank in gathered for r in per_rank]
+    ctx.writer.log_timeline(step_rows)
+    return max(ctx.writer.log_step(step, metrics, step_rows).values())
+
+
 def memory_summary(rows: list[dict], world_size: int) -> dict:
     """The measured memory of a run (summary.json, ``make report``): peaks, hand-offs, drift.
 

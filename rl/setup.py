@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from modelspec import ColocatedMesh
+from rl.batching import Sample, make_batch
 from rl.checkpoint import ACTOR_DIR, Checkpointer, RLState, StopRequest, load_rank_state, resolve_resume
 from rl.config import RunConfig
 from rl.data import DigitSumTask, Gsm8kTask
@@ -113,6 +115,19 @@ class RankContext:
             rank = gathered.index((shortfall, line))
             raise MemoryPlanError(f"rank {rank}: {line}")
 
+    def make_batch(self, samples: list[Sample]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """This DP rank's share of the step's samples (on its device), and every sample's reward [N]."""
+        cfg, dims = self.cfg, self.dims
+        return make_batch(
+            samples,
+            cfg.rollout.n_samples_per_prompt,
+            dims.dp,
+            dims.dp_rank,
+            self.tokenizer.pad_token_id or 0,
+            dims.device,
+            balance_tokens=cfg.actor.balance_dp_tokens,
+        )
+
     def sync_weights(self) -> SyncResult:
         """Planned reshard of the actor's shards straight into the engine's (awake) weights."""
         destinations = self.engine.begin_weight_update()
@@ -144,6 +159,8 @@ def setup(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None) -> Ran
     from megatron_backend.parallel import default_device, initialize_model_parallel
     from modelspec.host_memory import configure_host_allocator
 
+    # megatron-core warns at import about missing Apex / Transformer Engine / CUDA env vars; on CPU that is expected
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
     mesh = cfg.mesh()
     if default_device().type == "cpu":
         # the process's memory is the device's here: keep it from creeping with allocator fragmentation
@@ -265,6 +282,21 @@ def start_engine(ctx: RankContext) -> RolloutEngine:
     if ctx.writer is not None and plan is not None:
         ctx.writer.predicted_bytes = {p.name: p.predicted_bytes + plan.runtime_overhead_bytes for p in plan.phases}
     return engine
+
+
+def start_rollout(ctx: RankContext) -> None:
+    """Before the first step: the actor offloads what its flags say, the engine starts sized for that
+    (:func:`start_engine`) and takes the actor's weights (the step's weight_sync, once), the actor's params
+    go back to host if they live there between steps. Ends where a step ends: engine awake, actor offloaded."""
+    for what in ("optimizer", "grads", "params"):
+        if ctx.offloaded(what):
+            ctx.actor.offload(what)
+    start_engine(ctx)
+    if ctx.offloaded("params"):
+        ctx.actor.onload("params")
+    ctx.sync_weights()
+    if ctx.offloaded("params"):
+        ctx.actor.offload("params")
 
 
 def _tagged(memory: dict[str, int], device: torch.device, rename: dict[str, str] | None = None) -> dict[str, int]:

@@ -20,3 +20,16 @@ def sft_warmup(ctx: RankContext) -> list[float]:
         metrics = ctx.actor.train_step({k: v.to(ctx.dims.device) for k, v in batch.items()}, sft_loss)
         losses.append(float(metrics["sft_loss"]))
     return losses
+
+
+def resume_or_warm_up(ctx: RankContext) -> list[float]:
+    """The warm-up's losses: the checkpoint's when resuming (every checkpoint is after the warm-up), else
+    the warm-up runs now."""
+    if ctx.resumed_state is not None:
+        if ctx.rank == 0:
+            print(f"resuming from {ctx.resumed_from} (step {ctx.start_step} of {ctx.cfg.trainer.steps})", flush=True)
+        return ctx.resumed_state.warmup_losses
+    losses = sft_warmup(ctx)
+    if ctx.rank == 0 and losses:
+        print(f"supervised warm-up: loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
+    return losses
