@@ -52,13 +52,13 @@ class LogprobGap:
         )
 
 
-def engine_actor_logprob_gap(batch: dict[str, torch.Tensor], sample_offset: int = 0) -> LogprobGap:
+def engine_actor_logprob_gap(batch: dict[str, torch.Tensor]) -> LogprobGap:
     """The worst |actor - engine| log-prob over every rank's response tokens (gathered over the world).
 
     ``batch``: this DP rank's ``input_ids`` [B, S], ``loss_mask`` / ``old_logprobs`` / ``engine_logprobs``
-    [B, S-1]; its row i is sample ``sample_index[i]`` of the step (rl.batching.make_batch), else
-    ``sample_offset + i``. The two must agree (same weights), so a jump shows a broken weight sync or a
-    layout bug at once, on whichever rank it happens.
+    [B, S-1], ``sample_index`` [B] (row i is that sample of the step: rl.batching.make_batch). The two
+    must agree (same weights), so a jump shows a broken weight sync or a layout bug at once, on whichever
+    rank it happens.
     """
     mask = batch["loss_mask"] > 0
     local = LogprobGap()
@@ -70,7 +70,7 @@ def engine_actor_logprob_gap(batch: dict[str, torch.Tensor], sample_offset: int 
         local = LogprobGap(
             value=float(gap[row, col]),
             rank=dist.get_rank() if dist.is_initialized() else 0,
-            sample=int(batch["sample_index"][row]) if "sample_index" in batch else sample_offset + row,
+            sample=int(batch["sample_index"][row]),
             response_token=col - first_response,
             token_id=int(batch["input_ids"][row, col + 1]),
             actor_logprob=float(batch["old_logprobs"][row, col]),

@@ -15,7 +15,9 @@ from rl.metrics import (
 from tests.dist import run_ranks
 
 
-def _batch(num_seqs: int = 3, seq_len: int = 8, prompt_len: int = 3, seed: int = 0) -> dict[str, torch.Tensor]:
+def _batch(
+    num_seqs: int = 3, seq_len: int = 8, prompt_len: int = 3, seed: int = 0, first_sample: int = 0
+) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     loss_mask = torch.zeros(num_seqs, seq_len - 1)
     loss_mask[:, prompt_len - 1 :] = 1.0  # response targets start at the last prompt position
@@ -25,14 +27,15 @@ def _batch(num_seqs: int = 3, seq_len: int = 8, prompt_len: int = 3, seed: int =
         "loss_mask": loss_mask,
         "engine_logprobs": engine,
         "old_logprobs": engine + 1e-7 * loss_mask,
+        "sample_index": torch.arange(first_sample, first_sample + num_seqs),  # a contiguous DP share
     }
 
 
 def test_the_worst_response_token_is_found_and_named():
-    batch = _batch()
+    batch = _batch(first_sample=10)
     batch["old_logprobs"][1, 5] += 0.25  # sequence 1, target position 5 = its 4th response token
     batch["old_logprobs"][2, 0] += 9.0  # a prompt position: not sampled by the engine, ignored
-    gap = engine_actor_logprob_gap(batch, sample_offset=10)
+    gap = engine_actor_logprob_gap(batch)
     assert gap.value == pytest.approx(0.25, abs=1e-6)
     assert (gap.sample, gap.response_token, gap.token_id) == (11, 3, int(batch["input_ids"][1, 6]))
     with pytest.raises(LogprobGapError, match=r"step 7: .*sample 11, response token 3") as info:
@@ -49,10 +52,10 @@ def _gap_on_ranks(rank: int, world_size: int):
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    batch = _batch(seed=rank)
+    batch = _batch(seed=rank, first_sample=rank * 3)
     if rank == 1:  # only this DP rank's share is wrong
         batch["old_logprobs"][0, 4] -= 2.0
-    gap = engine_actor_logprob_gap(batch, sample_offset=rank * 3)
+    gap = engine_actor_logprob_gap(batch)
     try:
         check_logprob_gap(gap, step=3, tolerance=1e-3, dtype="float32")
     except LogprobGapError as exc:

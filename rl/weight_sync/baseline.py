@@ -2,8 +2,9 @@
 
 Per megatron parameter: all-gather it across the actor's TP group, rebuild the full HF tensors it
 holds, broadcast each from its pipeline stage to every rank, and let every engine rank slice its
-part (or, for vLLM, hand the full tensors to the model's own ``load_weights``, as verl and slime do). Every rank briefly holds TP x its shard plus full HF tensors, and every byte of every tensor
-reaches every rank.
+part (or, for vLLM, hand the full tensors to the model's own ``load_weights``, as verl and slime do).
+Every rank briefly holds TP x its shard plus full HF tensors, and every byte of every tensor reaches
+every rank.
 """
 
 from __future__ import annotations
