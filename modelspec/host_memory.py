@@ -16,6 +16,18 @@ def release_freed_host_memory() -> None:
         pass
 
 
+def freeze_long_lived_objects() -> None:
+    """Move every object alive now out of the garbage collector's reach (``gc.freeze()``), after a collection.
+
+    A rank's setup builds hundreds of thousands of long-lived objects (megatron's modules, the engine,
+    transformers' tokenizer). Without this, each :func:`release_freed_host_memory` and each of Python's own
+    full collections walks all of them: measured on tiny_cpu, a third of a CPU step. Frozen objects are
+    still freed by reference counting; only cycles among them are left to the end of the process.
+    """
+    gc.collect()
+    gc.freeze()
+
+
 # mallopt(3) parameters
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8

@@ -17,7 +17,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +111,21 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    """``os.environ`` updated with ``values`` inside the block, as it was after it."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _rank_entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
     _die_with_parent()
     os.environ.update(
@@ -121,7 +136,6 @@ def _rank_entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
     exit_code = fn(*args)
     if exit_code:
         sys.exit(exit_code)
@@ -158,8 +172,13 @@ def spawn_local(fn: Callable, world_size: int, args: tuple[Any, ...] = ()) -> in
                     os.kill(p.pid, signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
-    for p in procs:
-        p.start()
+    # Each rank's OpenMP pool is sized when torch is imported, which a spawned rank does while unpickling
+    # `fn`, before `_rank_entry` runs: so the thread count must be in the environment it is spawned with.
+    # Two ranks of two threads each on two cores spend most of a CPU step waiting on each other.
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // world_size))
+    with _environ(OMP_NUM_THREADS=threads):
+        for p in procs:
+            p.start()
     exit_code = 0
     try:
         while any(p.is_alive() for p in procs):

@@ -3,6 +3,7 @@ engine-vs-actor log-prob check, and the run summary (summary.json)."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import asdict, dataclass
 
@@ -15,8 +16,10 @@ from rl.memory import (
     TAGS,
     phase_drift,
     phase_peaks,
+    phase_samples,
     released_bytes,
     steady_peak,
+    steady_steps,
     wake_window_phases,
 )
 from rl.planning import prediction_errors
@@ -160,6 +163,27 @@ def memory_summary(rows: list[dict], world_size: int) -> dict:
     }
 
 
+def time_summary(rows: list[dict], rank: int = 0) -> dict:
+    """Where a step's time goes, on ``rank``'s clock, over the steady steps (rl.memory.steady_steps): the
+    median seconds of each phase (its entry sample to its exit sample) and of a whole step (its first
+    sample to its last: the work between phases included; the logging after it is not)."""
+    samples = {k: v for k, v in phase_samples(rows).items() if k[0] == rank}
+    steady = set(steady_steps({"step": k[1]} for k in samples))
+    per_phase: dict[str, list[float]] = {}
+    step_span: dict[int, tuple[float, float]] = {}
+    for (_, step, phase), phase_rows in samples.items():
+        if step not in steady:
+            continue
+        first, last = phase_rows[0]["t_s"], phase_rows[-1]["t_s"]
+        per_phase.setdefault(phase, []).append(last - first)
+        start, end = step_span.get(step, (first, last))
+        step_span[step] = (min(start, first), max(end, last))
+    return {
+        "phase_median_seconds": {phase: statistics.median(v) for phase, v in per_phase.items()},
+        "step_median_seconds": statistics.median(end - start for start, end in step_span.values()),
+    }
+
+
 def summarize(ctx, rewards: list[float], rows: list[dict], syncs: list[SyncResult], warmup_losses: list[float]) -> dict:
     """summary.json: rewards first/last 5 steps, the measured memory (:func:`memory_summary`), weight-sync totals."""
     plan = ctx.weight_sync.plan
@@ -189,5 +213,6 @@ def summarize(ctx, rewards: list[float], rows: list[dict], syncs: list[SyncResul
             "bucket_bytes": plan.bucket_bytes,
         },
         "warmup_sft_loss": warmup_losses[-1] if warmup_losses else None,
+        "time": time_summary(rows),
         "wall_seconds": time.monotonic() - ctx.t0,
     }

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from modelspec import ColocatedMesh
+from modelspec.host_memory import freeze_long_lived_objects
 from rl.batching import Sample, make_batch
 from rl.checkpoint import ACTOR_DIR, Checkpointer, RLState, StopRequest, load_rank_state, resolve_resume
 from rl.config import RunConfig
@@ -207,7 +208,7 @@ def setup(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None) -> Ran
         box = [writer.last_t_s if writer is not None else 0.0]
         dist.broadcast_object_list(box, src=0)
         timeline.t0 = time.monotonic() - box[0]
-    return RankContext(
+    ctx = RankContext(
         cfg=cfg,
         mesh=mesh,
         dims=dims,
@@ -227,6 +228,8 @@ def setup(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None) -> Ran
         resumed_state=resumed_state,
         resumed_rank_state=load_rank_state(checkpoint, dims.rank) if checkpoint else None,
     )
+    freeze_long_lived_objects()
+    return ctx
 
 
 def start_engine(ctx: RankContext) -> RolloutEngine:
@@ -297,6 +300,7 @@ def start_rollout(ctx: RankContext) -> None:
     ctx.sync_weights()
     if ctx.offloaded("params"):
         ctx.actor.offload("params")
+    freeze_long_lived_objects()  # the engine's objects too
 
 
 def _tagged(memory: dict[str, int], device: torch.device, rename: dict[str, str] | None = None) -> dict[str, int]:

@@ -168,6 +168,27 @@ def test_launcher_names_the_dead_rank_and_stops_the_others(capfd, tmp_path):
     assert not list(tmp_path.iterdir())  # the others were killed, not waited for
 
 
+def _report_threads(out_dir: str) -> int:
+    import torch
+
+    Path(out_dir, os.environ["RANK"]).write_text(f"{os.environ.get('OMP_NUM_THREADS')} {torch.get_num_threads()}")
+    return 0
+
+
+def test_launcher_sizes_each_ranks_thread_pool_before_torch_starts(tmp_path, monkeypatch):
+    """Two ranks of two OpenMP threads on two cores wait on each other: each rank gets cores // ranks, and
+    torch (imported while the rank unpickles its function) sees it. A user's OMP_NUM_THREADS wins."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)  # torch's own default is every core: 2 or more
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert spawn_local(_report_threads, 2, (str(tmp_path),)) == 0
+    assert [(tmp_path / r).read_text() for r in ("0", "1")] == ["1 1", "1 1"]
+    assert "OMP_NUM_THREADS" not in os.environ  # the launcher's own environment is as it was
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)  # 2 each, unless the user says otherwise
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert spawn_local(_report_threads, 2, (str(tmp_path),)) == 0
+    assert [(tmp_path / r).read_text() for r in ("0", "1")] == ["1 1", "1 1"]
+
+
 def _wait_for_sigterm(ready_dir: str) -> int:
     stop = StopRequest(int(os.environ["RANK"])).install()
     Path(ready_dir, os.environ["RANK"]).touch()

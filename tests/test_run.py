@@ -74,6 +74,10 @@ def test_short_run_writes_every_output_and_a_readable_wandb_run(tmp_path):
     # the engine and the actor agree on the sampled tokens' log-probs on every rank: the weights really flowed
     assert all(m["rollout/engine_actor_logprob_diff_max"] < 1e-4 for m in metrics)
     assert summary["engine_actor_logprob_diff_max"] == max(m["rollout/engine_actor_logprob_diff_max"] for m in metrics)
+    # where the step's time went: every phase's median seconds (one steady step here: step 1), inside the step's
+    phase_seconds = summary["time"]["phase_median_seconds"]
+    assert set(PHASES) <= set(phase_seconds) <= {*PHASES, SAVE_PHASE} and all(v > 0 for v in phase_seconds.values())
+    assert summary["time"]["step_median_seconds"] >= sum(phase_seconds.values())
     # the offline W&B run, read back through wandb's own protobuf records
     history = history_rows(find_run_file(summary["wandb_dir"]))
     per_step = [h for h in history if "trainer/step" in h]
