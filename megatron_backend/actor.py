@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_backend.checkpoint import chunk_params, gather_hf_state_dict, load_hf_into_chunks, local_shards
+from megatron_backend.checkpoint import chunk_params, gather_hf_state_dict, load_hf_into_chunks
 from megatron_backend.config import ActorConfig
 from megatron_backend.layout import RankLayout, check_divisible, padded_vocab_size
 from megatron_backend.logprobs import fused_logprobs_entropy
@@ -428,10 +428,6 @@ class Actor:
         """{tag: bytes resident} (+ ``host/<tag>`` offloaded copies); peaks per op in ``ledger.peaks``."""
         return self.ledger.snapshot()
 
-    def memory_peaks(self) -> dict[str, dict[str, int]]:
-        """op name (build, old_logprob, train, offload_params, ...) -> the ledger's peak bytes per tag."""
-        return {op: dict(peak) for op, peak in self.ledger.peaks.items()}
-
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self, directory: str | Path) -> None:
         """Params + optimizer state as a megatron-core distributed checkpoint (collective; each rank
@@ -451,12 +447,6 @@ class Actor:
             dist_checkpoint.load(self, directory)
 
     # ---------------------------------------------------------------- export
-    def export_shards(self):
-        """This rank's [(SlicePiece, local block view)] in HF naming, for weight sync (no copies)."""
-        if self._offloaders["params"].offloaded:
-            raise RuntimeError("export_shards needs the params on the device; call actor.onload('params') first")
-        return local_shards(self.chunks, self.shape, self.layout)
-
     def local_params(self) -> dict[tuple[int, str], torch.Tensor]:
         """(vp_stage, megatron name) -> this rank's parameter tensor (no copies), for the weight-sync executor."""
         if self._offloaders["params"].offloaded:

@@ -114,13 +114,6 @@ def save(actor, directory: str | Path) -> None:
     dist_checkpointing.save(sharded_state_dict(actor, is_loading=False), str(directory))
 
 
-def is_dist_checkpoint(directory: str | Path) -> bool:
-    """Whether ``directory`` holds a complete megatron-core distributed checkpoint (its metadata.json)."""
-    from megatron.core import dist_checkpointing
-
-    return Path(directory).is_dir() and dist_checkpointing.check_is_distributed_checkpoint(str(directory))
-
-
 @torch.no_grad()
 def load(actor, directory: str | Path) -> None:
     """Fill params (and optimizer state) from ``directory``, resharding to this actor's layout (collective)."""

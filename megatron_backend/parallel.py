@@ -35,10 +35,6 @@ class ParallelDims:
     device: torch.device
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
 

@@ -98,12 +98,6 @@ class MemorySaver:
         self._nbytes[tag].append(tensor.untyped_storage().nbytes())
         return tensor
 
-    def forget(self, tag: str) -> None:
-        """Drop every tensor of ``tag`` from the ledger (the caller frees them)."""
-        self._tensors.pop(tag, None)
-        self._nbytes.pop(tag, None)
-        self._paused.discard(tag)
-
     def is_paused(self, tag: str) -> bool:
         return tag in self._paused
 
