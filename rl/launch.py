@@ -112,7 +112,7 @@ def _die_with_parent() -> None:
 
 
 @contextlib.contextmanager
-def _environ(**values: str) -> Iterator[None]:
+def updated_environ(**values: str) -> Iterator[None]:
     """``os.environ`` updated with ``values`` inside the block, as it was after it."""
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
@@ -176,7 +176,7 @@ def spawn_local(fn: Callable, world_size: int, args: tuple[Any, ...] = ()) -> in
     # `fn`, before `_rank_entry` runs: so the thread count must be in the environment it is spawned with.
     # Two ranks of two threads each on two cores spend most of a CPU step waiting on each other.
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // world_size))
-    with _environ(OMP_NUM_THREADS=threads):
+    with updated_environ(OMP_NUM_THREADS=threads):
         for p in procs:
             p.start()
     exit_code = 0

@@ -35,7 +35,7 @@ _SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 # seconds the batch shell keeps for itself after USR1 (requeue, logging) before the time limit
 REQUEUE_MARGIN_S = 20
 # #SBATCH lines are not shell-parsed, so paths and values in them must need no quoting
-_SHELL_SAFE_PATH = re.compile(r"^[\w@+=:,./-]+$")
+SHELL_SAFE_PATH = re.compile(r"^[\w@+=:,./-]+$")
 
 
 class SbatchError(ValueError):
@@ -62,7 +62,7 @@ def _setting(value: str | None, key: str, env: str, environ: dict[str, str]) -> 
     value, source = (value, f"cluster.{key}") if value is not None else (environ.get(env) or None, env)
     if value is None:
         return None, ""
-    if not _SHELL_SAFE_PATH.match(value):  # it goes on an #SBATCH line as is
+    if not SHELL_SAFE_PATH.match(value):  # it goes on an #SBATCH line as is
         raise ConfigError(f"{source}={value!r} has characters an #SBATCH line cannot carry")
     return value, source
 
@@ -114,7 +114,7 @@ def render(cfg: RunConfig, overrides: list[str], run_dir: Path, python: str, env
     """The batch script for ``cfg`` (composed from ``cfg.exp`` + ``overrides``) writing into ``run_dir``."""
     quote = shlex.quote
     script = run_dir / SCRIPT_NAME
-    if not _SHELL_SAFE_PATH.match(str(run_dir)):
+    if not SHELL_SAFE_PATH.match(str(run_dir)):
         raise ConfigError(f"run directory {run_dir} has characters #SBATCH lines cannot carry; pick another output_dir")
     signal_s = cfg.cluster.slurm_signal_seconds
     values = {

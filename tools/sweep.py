@@ -38,14 +38,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import yaml
 
 from rl.compose import REPO_ROOT, ConfigError, compose
 from rl.config import RunConfig
+from rl.launch import updated_environ
 from rl.memory import PEAK_METRIC
-from tools.sbatch import _SHELL_SAFE_PATH, fill, gpus_per_node, new_run_dir, resource_lines
+from tools.sbatch import SHELL_SAFE_PATH, fill, gpus_per_node, new_run_dir, resource_lines
 
 SWEEPS_DIR = REPO_ROOT / "experiments" / "sweeps"
 ARRAY_TEMPLATE = REPO_ROOT / "experiments" / "slurm" / "sweep.sbatch"
@@ -125,7 +125,7 @@ def agent_command(sweep: dict, point: dict[str, Any], env: dict[str, str], pytho
     """
     from wandb.sdk.launch.sweeps.utils import create_sweep_command, create_sweep_command_args
 
-    with mock.patch.dict(os.environ, env):
+    with updated_environ(**env):  # the agent reads ${envvar:NAME} from its own environment
         command = create_sweep_command([str(c) for c in sweep["command"]])
     sweep_vars: dict[str, Any] = create_sweep_command_args({"args": {k: {"value": v} for k, v in point.items()}})
     sweep_vars.update(interpreter=[python], program=[sweep.get("program", "")], env=["/usr/bin/env"])
@@ -229,7 +229,7 @@ def render_array(
     """The job array script: ``num_tasks`` tasks, each one ``wandb agent --count 1 <sweep_id>`` on one node."""
     if not _SWEEP_ID.match(sweep_id):
         raise SweepError(f"sweep id {sweep_id!r} is not <entity>/<project>/<id>")
-    if not _SHELL_SAFE_PATH.match(str(sweep_dir)):
+    if not SHELL_SAFE_PATH.match(str(sweep_dir)):
         raise SweepError(f"sweep directory {sweep_dir} has characters #SBATCH lines cannot carry")
     if num_tasks < 1:
         raise SweepError("no point to run: the array would be empty")
@@ -412,7 +412,7 @@ def local(args: argparse.Namespace, sweep: dict, grid: list[dict[str, Any]]) -> 
     command = with_fixed_overrides(sweep["command"], args.overrides)
     print(f"sweep directory: {sweep_dir}", flush=True)
     interrupted = False
-    signal.signal(signal.SIGTERM, _interrupt)  # scancel / kill: stop the running point too, keep the table
+    previous_handler = signal.signal(signal.SIGTERM, _interrupt)  # scancel / kill: stop the running point, keep the table
     progress = tqdm(runnable, desc=f"{args.sweep} on {args.exp}", unit="point", dynamic_ncols=True, disable=None)
     try:
         for point in progress:
@@ -430,6 +430,7 @@ def local(args: argparse.Namespace, sweep: dict, grid: list[dict[str, Any]]) -> 
                 p.status, p.reason = "not run", "interrupted"
     finally:
         progress.close()
+        signal.signal(signal.SIGTERM, previous_handler)
     rows = table_rows(points)
     print(format_compact(rows, list(grid[0])))
     write_csv(rows, sweep_dir / "summary.csv")
