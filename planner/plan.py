@@ -94,6 +94,13 @@ _STATE = {
 class PhasePlan:
     name: str
     components: dict[str, int]
+    # what is resident when the phase starts (before its changes and transients): the phase's measured rise
+    # above its starting level is predicted_bytes - start_bytes (tools/validate_plan.py checks it)
+    start_components: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def start_bytes(self) -> int:
+        return sum(self.start_components.values())
 
     @property
     def predicted_bytes(self) -> int:
@@ -121,7 +128,9 @@ def _layer_bytes(inp: PlanInputs, mb, recomputed: tuple[str, ...] = ()) -> int:
     per_layer = mb.model_tokens * layer_activation_bytes_per_token(s, tp, e, inp.attention, recomputed)
     if inp.attention == "unfused" and "core_attn" not in recomputed:
         per_layer += unfused_attention_bytes(s, tp, e, mb.sequences, mb.attention_span)
-    return per_layer
+    # megatron's local spec (CPU) runs RMSNorm, RoPE, SwiGLU and attention unfused: autograd keeps more per
+    # token than the fused count above; the factor is fitted by `make calibrate` (planner/calibration/cpu.json)
+    return round(per_layer * inp.activation_factor)
 
 
 def train_activation_bytes(inp: PlanInputs, layers: int, layers_per_chunk: int, micro_batches_in_flight: int) -> int:
@@ -245,8 +254,10 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
                 components[component] = sizes[component]
         components["comm_buffers"] = inp.comm_bytes
         components["engine_reserve"] = persistent_reserve
+        start_components = {k: v for k, v in components.items() if k not in _STATE.values()}
+        start_components.update({c: sizes[c] if state[k] else 0 for k, c in _STATE.items()})
         components.update(transient)
-        out.append(PhasePlan(name, components))
+        out.append(PhasePlan(name, components, start_components))
         state = after
     assert state == start, "rl_step must end where it started"
     assert tuple(p.name for p in out) == PHASES
@@ -267,7 +278,7 @@ def engine_rollout_activation_bytes(inp: PlanInputs) -> int:
             prefill = min(prefill, max(inp.native_max_batched_tokens, inp.prompt_tokens))
         return engine_activation_bytes(inp.shape, inp.rollout_tp, inp.element_bytes, prefill, seqs)
     return engine_activation_bytes(
-        inp.shape, inp.rollout_tp, inp.element_bytes, inp.vllm_max_batched_tokens, inp.max_num_seqs
+        inp.shape, inp.rollout_tp, inp.element_bytes, inp.vllm_batched_tokens, inp.max_num_seqs
     )
 
 
@@ -366,8 +377,8 @@ class Plan:
     def kv_cache_tokens(self, kv_cache_bytes: int | None = None) -> int:
         """Tokens a KV cache of ``kv_cache_bytes`` (default: the planned one) holds, in whole blocks."""
         kv = self.kv_cache_bytes if kv_cache_bytes is None else kv_cache_bytes
-        block = self.kv_bytes_per_token * self.inputs.block_size
-        return kv // block * self.inputs.block_size
+        block = self.kv_bytes_per_token * self.inputs.kv_block_size
+        return kv // block * self.inputs.kv_block_size
 
     def equivalent_utilization(self, kv_cache_bytes: int | None = None) -> dict[str, float]:
         """The ``gpu_memory_utilization`` that yields ``kv_cache_bytes`` under each engine's meaning.
@@ -382,7 +393,7 @@ class Plan:
         kv = self.kv_cache_bytes if kv_cache_bytes is None else kv_cache_bytes
         weights = self.engine_weight_bytes
         vllm_reserve = inp.engine_persistent_bytes + engine_activation_bytes(
-            inp.shape, inp.rollout_tp, inp.element_bytes, inp.vllm_max_batched_tokens, inp.max_num_seqs
+            inp.shape, inp.rollout_tp, inp.element_bytes, inp.vllm_batched_tokens, inp.max_num_seqs
         )
         rollout = self.phase("rollout").components
         outside_engine = sum(v for k, v in rollout.items() if k not in ("engine_weights", "kv_cache", "engine_reserve"))
@@ -416,8 +427,8 @@ def make_plan(inp: PlanInputs) -> Plan:
     weights = engine_param_count(inp.shape, inp.rollout_tp) * inp.element_bytes
     rollout_reserve = inp.engine_persistent_bytes + engine_rollout_activation_bytes(inp)
     per_token = kv_bytes_per_token(inp.shape, inp.rollout_tp, inp.element_bytes)
-    block = per_token * inp.block_size
-    blocks_per_seq = math.ceil(inp.engine_max_model_len / inp.block_size)
+    block = per_token * inp.kv_block_size
+    blocks_per_seq = math.ceil(inp.engine_max_model_len / inp.kv_block_size)
     useful_kv = inp.max_num_seqs * blocks_per_seq * block
     budget = inp.device.total_bytes - inp.runtime_bytes - inp.margin_bytes
     stages = [_stage(inp, stage) for stage in range(inp.actor_pp)]
@@ -518,7 +529,7 @@ def check_fits(plan: Plan, measured_free_bytes: int, phase: str | None = None) -
     if not shortfall:
         line = f"{name}: needs {_gib(needed)} ({parts}), {_gib(measured_free_bytes)} free: fits"
         return FitCheck(True, name, needed, measured_free_bytes, 0, plan.kv_cache_bytes, line)
-    block = plan.kv_bytes_per_token * plan.inputs.block_size
+    block = plan.kv_bytes_per_token * plan.inputs.kv_block_size
     fitting = (plan.kv_cache_bytes - shortfall) // block * block if "kv_cache" in growth else None
     if fitting is not None and fitting >= plan.min_kv_cache_bytes:
         util = plan.equivalent_utilization(fitting)[plan.inputs.engine]

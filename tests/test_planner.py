@@ -258,7 +258,7 @@ def test_overflow_names_the_phase_and_the_bytes_over():
 def test_recommended_kv_cache_makes_the_tightest_phase_fit_exactly(engine, wake_strategy):
     inputs = qwen7b_inputs(kv_cache_bytes=None, engine=engine, wake_strategy=wake_strategy)
     plan = make_plan(inputs)
-    block = plan.kv_bytes_per_token * inputs.block_size
+    block = plan.kv_bytes_per_token * inputs.kv_block_size
     assert plan.kv_cache_source == "auto"
     assert plan.kv_cache_bytes == plan.recommended_kv_cache_bytes == plan.largest_safe_kv_cache_bytes > 0
     tightest = plan.phase(plan.kv_limiting_phase)
