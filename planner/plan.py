@@ -229,7 +229,8 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
     forward = {"activations": st.forward_activations, "logits": st.forward_logits}
     steps: list[tuple[str, dict[str, bool], dict[str, int]]] = [
         ("rollout", {}, {"engine_reserve": rollout_reserve}),
-        ("engine_sleep", {"W": False, "K": False}, {}),
+        # on CPU the rollout's freed activations stay in the heap (RSS) until the sleep trims it (malloc_trim)
+        ("engine_sleep", {"W": False, "K": False}, {} if inp.on_cuda else {"engine_reserve": rollout_reserve}),
         ("onload_params", {"P": True}, {}),
         ("onload_grads", {"G": True}, {}),
         ("onload_optimizer", {"O": True}, {}),
@@ -256,6 +257,8 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
         components["engine_reserve"] = persistent_reserve
         start_components = {k: v for k, v in components.items() if k not in _STATE.values()}
         start_components.update({c: sizes[c] if state[k] else 0 for k, c in _STATE.items()})
+        if name == "engine_sleep" and not inp.on_cuda:
+            start_components["engine_reserve"] = rollout_reserve  # it starts where rollout's peak left the heap
         components.update(transient)
         out.append(PhasePlan(name, components, start_components))
         state = after
@@ -276,7 +279,9 @@ def engine_rollout_activation_bytes(inp: PlanInputs) -> int:
         prefill = seqs * inp.prompt_tokens
         if inp.native_max_batched_tokens:
             prefill = min(prefill, max(inp.native_max_batched_tokens, inp.prompt_tokens))
-        return engine_activation_bytes(inp.shape, inp.rollout_tp, inp.element_bytes, prefill, seqs)
+        # eager CPU ops hold more of a layer at once than the fused count: the calibrated engine_activation_factor
+        working = engine_activation_bytes(inp.shape, inp.rollout_tp, inp.element_bytes, prefill, seqs)
+        return round(working * inp.constants.value("engine_activation_factor"))
     return engine_activation_bytes(
         inp.shape, inp.rollout_tp, inp.element_bytes, inp.vllm_batched_tokens, inp.max_num_seqs
     )

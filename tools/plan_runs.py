@@ -16,6 +16,7 @@ within 20% (or 16 MiB).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -167,6 +168,7 @@ class Predicted:
     components: dict[str, int] = field(default_factory=dict)
 
 
+@functools.lru_cache(maxsize=None)
 def spec_config(spec: RunSpec):
     from rl.compose import compose
 
@@ -185,13 +187,17 @@ def run_prompt_tokens(cfg) -> int:
     return max(len(tokenizer(p).input_ids) for p in task.longest_prompts())
 
 
+@functools.lru_cache(maxsize=None)
+def spec_prompt_tokens(spec: RunSpec) -> int:
+    return run_prompt_tokens(spec_config(spec))
+
+
 def plan_for(spec: RunSpec, calibration=None):
     """The plan the run made for itself (same inputs), optionally under another calibration."""
     from planner import make_plan
     from rl.planning import plan_inputs
 
-    cfg = spec_config(spec)
-    inputs = plan_inputs(cfg, run_prompt_tokens(cfg), calibration=calibration)
+    inputs = plan_inputs(spec_config(spec), spec_prompt_tokens(spec), calibration=calibration)
     return make_plan(inputs)
 
 

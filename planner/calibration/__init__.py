@@ -19,12 +19,19 @@ CALIBRATION_DIR = Path(__file__).resolve().parent
 SOURCES = ("fit", "published", "estimate", "policy")
 # every constant the planner reads, per device kind (a calibration file must define all of its kind's)
 CONSTANTS: dict[str, tuple[str, ...]] = {
-    "cpu": ("runtime_overhead_bytes", "vllm_runtime_bytes", "local_spec_activation_factor", "margin_fraction"),
+    "cpu": (
+        "runtime_overhead_bytes",
+        "vllm_runtime_bytes",
+        "local_spec_activation_factor",
+        "engine_activation_factor",
+        "margin_fraction",
+    ),
     "cuda": (
         "runtime_overhead_bytes",
         "vllm_cuda_graph_bytes",
         "nccl_bytes_per_communicator",
         "local_spec_activation_factor",
+        "engine_activation_factor",
         "margin_fraction",
     ),
 }
