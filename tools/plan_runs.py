@@ -84,7 +84,12 @@ VALIDATION_SET = (
         ),
         "nothing offloaded, weights and KV cache woken together",
     ),
-    RunSpec("memory_cpu_reference", "memory_cpu", ("algorithm.kl_coef=0.05",), "a reference actor (KL)"),
+    RunSpec(
+        "memory_cpu_reference_tp2",
+        "memory_cpu",
+        ("algorithm.kl_coef=0.05", "actor.tp=2", "rollout.tp=2"),
+        "a reference actor (KL); actor and engine TP=2, so the sync stages a 64 MiB bucket",
+    ),
     RunSpec(
         "transients_long_vocab",
         "tiny_cpu",
