@@ -194,7 +194,9 @@ def _stage(inp: PlanInputs, stage: int) -> _Stage:
         actor_grads=count * FP32_BYTES,  # megatron DDP main_grad buffers, fp32 (grad_reduce_in_fp32)
         optimizer=optimizer,
         ref_params=params if inp.reference_model else 0,
-        train_activations=train_activation_bytes(inp, layers, layers_per_chunk, micro_batches_in_flight),
+        # plus the fixed workspace the train phase takes beside activations (CPU: calibrated; CUDA: 0)
+        train_activations=train_activation_bytes(inp, layers, layers_per_chunk, micro_batches_in_flight)
+        + int(inp.constants.value("train_workspace_bytes")),
         # forward-only: one layer's working set at a time
         forward_activations=_layer_bytes(inp, forward_mb) + forward_input,
         train_logits=logprob_pass_bytes(inp, train=True) if last else 0,
@@ -218,10 +220,14 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
     # vLLM's CPU build takes new weights through its layerwise reload: the layers' unprocessed weights are
     # materialized beside the repacked ones until vLLM repacks them again (measured: the engine's weights)
     reload = weights if inp.engine == "vllm" and not inp.on_cuda else 0
-    rollout_reserve = persistent_reserve + engine_rollout_activation_bytes(inp)
+    rollout_activations = engine_rollout_activation_bytes(inp)
+    rollout_reserve = persistent_reserve + rollout_activations
+    retained = 0 if inp.on_cuda else min(rollout_activations, int(inp.constants.value("heap_retention_bytes")))
+    sleep_reserve = persistent_reserve + retained if retained else 0
     # a rank stages at most what it sends (its actor shard) plus what it receives (its engine shard); with
-    # actor TP = PP = engine TP = 1 its engine replica is itself and every copy is local (no staging)
-    local_only = inp.actor_tp == inp.actor_pp == inp.rollout_tp == 1
+    # PP = 1 and actor TP = engine TP its engine shard is cut from its own actor shard and every copy is local
+    # (no staging; measured on memory_cpu at TP=2 -> TP=2: weight_sync rose 0.2 MiB)
+    local_only = inp.actor_pp == 1 and inp.actor_tp == inp.rollout_tp
     bucket = 0 if local_only else min(inp.sync_bucket_bytes, st.actor_params + weights)
     state = {"P": not inp.offload_params, "G": not inp.offload_grads, "O": not inp.offload_optimizer}
     state.update(R=not inp.offload_ref_params, W=True, K=True)
@@ -229,8 +235,8 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
     forward = {"activations": st.forward_activations, "logits": st.forward_logits}
     steps: list[tuple[str, dict[str, bool], dict[str, int]]] = [
         ("rollout", {}, {"engine_reserve": rollout_reserve}),
-        # on CPU the rollout's freed activations stay in the heap (RSS) until the sleep trims it (malloc_trim)
-        ("engine_sleep", {"W": False, "K": False}, {} if inp.on_cuda else {"engine_reserve": rollout_reserve}),
+        # on CPU the rollout's small freed allocations stay in the heap (RSS) until the sleep trims it (malloc_trim)
+        ("engine_sleep", {"W": False, "K": False}, {"engine_reserve": sleep_reserve} if sleep_reserve else {}),
         ("onload_params", {"P": True}, {}),
         ("onload_grads", {"G": True}, {}),
         ("onload_optimizer", {"O": True}, {}),
@@ -257,8 +263,8 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
         components["engine_reserve"] = persistent_reserve
         start_components = {k: v for k, v in components.items() if k not in _STATE.values()}
         start_components.update({c: sizes[c] if state[k] else 0 for k, c in _STATE.items()})
-        if name == "engine_sleep" and not inp.on_cuda:
-            start_components["engine_reserve"] = rollout_reserve  # it starts where rollout's peak left the heap
+        if name == "engine_sleep" and sleep_reserve:
+            start_components["engine_reserve"] = sleep_reserve  # it starts where rollout left the heap
         components.update(transient)
         out.append(PhasePlan(name, components, start_components))
         state = after
@@ -279,9 +285,13 @@ def engine_rollout_activation_bytes(inp: PlanInputs) -> int:
         prefill = seqs * inp.prompt_tokens
         if inp.native_max_batched_tokens:
             prefill = min(prefill, max(inp.native_max_batched_tokens, inp.prompt_tokens))
-        # eager CPU ops hold more of a layer at once than the fused count: the calibrated engine_activation_factor
+        # eager ops hold more of a layer at once than the fused count, and a fixed workspace beside it (both
+        # calibrated: engine_activation_factor, engine_workspace_bytes; 1 and 0 where never fitted)
         working = engine_activation_bytes(inp.shape, inp.rollout_tp, inp.element_bytes, prefill, seqs)
-        return round(working * inp.constants.value("engine_activation_factor"))
+        constants = inp.constants
+        return round(working * constants.value("engine_activation_factor")) + int(
+            constants.value("engine_workspace_bytes")
+        )
     return engine_activation_bytes(
         inp.shape, inp.rollout_tp, inp.element_bytes, inp.vllm_batched_tokens, inp.max_num_seqs
     )

@@ -67,6 +67,17 @@ FIT_SET = (
         "what megatron's local (CPU) layer keeps per token beyond the fused count: activations dominate",
     ),
     RunSpec("tiny_cpu_vllm", "tiny_cpu", ("rollout.engine=vllm",), "vLLM's CPU runtime beside its tensors"),
+    RunSpec(
+        "vocab_mid_batches",
+        "tiny_cpu",
+        (
+            "model.path=tiny:qwen2_vocab",
+            "rollout.max_new_tokens=16",
+            "actor.micro_batch_size=64",
+            "trainer.prompts_per_step=16",
+        ),
+        "large tensors (16k vocabulary): the activation terms where they are mostly big allocations",
+    ),
 )
 # Validation set: never fitted on.
 VALIDATION_SET = (
@@ -85,10 +96,10 @@ VALIDATION_SET = (
         "nothing offloaded, weights and KV cache woken together",
     ),
     RunSpec(
-        "memory_cpu_reference_tp2",
+        "memory_cpu_reference_reshard",
         "memory_cpu",
-        ("algorithm.kl_coef=0.05", "actor.tp=2", "rollout.tp=2"),
-        "a reference actor (KL); actor and engine TP=2, so the sync stages a 64 MiB bucket",
+        ("algorithm.kl_coef=0.05", "actor.tp=2", "rollout.tp=1"),
+        "a reference actor (KL); actor TP=2 -> two engine replicas of TP=1: the sync stages 64 MiB buckets",
     ),
     RunSpec(
         "transients_long_vocab",

@@ -24,6 +24,9 @@ CONSTANTS: dict[str, tuple[str, ...]] = {
         "vllm_runtime_bytes",
         "local_spec_activation_factor",
         "engine_activation_factor",
+        "train_workspace_bytes",
+        "engine_workspace_bytes",
+        "heap_retention_bytes",
         "margin_fraction",
     ),
     "cuda": (
@@ -32,6 +35,9 @@ CONSTANTS: dict[str, tuple[str, ...]] = {
         "nccl_bytes_per_communicator",
         "local_spec_activation_factor",
         "engine_activation_factor",
+        "train_workspace_bytes",
+        "engine_workspace_bytes",
+        "heap_retention_bytes",
         "margin_fraction",
     ),
 }
