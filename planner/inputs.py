@@ -118,6 +118,7 @@ class PlanInputs:
     cuda_graph_bytes: int | None = None  # None: the calibration's vllm_cuda_graph_bytes for vLLM on CUDA
     # weight sync and device
     sync_bucket_bytes: int = 512 * MIB
+    verify_sync: bool = False  # weight_sync.verify: int64 checksums of every slice after each sync
     margin_fraction: float | None = None  # None: the calibration's margin_fraction
     runtime_overhead_bytes: int | None = None  # None: the calibration's runtime_overhead_bytes
     comm_bytes_per_communicator: int | None = None  # None: the calibration's nccl_bytes_per_communicator (CPU: 0)

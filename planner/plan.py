@@ -35,11 +35,13 @@ from dataclasses import dataclass, field, replace
 from planner.inputs import PlanInputs
 from planner.sizes import (
     FP32_BYTES,
+    VERIFY_BYTES_PER_ELEMENT,
     actor_stage_param_count,
     engine_activation_bytes,
     engine_param_count,
     in_flight_layers,
     kv_bytes_per_token,
+    largest_engine_tensor_elements,
     layer_activation_bytes_per_token,
     logits_bytes,
     optimizer_bytes_per_param,
@@ -229,6 +231,8 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
     # (no staging; measured on memory_cpu at TP=2 -> TP=2: weight_sync rose 0.2 MiB)
     local_only = inp.actor_pp == 1 and inp.actor_tp == inp.rollout_tp
     bucket = 0 if local_only else min(inp.sync_bucket_bytes, st.actor_params + weights)
+    if inp.verify_sync:  # the checksums of the largest slice (rl/weight_sync/verify.py)
+        bucket += VERIFY_BYTES_PER_ELEMENT * largest_engine_tensor_elements(inp.shape, inp.rollout_tp)
     state = {"P": not inp.offload_params, "G": not inp.offload_grads, "O": not inp.offload_optimizer}
     state.update(R=not inp.offload_ref_params, W=True, K=True)
     start = dict(state)

@@ -75,6 +75,7 @@ def plan_inputs(cfg, prompt_tokens: int | None = None, calibration=None) -> Plan
         block_size=rollout.block_size,
         native_activation_reserve_bytes=rollout.activation_reserve_mb * MIB,
         sync_bucket_bytes=cfg.weight_sync.bucket_mb * MIB,
+        verify_sync=cfg.weight_sync.verify,
         calibration=calibration,
     )
 
