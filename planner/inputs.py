@@ -26,6 +26,7 @@ ATTENTION = ("flash", "unfused")
 # buffers, the CPU local spec's activation factor, the margin) live in planner/calibration/<kind>.json, each with
 # its source; PlanInputs.calibration (None: that file) and the per-run override fields below pick them.
 
+
 def vllm_default_max_num_batched_tokens(
     device: DeviceSpec, rollout_tp: int, max_num_seqs: int, max_model_len: int
 ) -> int:

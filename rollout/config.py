@@ -16,6 +16,8 @@ VLLM_CPU_DEFAULT_BLOCK_SIZE = 128
 def default_block_size(engine: str, on_cuda: bool) -> int:
     """The KV-cache block size ``engine`` uses when ``rollout.block_size`` is null."""
     return VLLM_CPU_DEFAULT_BLOCK_SIZE if engine == "vllm" and not on_cuda else DEFAULT_BLOCK_SIZE
+
+
 # Which memory tags the engine takes back at which wake phase of the step, per ``rollout.wake_strategy``:
 # staged wakes the weights, lets the sync write them and the actor offload its params, and only then
 # takes the KV cache, so the actor's params and the KV cache are never resident together.

@@ -69,10 +69,10 @@ def test_every_constant_names_its_source(kind):
 
 
 def test_plan_marks_constants_never_measured_on_the_device():
+    from planner import make_plan
     from planner.report import constants_lines, constants_used
     from rl.compose import compose
     from rl.planning import plan_inputs
-    from planner import make_plan
 
     plan = make_plan(plan_inputs(compose("qwen32b_8xh100")))
     used = {c["name"]: c for c in constants_used(plan)}

@@ -429,4 +429,7 @@ def test_unset_engine_knobs_follow_the_engines_own_defaults():
     assert cpu.vllm_batched_tokens == 8192 and cpu.kv_block_size == 128
     assert replace(cpu, engine="native").kv_block_size == 16 and replace(h100, block_size=32).kv_block_size == 32
     # rollout activations of vLLM on the H100 are profiled at 16384 tokens: twice the 8192-token working set
-    assert make_plan(h100).rollout_engine_reserve_bytes > make_plan(replace(h100, vllm_max_batched_tokens=8192)).rollout_engine_reserve_bytes
+    assert (
+        make_plan(h100).rollout_engine_reserve_bytes
+        > make_plan(replace(h100, vllm_max_batched_tokens=8192)).rollout_engine_reserve_bytes
+    )

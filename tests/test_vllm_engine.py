@@ -416,13 +416,21 @@ def test_sizing_knobs_reach_vllm(checkpoints, platform):
     from rollout.vllm_engine import engine_args
 
     cfg = RolloutConfig(
-        engine="vllm", tp=2, max_num_seqs=48, max_num_batched_tokens=1536, block_size=32, max_model_len=200,
+        engine="vllm",
+        tp=2,
+        max_num_seqs=48,
+        max_num_batched_tokens=1536,
+        block_size=32,
+        max_model_len=200,
         kv_cache_bytes=64 * 2**20,
     )
     kwargs = engine_args(cfg, checkpoints["qwen2"][0], ColocatedMesh(world_size=4, rollout_tp=2), platform)
     args = EngineArgs(**kwargs)
     planned = {
-        "max_num_seqs": 48, "max_num_batched_tokens": 1536, "block_size": 32, "max_model_len": 200,
+        "max_num_seqs": 48,
+        "max_num_batched_tokens": 1536,
+        "block_size": 32,
+        "max_model_len": 200,
         "kv_cache_memory_bytes": 64 * 2**20,
     }
     assert {name: getattr(args, name) for name in planned} == planned
@@ -435,7 +443,8 @@ def test_sizing_knobs_reach_vllm(checkpoints, platform):
 
 @vllm_mark
 @pytest.mark.parametrize(
-    "device,rollout_tp", [("H100-80GB", 4), ("H200-141GB", 1), ("B200", 2), ("A100-80GB", 2), ("A100-40GB", 1), ("cpu", 2)]
+    "device,rollout_tp",
+    [("H100-80GB", 4), ("H200-141GB", 1), ("B200", 2), ("A100-80GB", 2), ("A100-40GB", 1), ("cpu", 2)],
 )
 def test_planner_follows_vllm_batch_defaults(monkeypatch, device, rollout_tp):
     """The planner's max_num_batched_tokens default is vLLM 0.32's own for the device: EngineArgs.get_batch_defaults
@@ -456,7 +465,9 @@ def test_planner_follows_vllm_batch_defaults(monkeypatch, device, rollout_tp):
     vllm_default = batched[UsageContext.LLM_CLASS]
     assert vllm_default_max_num_batched_tokens(spec, rollout_tp, max_num_seqs=1024, max_model_len=32768) == vllm_default
     # vLLM caps its default at max_num_seqs x max_model_len
-    assert vllm_default_max_num_batched_tokens(spec, rollout_tp, max_num_seqs=4, max_model_len=100) == min(400, vllm_default)
+    assert vllm_default_max_num_batched_tokens(spec, rollout_tp, max_num_seqs=4, max_model_len=100) == min(
+        400, vllm_default
+    )
     if device == "H100-80GB":
         assert vllm_default == 16384  # the issue's case: Qwen2.5-32B's rollout activations at 16384 tokens
 

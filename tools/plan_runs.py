@@ -184,7 +184,7 @@ class Predicted:
     components: dict[str, int] = field(default_factory=dict)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def spec_config(spec: RunSpec):
     from rl.compose import compose
 
@@ -203,7 +203,7 @@ def run_prompt_tokens(cfg) -> int:
     return max(len(tokenizer(p).input_ids) for p in task.longest_prompts())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def spec_prompt_tokens(spec: RunSpec) -> int:
     return run_prompt_tokens(spec_config(spec))
 

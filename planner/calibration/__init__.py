@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 CALIBRATION_DIR = Path(__file__).resolve().parent
@@ -104,7 +104,7 @@ def from_json(data: dict, path: str = "") -> Calibration:
     return Calibration(data["device_kind"], constants, data.get("provenance", {}), path)
 
 
-@lru_cache(maxsize=None)
+@cache
 def load(device_kind: str) -> Calibration:
     """The calibration file of ``device_kind`` (``cpu`` or ``cuda``)."""
     path = CALIBRATION_DIR / f"{device_kind}.json"
