@@ -41,7 +41,8 @@ VLLM_BUILD := $(if $(filter gpu,$(subst $(comma), ,$(EXTRAS))),cuda,cpu)
 # HF=tiny_models/<family> builds that tiny checkpoint on demand, so README examples work in a fresh clone
 TINY_HF := $(if $(filter $(TINY_DIR)/%,$(HF)),$(HF)/config.json)
 
-.PHONY: help install run plan report compare sbatch sweep sweep-local test test-vllm test-gpu test-slow test-slurm lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout bench-train clean
+PHONY_PLANNER := calibrate validate-plan mutate-plan
+.PHONY: $(PHONY_PLANNER) help install run plan report compare sbatch sweep sweep-local test test-vllm test-gpu test-slow test-slurm lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout bench-train clean
 
 help: ## list the targets
 	@echo "usage: make <target> [EXP=<experiment>] [ARGS=\"<hydra overrides>\"]"
@@ -89,6 +90,15 @@ sweep: $(STAMP) ## W&B grid sweep SWEEP over EXP: plan every point, `wandb sweep
 
 sweep-local: $(STAMP) ## run SWEEP's grid on EXP here, offline, point by point (infeasible points skipped); table + plot
 	@$(PY) -m tools.sweep local --sweep $(SWEEP) --exp $(EXP) $(ARGS)
+
+calibrate: $(STAMP) ## fit the planner's CPU constants from the fit set (tools/plan_runs.py; runs what runs/calibration/ lacks, ARGS=--rerun) -> planner/calibration/cpu.json
+	@$(PY) -m tools.calibrate $(ARGS)
+
+validate-plan: $(STAMP) ## the memory plan vs the validation set's runs (never fitted on; runs what runs/validation/ lacks): one JSON line per config
+	@$(PY) -m tools.validate_plan $(ARGS)
+
+mutate-plan: $(STAMP) ## double each term of the plan / zero each transient and re-check the stored validation runs: which check fails
+	@$(PY) -m tools.mutate_plan $(ARGS)
 
 test: $(STAMP) ## run the CPU test suite (excludes gpu, slow, slurm and vllm tests)
 	$(PY) -m pytest -q -m "not gpu and not slow and not slurm and not vllm" $(PYTEST_ARGS)

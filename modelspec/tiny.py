@@ -200,5 +200,11 @@ SIZED_FAMILIES: dict[str, tuple[str, dict]] = {
             tie_word_embeddings=False,
         ),
     ),
+    # the planner's transient-dominated validation run (tools/validate_plan.py): the tiny Qwen2 with a 16k
+    # vocabulary, so the logits of long micro-batches outweigh every other tensor (fp32 [tokens, 16384/TP])
+    "qwen2_vocab": (
+        "Qwen2Config",
+        dict(_COMMON, vocab_size=16384, rope_theta=1_000_000.0, tie_word_embeddings=False),
+    ),
 }
 TINY_FAMILIES.update(SIZED_FAMILIES)

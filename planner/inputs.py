@@ -7,7 +7,13 @@ from dataclasses import dataclass
 
 from modelspec.dtypes import DTYPE_NAMES, element_bytes
 from modelspec.shape import ModelShape
+from planner.calibration import Calibration, load
 from planner.devices import GIB, MIB, DeviceSpec
+
+# KV-cache block size when none is given: vLLM's CacheConfig.DEFAULT_BLOCK_SIZE and the native engine's (16);
+# vLLM's CPU platform uses 128 (restated from rollout.config, which the planner does not import)
+DEFAULT_BLOCK_SIZE = 16
+VLLM_CPU_DEFAULT_BLOCK_SIZE = 128
 
 ENGINES = ("vllm", "native")
 WAKE_STRATEGIES = ("staged", "all_at_once")
@@ -16,21 +22,26 @@ RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
 ATTENTION = ("flash", "unfused")
 
-# Calibration constants (defaults; each has a PlanInputs field to override it). Measured runs refine them.
-CUDA_RUNTIME_OVERHEAD_BYTES = 1 * GIB  # CUDA context, cuBLAS / NCCL / vLLM kernels and workspaces per process
-# CPU: what a rank's process holds beyond the project's tensors once the run is under way, over the memory
-# probe's baseline (taken after imports and process-group setup): the tokenizer, megatron's and the engine's
-# Python objects, gloo buffers and the allocator's slack. Measured 36-52 MiB on tiny_cpu and memory_cpu.
-CPU_RUNTIME_OVERHEAD_BYTES = 48 * MIB
-CUDA_MARGIN_FRACTION = 0.05  # caching-allocator fragmentation and slack, of the device total
-CPU_MARGIN_FRACTION = 0.10
-NCCL_BYTES_PER_COMMUNICATOR = 200 * MIB  # NCCL channel buffers of one communicator (gloo on CPU: none)
-VLLM_CUDA_GRAPH_BYTES = 1 * GIB  # vLLM's captured CUDA graphs: kept while the engine sleeps
-# vLLM's CPU build: what a rank holds for it beyond weights and KV cache, asleep or awake (its modules,
-# imported when the engine starts, after the memory probe's baseline, and its engine core's objects).
-# Measured 178 MiB per rank on memory_cpu (tiny:qwen2_memory, 2 ranks).
-VLLM_CPU_RUNTIME_BYTES = 176 * MIB
-VLLM_MAX_BATCHED_TOKENS = 8192  # vLLM's max_num_batched_tokens, what its profile run sizes activations for
+# The constants not derived from the model's shape (runtime overhead, vLLM's CPU runtime and CUDA graphs, NCCL
+# buffers, the CPU local spec's activation factor, the margin) live in planner/calibration/<kind>.json, each with
+# its source; PlanInputs.calibration (None: that file) and the per-run override fields below pick them.
+
+
+def vllm_default_max_num_batched_tokens(
+    device: DeviceSpec, rollout_tp: int, max_num_seqs: int, max_model_len: int
+) -> int:
+    """vLLM 0.32's ``max_num_batched_tokens`` when none is given to ``vllm.LLM`` (what its profile run sizes
+    the activations for): ``EngineArgs.get_batch_defaults`` for the LLM class, by the device's total memory
+    (>= 160 GiB: 16384; >= 70 GiB and not an A100: 16384; else 8192; CPU: 4096 x the engine's world size),
+    capped at ``max_num_seqs x max_model_len`` (``_set_default_max_num_seqs_and_batched_tokens_args``).
+    Restated here (the planner imports no vLLM); tests/test_vllm_engine.py pins it against the real one."""
+    if device.kind == "cpu":
+        default = 4096 * rollout_tp
+    elif device.total_bytes >= 160 * GIB or (device.total_bytes >= 70 * GIB and "a100" not in device.name.lower()):
+        default = 16384
+    else:
+        default = 8192
+    return min(default, max_num_seqs * max_model_len)
 
 
 @dataclass(frozen=True)
@@ -101,16 +112,18 @@ class PlanInputs:
     engine_capacity_bytes: int | None = None  # native engine on CPU: rollout.cpu_capacity_gb; None: device total
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
-    block_size: int = 16
+    block_size: int | None = None  # None: the engine's default (rollout.config.default_block_size)
     native_activation_reserve_bytes: int = 64 * MIB
-    vllm_max_batched_tokens: int = VLLM_MAX_BATCHED_TOKENS
+    vllm_max_batched_tokens: int | None = None  # rollout.max_num_batched_tokens; None: vLLM's per-device default
     native_max_batched_tokens: int | None = None  # the native engine's prefill cap (rollout.max_num_batched_tokens)
-    cuda_graph_bytes: int | None = None  # None: VLLM_CUDA_GRAPH_BYTES for vLLM on CUDA, else 0
+    cuda_graph_bytes: int | None = None  # None: the calibration's vllm_cuda_graph_bytes for vLLM on CUDA
     # weight sync and device
     sync_bucket_bytes: int = 512 * MIB
-    margin_fraction: float | None = None  # None: CUDA_MARGIN_FRACTION / CPU_MARGIN_FRACTION
-    runtime_overhead_bytes: int | None = None  # None: CUDA_ / CPU_RUNTIME_OVERHEAD_BYTES
-    comm_bytes_per_communicator: int | None = None  # None: NCCL_BYTES_PER_COMMUNICATOR on CUDA, 0 on CPU
+    verify_sync: bool = False  # weight_sync.verify: int64 checksums of every slice after each sync
+    margin_fraction: float | None = None  # None: the calibration's margin_fraction
+    runtime_overhead_bytes: int | None = None  # None: the calibration's runtime_overhead_bytes
+    comm_bytes_per_communicator: int | None = None  # None: the calibration's nccl_bytes_per_communicator (CPU: 0)
+    calibration: Calibration | None = None  # None: planner/calibration/<device kind>.json
 
     def __post_init__(self) -> None:
         s = self.shape
@@ -121,7 +134,7 @@ class PlanInputs:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         for name in ("prompt_tokens", "response_tokens", "max_num_seqs", "block_size", "vllm_max_batched_tokens"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         for name in (
             "max_tokens_per_micro_batch",
@@ -176,7 +189,7 @@ class PlanInputs:
             raise ValueError(f"kv_cache_bytes={self.kv_cache_bytes} must be >= 0, or None")
         if self.margin_fraction is not None and not 0.0 <= self.margin_fraction < 1.0:
             raise ValueError(f"margin_fraction={self.margin_fraction} must be in [0, 1)")
-        if self.block_size & (self.block_size - 1):
+        if self.block_size is not None and self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size} must be a power of two")
         if self.sync_bucket_bytes < 1:
             raise ValueError(f"sync_bucket_bytes={self.sync_bucket_bytes} must be >= 1")
@@ -230,6 +243,22 @@ class PlanInputs:
         )
 
     @property
+    def kv_block_size(self) -> int:
+        """Tokens per KV-cache block: ``block_size``, else the engine's default on this device."""
+        if self.block_size is not None:
+            return self.block_size
+        return VLLM_CPU_DEFAULT_BLOCK_SIZE if self.engine == "vllm" and not self.on_cuda else DEFAULT_BLOCK_SIZE
+
+    @property
+    def vllm_batched_tokens(self) -> int:
+        """vLLM's ``max_num_batched_tokens``: the configured one, else vLLM's own default for this device."""
+        if self.vllm_max_batched_tokens is not None:
+            return self.vllm_max_batched_tokens
+        return vllm_default_max_num_batched_tokens(
+            self.device, self.rollout_tp, self.max_num_seqs, self.engine_max_model_len
+        )
+
+    @property
     def engine_max_model_len(self) -> int:
         return self.max_model_len or self.shape.max_position_embeddings
 
@@ -238,16 +267,25 @@ class PlanInputs:
         return self.device.kind == "cuda"
 
     @property
+    def constants(self) -> Calibration:
+        """The calibration this plan uses: ``calibration``, else the device kind's file."""
+        return self.calibration if self.calibration is not None else load(self.device.kind)
+
+    @property
     def margin_bytes(self) -> int:
-        default = CUDA_MARGIN_FRACTION if self.on_cuda else CPU_MARGIN_FRACTION
-        fraction = default if self.margin_fraction is None else self.margin_fraction
+        fraction = self.constants.value("margin_fraction") if self.margin_fraction is None else self.margin_fraction
         return int(fraction * self.device.total_bytes)
 
     @property
     def runtime_bytes(self) -> int:
         if self.runtime_overhead_bytes is not None:
             return self.runtime_overhead_bytes
-        return CUDA_RUNTIME_OVERHEAD_BYTES if self.on_cuda else CPU_RUNTIME_OVERHEAD_BYTES
+        return int(self.constants.value("runtime_overhead_bytes"))
+
+    @property
+    def activation_factor(self) -> float:
+        """What megatron's local (unfused, CPU) layer keeps per token over the fused count (calibrated)."""
+        return self.constants.value("local_spec_activation_factor") if self.attention == "unfused" else 1.0
 
     @property
     def engine_persistent_bytes(self) -> int:
@@ -256,8 +294,10 @@ class PlanInputs:
         if self.engine != "vllm":
             return 0
         if not self.on_cuda:
-            return VLLM_CPU_RUNTIME_BYTES
-        return VLLM_CUDA_GRAPH_BYTES if self.cuda_graph_bytes is None else self.cuda_graph_bytes
+            return int(self.constants.value("vllm_runtime_bytes"))
+        if self.cuda_graph_bytes is not None:
+            return self.cuda_graph_bytes
+        return int(self.constants.value("vllm_cuda_graph_bytes"))
 
     @property
     def num_communicators(self) -> int:
@@ -269,7 +309,7 @@ class PlanInputs:
     def comm_bytes(self) -> int:
         per = self.comm_bytes_per_communicator
         if per is None:
-            per = NCCL_BYTES_PER_COMMUNICATOR if self.on_cuda else 0
+            per = int(self.constants.value("nccl_bytes_per_communicator")) if self.on_cuda else 0
         return per * self.num_communicators
 
     @property

@@ -35,11 +35,13 @@ from dataclasses import dataclass, field, replace
 from planner.inputs import PlanInputs
 from planner.sizes import (
     FP32_BYTES,
+    VERIFY_BYTES_PER_ELEMENT,
     actor_stage_param_count,
     engine_activation_bytes,
     engine_param_count,
     in_flight_layers,
     kv_bytes_per_token,
+    largest_engine_tensor_elements,
     layer_activation_bytes_per_token,
     logits_bytes,
     optimizer_bytes_per_param,
@@ -94,6 +96,13 @@ _STATE = {
 class PhasePlan:
     name: str
     components: dict[str, int]
+    # what is resident when the phase starts (before its changes and transients): the phase's measured rise
+    # above its starting level is predicted_bytes - start_bytes (tools/validate_plan.py checks it)
+    start_components: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def start_bytes(self) -> int:
+        return sum(self.start_components.values())
 
     @property
     def predicted_bytes(self) -> int:
@@ -121,7 +130,9 @@ def _layer_bytes(inp: PlanInputs, mb, recomputed: tuple[str, ...] = ()) -> int:
     per_layer = mb.model_tokens * layer_activation_bytes_per_token(s, tp, e, inp.attention, recomputed)
     if inp.attention == "unfused" and "core_attn" not in recomputed:
         per_layer += unfused_attention_bytes(s, tp, e, mb.sequences, mb.attention_span)
-    return per_layer
+    # megatron's local spec (CPU) runs RMSNorm, RoPE, SwiGLU and attention unfused: autograd keeps more per
+    # token than the fused count above; the factor is fitted by `make calibrate` (planner/calibration/cpu.json)
+    return round(per_layer * inp.activation_factor)
 
 
 def train_activation_bytes(inp: PlanInputs, layers: int, layers_per_chunk: int, micro_batches_in_flight: int) -> int:
@@ -185,7 +196,9 @@ def _stage(inp: PlanInputs, stage: int) -> _Stage:
         actor_grads=count * FP32_BYTES,  # megatron DDP main_grad buffers, fp32 (grad_reduce_in_fp32)
         optimizer=optimizer,
         ref_params=params if inp.reference_model else 0,
-        train_activations=train_activation_bytes(inp, layers, layers_per_chunk, micro_batches_in_flight),
+        # plus the fixed workspace the train phase takes beside activations (CPU: calibrated; CUDA: 0)
+        train_activations=train_activation_bytes(inp, layers, layers_per_chunk, micro_batches_in_flight)
+        + int(inp.constants.value("train_workspace_bytes")),
         # forward-only: one layer's working set at a time
         forward_activations=_layer_bytes(inp, forward_mb) + forward_input,
         train_logits=logprob_pass_bytes(inp, train=True) if last else 0,
@@ -209,18 +222,25 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
     # vLLM's CPU build takes new weights through its layerwise reload: the layers' unprocessed weights are
     # materialized beside the repacked ones until vLLM repacks them again (measured: the engine's weights)
     reload = weights if inp.engine == "vllm" and not inp.on_cuda else 0
-    rollout_reserve = persistent_reserve + engine_rollout_activation_bytes(inp)
+    rollout_activations = engine_rollout_activation_bytes(inp)
+    rollout_reserve = persistent_reserve + rollout_activations
+    retained = 0 if inp.on_cuda else min(rollout_activations, int(inp.constants.value("heap_retention_bytes")))
+    sleep_reserve = persistent_reserve + retained if retained else 0
     # a rank stages at most what it sends (its actor shard) plus what it receives (its engine shard); with
-    # actor TP = PP = engine TP = 1 its engine replica is itself and every copy is local (no staging)
-    local_only = inp.actor_tp == inp.actor_pp == inp.rollout_tp == 1
+    # PP = 1 and actor TP = engine TP its engine shard is cut from its own actor shard and every copy is local
+    # (no staging; measured on memory_cpu at TP=2 -> TP=2: weight_sync rose 0.2 MiB)
+    local_only = inp.actor_pp == 1 and inp.actor_tp == inp.rollout_tp
     bucket = 0 if local_only else min(inp.sync_bucket_bytes, st.actor_params + weights)
+    if inp.verify_sync:  # the checksums of the largest slice (rl/weight_sync/verify.py)
+        bucket += VERIFY_BYTES_PER_ELEMENT * largest_engine_tensor_elements(inp.shape, inp.rollout_tp)
     state = {"P": not inp.offload_params, "G": not inp.offload_grads, "O": not inp.offload_optimizer}
     state.update(R=not inp.offload_ref_params, W=True, K=True)
     start = dict(state)
     forward = {"activations": st.forward_activations, "logits": st.forward_logits}
     steps: list[tuple[str, dict[str, bool], dict[str, int]]] = [
         ("rollout", {}, {"engine_reserve": rollout_reserve}),
-        ("engine_sleep", {"W": False, "K": False}, {}),
+        # on CPU the rollout's small freed allocations stay in the heap (RSS) until the sleep trims it (malloc_trim)
+        ("engine_sleep", {"W": False, "K": False}, {"engine_reserve": sleep_reserve} if sleep_reserve else {}),
         ("onload_params", {"P": True}, {}),
         ("onload_grads", {"G": True}, {}),
         ("onload_optimizer", {"O": True}, {}),
@@ -245,8 +265,12 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
                 components[component] = sizes[component]
         components["comm_buffers"] = inp.comm_bytes
         components["engine_reserve"] = persistent_reserve
+        start_components = {k: v for k, v in components.items() if k not in _STATE.values()}
+        start_components.update({c: sizes[c] if state[k] else 0 for k, c in _STATE.items()})
+        if name == "engine_sleep" and sleep_reserve:
+            start_components["engine_reserve"] = sleep_reserve  # it starts where rollout left the heap
         components.update(transient)
-        out.append(PhasePlan(name, components))
+        out.append(PhasePlan(name, components, start_components))
         state = after
     assert state == start, "rl_step must end where it started"
     assert tuple(p.name for p in out) == PHASES
@@ -265,9 +289,15 @@ def engine_rollout_activation_bytes(inp: PlanInputs) -> int:
         prefill = seqs * inp.prompt_tokens
         if inp.native_max_batched_tokens:
             prefill = min(prefill, max(inp.native_max_batched_tokens, inp.prompt_tokens))
-        return engine_activation_bytes(inp.shape, inp.rollout_tp, inp.element_bytes, prefill, seqs)
+        # eager ops hold more of a layer at once than the fused count, and a fixed workspace beside it (both
+        # calibrated: engine_activation_factor, engine_workspace_bytes; 1 and 0 where never fitted)
+        working = engine_activation_bytes(inp.shape, inp.rollout_tp, inp.element_bytes, prefill, seqs)
+        constants = inp.constants
+        return round(working * constants.value("engine_activation_factor")) + int(
+            constants.value("engine_workspace_bytes")
+        )
     return engine_activation_bytes(
-        inp.shape, inp.rollout_tp, inp.element_bytes, inp.vllm_max_batched_tokens, inp.max_num_seqs
+        inp.shape, inp.rollout_tp, inp.element_bytes, inp.vllm_batched_tokens, inp.max_num_seqs
     )
 
 
@@ -366,8 +396,8 @@ class Plan:
     def kv_cache_tokens(self, kv_cache_bytes: int | None = None) -> int:
         """Tokens a KV cache of ``kv_cache_bytes`` (default: the planned one) holds, in whole blocks."""
         kv = self.kv_cache_bytes if kv_cache_bytes is None else kv_cache_bytes
-        block = self.kv_bytes_per_token * self.inputs.block_size
-        return kv // block * self.inputs.block_size
+        block = self.kv_bytes_per_token * self.inputs.kv_block_size
+        return kv // block * self.inputs.kv_block_size
 
     def equivalent_utilization(self, kv_cache_bytes: int | None = None) -> dict[str, float]:
         """The ``gpu_memory_utilization`` that yields ``kv_cache_bytes`` under each engine's meaning.
@@ -382,7 +412,7 @@ class Plan:
         kv = self.kv_cache_bytes if kv_cache_bytes is None else kv_cache_bytes
         weights = self.engine_weight_bytes
         vllm_reserve = inp.engine_persistent_bytes + engine_activation_bytes(
-            inp.shape, inp.rollout_tp, inp.element_bytes, inp.vllm_max_batched_tokens, inp.max_num_seqs
+            inp.shape, inp.rollout_tp, inp.element_bytes, inp.vllm_batched_tokens, inp.max_num_seqs
         )
         rollout = self.phase("rollout").components
         outside_engine = sum(v for k, v in rollout.items() if k not in ("engine_weights", "kv_cache", "engine_reserve"))
@@ -416,8 +446,8 @@ def make_plan(inp: PlanInputs) -> Plan:
     weights = engine_param_count(inp.shape, inp.rollout_tp) * inp.element_bytes
     rollout_reserve = inp.engine_persistent_bytes + engine_rollout_activation_bytes(inp)
     per_token = kv_bytes_per_token(inp.shape, inp.rollout_tp, inp.element_bytes)
-    block = per_token * inp.block_size
-    blocks_per_seq = math.ceil(inp.engine_max_model_len / inp.block_size)
+    block = per_token * inp.kv_block_size
+    blocks_per_seq = math.ceil(inp.engine_max_model_len / inp.kv_block_size)
     useful_kv = inp.max_num_seqs * blocks_per_seq * block
     budget = inp.device.total_bytes - inp.runtime_bytes - inp.margin_bytes
     stages = [_stage(inp, stage) for stage in range(inp.actor_pp)]
@@ -518,7 +548,7 @@ def check_fits(plan: Plan, measured_free_bytes: int, phase: str | None = None) -
     if not shortfall:
         line = f"{name}: needs {_gib(needed)} ({parts}), {_gib(measured_free_bytes)} free: fits"
         return FitCheck(True, name, needed, measured_free_bytes, 0, plan.kv_cache_bytes, line)
-    block = plan.kv_bytes_per_token * plan.inputs.block_size
+    block = plan.kv_bytes_per_token * plan.inputs.kv_block_size
     fitting = (plan.kv_cache_bytes - shortfall) // block * block if "kv_cache" in growth else None
     if fitting is not None and fitting >= plan.min_kv_cache_bytes:
         util = plan.equivalent_utilization(fitting)[plan.inputs.engine]

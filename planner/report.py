@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from planner.plan import COMPONENTS, Plan
+from planner.plan import COMPONENTS, Plan, engine_rollout_activation_bytes
 
 GIB = 2**30
 # column header per component (the legend under the table spells them out)
@@ -93,6 +93,7 @@ def format_table(plan: Plan, side_by_side: list[tuple[str, Plan]] | None = None,
         f"(same KV cache as vllm {util['vllm']:.3f}, native {util['native']:.3f}, sglang mem_fraction_static "
         f"{util['sglang']:.3f})"
     )
+    lines += ["", *constants_lines(plan)]
     if side_by_side:
         lines += ["", f"side by side (KV cache fixed at {gib(plan.kv_cache_bytes)} GiB):"]
         lines.append(
@@ -140,6 +141,7 @@ def plan_json(plan: Plan, side_by_side: list[tuple[str, Plan]] | None = None) ->
             "budget_bytes": plan.budget_bytes,
         },
         "pp_stage": plan.pp_stage,
+        "constants": constants_used(plan),
         "wake_strategy": inp.wake_strategy,
         "engine": inp.engine,
         "variants": [
@@ -153,3 +155,77 @@ def plan_json(plan: Plan, side_by_side: list[tuple[str, Plan]] | None = None) ->
             for label, v in side_by_side or []
         ],
     }
+
+
+# ---------------------------------------------------------------- constants and their sources
+def constants_used(plan: Plan) -> list[dict]:
+    """Each calibration constant this plan uses: value, source, reference, whether it was measured on this
+    device kind, and how many bytes of the peak phase its uncertainty can move."""
+    inp = plan.inputs
+    cal = inp.constants
+    peak = plan.peak.components
+    used: list[tuple[str, float, float]] = []  # name, the value this plan uses, bytes of the peak per unit of it
+    if inp.runtime_overhead_bytes is None:
+        used.append(("runtime_overhead_bytes", plan.runtime_overhead_bytes, 1.0))
+    if inp.engine == "vllm" and inp.on_cuda and inp.cuda_graph_bytes is None:
+        used.append(("vllm_cuda_graph_bytes", cal.value("vllm_cuda_graph_bytes"), 1.0))
+    if inp.engine == "vllm" and not inp.on_cuda:
+        used.append(("vllm_runtime_bytes", cal.value("vllm_runtime_bytes"), 1.0))
+    if inp.on_cuda and inp.comm_bytes_per_communicator is None and inp.num_communicators:
+        used.append(("nccl_bytes_per_communicator", cal.value("nccl_bytes_per_communicator"), inp.num_communicators))
+    if inp.attention == "unfused":
+        factor = cal.value("local_spec_activation_factor")
+        used.append(("local_spec_activation_factor", factor, peak["activations"] / factor if factor else 0.0))
+    if not inp.on_cuda or inp.engine == "native":
+        factor = cal.value("engine_activation_factor")
+        rollout_act = engine_rollout_activation_bytes(inp) if plan.peak_phase in ("rollout", "engine_sleep") else 0
+        used.append(("engine_activation_factor", factor, rollout_act / factor if factor else 0.0))
+    if inp.margin_fraction is None:
+        used.append(("margin_fraction", cal.value("margin_fraction"), 0.0))
+    out = []
+    for name, value, per_unit in used:
+        c = cal[name]
+        out.append(
+            {
+                "name": name,
+                "value": value,
+                "unit": c.unit,
+                "uncertainty": c.uncertainty,
+                "source": c.source,
+                "reference": c.reference,
+                "measured_on_device_kind": c.measured,
+                "uncertainty_bytes_at_peak": int(c.uncertainty * per_unit),
+            }
+        )
+    return out
+
+
+def _value(c: dict) -> str:
+    if c["unit"] == "bytes":
+        return f"{gib(c['value'])} GiB +- {gib(c['uncertainty'])}"
+    return f"{c['value']:g} +- {c['uncertainty']:g}"
+
+
+def constants_lines(plan: Plan) -> list[str]:
+    """Where each constant comes from, which were never measured on this device, and the headroom kept
+    beyond their uncertainty."""
+    inp = plan.inputs
+    constants = constants_used(plan)
+    path = f"planner/calibration/{inp.device.kind}.json"
+    lines = [f"constants ({'this plan overrides some; ' if inp.calibration else ''}{path}):"]
+    for c in constants:
+        mark = "measured" if c["measured_on_device_kind"] else f"NEVER MEASURED on {inp.device.name}"
+        if c["source"] == "policy":
+            mark = "policy"
+        lines.append(f"  {c['name']:<30}{_value(c):<24}{c['source']:<9}{mark}: {c['reference']}")
+    unmeasured = [c for c in constants if not c["measured_on_device_kind"] and c["source"] != "policy"]
+    spread = sum(c["uncertainty_bytes_at_peak"] for c in constants if c["source"] != "policy")
+    unmeasured_spread = sum(c["uncertainty_bytes_at_peak"] for c in unmeasured)
+    beyond = plan.headroom_bytes - spread
+    lines.append(
+        f"headroom {gib(plan.headroom_bytes)} GiB at the peak ({plan.peak_phase}); the constants' uncertainty moves "
+        f"the peak by up to {gib(spread)} GiB ({gib(unmeasured_spread)} GiB of it from {len(unmeasured)} never "
+        f"measured on {inp.device.name}): {gib(beyond)} GiB of headroom beyond it"
+        + ("" if beyond >= 0 or not plan.fits else f"; NOT SAFE until `make calibrate` runs on {inp.device.name}")
+    )
+    return lines

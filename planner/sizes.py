@@ -192,3 +192,15 @@ def engine_activation_bytes(
     )
     sampler = max_num_seqs * vllm_padded_vocab(shape.vocab_size) * FP32_BYTES * 2
     return max_batched_tokens * per_token * element_bytes + sampler
+
+
+def largest_engine_tensor_elements(shape: ModelShape, rollout_tp: int) -> int:
+    """Elements of the largest tensor one engine rank holds: a vocab table, gate_up or qkv (vLLM layout)."""
+    h, d, t = shape.hidden_size, shape.head_dim, rollout_tp
+    qkv = (shape.num_heads // t + 2 * engine_kv_heads_per_rank(shape, t)) * d * h
+    return max(vllm_padded_vocab(shape.vocab_size) // t * h, 2 * shape.intermediate_size // t * h, qkv)
+
+
+# weight_sync.verify checksums each slice as int64: its bits, the position weights and their product are
+# alive together (rl/weight_sync/verify.py::checksum), 3 x 8 bytes per element of the largest slice
+VERIFY_BYTES_PER_ELEMENT = 24

@@ -17,8 +17,10 @@ from planner.devices import MIB
 DEFAULT_PROMPT_TOKENS = 512
 
 
-def plan_inputs(cfg, prompt_tokens: int | None = None) -> PlanInputs:
-    """A composed RunConfig -> the planner's inputs for one rank (adapt here when rl/config.py changes)."""
+def plan_inputs(cfg, prompt_tokens: int | None = None, calibration=None) -> PlanInputs:
+    """A composed RunConfig -> the planner's inputs for one rank (adapt here when rl/config.py changes).
+
+    ``calibration``: a :class:`planner.calibration.Calibration` (None: the device kind's file)."""
     rollout, actor = cfg.rollout, cfg.actor
     device = device_preset(cfg.cluster.device, ranks_per_node=cfg.cluster.procs_per_node)
     on_cuda = device.kind == "cuda"
@@ -67,12 +69,14 @@ def plan_inputs(cfg, prompt_tokens: int | None = None) -> PlanInputs:
         kv_cache_bytes=rollout.kv_cache_bytes,
         engine_capacity_bytes=int(rollout.cpu_capacity_gb * 2**30),
         max_num_seqs=rollout.max_num_seqs,
-        **({"vllm_max_batched_tokens": rollout.max_num_batched_tokens} if rollout.max_num_batched_tokens else {}),
+        vllm_max_batched_tokens=rollout.max_num_batched_tokens,  # None: vLLM's per-device default
         native_max_batched_tokens=rollout.max_num_batched_tokens,
         max_model_len=rollout.max_model_len,
         block_size=rollout.block_size,
         native_activation_reserve_bytes=rollout.activation_reserve_mb * MIB,
         sync_bucket_bytes=cfg.weight_sync.bucket_mb * MIB,
+        verify_sync=cfg.weight_sync.verify,
+        calibration=calibration,
     )
 
 
@@ -109,7 +113,7 @@ def choose_kv_cache(cfg, plan: Plan, measured_free_bytes: int | None = None) -> 
         return KvCacheChoice(None, rollout.gpu_memory_utilization, "the engine's own sizing", plan.kv_cache_tokens())
     kv, source = plan.recommended_kv_cache_bytes, "chosen by the planner (gpu_memory_utilization=auto)"
     if measured_free_bytes is not None:
-        block = plan.kv_bytes_per_token * plan.inputs.block_size
+        block = plan.kv_bytes_per_token * plan.inputs.kv_block_size
         room = measured_free_bytes - plan.engine_weight_bytes - plan.rollout_engine_reserve_bytes - plan.margin_bytes
         if room < kv:
             kv = max(0, room) // block * block

@@ -6,6 +6,18 @@ from dataclasses import dataclass
 from typing import Any
 
 ENGINES = ("native", "vllm")
+# KV-cache block size when rollout.block_size is null: vLLM's CacheConfig.DEFAULT_BLOCK_SIZE (16), which its
+# CPU platform replaces with 128 (vllm/platforms/cpu.py check_and_update_config: CPU attention wants multiples
+# of 32); the native engine uses 16.
+DEFAULT_BLOCK_SIZE = 16
+VLLM_CPU_DEFAULT_BLOCK_SIZE = 128
+
+
+def default_block_size(engine: str, on_cuda: bool) -> int:
+    """The KV-cache block size ``engine`` uses when ``rollout.block_size`` is null."""
+    return VLLM_CPU_DEFAULT_BLOCK_SIZE if engine == "vllm" and not on_cuda else DEFAULT_BLOCK_SIZE
+
+
 # Which memory tags the engine takes back at which wake phase of the step, per ``rollout.wake_strategy``:
 # staged wakes the weights, lets the sync write them and the actor offload its params, and only then
 # takes the KV cache, so the actor's params and the KV cache are never resident together.
@@ -34,9 +46,11 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    # Native engine: tokens per KV-cache block; most sequences one batch may run; longest prompt + response
-    # (None: the checkpoint's max_position_embeddings); bytes kept free for activations when sizing the KV cache.
-    block_size: int = 16
+    # Tokens per KV-cache block (None: the engine's default, ``default_block_size``: 16, but 128 for vLLM's
+    # CPU build, whose attention wants multiples of 32); most sequences one batch may run; longest prompt +
+    # response (None: the checkpoint's max_position_embeddings); bytes kept free for activations when sizing
+    # the native engine's KV cache. vLLM gets block_size, max_num_seqs, max_num_batched_tokens, max_model_len.
+    block_size: int | None = None
     max_num_seqs: int = 256
     # Most tokens one engine step runs (the rollout-phase activation bound). vLLM: EngineArgs'
     # ``max_num_batched_tokens`` (chunked prefill splits longer prompts; null = vLLM's default). Native:
@@ -90,7 +104,7 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1]")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"rollout.top_k={self.top_k} must be -1 (off) or >= 1")
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+        if self.block_size is not None and (self.block_size < 1 or self.block_size & (self.block_size - 1)):
             raise ValueError(f"rollout.block_size={self.block_size} must be a power of two, e.g. 16")
         if self.max_num_seqs < 1:
             raise ValueError(f"rollout.max_num_seqs={self.max_num_seqs} must be >= 1")

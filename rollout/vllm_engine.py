@@ -127,6 +127,12 @@ def engine_args(
         load_format="auto" if load else "dummy",
         enforce_eager=platform == "cpu",  # CPU: no torch.compile warm-up (minutes on 2 cores)
     )
+    # the sizing knobs the memory plan uses reach vLLM; left null, vLLM picks its own per-device default, which
+    # the planner restates (planner.inputs.vllm_default_max_num_batched_tokens, rollout.config.default_block_size)
+    if cfg.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+    if cfg.block_size is not None:
+        kwargs["block_size"] = cfg.block_size
     if cfg.kv_cache_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_bytes
     if platform == "cuda":

@@ -45,7 +45,7 @@ def test_auto_takes_the_plans_recommendation_in_bytes(qwen7b):
 
 def test_auto_is_bounded_by_the_free_memory_measured_on_the_device(qwen7b):
     cfg, plan = qwen7b
-    block = plan.kv_bytes_per_token * plan.inputs.block_size
+    block = plan.kv_bytes_per_token * plan.inputs.kv_block_size
     # free memory that leaves room for 1 GiB of KV cache besides the weights, the engine reserve and the margin
     free = plan.engine_weight_bytes + plan.rollout_engine_reserve_bytes + plan.margin_bytes + GIB
     choice = choose_kv_cache(cfg, plan, measured_free_bytes=free)

@@ -258,7 +258,7 @@ def test_overflow_names_the_phase_and_the_bytes_over():
 def test_recommended_kv_cache_makes_the_tightest_phase_fit_exactly(engine, wake_strategy):
     inputs = qwen7b_inputs(kv_cache_bytes=None, engine=engine, wake_strategy=wake_strategy)
     plan = make_plan(inputs)
-    block = plan.kv_bytes_per_token * inputs.block_size
+    block = plan.kv_bytes_per_token * inputs.kv_block_size
     assert plan.kv_cache_source == "auto"
     assert plan.kv_cache_bytes == plan.recommended_kv_cache_bytes == plan.largest_safe_kv_cache_bytes > 0
     tightest = plan.phase(plan.kv_limiting_phase)
@@ -414,3 +414,22 @@ def test_recompute_and_chunked_logprob_lower_the_train_peak():
         qwen7b_inputs(recompute_method="every")
     with pytest.raises(ValueError, match="max_tokens_per_micro_batch=0"):
         qwen7b_inputs(max_tokens_per_micro_batch=0)
+
+
+def test_unset_engine_knobs_follow_the_engines_own_defaults():
+    """Left null, vLLM's max_num_batched_tokens is its per-device default (16384 on an H100, 8192 on an
+    A100, 4096 x TP on CPU, capped at max_num_seqs x max_model_len) and its CPU block size is 128."""
+    shape = ModelShape.from_architecture("Qwen2.5-7B-Instruct")
+    h100 = PlanInputs(shape=shape, device=device_preset("H100-80GB"), engine="vllm", rollout_tp=4, max_model_len=4096)
+    assert h100.vllm_batched_tokens == 16384 and h100.kv_block_size == 16
+    a100 = replace(h100, device=device_preset("A100-80GB"))
+    assert a100.vllm_batched_tokens == 8192
+    assert replace(h100, max_num_seqs=2, max_model_len=1000).vllm_batched_tokens == 2000
+    cpu = replace(h100, device=device_preset("cpu"), rollout_tp=2)
+    assert cpu.vllm_batched_tokens == 8192 and cpu.kv_block_size == 128
+    assert replace(cpu, engine="native").kv_block_size == 16 and replace(h100, block_size=32).kv_block_size == 32
+    # rollout activations of vLLM on the H100 are profiled at 16384 tokens: twice the 8192-token working set
+    assert (
+        make_plan(h100).rollout_engine_reserve_bytes
+        > make_plan(replace(h100, vllm_max_batched_tokens=8192)).rollout_engine_reserve_bytes
+    )

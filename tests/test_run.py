@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from planner.inputs import VLLM_CPU_RUNTIME_BYTES
 from rl.checkpoint import complete_checkpoints
 from rl.main import main
 from rl.memory import PHASES, SAVE_PHASE, read_timeline_csv
@@ -149,16 +148,14 @@ def test_loop_with_vllm_engine_keeps_engine_and_actor_logprobs_together(tmp_path
 @pytest.mark.vllm
 def test_memory_plan_predicts_memory_cpu_with_vllm(tmp_path):
     """memory_cpu with vLLM's CPU build and the all-at-once wake: the plan made before the engine started
-    predicts every phase above 50 MB within 10% (or 59 MiB) of its measured steady peak (its vLLM-on-CPU
-    terms were fitted on the staged wake; this run checks them on the other strategy)."""
+    predicts every phase above 50 MB within 10% (or 16 MiB) of its measured steady peak (its vLLM-on-CPU
+    runtime is fitted by `make calibrate` on tiny_cpu with vLLM; this run checks it on another model, world
+    and wake strategy)."""
     pytest.importorskip("vllm")
     summary = run_loop(
         tmp_path, "rollout.engine=vllm", "rollout.wake_strategy=all_at_once", "trainer.steps=4", exp="memory_cpu"
     )
-    # VLLM_CPU_RUNTIME_BYTES is one fitted constant (what vLLM's CPU build holds beside its tensors), and it
-    # depends on the CPU's kernels: on another CI machine the engine kept ~50 MB more after sleep, 12% of
-    # the smallest phase. A phase may be off by a third of that term before its 10% counts.
-    assert_plan_within(summary, 0.10, floor_bytes=VLLM_CPU_RUNTIME_BYTES // 3)
+    assert_plan_within(summary, 0.10, floor_bytes=16 * 2**20)  # tools/plan_runs.py's allowance
 
 
 def assert_plan_within(summary: dict, tolerance: float, floor_bytes: int = 0, min_bytes: int = 50 * 10**6) -> None:

@@ -406,6 +406,72 @@ def test_engine_args_are_vllm_engine_args(checkpoints, platform):
         engine_args(cfg, checkpoints["qwen2"][0], ColocatedMesh(world_size=4, rollout_tp=1), platform)
 
 
+@vllm_mark
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_sizing_knobs_reach_vllm(checkpoints, platform):
+    """Every sizing knob the memory plan uses is handed to vLLM when set, under vLLM's own field names, and
+    vLLM's EngineArgs takes them as given."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from rollout.vllm_engine import engine_args
+
+    cfg = RolloutConfig(
+        engine="vllm",
+        tp=2,
+        max_num_seqs=48,
+        max_num_batched_tokens=1536,
+        block_size=32,
+        max_model_len=200,
+        kv_cache_bytes=64 * 2**20,
+    )
+    kwargs = engine_args(cfg, checkpoints["qwen2"][0], ColocatedMesh(world_size=4, rollout_tp=2), platform)
+    args = EngineArgs(**kwargs)
+    planned = {
+        "max_num_seqs": 48,
+        "max_num_batched_tokens": 1536,
+        "block_size": 32,
+        "max_model_len": 200,
+        "kv_cache_memory_bytes": 64 * 2**20,
+    }
+    assert {name: getattr(args, name) for name in planned} == planned
+    # left null, vLLM chooses (and the planner restates its choice: test_planner_follows_vllm_batch_defaults)
+    default = engine_args(
+        RolloutConfig(engine="vllm", tp=2), checkpoints["qwen2"][0], ColocatedMesh(world_size=4, rollout_tp=2), platform
+    )
+    assert "max_num_batched_tokens" not in default and "block_size" not in default
+
+
+@vllm_mark
+@pytest.mark.parametrize(
+    "device,rollout_tp",
+    [("H100-80GB", 4), ("H200-141GB", 1), ("B200", 2), ("A100-80GB", 2), ("A100-40GB", 1), ("cpu", 2)],
+)
+def test_planner_follows_vllm_batch_defaults(monkeypatch, device, rollout_tp):
+    """The planner's max_num_batched_tokens default is vLLM 0.32's own for the device: EngineArgs.get_batch_defaults
+    (LLM usage context) with the platform reporting the preset's memory and name, capped as vLLM caps it."""
+    from vllm.engine import arg_utils
+    from vllm.usage.usage_lib import UsageContext
+
+    from planner import device_preset
+    from planner.inputs import vllm_default_max_num_batched_tokens
+
+    spec = device_preset(device)
+    platform = arg_utils.current_platform
+    monkeypatch.setattr(platform, "get_device_total_memory", lambda device_id=0: spec.total_bytes, raising=False)
+    monkeypatch.setattr(platform, "get_device_name", lambda device_id=0: f"NVIDIA {device}", raising=False)
+    monkeypatch.setattr(platform, "is_cpu", lambda: spec.kind == "cpu", raising=False)
+    monkeypatch.setattr(platform, "is_tpu", lambda: False, raising=False)
+    batched, _ = arg_utils.EngineArgs.get_batch_defaults(world_size=rollout_tp)
+    vllm_default = batched[UsageContext.LLM_CLASS]
+    assert vllm_default_max_num_batched_tokens(spec, rollout_tp, max_num_seqs=1024, max_model_len=32768) == vllm_default
+    # vLLM caps its default at max_num_seqs x max_model_len
+    assert vllm_default_max_num_batched_tokens(spec, rollout_tp, max_num_seqs=4, max_model_len=100) == min(
+        400, vllm_default
+    )
+    if device == "H100-80GB":
+        assert vllm_default == 16384  # the issue's case: Qwen2.5-32B's rollout activations at 16384 tokens
+
+
 class _SignatureCheckedLLM:
     """Stands in for ``vllm.LLM`` where CUDA is needed: records calls, binding each to the real signature."""
 

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from modelspec import ModelShape
-from rollout.config import RolloutConfig
+from rollout.config import DEFAULT_BLOCK_SIZE, RolloutConfig
 from rollout.layout import TPShape
 from rollout.memory_saver import MemorySaver
 
@@ -70,7 +70,7 @@ class KVCache:
         weight_bytes: int,
     ) -> None:
         self.saver = saver
-        self.block_size = bs = cfg.block_size
+        self.block_size = bs = cfg.block_size or DEFAULT_BLOCK_SIZE
         self.head_dim = d = shape.head_dim
         num_kv_heads = tps.num_kv_heads
         elem = torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,96 @@
+"""The planner's declared run sets, its calibration files and the validation check (tools/plan_runs.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planner import device_preset
+from planner.calibration import CONSTANTS, SOURCES, load
+from tools.plan_runs import FIT_SET, FLOOR_BYTES, VALIDATION_SET, Measured, Predicted, check, spec_config
+
+MIB = 2**20
+
+
+def _config_key(spec) -> str:
+    """The composed config a spec runs (what "the same configuration" means)."""
+    import dataclasses
+
+    return json.dumps(dataclasses.asdict(spec_config(spec)), sort_keys=True, default=str)
+
+
+def test_fit_and_validation_sets_share_no_configuration():
+    fit = {_config_key(s) for s in FIT_SET}
+    validation = [_config_key(s) for s in VALIDATION_SET]
+    assert len(set(validation)) == len(validation) >= 6
+    assert not fit & set(validation)
+
+
+def test_validation_set_covers_what_the_plan_must_get_right():
+    cfgs = {s.name: spec_config(s) for s in VALIDATION_SET}
+    assert any(c.exp == "tiny_cpu" and not [o for o in s.overrides] for s, c in zip(VALIDATION_SET, cfgs.values()))
+    assert any(c.actor.pp == 2 and c.cluster.world_size == 4 for c in cfgs.values())
+    assert any(c.exp == "memory_cpu" and c.rollout.engine == "vllm" for c in cfgs.values())
+    assert any(
+        c.exp == "memory_cpu"
+        and not (c.actor.offload.params or c.actor.offload.grads or c.actor.offload.optimizer)
+        and c.rollout.wake_strategy == "all_at_once"
+        for c in cfgs.values()
+    )
+    assert any(c.algorithm.kl_coef > 0 for c in cfgs.values())
+
+
+def test_one_validation_configuration_is_dominated_by_transients():
+    """activations + logits >= 30% of the planned train and old_logprob peaks (as the run plans itself)."""
+    from tools.plan_runs import plan_for, predicted_phases
+
+    shares = {}
+    for spec in VALIDATION_SET:
+        predicted = predicted_phases(plan_for(spec))
+        shares[spec.name] = min(
+            (predicted[p].components["activations"] + predicted[p].components["logits"]) / predicted[p].peak_bytes
+            for p in ("train", "old_logprob")
+        )
+    assert max(shares.values()) >= 0.30, shares
+
+
+@pytest.mark.parametrize("kind", sorted(CONSTANTS))
+def test_every_constant_names_its_source(kind):
+    cal = load(kind)
+    for name in CONSTANTS[kind]:
+        c = cal[name]
+        assert c.source in SOURCES and len(c.reference) > 20, name
+    if kind == "cpu":  # fitted by make calibrate on the fit set, with provenance
+        fitted = [n for n in CONSTANTS["cpu"] if cal[n].source == "fit"]
+        assert set(fitted) >= {"runtime_overhead_bytes", "vllm_runtime_bytes", "local_spec_activation_factor"}
+        assert [r["name"] for r in cal.provenance["runs"]] == [s.name for s in FIT_SET]
+        assert {"versions", "date", "device"} <= set(cal.provenance)
+
+
+def test_plan_marks_constants_never_measured_on_the_device():
+    from planner import make_plan
+    from planner.report import constants_lines, constants_used
+    from rl.compose import compose
+    from rl.planning import plan_inputs
+
+    plan = make_plan(plan_inputs(compose("qwen32b_8xh100")))
+    used = {c["name"]: c for c in constants_used(plan)}
+    assert {"runtime_overhead_bytes", "vllm_cuda_graph_bytes", "nccl_bytes_per_communicator"} <= set(used)
+    assert not any(c["measured_on_device_kind"] for c in used.values())
+    text = "\n".join(constants_lines(plan))
+    assert "NEVER MEASURED on H100-80GB" in text and "of headroom beyond it" in text
+    assert device_preset("H100-80GB").kind == "cuda"
+
+
+def test_check_fails_outside_tolerance_and_passes_inside():
+    measured = {"train": Measured(peak_bytes=400 * MIB, rise_bytes=200 * MIB, start_bytes=200 * MIB)}
+    ok = check("x", {"train": Predicted(peak_bytes=430 * MIB, rise_bytes=230 * MIB)}, measured)
+    assert ok["passed"] and ok["worst_phase"] == "train"
+    high = check("x", {"train": Predicted(peak_bytes=450 * MIB, rise_bytes=200 * MIB)}, measured)
+    assert high["failures"] == ["train peak"]
+    rise = check("x", {"train": Predicted(peak_bytes=400 * MIB, rise_bytes=130 * MIB)}, measured)
+    assert rise["failures"] == ["train rise"]
+    small = {"p": Measured(peak_bytes=40 * MIB, rise_bytes=4 * MIB, start_bytes=36 * MIB)}
+    assert check("x", {"p": Predicted(peak_bytes=40 * MIB + FLOOR_BYTES, rise_bytes=4 * MIB)}, small)["passed"]
+    assert not check("x", {"p": Predicted(peak_bytes=41 * MIB + FLOOR_BYTES, rise_bytes=4 * MIB)}, small)["passed"]

@@ -1,0 +1,34 @@
+"""`make validate-plan` end to end (slow: runs the validation set, 4 short steps each) and the mutation check
+over the runs it leaves (tools/mutate_plan.py).
+
+Known failures (docs/plan-validation.md, "What is still wrong") are listed here, not tolerated: a new
+failure anywhere else fails the test, and so does a known one that starts passing (update the note)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+KNOWN_FAILURES = {
+    "tiny_cpu_pp": {"train peak", "train rise"},
+    "memory_cpu_reference_reshard": {"weight_sync peak", "weight_sync rise"},
+    "transients_long_vocab": {"train peak", "train rise", "rollout rise"},
+}
+UNCAUGHT_MUTATIONS = {("attention_scores", 2.0), ("attention_scores", 0.0)}  # no long sequences in the set
+
+
+@pytest.mark.slow
+def test_validate_plan_then_mutations(capsys):
+    from tools import mutate_plan, validate_plan
+
+    validate_plan.main([])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert len(lines) >= 6
+    for line in lines:
+        assert set(line) >= {"config", "max_abs_relative_error", "worst_phase", "phases"}
+        assert set(line["failures"]) == KNOWN_FAILURES.get(line["config"], set()), line["config"]
+    mutate_plan.main([])
+    results = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    uncaught = {(r["term"], r["factor"]) for r in results if not r["caught"]}
+    assert uncaught == UNCAUGHT_MUTATIONS

@@ -1,0 +1,273 @@
+"""The planner's declared runs and how a plan is checked against one: shared by ``make calibrate``
+(tools/calibrate.py), ``make validate-plan`` (tools/validate_plan.py) and tools/mutate_plan.py.
+
+A :class:`RunSpec` is an experiment plus overrides, run short (:data:`SHORT_RUN`: a few steps, no warm-up,
+no checkpoints, W&B off) into ``runs/<set>/<name>/`` by ``python -m rl.main --run-dir``; an existing run
+directory whose ``spec.json`` matches is read instead (``--rerun`` runs it again). The fit set and the
+validation set share no configuration (``tests/test_plan_runs.py``).
+
+From a run directory: :func:`measured_phases` reads ``memory_timeline.csv`` (per phase, the steady-state
+median over steps 1.. of its peak and of its rise above the level it started at, worst rank) and
+:func:`predicted_phases` plans the run again from its spec (the same ``plan_inputs`` the run used, with
+the task's longest prompt) and gives each phase's predicted peak and predicted rise (the peak minus what
+is resident when the phase starts). :func:`check` compares them: peaks within 10% (or 16 MiB), rises
+within 20% (or 16 MiB).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MIB = 2**20
+PEAK_TOLERANCE = 0.10  # relative, of the measured peak
+RISE_TOLERANCE = 0.20  # relative, of the measured rise
+FLOOR_BYTES = 16 * MIB  # absolute allowance where the relative one is smaller (RSS moves by a few MiB)
+# short runs: 4 steps (steps 1-3 are the steady ones), no SFT warm-up, no checkpoint writes, W&B off
+SHORT_RUN = (
+    "trainer.steps=4",
+    "trainer.sft_warmup_steps=0",
+    "trainer.save_every=0",
+    "wandb.mode=disabled",
+    "resume=never",
+)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    name: str
+    exp: str
+    overrides: tuple[str, ...] = ()
+    why: str = ""
+
+    @property
+    def all_overrides(self) -> tuple[str, ...]:
+        return (*SHORT_RUN, *self.overrides)
+
+    def key(self) -> dict:
+        return {"exp": self.exp, "overrides": list(self.all_overrides)}
+
+
+# Fit set: what `make calibrate` fits the CPU constants on.
+FIT_SET = (
+    RunSpec("memory_cpu", "memory_cpu", (), "the runtime beside the tensors, with ~120 MB states (native engine)"),
+    RunSpec(
+        "tiny_cpu_short_batches",
+        "tiny_cpu",
+        ("rollout.max_new_tokens=12", "actor.micro_batch_size=32", "trainer.prompts_per_step=16"),
+        "what megatron's local (CPU) layer keeps per token beyond the fused count: activations dominate",
+    ),
+    RunSpec("tiny_cpu_vllm", "tiny_cpu", ("rollout.engine=vllm",), "vLLM's CPU runtime beside its tensors"),
+    RunSpec(
+        "vocab_mid_batches",
+        "tiny_cpu",
+        (
+            "model.path=tiny:qwen2_vocab",
+            "rollout.max_new_tokens=16",
+            "actor.micro_batch_size=64",
+            "trainer.prompts_per_step=16",
+        ),
+        "large tensors (16k vocabulary): the activation terms where they are mostly big allocations",
+    ),
+)
+# Validation set: never fitted on.
+VALIDATION_SET = (
+    RunSpec("tiny_cpu", "tiny_cpu", (), "the default experiment"),
+    RunSpec("tiny_cpu_pp", "tiny_cpu_pp", (), "actor TP=2 x PP=2, 4 ranks, rollout TP=4"),
+    RunSpec("memory_cpu_vllm", "memory_cpu", ("rollout.engine=vllm",), "vLLM's CPU build as the engine"),
+    RunSpec(
+        "memory_cpu_resident_all_at_once",
+        "memory_cpu",
+        (
+            "actor.offload.params=false",
+            "actor.offload.grads=false",
+            "actor.offload.optimizer=false",
+            "rollout.wake_strategy=all_at_once",
+        ),
+        "nothing offloaded, weights and KV cache woken together",
+    ),
+    RunSpec(
+        "memory_cpu_reference_reshard",
+        "memory_cpu",
+        ("algorithm.kl_coef=0.05", "actor.tp=2", "rollout.tp=1"),
+        "a reference actor (KL); actor TP=2 -> two engine replicas of TP=1: the sync stages 64 MiB buckets",
+    ),
+    RunSpec(
+        "transients_long_vocab",
+        "tiny_cpu",
+        (
+            "model.path=tiny:qwen2_vocab",
+            "rollout.max_new_tokens=24",
+            "actor.micro_batch_size=128",
+            "actor.logprob_chunk_tokens=null",
+        ),
+        "transients dominate: 16k vocab, unchunked logits, long responses, 128-sequence micro-batches",
+    ),
+)
+
+
+def run_dir_for(spec: RunSpec, set_name: str, root: Path | None = None) -> Path:
+    return (root or REPO / "runs") / set_name / spec.name
+
+
+def ensure_run(spec: RunSpec, run_dir: Path, rerun: bool = False, timeout_s: float = 1800) -> Path:
+    """Run ``spec`` into ``run_dir`` unless a finished run of the same spec is there already."""
+    spec_file = run_dir / "spec.json"
+    done = (run_dir / "summary.json").exists() and spec_file.exists()
+    if done and not rerun and json.loads(spec_file.read_text()) == spec.key():
+        print(f"{spec.name}: reading {run_dir}", file=sys.stderr, flush=True)
+        return run_dir
+    if run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "rl.main", "--exp", spec.exp, "--run-dir", str(run_dir), *spec.all_overrides]
+    print(f"{spec.name}: running {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+    start = time.monotonic()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with open(run_dir / "run.log", "w") as log:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+    if proc.returncode != 0 or not (run_dir / "summary.json").exists():
+        tail = (run_dir / "run.log").read_text()[-2000:]
+        raise RuntimeError(f"{spec.name}: the run failed (exit {proc.returncode}); {run_dir}/run.log ends:\n{tail}")
+    spec_file.write_text(json.dumps(spec.key()) + "\n")
+    print(f"{spec.name}: done in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+    return run_dir
+
+
+# ---------------------------------------------------------------- measured
+@dataclass(frozen=True)
+class Measured:
+    peak_bytes: int  # steady-state median of the phase's peak, worst rank
+    rise_bytes: int  # steady-state median of (peak - level at the phase's first sample), worst rank
+    start_bytes: int  # steady-state median of the level at the phase's first sample, worst rank
+
+
+def measured_phases(run_dir: Path) -> dict[str, Measured]:
+    from rl.memory import PEAK_METRIC, phase_samples, read_timeline_csv, steady_steps
+
+    rows = read_timeline_csv(run_dir / "memory_timeline.csv")
+    steps = set(steady_steps(rows))
+    groups = phase_samples(rows)
+    per: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
+    for (rank, step, phase), samples in groups.items():
+        if step not in steps:
+            continue
+        peak = max(int(r[PEAK_METRIC]) for r in samples)
+        start = int(samples[0]["device_used"])
+        per.setdefault((phase, rank), []).append((peak, peak - start, start))
+    out: dict[str, Measured] = {}
+    for phase in {p for p, _ in per}:
+        ranks = [values for (p, _), values in per.items() if p == phase]
+        med = [tuple(int(statistics.median(v[i] for v in values)) for i in range(3)) for values in ranks]
+        out[phase] = Measured(
+            peak_bytes=max(m[0] for m in med), rise_bytes=max(m[1] for m in med), start_bytes=max(m[2] for m in med)
+        )
+    return out
+
+
+# ---------------------------------------------------------------- predicted
+@dataclass(frozen=True)
+class Predicted:
+    peak_bytes: int  # the phase's bytes + the runtime terms (what the measurement includes)
+    rise_bytes: int  # peak - what is resident when the phase starts
+    components: dict[str, int] = field(default_factory=dict)
+
+
+@functools.cache
+def spec_config(spec: RunSpec):
+    from rl.compose import compose
+
+    return compose(spec.exp, list(spec.all_overrides))
+
+
+def run_prompt_tokens(cfg) -> int:
+    """The task's longest prompt in tokens, as rl/setup.py::start_engine plans with."""
+    from transformers import AutoTokenizer
+
+    from modelspec.tiny import resolve_model_path
+    from rl.compose import resolve_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(resolve_path(cfg.model.path)))
+    task = cfg.data.build(seed=cfg.trainer.seed)
+    return max(len(tokenizer(p).input_ids) for p in task.longest_prompts())
+
+
+@functools.cache
+def spec_prompt_tokens(spec: RunSpec) -> int:
+    return run_prompt_tokens(spec_config(spec))
+
+
+def plan_for(spec: RunSpec, calibration=None):
+    """The plan the run made for itself (same inputs), optionally under another calibration."""
+    from planner import make_plan
+    from rl.planning import plan_inputs
+
+    inputs = plan_inputs(spec_config(spec), spec_prompt_tokens(spec), calibration=calibration)
+    return make_plan(inputs)
+
+
+def predicted_phases(plan, mutate: Callable[[dict[str, int]], dict[str, int]] | None = None) -> dict[str, Predicted]:
+    """Each phase's predicted peak and rise; ``mutate`` rewrites the components (tools/mutate_plan.py)."""
+    out = {}
+    for p in plan.phases:
+        comps = dict(p.components)
+        start = dict(p.start_components)
+        if mutate is not None:
+            comps, start = mutate(comps), mutate(start)
+        runtime = plan.runtime_overhead_bytes
+        peak = sum(comps.values()) + runtime
+        out[p.name] = Predicted(peak_bytes=peak, rise_bytes=peak - sum(start.values()) - runtime, components=comps)
+    return out
+
+
+# ---------------------------------------------------------------- the checks
+def within(predicted: int, measured: int, relative: float) -> bool:
+    return abs(predicted - measured) <= max(relative * abs(measured), FLOOR_BYTES)
+
+
+def check(config: str, predicted: dict[str, Predicted], measured: dict[str, Measured]) -> dict:
+    """One validation line: every phase the run measured, predicted vs measured peak and rise."""
+    phases, failures = {}, []
+    for name, m in measured.items():
+        if name not in predicted or m.peak_bytes <= 0:
+            continue
+        p = predicted[name]
+        error = p.peak_bytes / m.peak_bytes - 1.0
+        peak_ok = within(p.peak_bytes, m.peak_bytes, PEAK_TOLERANCE)
+        rise_ok = within(p.rise_bytes, m.rise_bytes, RISE_TOLERANCE)
+        phases[name] = {
+            "predicted_bytes": p.peak_bytes,
+            "measured_bytes": m.peak_bytes,
+            "relative_error": round(error, 4),
+            "predicted_rise_bytes": p.rise_bytes,
+            "measured_rise_bytes": m.rise_bytes,
+            "peak_ok": peak_ok,
+            "rise_ok": rise_ok,
+        }
+        if not peak_ok:
+            failures.append(f"{name} peak")
+        if not rise_ok:
+            failures.append(f"{name} rise")
+    worst = max(phases, key=lambda n: abs(phases[n]["relative_error"])) if phases else None
+    return {
+        "config": config,
+        "max_abs_relative_error": abs(phases[worst]["relative_error"]) if worst else None,
+        "worst_phase": worst,
+        "passed": not failures,
+        "failures": failures,
+        "phases": phases,
+    }
+
+
+__all__ = ["FIT_SET", "VALIDATION_SET", "RunSpec", "asdict", "check", "ensure_run", "measured_phases"]
