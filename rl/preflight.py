@@ -124,8 +124,13 @@ def check_kv_budget(cfg: RunConfig) -> None:
 
 
 def check_data(cfg: RunConfig) -> None:
+    """The task reads its whole file now, as every rank will: each line parses and has the task's fields."""
     if cfg.data.path is not None and not Path(cfg.data.path).is_file():
         raise ConfigError(f"data.path={cfg.data.path!r} does not exist; point it at a local .jsonl or .parquet file")
+    try:
+        cfg.data.build(seed=cfg.trainer.seed)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def check_resume(cfg: RunConfig, run_dir: Path | None, shape: ModelShape) -> None:
