@@ -88,3 +88,41 @@ def test_train_step_tp_pp_equal_and_loss_decreases(tiny_model_dirs):
     assert losses[-1] < losses[0] - 0.05, losses
     print({name: [round(x, 5) for x in r["losses"]] for name, r in results.items()})
 
+
+def _nan_step_is_not_applied(rank, world_size, model_dir):
+    """DP=2: one good step, then a step whose advantages on DP rank 1 hold a NaN (a reward went NaN there)."""
+    from megatron_backend.actor import Actor
+    from megatron_backend.config import ActorConfig
+    from megatron_backend.parallel import initialize_model_parallel
+    from rl.advantages import grpo_advantages
+    from rl.losses import PolicyLoss, PolicyLossConfig
+
+    actor = Actor(model_dir, ActorConfig(micro_batch_size=2, lr=1e-3), initialize_model_parallel(tp=1, pp=1))
+    loss_fn = PolicyLoss(PolicyLossConfig())
+    batch = _batch(actor.shape.vocab_size)
+    batch["old_logprobs"] = actor.compute_logprobs(batch)
+    batch["advantages"] = grpo_advantages(torch.tensor([1.0, 0.0, 0.5, 0.0]), group_size=2)
+    actor.train_step(batch, loss_fn)
+    before = actor.export_hf(dst=0)
+    moments = [t.clone() for t in actor._optimizer_tensors()]
+    if rank == 1:
+        batch["advantages"][2] = float("nan")
+    try:
+        actor.train_step(batch, loss_fn)
+        error = None
+    except FloatingPointError as exc:
+        error = str(exc)
+    after = actor.export_hf(dst=0)
+    unchanged = all(torch.equal(a, b) for a, b in zip(moments, actor._optimizer_tensors()))
+    return dict(
+        error=error,
+        moments_unchanged=unchanged,
+        params_unchanged=before is None or all(torch.equal(before[k], after[k]) for k in before),
+    )
+
+
+def test_a_nan_loss_on_one_rank_stops_every_rank_before_the_optimizer_step(tiny_model_dirs):
+    results = run_ranks(_nan_step_is_not_applied, 2, tiny_model_dirs["qwen2"])
+    assert "loss=nan" in results[1]["error"] and "the optimizer step was not applied" in results[1]["error"]
+    assert "grad_norm=nan" in results[0]["error"]  # the DP all-reduce carried the NaN into rank 0's gradient
+    assert all(r["params_unchanged"] and r["moments_unchanged"] for r in results), results
