@@ -147,6 +147,18 @@ def _yarn_added_to_a_transformers5_config(tiny, tmp):
     return [f"model.path={_edit_config(model, rope_scaling=yarn)}"]
 
 
+_LIVE_RUNS = []  # the lock files the "other run" holds, open until the test session ends
+
+
+def _run_dir_of_a_live_run(tiny, tmp):
+    """`make run ARGS="--run-dir X"` typed again in a second terminal while the first run still writes to X
+    (its launcher holds X/.lock as hold_run_dir gives it; a second open file description conflicts)."""
+    from rl.preflight import hold_run_dir
+
+    _LIVE_RUNS.append(hold_run_dir(tmp / "run"))
+    return ["--run-dir", str(tmp / "run")]
+
+
 def _vllm_not_installed(tiny, tmp, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if vLLM were not installed (find_spec then fails)
     return ["rollout.engine=vllm"]
@@ -203,6 +215,7 @@ CASES = [
     ("data line lacks fields", _jsonl_with_another_schema, "train.jsonl line 3: lacks 'question', 'answer'"),
     ("NaN weight", _nan_in_a_weight, "model.layers.0.mlp.up_proj.weight holds 1 non-finite value(s) (NaN/inf), the first at [3, 5]"),
     ("yarn on a v5 config", _yarn_added_to_a_transformers5_config, "RoPE type 'yarn' (config.json's rope_scaling"),
+    ("run dir held by a live run", _run_dir_of_a_live_run, "run is in use by a live run (pid "),
     ("checkpoint cadence", ["trainer.save_every=-1"], "trainer.save_every=-1 must be >= 0"),
     ("collective timeout", ["cluster.timeout_s=1"], "cluster.timeout_s=1.0 must be >= 10"),
 ]
