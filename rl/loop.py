@@ -33,7 +33,7 @@ from rl.metrics import (
 from rl.sampling import generate_samples, sampling_seed
 from rl.saving import StopBeforeTrain, finish_checkpoint, save_actor, save_and_stop
 from rl.setup import RankContext, setup, start_rollout
-from rl.warmup import resume_or_warm_up
+from rl.warmup import StopDuringWarmup, exit_during_warmup, resume_or_warm_up
 from rl.weight_sync import SyncResult
 from rollout import SamplingParams
 
@@ -118,6 +118,8 @@ def run_rank(cfg: RunConfig, run_dir: str) -> int:
             print(f"{ctx.resumed_from} already has {ctx.start_step} >= trainer.steps={steps} steps; nothing to do")
         return 0
     warmup_losses = resume_or_warm_up(ctx)
+    if isinstance(warmup_losses, StopDuringWarmup):  # no checkpoint holds part of a warm-up: exit at once
+        return exit_during_warmup(ctx, warmup_losses)
     if ctx.resumed_state is None and ctx.stop.agreed(ctx.dims.device):  # signalled during setup or warm-up
         return save_and_stop(ctx, 0, capture_rank_state(ctx.task), warmup_losses, engine_awake=False)
     start_rollout(ctx)  # the engine starts, sized with the actor offloaded, and takes the actor's weights
