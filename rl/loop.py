@@ -31,7 +31,7 @@ from rl.metrics import (
     summarize,
 )
 from rl.sampling import generate_samples, sampling_seed
-from rl.saving import StopBeforeTrain, finish_checkpoint, save_actor, save_and_stop
+from rl.saving import StopBeforeTrain, finish_checkpoint, save_actor, save_and_stop, stops_on_storage_faults
 from rl.setup import RankContext, setup, start_rollout
 from rl.warmup import StopDuringWarmup, exit_during_warmup, resume_or_warm_up
 from rl.weight_sync import SyncResult
@@ -107,6 +107,7 @@ def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
     return metrics, sync
 
 
+@stops_on_storage_faults
 def run_rank(cfg: RunConfig, run_dir: str) -> int:
     """Everything one rank does for a run: set up (resuming if there is a checkpoint), warm up, hand the
     engine the weights, then the steps. Returns the exit code (0; PREEMPTED_EXIT_CODE after a stop)."""
