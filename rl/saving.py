@@ -117,13 +117,14 @@ def storage_fault_line(exc: BaseException, run_dir: Path) -> str | None:
     elif stat.f_flag & os.ST_RDONLY:
         cause = "read-only file system"
     elif free_bytes < checkpoint_bytes:
-        cause = f"no space left on device (a checkpoint takes {checkpoint_bytes / 2**20:.1f} MiB)"
+        cause = "no space left on device"
     else:
         return None
     path = getattr(os_error, "filename", None) or (partial[-1] if partial else run_dir)
     kept = f"the last complete checkpoint {complete[-1]} is kept" if complete else "no complete checkpoint yet"
     return (
-        f"storage error: {path}: {cause} ({free_bytes / 2**20:.1f} MiB free on its filesystem); the run stopped, "
+        f"storage error: {path}: {cause} ({free_bytes / 2**20:.1f} MiB free on its filesystem, a checkpoint takes "
+        f"{checkpoint_bytes / 2**20:.1f} MiB); the run stopped, "
         f"{kept}: free space (or make {run_dir} writable), then run again with the same run directory"
     )
 
