@@ -42,7 +42,7 @@ VLLM_BUILD := $(if $(filter gpu,$(subst $(comma), ,$(EXTRAS))),cuda,cpu)
 TINY_HF := $(if $(filter $(TINY_DIR)/%,$(HF)),$(HF)/config.json)
 
 PHONY_PLANNER := calibrate validate-plan mutate-plan
-.PHONY: $(PHONY_PLANNER) help install run plan report compare sbatch sweep sweep-local test test-vllm test-gpu test-slow test-slurm lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout bench-train clean
+.PHONY: $(PHONY_PLANNER) help install run plan report compare sbatch sweep sweep-local test test-threads test-vllm test-gpu test-slow test-slurm lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout bench-train clean
 
 help: ## list the targets
 	@echo "usage: make <target> [EXP=<experiment>] [ARGS=\"<hydra overrides>\"]"
@@ -102,6 +102,9 @@ mutate-plan: $(STAMP) ## double each term of the plan / zero each transient and 
 
 test: $(STAMP) ## run the CPU test suite (excludes gpu, slow, slurm and vllm tests)
 	$(PY) -m pytest -q -m "not gpu and not slow and not slurm and not vllm" $(PYTEST_ARGS)
+
+test-threads: $(STAMP) ## the `numeric` tests again with other thread counts (1 in pytest, 2 per spawned rank; make test: the reverse)
+	OMP_NUM_THREADS=1 RLMEM_TEST_RANK_THREADS=2 $(PY) -m pytest -q -m "numeric and not gpu and not slow and not slurm and not vllm" $(PYTEST_ARGS)
 
 test-vllm: $(STAMP) ## run the vLLM engine tests on vLLM's CPU build (1, 2 and 4 spawned ranks; ~2-3 min on 2 cores)
 	$(PY) -m pytest -q -m "vllm and not gpu" $(PYTEST_ARGS)

@@ -23,6 +23,7 @@ LIBRARY-APIS.md). Both exclude biases and norms from weight decay, like megatron
 
 from __future__ import annotations
 
+import math
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -307,10 +308,13 @@ class Actor:
         self._require_onloaded("train_step")
         with self.ledger.op("train"):
             metrics = self.compute_grads(batch, loss_fn)
+            # before any update: a non-finite loss or gradient must never reach the weights or Adam's moments
+            grad_norm = self.optimizer.get_grad_norm() if self.optimizer_impl == "megatron" else self._cpu_grad_norm()
+            self._stop_if_not_finite({**{k: v for k, v in metrics.items() if "loss" in k}, "grad_norm": grad_norm})
             if self.optimizer_impl == "megatron":
                 _, grad_norm, _ = self.optimizer.step()
             else:
-                grad_norm = self._cpu_clip_and_step()
+                self._cpu_clip_and_step(grad_norm)
             metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
             self.ledger.set("optimizer", resident_bytes=storage_bytes(self._optimizer_tensors()))
         self._release_freed_host_memory()
@@ -337,14 +341,27 @@ class Actor:
                 out.append(p)
         return out
 
+    def _stop_if_not_finite(self, values: dict[str, float]) -> None:
+        """Every rank raises together (one all-reduce) when any rank's loss or the grad norm is NaN/inf."""
+        local = [name for name, value in values.items() if not math.isfinite(float(value))]
+        flag = torch.tensor([float(bool(local))], device=self.dims.device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0:
+            where = ", ".join(f"{n}={float(values[n])}" for n in local) or "another rank's loss"
+            raise FloatingPointError(f"{where} is not finite; the optimizer step was not applied")
+
     @torch.no_grad()
-    def _cpu_clip_and_step(self) -> float:
+    def _cpu_grad_norm(self) -> float:
         norm_sq = torch.zeros((), dtype=torch.float32, device=self.dims.device)
         for p in self._grad_norm_params():
             norm_sq += p.main_grad.float().pow(2).sum()
         for group in (self.dims.tp_group, self.dims.pp_group):  # sum over the model-parallel grid
             dist.all_reduce(norm_sq, group=group)
-        grad_norm = float(norm_sq.sqrt())
+        return float(norm_sq.sqrt())
+
+    @torch.no_grad()
+    def _cpu_clip_and_step(self, grad_norm: float) -> None:
         params = [p for model in self.models for p in model.parameters() if p.requires_grad]
         clip = self.config.grad_clip
         coef = clip / (grad_norm + 1e-6) if clip > 0 else 1.0
@@ -355,7 +372,6 @@ class Actor:
         self.optimizer.step()
         for p in params:
             p.grad = None
-        return grad_norm
 
     # ---------------------------------------------------------------- offload / onload
     def _param_tensors(self) -> list[torch.Tensor]:

@@ -39,11 +39,15 @@ class RopeParams:
 
     @classmethod
     def from_hf(cls, c: dict) -> RopeParams:
-        # transformers v5 keeps rope_theta under rope_parameters; v4 at the top level (+ rope_scaling).
+        """From a config as transformers' config class holds it (``to_dict()``): v5 keeps RoPE under
+        ``rope_parameters``; the class folds a v4 ``rope_scaling`` / ``rope_theta`` into it (rope_scaling wins)."""
         params = c.get("rope_parameters") or c.get("rope_scaling") or {}
         rope_type = params.get("rope_type", params.get("type")) or "default"
         if rope_type not in ROPE_TYPES:
-            raise ValueError(f"rope_type={rope_type!r} is not supported; supported: {ROPE_TYPES}")
+            raise ValueError(
+                f"RoPE type {rope_type!r} (config.json's rope_scaling / rope_parameters) is not implemented here "
+                f"(supported: {', '.join(ROPE_TYPES)}); remove it or use a checkpoint without it"
+            )
         theta = params.get("rope_theta", c.get("rope_theta"))
         return cls(
             theta=float(theta if theta is not None else 10000.0),
@@ -55,11 +59,27 @@ class RopeParams:
         )
 
 
-def _with_class_defaults(config: dict) -> dict:
-    if config.get("tie_word_embeddings") is None and config.get("model_type") in SUPPORTED_MODEL_TYPES:
-        # transformers' class default applies when config.json omits the key (Llama/Qwen: False)
-        config["tie_word_embeddings"] = False
-    return config
+def _supported_model_type(config: dict, source: str) -> str:
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        where = f" ({source})" if source else ""
+        raise ValueError(
+            f"model_type {model_type!r} is not supported{where}; supported families: {SUPPORTED_MODEL_TYPES}"
+        )
+    return model_type
+
+
+def _as_transformers_reads_it(config: dict, source: str) -> dict:
+    """config.json through transformers' own config class (what ``AutoConfig.from_pretrained`` does with the
+    file): its class defaults (``tie_word_embeddings``, sizes) and its RoPE normalization (a v4 ``rope_scaling``
+    added to a v5 ``rope_parameters`` replaces it) apply, so this project and transformers read one model."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = _supported_model_type(config, source)
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(dict(config)).to_dict()
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"{source or 'config.json'}: transformers rejects this config ({exc})") from None
 
 
 @dataclass(frozen=True)
@@ -85,14 +105,9 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, config: Any, source: str = "") -> ModelShape:
-        """From a transformers config object, its ``to_dict()`` or a config.json dict."""
-        c = config if isinstance(config, dict) else config.to_dict()
-        model_type = c.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            where = f" ({source})" if source else ""
-            raise ValueError(
-                f"model_type {model_type!r} is not supported{where}; supported families: {SUPPORTED_MODEL_TYPES}"
-            )
+        """From a transformers config object, or a config.json dict (read through transformers' config class)."""
+        c = _as_transformers_reads_it(config, source) if isinstance(config, dict) else config.to_dict()
+        model_type = _supported_model_type(c, source)
         heads = c["num_attention_heads"]
         eos = c.get("eos_token_id")
         if isinstance(eos, list):
@@ -123,9 +138,7 @@ class ModelShape:
         config_file = ARCHITECTURES_DIR / f"{name}.json"
         if not config_file.is_file():
             raise ValueError(f"architecture {name!r} is not shipped; choose one of {list_architectures()}")
-        return cls.from_hf_config(
-            _with_class_defaults(json.loads(config_file.read_text())), source=f"{ARCH_PREFIX}{name}"
-        )
+        return cls.from_hf_config(json.loads(config_file.read_text()), source=f"{ARCH_PREFIX}{name}")
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelShape:
@@ -144,7 +157,7 @@ class ModelShape:
             config = json.loads(config_file.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"{config_file} is not valid JSON ({exc})") from None
-        return cls.from_hf_config(_with_class_defaults(config), source=str(path))
+        return cls.from_hf_config(config, source=str(path))
 
     @property
     def num_query_groups(self) -> int:

@@ -4,7 +4,8 @@ Shapes (B sequences of this DP rank, S = longest prompt + response):
 ``input_ids`` [B, S] int64; ``seq_lens`` [B] int64 (prompt + response tokens of each row: what the
 actor packs when ``actor.remove_padding``); ``loss_mask`` [B, S-1] (1 where the target
 ``input_ids[:, t+1]`` is a response token); ``engine_logprobs`` [B, S-1] (the engine's log-prob of
-each sampled token, 0 elsewhere); ``advantages`` [B].
+each sampled token, 0 elsewhere; :func:`make_batch` refuses a sample whose engine log-probs are missing or
+of another count than its response); ``advantages`` [B].
 """
 
 from __future__ import annotations
@@ -75,6 +76,12 @@ def make_batch(
     as many sequences and about as many tokens (:func:`balanced_dp_shares`); otherwise rank r takes the
     r-th contiguous slice (whole groups).
     """
+    for index, s in enumerate(samples):  # the log-prob gap check and the loss compare against these
+        if len(s.response_logprobs) != len(s.response_ids):
+            raise ValueError(
+                f"sample {index}: the engine returned {len(s.response_logprobs)} log-probs for {len(s.response_ids)} "
+                "response tokens; it must return the log-prob of every sampled token (rollout engine bug)"
+            )
     rewards = torch.tensor([s.reward for s in samples])
     advantages = grpo_advantages(rewards, group_size=group_size)
     per_rank = len(samples) // dp

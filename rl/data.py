@@ -94,6 +94,35 @@ def extract_final_number(text: str) -> str | None:
     return value[:-2] if value.endswith(".0") else value.rstrip(".")
 
 
+def read_records(file: Path, fields: tuple[str, ...]) -> list[dict]:
+    """Every record of a ``.jsonl`` or ``.parquet`` file, each a dict with ``fields``; a ValueError names
+    the file, the line (jsonl) or row (parquet) and what is wrong with it."""
+    where = f"data.path={str(file)}"
+    if file.suffix == ".jsonl":
+        records, lines = [], []
+        with open(file, encoding="utf-8") as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append(json.loads(line.strip()))
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{where} line {number}: not valid JSON ({exc}); fix or drop that line") from None
+                lines.append(f"line {number}")
+    elif file.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        records = pq.read_table(file).to_pylist()
+        lines = [f"row {i}" for i in range(len(records))]
+    else:
+        raise ValueError(f"{where}: expected a .jsonl or .parquet file")
+    for record, line in zip(records, lines):
+        missing = [name for name in fields if not isinstance(record, dict) or name not in record]
+        if missing:
+            raise ValueError(f"{where} {line}: lacks {', '.join(map(repr, missing))}; every record needs {fields}")
+    return records
+
+
 class Gsm8kTask(_SeededSampling):
     """GSM8K-style problems from a local file; reward 1.0 iff the final numbers match."""
 
@@ -103,17 +132,7 @@ class Gsm8kTask(_SeededSampling):
         file = Path(path)
         if not file.is_file():
             raise FileNotFoundError(f"data.path={path!r} does not exist; point it at a local .jsonl or .parquet file")
-        if file.suffix == ".jsonl":
-            records = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
-        elif file.suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            records = pq.read_table(file).to_pylist()
-        else:
-            raise ValueError(f"data.path={path!r}: expected a .jsonl or .parquet file")
-        missing = [i for i, r in enumerate(records) if "question" not in r or "answer" not in r]
-        if missing:
-            raise ValueError(f"data.path={path!r}: records {missing[:5]} lack 'question' or 'answer'")
+        records = read_records(file, ("question", "answer"))
         self.problems = [Problem(r["question"], extract_final_number(str(r["answer"])) or "") for r in records]
         if not self.problems:
             raise ValueError(f"data.path={path!r} holds no records")

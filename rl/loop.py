@@ -21,17 +21,19 @@ from rl.checkpoint import StopRequest, capture_rank_state, restore_rank_state
 from rl.config import RunConfig
 from rl.memory import SAVE_PHASE
 from rl.metrics import (
+    check_finite,
     check_logprob_gap,
     engine_actor_logprob_gap,
     log_step,
     logprob_gap_tolerance,
+    non_finite_stops,
     step_metrics,
     summarize,
 )
 from rl.sampling import generate_samples, sampling_seed
-from rl.saving import StopBeforeTrain, finish_checkpoint, save_actor, save_and_stop
+from rl.saving import StopBeforeTrain, finish_checkpoint, save_actor, save_and_stop, stops_on_storage_faults
 from rl.setup import RankContext, setup, start_rollout
-from rl.warmup import resume_or_warm_up
+from rl.warmup import StopDuringWarmup, exit_during_warmup, resume_or_warm_up
 from rl.weight_sync import SyncResult
 from rollout import SamplingParams
 
@@ -40,9 +42,9 @@ def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
     """One RL step, per rank, in the design's phase order."""
     cfg, actor, engine, phase = ctx.cfg, ctx.actor, ctx.engine, ctx.phase
     stop_agreed = lambda: ctx.stop.agreed(ctx.dims.device)  # noqa: E731 (a collective at a phase boundary)
-    problems = ctx.task.sample(cfg.trainer.prompts_per_step)  # the same prompts on every rank
     params = SamplingParams.from_config(cfg.rollout, seed=sampling_seed(ctx.sampling_base_seed, step, ctx.replica))
-    with phase("rollout", step):
+    with phase("rollout", step):  # every line of the step is inside a phase: the timeline sees all its memory
+        problems = ctx.task.sample(cfg.trainer.prompts_per_step)  # the same prompts on every rank
         samples = generate_samples(engine, ctx.tokenizer, ctx.task, problems, params, ctx.mesh, ctx.rank)
     with phase("engine_sleep", step):
         engine.sleep(["weights", "kv_cache"])
@@ -52,12 +54,16 @@ def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
                 actor.onload(what)
     if stop_agreed():
         raise StopBeforeTrain
-    batch, rewards = ctx.make_batch(samples)
-    with phase("old_logprob", step):
+    with phase("old_logprob", step):  # the batch, the actor's pass, then the engine-vs-actor check
+        batch, rewards = ctx.make_batch(samples)
+        response = batch["loss_mask"]
+        check_finite(step, "rollout", {"reward": rewards, "engine log-prob": batch["engine_logprobs"]}, response)
         batch["old_logprobs"] = actor.compute_logprobs(batch, phase="old_logprob", response_only=True)
-    # the worst engine-vs-actor gap over all ranks; too large: stop before training on wrong log-probs
-    gap = engine_actor_logprob_gap(batch)
-    check_logprob_gap(gap, step, logprob_gap_tolerance(cfg.trainer.max_logprob_gap, cfg.model.dtype), cfg.model.dtype)
+        check_finite(step, "old_logprob", {"old log-prob": batch["old_logprobs"]}, response)
+        # the worst engine-vs-actor gap over all ranks; too large: stop before training on wrong log-probs
+        gap = engine_actor_logprob_gap(batch)
+        tolerance = logprob_gap_tolerance(cfg.trainer.max_logprob_gap, cfg.model.dtype)
+        check_logprob_gap(gap, step, tolerance, cfg.model.dtype)
     ctx.logprob_gaps.append(gap.value)
     with phase("onload_ref", step):
         if ctx.offloaded("ref_params"):
@@ -65,12 +71,13 @@ def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
     with phase("ref_logprob", step):
         if ctx.ref_actor is not None:
             batch["ref_logprobs"] = ctx.ref_actor.compute_logprobs(batch, phase="ref_logprob", response_only=True)
+            check_finite(step, "ref_logprob", {"ref log-prob": batch["ref_logprobs"]}, response)
     with phase("offload_ref", step):
         if ctx.offloaded("ref_params"):
             ctx.ref_actor.offload("params")
     if stop_agreed():
         raise StopBeforeTrain
-    with phase("train", step):
+    with phase("train", step), non_finite_stops(step, "train"):
         for _ in range(cfg.trainer.ppo_epochs):
             train_metrics = actor.train_step(batch, ctx.loss)
     ctx.stop_after_step = stop_agreed()
@@ -100,6 +107,7 @@ def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
     return metrics, sync
 
 
+@stops_on_storage_faults
 def run_rank(cfg: RunConfig, run_dir: str) -> int:
     """Everything one rank does for a run: set up (resuming if there is a checkpoint), warm up, hand the
     engine the weights, then the steps. Returns the exit code (0; PREEMPTED_EXIT_CODE after a stop)."""
@@ -111,6 +119,8 @@ def run_rank(cfg: RunConfig, run_dir: str) -> int:
             print(f"{ctx.resumed_from} already has {ctx.start_step} >= trainer.steps={steps} steps; nothing to do")
         return 0
     warmup_losses = resume_or_warm_up(ctx)
+    if isinstance(warmup_losses, StopDuringWarmup):  # no checkpoint holds part of a warm-up: exit at once
+        return exit_during_warmup(ctx, warmup_losses)
     if ctx.resumed_state is None and ctx.stop.agreed(ctx.dims.device):  # signalled during setup or warm-up
         return save_and_stop(ctx, 0, capture_rank_state(ctx.task), warmup_losses, engine_awake=False)
     start_rollout(ctx)  # the engine starts, sized with the actor offloaded, and takes the actor's weights

@@ -12,6 +12,7 @@ is the same (``trainer.steps`` may differ); ``resume=<checkpoint>`` continues in
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -22,7 +23,7 @@ from rl.checkpoint import checkpoint_from_path
 from rl.compose import ConfigError, compose, resolve_path
 from rl.config import RunConfig
 from rl.launch import launched_externally, missing_devices, spawn_local
-from rl.preflight import find_unfinished_run, preflight, resume_point
+from rl.preflight import find_unfinished_run, hold_run_dir, preflight, resume_point
 
 
 def prepare(cfg: RunConfig, run_dir: str | Path | None) -> Path:
@@ -120,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         check_launch(cfg, args.run_dir)
         cfg.model.path = resolve_model_path(resolve_path(cfg.model.path))
         run_dir = pick_run_dir(cfg, args.run_dir)
+        # one live run per directory (under torchrun/srun rank 0 holds it for the job)
+        lock = hold_run_dir(run_dir) if run_dir is not None and int(os.environ.get("RANK", "0")) == 0 else None
         preflight(cfg, run_dir)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
@@ -131,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     from rl.loop import run_rank
 
     run_dir = prepare(cfg, run_dir)
+    lock = lock or (hold_run_dir(run_dir) if int(os.environ.get("RANK", "0")) == 0 else None)  # a new directory
     if launched_externally():
         return run_rank(cfg, str(run_dir))
     resuming = f"; resuming after step {state.completed_steps}" if state is not None else ""

@@ -42,6 +42,7 @@ import csv
 import os
 import re
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -120,6 +121,15 @@ class ProcessMemory:
         return rss, max(rss, hwm)
 
 
+# how device_peak is measured (summary.json["memory_peak_method"]); only the last misses short peaks
+PEAK_METHODS = {
+    "cuda_allocator_peak": "CUDA: device used + the allocator's max_memory_reserved since the phase began",
+    "rss_high_water_mark": "CPU: the kernel's RSS high-water mark (VmHWM), reset at each phase through /proc/self/clear_refs",
+    "rss_sampled": "CPU: RSS sampled at phase boundaries and every trainer.memory_sample_interval_s "
+    "(/proc/self/clear_refs not writable): a peak between two samples is missed",
+}
+
+
 class MemoryProbe:
     """Reads one sample of this rank's memory (see the module doc for what each metric measures).
 
@@ -134,6 +144,13 @@ class MemoryProbe:
         self.on_cuda = self.device.type == "cuda"
         # CPU: what the process held before the run allocated anything (runtime, libraries, groups)
         self.baseline_bytes = 0 if self.on_cuda else self.process.read()[0]
+
+    @property
+    def peak_method(self) -> str:
+        """A key of :data:`PEAK_METHODS`."""
+        if self.on_cuda:
+            return "cuda_allocator_peak"
+        return "rss_high_water_mark" if self.process.tracks_peak else "rss_sampled"
 
     def add_ledger(self, ledger: LedgerFn) -> None:
         self.ledgers.append(ledger)
@@ -196,6 +213,8 @@ class MemoryTimeline:
         self.probe = probe
         self.rank = rank
         self.interval_s = interval_s
+        if rank == 0 and probe.peak_method == "rss_sampled":  # once per run: rank 0 speaks for the node
+            print(f"warning: memory peaks are {PEAK_METHODS['rss_sampled']}", file=sys.stderr, flush=True)
         self.t0 = time.monotonic() if t0 is None else t0
         self.rows: list[dict] = []
         self.phase_seconds: dict[tuple[int, str], float] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -33,6 +34,37 @@ LOGPROB_GAP_TOLERANCE = {"float32": 1e-3, "bfloat16": 1.0, "float16": 0.5}
 
 class LogprobGapError(RuntimeError):
     """The engine and the actor disagree on the sampled tokens' log-probs: the run must not train on them."""
+
+
+class NonFiniteError(RuntimeError):
+    """A reward, log-prob, loss or grad norm is NaN/inf: the step stops before the optimizer applies it, so the
+    weights, Adam's moments and the last checkpoint stay the last good ones."""
+
+
+def check_finite(step: int, phase: str, quantities: dict[str, torch.Tensor], loss_mask: torch.Tensor) -> None:
+    """Every rank stops together (one all-reduce) when any rank holds a non-finite value of a quantity;
+    tensors of ``loss_mask``'s shape [B, S-1] are checked on response tokens only, others everywhere."""
+    mask = loss_mask > 0
+    bad = torch.tensor(
+        [float(not torch.isfinite(t[mask] if t.shape == mask.shape else t).all()) for t in quantities.values()]
+    )
+    if dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    names = [name for name, flag in zip(quantities, bad.tolist()) if flag]
+    if names:
+        raise NonFiniteError(f"step {step}, phase {phase}: {', '.join(names)} not finite (NaN/inf); {STOPPED}")
+
+
+STOPPED = "stopped before the optimizer applied it (the last checkpoint is the last good one)"
+
+
+@contextmanager
+def non_finite_stops(step: int, phase: str):
+    """The actor's own check (loss, grad norm: ``FloatingPointError`` before its optimizer step) as one line."""
+    try:
+        yield
+    except FloatingPointError as exc:
+        raise NonFiniteError(f"step {step}, phase {phase}: {exc}; {STOPPED}") from None
 
 
 @dataclass(frozen=True)
@@ -193,6 +225,7 @@ def summarize(ctx, rewards: list[float], rows: list[dict], syncs: list[SyncResul
         "reward_first5": sum(rewards[:5]) / max(1, len(rewards[:5])),
         "reward_last5": sum(rewards[-5:]) / max(1, len(rewards[-5:])),
         "memory": memory_summary(rows, ctx.mesh.world_size),
+        "memory_peak_method": ctx.timeline.probe.peak_method,  # a key of rl.memory.PEAK_METHODS
         # the plan made before the engine started (rl.planning): what it predicted per phase, and the error
         "memory_plan": None
         if ctx.plan is None

@@ -9,7 +9,9 @@ Pure config checks (sizes that must divide, ranges) live in the configs' ``__pos
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -124,8 +126,13 @@ def check_kv_budget(cfg: RunConfig) -> None:
 
 
 def check_data(cfg: RunConfig) -> None:
+    """The task reads its whole file now, as every rank will: each line parses and has the task's fields."""
     if cfg.data.path is not None and not Path(cfg.data.path).is_file():
         raise ConfigError(f"data.path={cfg.data.path!r} does not exist; point it at a local .jsonl or .parquet file")
+    try:
+        cfg.data.build(seed=cfg.trainer.seed)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def check_resume(cfg: RunConfig, run_dir: Path | None, shape: ModelShape) -> None:
@@ -166,6 +173,31 @@ def check_resume(cfg: RunConfig, run_dir: Path | None, shape: ModelShape) -> Non
             f"resume: {checkpoint} was sampled with another seed schedule ({state.sampling_seed_schedule}); its steps "
             "cannot be continued exactly by this code; resume=never starts over"
         )
+
+
+RUN_DIR_LOCK = ".lock"
+
+
+def hold_run_dir(run_dir: Path):
+    """An exclusive ``flock`` on ``<run_dir>/.lock`` for as long as the returned file stays open (the launcher's
+    life; the kernel drops it when that process dies, even by SIGKILL). Another live run holding it: one
+    line, before this run writes anything there (its config.yaml, timeline, checkpoints would interleave)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(run_dir / RUN_DIR_LOCK, "a+")  # noqa: SIM115 (held open until the run ends)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise ConfigError(
+            f"--run-dir={run_dir} is in use by a live run ({holder} holds {run_dir / RUN_DIR_LOCK}); wait for it to "
+            "end, stop it, or give another --run-dir"
+        ) from None
+    handle.truncate(0)
+    handle.write(f"pid {os.getpid()}\n")
+    handle.flush()
+    return handle
 
 
 def resume_point(cfg: RunConfig, run_dir: Path | None) -> RLState | None:

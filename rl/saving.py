@@ -4,12 +4,16 @@ See docs/DESIGN.md, "Checkpoints, resume, preemption"."""
 
 from __future__ import annotations
 
+import errno
+import functools
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch.distributed as dist
 
-from rl.checkpoint import ACTOR_DIR, RLState, model_sizes
+from rl.checkpoint import ACTOR_DIR, CHECKPOINT_DIR, RLState, complete_checkpoints, model_sizes
 from rl.launch import PREEMPTED_EXIT_CODE
 from rl.sampling import sampling_seed
 from rl.setup import RankContext
@@ -81,3 +85,69 @@ def save_and_stop(ctx: RankContext, completed_steps: int, rank_state: dict, warm
         )
     dist.barrier()
     return PREEMPTED_EXIT_CODE
+
+
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
+STORAGE_EXIT_CODE = 1
+MIN_FREE_BYTES = 1 << 20
+STORAGE_LINE_GRACE_S = 5.0  # less than this free after a failed write: the disk is full
+
+
+def storage_fault_line(exc: BaseException, run_dir: Path) -> str | None:
+    """One line naming the path and the cause when ``exc`` comes from a full or read-only run directory
+    (an OSError, or a library's wrapper of one such as torch's checkpoint writer: the filesystem says);
+    None for any other failure."""
+    chain, cause_exc = [], exc
+    while cause_exc is not None and len(chain) < 16:
+        chain.append(cause_exc)
+        cause_exc = cause_exc.__cause__ or cause_exc.__context__
+    os_error = next((e for e in chain if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS), None)
+    # torch's distributed checkpoint gathers every rank's failure as text (CheckpointException.failures)
+    text = " ".join([str(e) for e in chain] + [str(f) for e in chain for f in getattr(e, "failures", {}).values()])
+    named = next((code for code in STORAGE_ERRNOS if os.strerror(code) in text), None)
+    stat = os.statvfs(run_dir)
+    free_bytes = stat.f_bavail * stat.f_frsize
+    checkpoints = run_dir / CHECKPOINT_DIR
+    partial = sorted(checkpoints.glob(".tmp-step_*")) if checkpoints.is_dir() else []
+    complete = complete_checkpoints(checkpoints) if checkpoints.is_dir() else []
+    # room for less than one more checkpoint (the last complete one, or what the failed one wrote so far)
+    checkpoint_bytes = max([MIN_FREE_BYTES] + [_bytes_under(p) for p in (complete[-1:] + partial[-1:])])
+    if os_error is not None or named is not None:
+        cause = os.strerror(os_error.errno if os_error is not None else named).lower()
+    elif stat.f_flag & os.ST_RDONLY:
+        cause = "read-only file system"
+    elif free_bytes < checkpoint_bytes:
+        cause = "no space left on device"
+    else:
+        return None
+    path = getattr(os_error, "filename", None) or (partial[-1] if partial else run_dir)
+    kept = f"the last complete checkpoint {complete[-1]} is kept" if complete else "no complete checkpoint yet"
+    return (
+        f"storage error: {path}: {cause} ({free_bytes / 2**20:.1f} MiB free on its filesystem, a checkpoint takes "
+        f"{checkpoint_bytes / 2**20:.1f} MiB); the run stopped, "
+        f"{kept}: free space (or make {run_dir} writable), then run again with the same run directory"
+    )
+
+
+def _bytes_under(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def stops_on_storage_faults(run_rank):
+    """A full or read-only run directory while a checkpoint, the timeline or the metrics are written ends the
+    rank with one line instead of a library's traceback (rank 0's; the launcher stops the others)."""
+
+    @functools.wraps(run_rank)
+    def wrapper(cfg, run_dir: str) -> int:
+        try:
+            return run_rank(cfg, run_dir)
+        except BaseException as exc:  # torch's CheckpointException is a BaseException
+            line = None if isinstance(exc, (KeyboardInterrupt, SystemExit)) else storage_fault_line(exc, Path(run_dir))
+            if line is None:
+                raise
+            if int(os.environ.get("RANK", "0")) != 0:  # rank 0 says it (the launcher then stops this rank);
+                time.sleep(STORAGE_LINE_GRACE_S)  # a rank whose disk alone is full says it after a moment
+            print(line, file=sys.stderr, flush=True)
+            os._exit(STORAGE_EXIT_CODE)  # not SystemExit: W&B's and torch's threads would print their tracebacks
+
+    return wrapper

@@ -2,15 +2,32 @@
 
 from __future__ import annotations
 
+import sys
+
+import torch.distributed as dist
+
 from rl.batching import Sample, pack_sequences
+from rl.launch import PREEMPTED_EXIT_CODE
 from rl.losses import sft_loss
 from rl.setup import RankContext
 
 
+class StopDuringWarmup(Exception):
+    """SIGUSR1 / SIGTERM agreed before the warm-up's last step (no checkpoint exists before its end)."""
+
+    def __init__(self, done: int):
+        self.done = done
+
+
 def sft_warmup(ctx: RankContext) -> list[float]:
-    """Optional supervised warm-up on the task's format examples (trainer.sft_warmup_steps); its losses."""
-    losses, tok = [], ctx.tokenizer
-    for _ in range(ctx.cfg.trainer.sft_warmup_steps):
+    """Optional supervised warm-up on the task's format examples (trainer.sft_warmup_steps); its losses.
+    A stop signal is honoured before every warm-up step (one all-reduce each): :class:`StopDuringWarmup`."""
+    losses, tok, num_steps = [], ctx.tokenizer, ctx.cfg.trainer.sft_warmup_steps
+    if ctx.rank == 0 and num_steps:
+        print(f"supervised warm-up: {num_steps} steps", flush=True)
+    for done in range(num_steps):
+        if ctx.stop.agreed(ctx.dims.device):
+            raise StopDuringWarmup(done)
         examples = ctx.task.format_examples(ctx.cfg.trainer.prompts_per_step * ctx.cfg.rollout.n_samples_per_prompt)
         samples = [
             Sample(i, tok(e.prompt).input_ids, tok(e.answer).input_ids + [tok.eos_token_id], [], "stop", 0.0)
@@ -22,14 +39,34 @@ def sft_warmup(ctx: RankContext) -> list[float]:
     return losses
 
 
-def resume_or_warm_up(ctx: RankContext) -> list[float]:
+def resume_or_warm_up(ctx: RankContext) -> list[float] | StopDuringWarmup:
     """The warm-up's losses: the checkpoint's when resuming (every checkpoint is after the warm-up), else
-    the warm-up runs now."""
+    the warm-up runs now; a :class:`StopDuringWarmup` when a stop signal cut it short."""
     if ctx.resumed_state is not None:
         if ctx.rank == 0:
             print(f"resuming from {ctx.resumed_from} (step {ctx.start_step} of {ctx.cfg.trainer.steps})", flush=True)
         return ctx.resumed_state.warmup_losses
-    losses = sft_warmup(ctx)
+    try:
+        losses = sft_warmup(ctx)
+    except StopDuringWarmup as stop:
+        return stop
     if ctx.rank == 0 and losses:
         print(f"supervised warm-up: loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
     return losses
+
+
+def exit_during_warmup(ctx: RankContext, stop: StopDuringWarmup) -> int:
+    """A stop during the warm-up: no checkpoint can hold a part of it (every checkpoint is after the warm-up,
+    and a resume skips it), so exit cleanly at once; a requeue starts the run over (resume=auto finds no
+    checkpoint in the run directory)."""
+    if ctx.writer is not None:
+        ctx.writer.close()
+        print(
+            f"stopped by {ctx.stop.received or 'a signal to another rank'} during the supervised warm-up (after "
+            f"{stop.done} of {ctx.cfg.trainer.sft_warmup_steps} steps); no checkpoint before the warm-up ends: "
+            "run again with the same run directory to start over",
+            file=sys.stderr,
+            flush=True,
+        )
+    dist.barrier()
+    return PREEMPTED_EXIT_CODE

@@ -38,3 +38,12 @@ def pytest_collection_modifyitems(config, items):
             has_vllm = _vllm_importable() if has_vllm is None else has_vllm
             if not has_vllm:
                 item.add_marker(skip_vllm)
+
+
+def pytest_configure(config):
+    # registered here, not in setup.cfg, so adding it does not make `make` reinstall the venv
+    config.addinivalue_line(
+        "markers",
+        "numeric: compares one quantity across layouts/kernels within ulp-derived bounds (tests/numeric.py); "
+        "`make test-threads` runs them again with other thread counts",
+    )

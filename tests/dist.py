@@ -10,19 +10,24 @@ import torch.multiprocessing as mp
 
 from rl.launch import free_port
 
+# Threads per rank (1: two ranks share the 2 CI cores). `make test-threads` runs the numeric tests again with
+# RLMEM_TEST_RANK_THREADS=2, so no cross-layout tolerance holds only for one reduction order.
+RANK_THREADS_ENV = "RLMEM_TEST_RANK_THREADS"
+
 
 def _entry(rank: int, world_size: int, port: int, fn, args, result_queue) -> None:
+    num_threads = int(os.environ.get(RANK_THREADS_ENV, "1"))
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
+        OMP_NUM_THREADS=str(num_threads),
     )
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(num_threads)
     try:
         # plain pickle: tensors travel by value, not as shared-memory fds that die with this process
         result_queue.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.dist import run_ranks
+from tests.numeric import assert_close_across_layouts, ulp_tolerance
 
 NUM_SEQS, SEQ_LEN, PROMPT_LEN = 4, 12, 6
 
@@ -92,16 +93,30 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+# Another layout sums the third step's gradients in another order (last bits). Adam then divides by
+# sqrt(v): an element whose gradient nearly cancels turns that into a larger share of its step (measured:
+# 31 ulps of the tensor's largest weight on a k_proj bias, 1.37e-6 on another CPU). 256 ulps of each
+# tensor's scale (~7e-6 at 0.22) stays 200x under what losing Adam's moments moves weights by (~lr = 1e-3).
+ADAM_RESUME_ULPS = 256
+
+
 def _check(result: dict, same_layout: bool) -> None:
     assert _max_diff(result["saved"], result["loaded"]) == 0.0  # params: bit-exact through any layout
     for key in ("loss", "grad_norm"):
-        tolerance = 0.0 if same_layout else 1e-5 * max(1.0, abs(result["reference"][key]))
-        assert abs(result["resumed"][key] - result["reference"][key]) <= tolerance, key
-    resumed_diff = _max_diff(result["resumed_state"], result["reference_state"])
+        if same_layout:
+            assert result["resumed"][key] == result["reference"][key], key
+        else:  # the loss is a mean of ratio x advantage terms with |advantage| <= 1: terms of scale 1
+            scale = max(1.0, abs(result["reference"][key]))
+            assert_close_across_layouts(result["resumed"][key], result["reference"][key], key, scale=scale)
     restarted_diff = _max_diff(result["restarted_state"], result["reference_state"])
-    # lr 1e-3: losing Adam's moments moves weights by ~1e-4; the resumed moments keep them within float noise
-    assert restarted_diff > 1e-5, restarted_diff
-    assert resumed_diff <= (0.0 if same_layout else 1e-6), (resumed_diff, restarted_diff)
+    # lr 1e-3: losing Adam's moments moves weights by ~1e-3; the resumed moments keep them within float noise
+    assert restarted_diff > 10 * ulp_tolerance(1.0, ulps=ADAM_RESUME_ULPS), restarted_diff
+    if same_layout:
+        assert _max_diff(result["resumed_state"], result["reference_state"]) == 0.0
+    else:
+        assert_close_across_layouts(
+            result["resumed_state"], result["reference_state"], "resumed weight", ulps=ADAM_RESUME_ULPS
+        )
 
 
 SCENARIOS = {  # name -> (family, save layout (tp, pp, vpp), load layout)
@@ -120,6 +135,7 @@ def _all_scenarios(rank, world_size, model_dirs, root):
     }
 
 
+@pytest.mark.numeric
 def test_checkpoint_reloads_bit_exact_and_reshards_tp_and_pp(tiny_model_dirs, tmp_path):
     results = run_ranks(_all_scenarios, 2, tiny_model_dirs, str(tmp_path))[0]
     for name, result in results.items():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.dist import run_ranks
+from tests.numeric import assert_close_across_layouts
 
 LENGTHS = [30, 9, 22, 5, 17, 26, 12, 30]  # prompt + response; padded width 30
 OTHER_DP_LENGTHS = [28, 5, 7, 30, 11, 6, 19, 8]  # DP rank 1: fewer tokens (4 budgeted micro-batches alone, not 5)
@@ -39,10 +40,6 @@ def _grads(actor) -> dict[str, torch.Tensor]:
         for name, p in model.named_parameters()
         if p.requires_grad
     }
-
-
-def _max_rel_diff(a: dict, b: dict) -> float:
-    return max(float((a[k] - b[k]).abs().max() / (b[k].abs().max() + 1e-12)) for k in b)
 
 
 # name -> ActorConfig overrides; "padded" is the reference
@@ -97,6 +94,7 @@ def _levers(rank, world_size, model_dir):
     return out
 
 
+@pytest.mark.numeric
 def test_packing_budgets_and_recompute_match_the_padded_path(tiny_model_dirs):
     per_rank = run_ranks(_levers, 2, tiny_model_dirs["qwen2"])
     for rank, out in enumerate(per_rank):
@@ -108,16 +106,15 @@ def test_packing_budgets_and_recompute_match_the_padded_path(tiny_model_dirs):
             assert mask.sum() > 50  # response targets were computed
             for name, got in results.items():
                 where = f"rank {rank} {layout} {name}"
-                # log-probs: packed and chunked equal the padded, unchunked path within fp32 tolerance
-                assert torch.allclose(got["logprobs"], ref["logprobs"], atol=2e-5), where
-                assert torch.allclose(got["entropy"], ref["entropy"], atol=2e-5), where
-                # the same batch split any way gives the same gradient (loss normalized by batch totals)
-                assert _max_rel_diff(got["grads"], ref["grads"]) < 1e-4, (
-                    where,
-                    _max_rel_diff(got["grads"], ref["grads"]),
-                )
+                # log-probs: packed and chunked equal the padded, unchunked path up to summation order
+                assert_close_across_layouts(got["logprobs"], ref["logprobs"], f"{where} log-probs")
+                assert_close_across_layouts(got["entropy"], ref["entropy"], f"{where} entropy")
+                # the same batch split any way gives the same gradient (loss normalized by batch totals); a
+                # gradient sums over every token of the batch, in another grouping per variant: more ulps
+                assert_close_across_layouts(got["grads"], ref["grads"], f"{where} grad", ulps=1024)
                 for key in ("loss", "pg_loss", "kl", "entropy"):
-                    assert got["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-5, abs=1e-7), (where, key)
+                    scale = max(1.0, abs(ref["metrics"][key]))  # means of per-token terms of scale ~1
+                    assert_close_across_layouts(got["metrics"][key], ref["metrics"][key], f"{where} {key}", scale=scale)
             counts = {name: r["metrics"]["num_micro_batches"] for name, r in results.items()}
             assert counts["padded"] == 4 and counts["packed_budget"] != counts["padded"], counts
     # DP=2: ranks with different lengths run the same number of budgeted micro-batches

@@ -109,6 +109,56 @@ def _never_over_checkpoints(tiny, tmp):
     return ["--run-dir", str(tmp / "run"), "resume=never"]
 
 
+GSM8K = ["data.task=gsm8k", "trainer.sft_warmup_steps=0"]
+GOOD_LINE = {"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3 + 4 = 7\n#### 7"}
+
+
+def _jsonl_with_a_truncated_line(tiny, tmp):
+    """An editor or a killed `head > file` left line 2 cut in the middle of a string."""
+    line = json.dumps(GOOD_LINE)
+    (tmp / "train.jsonl").write_text(f"{line}\n{line[: len(line) // 2]}\n{line}\n")
+    return [*GSM8K, f"data.path={tmp / 'train.jsonl'}"]
+
+
+def _jsonl_with_another_schema(tiny, tmp):
+    """A file of another dataset (prompt/response, not question/answer) on line 3."""
+    other = json.dumps({"prompt": "2+2=", "response": "4"})
+    (tmp / "train.jsonl").write_text(f"{json.dumps(GOOD_LINE)}\n\n{other}\n")
+    return [*GSM8K, f"data.path={tmp / 'train.jsonl'}"]
+
+
+def _nan_in_a_weight(tiny, tmp):
+    """A checkpoint saved after a diverged step: one NaN in one MLP weight."""
+    from safetensors.torch import load_file, save_file
+
+    model = _copy(tiny["qwen2"], tmp / "m")
+    tensors = load_file(model / "model.safetensors")
+    tensors["model.layers.0.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    return [f"model.path={model}"]
+
+
+def _yarn_added_to_a_transformers5_config(tiny, tmp):
+    """Qwen2.5's model card: add rope_scaling yarn for long context, here to a config.json transformers 5
+    wrote (it has rope_parameters): transformers applies YaRN, so the run must not train default RoPE."""
+    model = _copy(tiny["qwen2"], tmp / "m")
+    assert "rope_parameters" in json.loads((model / "config.json").read_text())
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    return [f"model.path={_edit_config(model, rope_scaling=yarn)}"]
+
+
+_LIVE_RUNS = []  # the lock files the "other run" holds, open until the test session ends
+
+
+def _run_dir_of_a_live_run(tiny, tmp):
+    """`make run ARGS="--run-dir X"` typed again in a second terminal while the first run still writes to X
+    (its launcher holds X/.lock as hold_run_dir gives it; a second open file description conflicts)."""
+    from rl.preflight import hold_run_dir
+
+    _LIVE_RUNS.append(hold_run_dir(tmp / "run"))
+    return ["--run-dir", str(tmp / "run")]
+
+
 def _vllm_not_installed(tiny, tmp, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if vLLM were not installed (find_spec then fails)
     return ["rollout.engine=vllm"]
@@ -161,6 +211,11 @@ CASES = [
         ["data.task=gsm8k", "data.path=/no/such.jsonl", "trainer.sft_warmup_steps=0"],
         "data.path='/no/such.jsonl' does not exist",
     ),
+    ("data line not JSON", _jsonl_with_a_truncated_line, "train.jsonl line 2: not valid JSON (Unterminated string starting at: line 1 column"),
+    ("data line lacks fields", _jsonl_with_another_schema, "train.jsonl line 3: lacks 'question', 'answer'"),
+    ("NaN weight", _nan_in_a_weight, "model.layers.0.mlp.up_proj.weight holds 1 non-finite value(s) (NaN/inf), the first at [3, 5]"),
+    ("yarn on a v5 config", _yarn_added_to_a_transformers5_config, "RoPE type 'yarn' (config.json's rope_scaling"),
+    ("run dir held by a live run", _run_dir_of_a_live_run, "run is in use by a live run (pid "),
     ("checkpoint cadence", ["trainer.save_every=-1"], "trainer.save_every=-1 must be >= 0"),
     ("collective timeout", ["cluster.timeout_s=1"], "cluster.timeout_s=1.0 must be >= 10"),
 ]

@@ -208,3 +208,47 @@ def test_launcher_forwards_sigterm_to_its_ranks(tmp_path):
 
     threading.Thread(target=signal_when_ready, daemon=True).start()
     assert spawn_local(_wait_for_sigterm, 2, (str(tmp_path),)) == 0  # both ranks saw SIGTERM and exited 0
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB tmpfs mount (the CI runs as root): a disk that fills up for real."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0 or os.system(f"mount -t tmpfs -o size=2m tmpfs {mount} 2>/dev/null") != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    yield mount
+    os.system(f"umount -l {mount}")
+
+
+def test_a_full_or_read_only_run_dir_is_named_in_one_line_with_the_kept_checkpoint(small_disk):
+    import errno
+    import subprocess
+
+    from rl.saving import storage_fault_line
+
+    run_dir = small_disk / "run"
+    kept = _fake_complete(run_dir / "checkpoints", 2)
+    assert storage_fault_line(RuntimeError("a bug"), run_dir) is None  # room left: not a storage fault
+    partial = run_dir / "checkpoints" / ".tmp-step_00000004"
+    partial.mkdir()
+    with pytest.raises(OSError) as full:  # write until the disk is full, as a checkpoint writer would
+        with open(partial / "shard.distcp", "wb") as f:
+            while True:
+                f.write(b"\0" * (1 << 16))
+                f.flush()
+    assert full.value.errno == errno.ENOSPC
+    # torch's checkpoint writer reports it as "[enforce fail at inline_container.cc] unexpected pos": no errno
+    line = storage_fault_line(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos"), run_dir)
+    assert line.startswith(f"storage error: {partial}: no space left on device") and "\n" not in line
+    assert f"the last complete checkpoint {kept} is kept" in line
+    # what megatron's save raises on the rank whose own write failed without an errno: the other ranks' failures
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    (partial / "shard.distcp").unlink()  # the writer cleaned up: free space again, the failure text says why
+    other = RuntimeError("Worker failure: [Errno 28] No space left on device")
+    line = storage_fault_line(CheckpointException("write", {1: (other, None)}), run_dir)
+    assert line is not None and f"{partial}: no space left on device" in line, line
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    line = storage_fault_line(OSError(errno.EROFS, "Read-only file system", str(run_dir / "metrics.jsonl")), run_dir)
+    assert line.startswith(f"storage error: {run_dir / 'metrics.jsonl'}: read-only file system"), line

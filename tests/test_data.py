@@ -69,7 +69,7 @@ def test_gsm8k_bad_input(tmp_path):
         Gsm8kTask(str(tmp_path / "missing.jsonl"))
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"q": "x"}))
-    with pytest.raises(ValueError, match="lack 'question' or 'answer'"):
+    with pytest.raises(ValueError, match="bad.jsonl line 1: lacks 'question', 'answer'"):
         Gsm8kTask(str(bad))
     other = tmp_path / "data.csv"
     other.write_text("a,b")

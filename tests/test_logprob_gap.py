@@ -67,3 +67,38 @@ def test_every_rank_stops_on_a_gap_seen_by_one():
     messages = run_ranks(_gap_on_ranks, 2)
     assert messages[0] == messages[1]  # the same gathered verdict, so no rank trains on
     assert "step 3" in messages[0] and "rank 1, sample 3, response token 2" in messages[0]
+
+
+def test_a_non_finite_reward_or_logprob_names_step_phase_and_quantity():
+    from rl.metrics import NonFiniteError, check_finite, non_finite_stops
+
+    loss_mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
+    logprobs = torch.tensor([[float("nan"), -1.0, -2.0], [0.0, -0.5, float("inf")]])  # non-finite only off-response
+    check_finite(3, "old_logprob", {"old log-prob": logprobs, "reward": torch.tensor([1.0, 0.0])}, loss_mask)
+    with pytest.raises(NonFiniteError, match=r"^step 3, phase rollout: reward not finite \(NaN/inf\); stopped before"):
+        check_finite(
+            3, "rollout", {"engine log-prob": logprobs, "reward": torch.tensor([1.0, float("nan")])}, loss_mask
+        )
+    logprobs[1, 1] = float("-inf")
+    with pytest.raises(NonFiniteError, match="step 4, phase old_logprob: old log-prob not finite"):
+        check_finite(4, "old_logprob", {"old log-prob": logprobs}, loss_mask)
+    with pytest.raises(NonFiniteError, match="step 5, phase train: grad_norm=nan is not finite"):
+        with non_finite_stops(5, "train"):
+            raise FloatingPointError("grad_norm=nan is not finite; the optimizer step was not applied")
+
+
+def test_missing_or_miscounted_engine_logprobs_are_refused_not_zero_filled():
+    from rl.batching import Sample, make_batch
+
+    def samples(logprobs_of_second):
+        return [
+            Sample(0, [1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], "stop", 1.0),
+            Sample(0, [1, 2], [6, 7], logprobs_of_second, "stop", 0.0),
+        ]
+
+    batch, _ = make_batch(samples([-0.5, -0.6]), 2, 1, 0, 0, torch.device("cpu"))
+    assert batch["engine_logprobs"][1, 1:3].tolist() == pytest.approx([-0.5, -0.6])
+    with pytest.raises(ValueError, match="sample 1: the engine returned 0 log-probs for 2 response tokens"):
+        make_batch(samples([]), 2, 1, 0, 0, torch.device("cpu"))
+    with pytest.raises(ValueError, match="sample 1: the engine returned 1 log-probs for 2 response tokens"):
+        make_batch(samples([-0.5]), 2, 1, 0, 0, torch.device("cpu"))

@@ -55,6 +55,23 @@ def test_a_peak_between_two_samples_is_measured():
     timeline.close()
 
 
+def test_a_sampling_fallback_is_named_and_warned_once(monkeypatch, tmp_path, capsys):
+    """A container where /proc/self/clear_refs is not writable: peaks fall back to sampling, which the
+    probe names (summary.json's memory_peak_method) and rank 0 says once on stderr."""
+    import rl.memory
+
+    assert MemoryProbe(torch.device("cpu")).peak_method in ("rss_high_water_mark", "rss_sampled")
+    monkeypatch.setattr(rl.memory, "_CLEAR_REFS", tmp_path / "missing" / "clear_refs")
+    probes = [MemoryProbe(torch.device("cpu")) for _ in range(2)]
+    assert [p.peak_method for p in probes] == ["rss_sampled"] * 2
+    capsys.readouterr()
+    for rank, probe in enumerate(probes):
+        MemoryTimeline(probe, rank=rank).close()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "warning: memory peaks are CPU: RSS sampled" in err, err
+    assert "a peak between two samples is missed" in rl.memory.PEAK_METHODS["rss_sampled"]
+
+
 def test_memory_held_is_measured_not_read_from_the_ledger():
     """The ledger claims 1 GiB of weights that do not exist and misses a real 64 MB buffer: the measured
     columns show the buffer and not the claim; the tag columns repeat the claim (an explanation only)."""

@@ -145,3 +145,36 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_run(tmp_path):
     steps = [s for run_steps in per_run for s in run_steps]
     assert len(steps) == len(set(steps)) and set(steps) <= set(range(STEPS)), per_run
     assert per_run[-1] and per_run[-1][-1] == STEPS - 1, per_run  # the last attempt ended normally
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_warm_up_exits_within_seconds(tmp_path):
+    """Slurm's --signal grace is 60-120 s: SIGTERM in the middle of a long warm-up must not wait for its end.
+    (Before the warm-up honoured stops, this run kept warming up for its 5000 steps.)"""
+    import threading
+
+    from rl.launch import PREEMPTED_EXIT_CODE
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "rl.main", "--run-dir", str(run_dir), "trainer.steps=2", "wandb.mode=disabled"]
+    cmd += ["trainer.sft_warmup_steps=5000", "trainer.prompts_per_step=4", "actor.micro_batch_size=16"]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    wait_for(proc, lambda: any("supervised warm-up: 5000 steps" in line for line in lines), interval_s=0.2)
+    time.sleep(5)  # well inside the warm-up
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGTERM)  # to the launcher, which forwards it to its ranks
+    try:
+        code = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("still warming up 120 s after SIGTERM:\n" + "".join(lines)[-4000:]) from None
+    seconds = time.monotonic() - signalled
+    out = "".join(lines)
+    print(f"\nSIGTERM during the warm-up: exit {code} after {seconds:.1f} s")
+    assert code == PREEMPTED_EXIT_CODE and seconds < 60, (code, seconds, out[-4000:])
+    assert "stopped by SIGTERM during the supervised warm-up" in out, out[-4000:]
+    assert not complete_checkpoints(run_dir / "checkpoints") and not (run_dir / "summary.json").exists()

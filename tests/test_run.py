@@ -50,6 +50,7 @@ def test_short_run_writes_every_output_and_a_readable_wandb_run(tmp_path):
     )
     run_dir = Path(summary["run_dir"])
     assert summary["steps"] == 2 and summary["weight_sync"]["verified"] is True
+    assert summary["memory_peak_method"] == "rss_high_water_mark"  # clear_refs works here (root, Linux)
     plan = summary["memory_plan"]
     kv = plan["kv_cache"]
     assert "chosen by the planner" in kv["source"] and kv["kv_cache_bytes"] >= 2**20 and kv["tokens"] > 0

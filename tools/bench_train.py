@@ -222,7 +222,7 @@ def worker(args) -> dict:
     for model in actor.models:
         model.zero_grad_buffer()
     if actor.optimizer_impl == "torch":
-        actor._cpu_clip_and_step()
+        actor._cpu_clip_and_step(actor._cpu_grad_norm())
     else:
         actor.optimizer.step()
     metrics = {}
