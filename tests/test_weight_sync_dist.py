@@ -121,3 +121,30 @@ def test_verify_sync_cli_end_to_end(tiny_model_dirs):
         timeout=120,
     )
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "ROLLOUT_TP=3" in bad.stderr
+
+
+def test_bench_sync_native_one_layout(tiny_model_dirs):
+    """`make bench-sync LAYOUT=tp2-tp1` on a tiny model: one JSON line with the fields the README promises,
+    the same engine outputs after every sync of either method (the tool fails otherwise), planned bytes =
+    the least any sync moves; a layout that is not one of the three fails at once in one line."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "tools.bench_sync", "--hf", tiny_model_dirs["qwen2"], "--layout", "tp2-tp1"]
+    proc = subprocess.run([*cmd, "--repeats", "2"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1
+    out = json.loads(lines[0])
+    for field in ("planned_s", "baseline_s", "planned_peak_extra_bytes", "baseline_peak_extra_bytes"):
+        assert out[field] >= 0, field
+    assert out["layout"] == "tp2->tp1" and out["engine"] == "native" and out["same_outputs"]
+    assert 0 < out["planned_bytes"] == out["min_bytes"] <= out["baseline_bytes"]
+    assert out["memcpy_gbps"] > 0 and out["planned_memcpy_fraction"] == out["planned_gbps"] / out["memcpy_gbps"]
+    assert "repeat 2/2: planned" in proc.stderr and "warm-up: baseline" in proc.stderr
+
+    bad = subprocess.run(
+        [sys.executable, "-m", "tools.bench_sync", "--layout", "tp3-tp1"], capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 2 and "LAYOUT='tp3-tp1' is not one of tp4->tp2, tp2pp2->tp2, tp2->tp1" in bad.stderr
