@@ -93,3 +93,11 @@ def test_every_rank_stops_on_a_gap_seen_by_one():
     messages = run_ranks(_gap_on_ranks, 2)
     assert messages[0] == messages[1]  # the same gathered verdict, so no rank trains on
     assert "step 3" in messages[0] and "rank 1, sample 3, response token 2" in messages[0]
+
+
+def test_bad_gap_bounds_fail_naming_the_key():
+    from rl.config import TrainerConfig
+
+    for key in ("max_logprob_gap", "max_logprob_gap_p99"):
+        with pytest.raises(ValueError, match=rf"trainer.{key}=0 must be > 0"):
+            TrainerConfig(**{key: 0})
