@@ -55,9 +55,9 @@ def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
     batch, rewards = ctx.make_batch(samples)
     with phase("old_logprob", step):
         batch["old_logprobs"] = actor.compute_logprobs(batch, phase="old_logprob", response_only=True)
-    # the worst engine-vs-actor gap over all ranks; too large: stop before training on wrong log-probs
+    # the engine-vs-actor gap over all ranks (p99, max); too large: stop before training on wrong log-probs
     gap = engine_actor_logprob_gap(batch)
-    check_logprob_gap(gap, step, logprob_gap_rule(cfg.trainer.max_logprob_gap, cfg.trainer.max_logprob_gap_p99, cfg.model.dtype), cfg.model.dtype)
+    check_logprob_gap(gap, step, logprob_gap_rule(cfg.trainer, cfg.model.dtype), cfg.model.dtype)
     ctx.logprob_gaps.append(gap.value)
     with phase("onload_ref", step):
         if ctx.offloaded("ref_params"):

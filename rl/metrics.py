@@ -23,6 +23,7 @@ from rl.memory import (
 from rl.planning import prediction_errors
 from rl.weight_sync import SyncResult
 
+
 @dataclass(frozen=True)
 class LogprobGapRule:
     """When the run stops on the |engine - actor| log-prob of the step's sampled tokens (all ranks):
@@ -139,12 +140,13 @@ def check_logprob_gap(gap: LogprobGap, step: int, rule: LogprobGapRule, dtype: s
         )
 
 
-def logprob_gap_rule(max_logprob_gap: float | None, max_logprob_gap_p99: float | None, dtype: str) -> LogprobGapRule:
-    """trainer.max_logprob_gap / trainer.max_logprob_gap_p99, each null: the default for the model's dtype."""
+def logprob_gap_rule(trainer, dtype: str) -> LogprobGapRule:
+    """``trainer`` (rl.config.TrainerConfig): its max_logprob_gap / max_logprob_gap_p99, each null: the
+    default for the model's dtype."""
     default = LOGPROB_GAP_RULE[dtype]
     return LogprobGapRule(
-        p99=default.p99 if max_logprob_gap_p99 is None else max_logprob_gap_p99,
-        max=default.max if max_logprob_gap is None else max_logprob_gap,
+        p99=default.p99 if trainer.max_logprob_gap_p99 is None else trainer.max_logprob_gap_p99,
+        max=default.max if trainer.max_logprob_gap is None else trainer.max_logprob_gap,
     )
 
 

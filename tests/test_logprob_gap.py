@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rl.config import TrainerConfig
 from rl.metrics import (
     LOGPROB_GAP_RULE,
     LogprobGapError,
@@ -42,9 +43,14 @@ def test_the_worst_response_token_is_found_and_named():
     assert (gap.sample, gap.response_token, gap.token_id) == (11, 3, int(batch["input_ids"][1, 6]))
     assert gap.mean == pytest.approx((0.25 + 14 * 1e-7) / 15, rel=1e-3)
     with pytest.raises(LogprobGapError, match=r"step 7: .*sample 11, response token 3") as info:
-        check_logprob_gap(gap, step=7, rule=logprob_gap_rule(None, None, "float32"), dtype="float32")
+        check_logprob_gap(gap, step=7, rule=logprob_gap_rule(TrainerConfig(), "float32"), dtype="float32")
     assert "max 0.25 > trainer.max_logprob_gap=0.01" in str(info.value)
-    check_logprob_gap(gap, step=7, rule=logprob_gap_rule(0.5, 0.5, "float32"), dtype="float32")  # raised bars
+    check_logprob_gap(
+        gap,
+        step=7,
+        rule=logprob_gap_rule(TrainerConfig(max_logprob_gap=0.5, max_logprob_gap_p99=0.5), "float32"),
+        dtype="float32",
+    )  # raised bars
     # a token-balanced DP share is not contiguous: the batch names each row's sample
     batch["sample_index"] = torch.tensor([4, 0, 9])
     assert engine_actor_logprob_gap(batch).sample == 0
@@ -71,7 +77,7 @@ def test_one_rare_outlier_passes_in_bf16_a_shifted_distribution_stops():
     with pytest.raises(LogprobGapError, match=r"p99 0\.3\d* > trainer.max_logprob_gap_p99"):
         check_logprob_gap(gap, step=0, rule=rule, dtype="bfloat16")
     assert rule.p99 > LOGPROB_GAP_RULE["float32"].p99 and rule.max > rule.p99
-    assert logprob_gap_rule(None, 0.5, "bfloat16") == LogprobGapRule(p99=0.5, max=rule.max)
+    assert logprob_gap_rule(TrainerConfig(max_logprob_gap_p99=0.5), "bfloat16") == LogprobGapRule(p99=0.5, max=rule.max)
 
 
 def _gap_on_ranks(rank: int, world_size: int):
@@ -96,8 +102,6 @@ def test_every_rank_stops_on_a_gap_seen_by_one():
 
 
 def test_bad_gap_bounds_fail_naming_the_key():
-    from rl.config import TrainerConfig
-
     for key in ("max_logprob_gap", "max_logprob_gap_p99"):
         with pytest.raises(ValueError, match=rf"trainer.{key}=0 must be > 0"):
             TrainerConfig(**{key: 0})

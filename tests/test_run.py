@@ -74,7 +74,9 @@ def test_short_run_writes_every_output_and_a_readable_wandb_run(tmp_path):
     # the engine and the actor agree on the sampled tokens' log-probs on every rank: the weights really flowed
     assert all(m["rollout/engine_actor_logprob_diff_max"] < 1e-4 for m in metrics)
     assert all(
-        0 <= m["rollout/engine_actor_logprob_diff_mean"] <= m["rollout/engine_actor_logprob_diff_p99"]
+        0
+        <= m["rollout/engine_actor_logprob_diff_mean"]
+        <= m["rollout/engine_actor_logprob_diff_p99"]
         <= m["rollout/engine_actor_logprob_diff_max"]
         for m in metrics
     )

@@ -51,7 +51,8 @@ def _sync_all_layouts(rank: int, world_size: int, family: str):
                 plan_bytes=plan.bytes_moved,
                 # one full model as megatron holds it (vocab padded): the shards of one DP replica, without
                 # the tied embedding's copy on the last stage (not exported)
-                model_bytes=4 * sum(
+                model_bytes=4
+                * sum(
                     torch.Size(s).numel()
                     for r in layout.actor_ranks(dp_rank=0)
                     for (_, name), s in export.shard_shapes[r].items()

@@ -151,13 +151,17 @@ def _rank_main(args: argparse.Namespace, layout: str) -> None:
     dist.barrier()
     if rank == 0:
         if results["planned"][0][0] != planned_bytes:
-            raise RuntimeError(f"{layout}: ranks received {results['planned'][0][0]} bytes, the plan says {planned_bytes}")
+            raise RuntimeError(
+                f"{layout}: ranks received {results['planned'][0][0]} bytes, the plan says {planned_bytes}"
+            )
         out = {"layout": layout, "engine": args.engine, "model": args.hf, "num_params": actor.shape.param_count()}
         out.update(train_tp=train_tp, train_pp=train_pp, rollout_tp=rollout_tp, world_size=world)
         out["planned_bytes"] = planned_bytes
         out["baseline_bytes"] = results["baseline"][0][0]
         out["min_bytes"] = min_sync_bytes(
-            actor_sources(actor.shape, mesh, te_norms), engine_destinations(actor.shape, mesh), planned.plan.element_bytes
+            actor_sources(actor.shape, mesh, te_norms),
+            engine_destinations(actor.shape, mesh),
+            planned.plan.element_bytes,
         )
         for method, runs in results.items():
             seconds = statistics.median(r[1] for r in runs)
@@ -197,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import vllm  # noqa: F401
         except ImportError:
-            print("bench-sync: ENGINE=vllm needs the vllm package (`make install` brings its CPU build)", file=sys.stderr)
+            print(
+                "bench-sync: ENGINE=vllm needs the vllm package (`make install` brings its CPU build)", file=sys.stderr
+            )
             return 2
     for layout in layouts:
         code = spawn_local(_rank_main, LAYOUTS[layout][3], (args, layout))
