@@ -23,6 +23,7 @@ TRAIN_TP    ?= 1
 TRAIN_PP    ?= 1
 ROLLOUT_TP  ?= 1
 ENGINE      ?= native
+LAYOUT      ?=
 PYTEST_ARGS ?=
 JSON        ?=
 NODES       ?=
@@ -127,8 +128,8 @@ tiny-models: $(STAMP) ## write the tiny Qwen2 / Llama / Qwen3 HF checkpoints to 
 verify-sync: $(STAMP) $(TINY_HF) ## HF=<dir> -> actor TRAIN_TP x TRAIN_PP -> reshard -> engine ROLLOUT_TP; engine vs transformers (one JSON line)
 	@$(PY) -m tools.verify_sync --hf $(HF) --train-tp $(TRAIN_TP) --train-pp $(TRAIN_PP) --rollout-tp $(ROLLOUT_TP) --engine $(ENGINE) $(ARGS)
 
-bench-sync: $(STAMP) ## planned reshard vs gather+broadcast baseline on 4 CPU ranks; ENGINE=vllm: into vLLM vs its own reload of full tensors (one JSON line)
-	@$(PY) -m $(if $(filter vllm,$(ENGINE)),tools.bench_sync_vllm,tools.bench_sync) $(ARGS)
+bench-sync: $(STAMP) ## planned reshard vs the peers' gather + load_weights into ENGINE (native|vllm), LAYOUT=tp4-tp2|tp2pp2-tp2|tp2-tp1 (default all): one JSON line each
+	@$(PY) -m tools.bench_sync --engine $(ENGINE) $(if $(LAYOUT),--layout '$(LAYOUT)') $(ARGS)
 
 $(TINY_DIR)/%/config.json: modelspec/tiny.py | $(STAMP)
 	$(PY) -m modelspec.tiny --out $(TINY_DIR) --families $*

@@ -207,4 +207,9 @@ SIZED_FAMILIES: dict[str, tuple[str, dict]] = {
         dict(_COMMON, vocab_size=16384, rope_theta=1_000_000.0, tie_word_embeddings=False),
     ),
 }
+# The same model with 4 KV heads, so that actor TP=4 divides them (``make bench-sync``'s tp4->tp2).
+SIZED_FAMILIES["qwen2_memory_kv4"] = (
+    "Qwen2Config",
+    dict(SIZED_FAMILIES["qwen2_memory"][1], num_key_value_heads=4),
+)
 TINY_FAMILIES.update(SIZED_FAMILIES)

@@ -89,9 +89,11 @@ class TrainerConfig:
     # a checkpoint (rl/checkpoint.py) after every save_every-th step and after the last one; 0: never
     save_every: int = 10
     keep_last: int = 2  # complete checkpoints kept; older ones are deleted once a newer one is complete
-    # the run stops when an engine and an actor log-prob of a sampled token differ by more (any rank);
-    # null: the model dtype's default (rl.metrics.LOGPROB_GAP_TOLERANCE)
+    # the run stops when the engine's and the actor's log-probs of the step's sampled tokens (all ranks)
+    # differ by more than max_logprob_gap_p99 at the 99th percentile or by more than max_logprob_gap on
+    # any token; null: the model dtype's default (rl.metrics.LOGPROB_GAP_RULE)
     max_logprob_gap: float | None = None
+    max_logprob_gap_p99: float | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -108,10 +110,9 @@ class TrainerConfig:
             raise ValueError(f"trainer.save_every={self.save_every} must be >= 0 (0: no checkpoints)")
         if self.keep_last < 1:
             raise ValueError(f"trainer.keep_last={self.keep_last} must be >= 1")
-        if self.max_logprob_gap is not None and self.max_logprob_gap <= 0:
-            raise ValueError(
-                f"trainer.max_logprob_gap={self.max_logprob_gap} must be > 0, or null for the dtype's default"
-            )
+        for name in ("max_logprob_gap", "max_logprob_gap_p99"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"trainer.{name}={getattr(self, name)} must be > 0, or null for the dtype's default")
 
     def saves_after(self, step: int) -> bool:
         """Whether a checkpoint is written after ``step`` (0-based): every save_every-th and the last."""

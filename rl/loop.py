@@ -25,7 +25,7 @@ from rl.metrics import (
     check_logprob_gap,
     engine_actor_logprob_gap,
     log_step,
-    logprob_gap_tolerance,
+    logprob_gap_rule,
     non_finite_stops,
     step_metrics,
     summarize,
@@ -60,10 +60,9 @@ def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
         check_finite(step, "rollout", {"reward": rewards, "engine log-prob": batch["engine_logprobs"]}, response)
         batch["old_logprobs"] = actor.compute_logprobs(batch, phase="old_logprob", response_only=True)
         check_finite(step, "old_logprob", {"old log-prob": batch["old_logprobs"]}, response)
-        # the worst engine-vs-actor gap over all ranks; too large: stop before training on wrong log-probs
+        # the engine-vs-actor gap over all ranks (p99, max); too large: stop before training on wrong log-probs
         gap = engine_actor_logprob_gap(batch)
-        tolerance = logprob_gap_tolerance(cfg.trainer.max_logprob_gap, cfg.model.dtype)
-        check_logprob_gap(gap, step, tolerance, cfg.model.dtype)
+        check_logprob_gap(gap, step, logprob_gap_rule(cfg.trainer, cfg.model.dtype), cfg.model.dtype)
     ctx.logprob_gaps.append(gap.value)
     with phase("onload_ref", step):
         if ctx.offloaded("ref_params"):
@@ -101,7 +100,7 @@ def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
             ctx.check_wake("wake_kv_cache")
             engine.wake_up(tags)
     num_train_tokens = int(batch["loss_mask"].sum()) * ctx.dims.dp
-    metrics = step_metrics(samples, rewards, num_train_tokens, train_metrics, ctx.phase_seconds, sync, gap.value)
+    metrics = step_metrics(samples, rewards, num_train_tokens, train_metrics, ctx.phase_seconds, sync, gap)
     # the sampled tokens in one number: a resumed run must sample exactly what the uninterrupted one did
     metrics["rollout/response_tokens_crc32"] = float(zlib.crc32(repr([s.response_ids for s in samples]).encode()))
     return metrics, sync

@@ -13,21 +13,34 @@ from tests.dist import run_ranks
 class StubCudart:
     """torch.cuda.cudart()'s two calls as torch/cuda/_pin_memory_utils.py makes them:
     cudaHostRegister(data_ptr: int, size: int, flags: int) and cudaHostUnregister(data_ptr: int), each
-    returning a cudaError (0: success)."""
+    returning a cudaError (0: success).
+
+    The checks are the runtime's own (cuda_runtime_api.h): flags are cudaHostRegister{Default=0, Portable=1,
+    Mapped=2, IoMemory=4, ReadOnly=8} OR'ed; registering a range that overlaps a registered one fails with
+    cudaErrorHostMemoryAlreadyRegistered (712); unregistering an unregistered pointer with
+    cudaErrorHostMemoryNotRegistered (713). Calls are counted."""
 
     def __init__(self, fail: bool = False):
         self.registered: dict[int, int] = {}
         self.fail = fail
+        self.num_register = self.num_unregister = 0
 
     def cudaHostRegister(self, ptr, size, flags):  # noqa: N802 (CUDA's name)
-        assert all(isinstance(x, int) for x in (ptr, size, flags)), (ptr, size, flags)
+        assert all(type(x) is int for x in (ptr, size, flags)), (ptr, size, flags)
+        assert ptr > 0 and size > 0 and flags & ~0xF == 0, (ptr, size, flags)
+        self.num_register += 1
         if self.fail:
             return 2  # cudaErrorMemoryAllocation
+        if any(ptr < p + n and p < ptr + size for p, n in self.registered.items()):
+            return 712
         self.registered[ptr] = size
         return 0
 
     def cudaHostUnregister(self, ptr):  # noqa: N802
-        assert isinstance(ptr, int) and ptr in self.registered, ptr
+        assert type(ptr) is int, ptr
+        self.num_unregister += 1
+        if ptr not in self.registered:
+            return 713
         del self.registered[ptr]
         return 0
 
@@ -44,6 +57,39 @@ def test_pinned_host_copies_are_exactly_the_bytes_moved():
     assert cudart.registered == {}
     with pytest.raises(RuntimeError, match="cudaHostRegister of 100 bytes failed with cudaError 2"):
         pinned_empty(100, cudart=StubCudart(fail=True))
+
+
+def test_offload_registers_each_host_buffer_once_per_run():
+    """The CUDA offload path (pinned host copies) on CPU tensors: three offload/onload cycles of two tensors
+    (one a view, sharing a storage) register each storage's host buffer once, bit-exact every time; the
+    ledger keeps the pinned bytes while onloaded; release_host unregisters them all."""
+    from megatron_backend.memory import MemoryLedger, StorageOffloader
+
+    cudart = StubCudart()
+    ledger = MemoryLedger()
+    big = torch.randn(3 * 2**18 + 1)  # 3 MiB + 4 bytes
+    small = torch.randn(1000)
+    tensors = [big, big[10:20], small]  # two storages
+    nbytes = big.numel() * 4 + small.numel() * 4
+    expected = [t.clone() for t in tensors]
+    offloader = StorageOffloader("actor_params", ledger, pin=True, cudart=cudart)
+    ledger.set("actor_params", resident_bytes=nbytes)
+    for step in range(3):
+        assert offloader.offload(tensors) == nbytes
+        assert big.untyped_storage().nbytes() == 0 and ledger.host_bytes["actor_params"] == nbytes
+        assert offloader.onload() == nbytes
+        assert all(torch.equal(t, e) for t, e in zip(tensors, expected)), step
+        assert ledger.host_bytes["actor_params"] == nbytes  # the pinned buffers stay for the next offload
+        big.mul_(2.0)  # the next offload must copy the new values into the same buffers
+        expected = [t.clone() for t in tensors]
+    assert cudart.num_register == 2 and cudart.num_unregister == 0
+    assert sorted(cudart.registered.values()) == sorted([big.numel() * 4, small.numel() * 4])
+    offloader.offload(tensors)
+    with pytest.raises(RuntimeError, match="onload it before releasing"):
+        offloader.release_host()
+    offloader.onload()
+    offloader.release_host()
+    assert cudart.registered == {} and cudart.num_unregister == 2 and ledger.host_bytes["actor_params"] == 0
 
 
 def _grads_with_and_without_loss_scaling(rank, world_size, tiny_dir):

@@ -5,12 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rl.config import TrainerConfig
 from rl.metrics import (
-    LOGPROB_GAP_TOLERANCE,
+    LOGPROB_GAP_RULE,
     LogprobGapError,
+    LogprobGapRule,
     check_logprob_gap,
     engine_actor_logprob_gap,
-    logprob_gap_tolerance,
+    gap_distribution,
+    logprob_gap_rule,
 )
 from tests.dist import run_ranks
 
@@ -36,16 +39,45 @@ def test_the_worst_response_token_is_found_and_named():
     batch["old_logprobs"][1, 5] += 0.25  # sequence 1, target position 5 = its 4th response token
     batch["old_logprobs"][2, 0] += 9.0  # a prompt position: not sampled by the engine, ignored
     gap = engine_actor_logprob_gap(batch)
-    assert gap.value == pytest.approx(0.25, abs=1e-6)
+    assert gap.value == pytest.approx(0.25, abs=1e-6) and gap.num_tokens == 3 * 5
     assert (gap.sample, gap.response_token, gap.token_id) == (11, 3, int(batch["input_ids"][1, 6]))
+    assert gap.mean == pytest.approx((0.25 + 14 * 1e-7) / 15, rel=1e-3)
     with pytest.raises(LogprobGapError, match=r"step 7: .*sample 11, response token 3") as info:
-        check_logprob_gap(gap, step=7, tolerance=logprob_gap_tolerance(None, "float32"), dtype="float32")
-    assert "trainer.max_logprob_gap=0.001" in str(info.value)
-    check_logprob_gap(gap, step=7, tolerance=logprob_gap_tolerance(0.5, "float32"), dtype="float32")  # raised bar
+        check_logprob_gap(gap, step=7, rule=logprob_gap_rule(TrainerConfig(), "float32"), dtype="float32")
+    assert "max 0.25 > trainer.max_logprob_gap=0.01" in str(info.value)
+    check_logprob_gap(
+        gap,
+        step=7,
+        rule=logprob_gap_rule(TrainerConfig(max_logprob_gap=0.5, max_logprob_gap_p99=0.5), "float32"),
+        dtype="float32",
+    )  # raised bars
     # a token-balanced DP share is not contiguous: the batch names each row's sample
     batch["sample_index"] = torch.tensor([4, 0, 9])
     assert engine_actor_logprob_gap(batch).sample == 0
-    assert LOGPROB_GAP_TOLERANCE["bfloat16"] > LOGPROB_GAP_TOLERANCE["float32"]
+
+
+def test_one_rare_outlier_passes_in_bf16_a_shifted_distribution_stops():
+    """The bf16 rule: kernel noise (small gaps, one token of 1000 at 1.5 nats) passes; a layout error (a
+    broad shift of the distribution, every token off by ~0.3-0.6 nat) stops on the p99 though no token
+    reaches the max bound."""
+    gen = torch.Generator().manual_seed(0)
+    rule = LOGPROB_GAP_RULE["bfloat16"]
+    noise = torch.rand(1000, generator=gen) * 0.05
+    noise[123] = 1.5
+    stats = gap_distribution(noise)
+    assert stats["max"] == pytest.approx(1.5) and stats["p99"] < 0.05 and stats["num_tokens"] == 1000
+    kernel = _batch(num_seqs=100, seq_len=13, prompt_len=3)  # 10 response tokens per sequence
+    per_token = torch.zeros(100, 12)  # [B, S-1]: the noise at the response targets
+    per_token[:, 2:] = noise.view(100, 10)
+    kernel["old_logprobs"] = kernel["engine_logprobs"] + per_token
+    check_logprob_gap(engine_actor_logprob_gap(kernel), step=0, rule=rule, dtype="bfloat16")
+    shifted = dict(kernel, old_logprobs=kernel["engine_logprobs"] + kernel["loss_mask"] * (0.3 + per_token / 5))
+    gap = engine_actor_logprob_gap(shifted)
+    assert gap.value < rule.max
+    with pytest.raises(LogprobGapError, match=r"p99 0\.3\d* > trainer.max_logprob_gap_p99"):
+        check_logprob_gap(gap, step=0, rule=rule, dtype="bfloat16")
+    assert rule.p99 > LOGPROB_GAP_RULE["float32"].p99 and rule.max > rule.p99
+    assert logprob_gap_rule(TrainerConfig(max_logprob_gap_p99=0.5), "bfloat16") == LogprobGapRule(p99=0.5, max=rule.max)
 
 
 def _gap_on_ranks(rank: int, world_size: int):
@@ -57,7 +89,7 @@ def _gap_on_ranks(rank: int, world_size: int):
         batch["old_logprobs"][0, 4] -= 2.0
     gap = engine_actor_logprob_gap(batch)
     try:
-        check_logprob_gap(gap, step=3, tolerance=1e-3, dtype="float32")
+        check_logprob_gap(gap, step=3, rule=LogprobGapRule(p99=1e-3, max=1e-3), dtype="float32")
     except LogprobGapError as exc:
         return str(exc)
     return "trained on it"
@@ -102,3 +134,9 @@ def test_missing_or_miscounted_engine_logprobs_are_refused_not_zero_filled():
         make_batch(samples([]), 2, 1, 0, 0, torch.device("cpu"))
     with pytest.raises(ValueError, match="sample 1: the engine returned 1 log-probs for 2 response tokens"):
         make_batch(samples([-0.5]), 2, 1, 0, 0, torch.device("cpu"))
+
+
+def test_bad_gap_bounds_fail_naming_the_key():
+    for key in ("max_logprob_gap", "max_logprob_gap_p99"):
+        with pytest.raises(ValueError, match=rf"trainer.{key}=0 must be > 0"):
+            TrainerConfig(**{key: 0})

@@ -73,6 +73,13 @@ def test_short_run_writes_every_output_and_a_readable_wandb_run(tmp_path):
     assert all(m["train/kl"] > 0 and m["time/ref_logprob"] > 0 for m in metrics)  # 2nd PPO epoch moved off the ref
     # the engine and the actor agree on the sampled tokens' log-probs on every rank: the weights really flowed
     assert all(m["rollout/engine_actor_logprob_diff_max"] < 1e-4 for m in metrics)
+    assert all(
+        0
+        <= m["rollout/engine_actor_logprob_diff_mean"]
+        <= m["rollout/engine_actor_logprob_diff_p99"]
+        <= m["rollout/engine_actor_logprob_diff_max"]
+        for m in metrics
+    )
     assert summary["engine_actor_logprob_diff_max"] == max(m["rollout/engine_actor_logprob_diff_max"] for m in metrics)
     # where the step's time went: every phase's median seconds (one steady step here: step 1), inside the step's
     phase_seconds = summary["time"]["phase_median_seconds"]
@@ -98,7 +105,8 @@ def test_a_gap_above_tolerance_stops_the_run_naming_step_and_token(tmp_path):
     cmd += ["trainer.steps=2", "trainer.sft_warmup_steps=0", "wandb.mode=disabled", "trainer.max_logprob_gap=1e-12"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode != 0
-    assert "LogprobGapError: step 0: old_logprobs vs engine_logprobs differ by" in proc.stderr
+    assert "LogprobGapError: step 0: old_logprobs vs engine_logprobs over" in proc.stderr
+    assert "> trainer.max_logprob_gap=1e-12" in proc.stderr
     assert "response token" in proc.stderr and not (run_dir / "summary.json").exists()
 
 

@@ -14,9 +14,8 @@ CASES = [((2, 2, None), 4), ((1, 2, None), 2), ((2, 2, 2), 1), ((4, 1, None), 2)
 def _sync_all_layouts(rank: int, world_size: int, family: str):
     import torch.distributed as dist
 
-    from megatron_backend.layout import hf_tensor_shapes
     from rl.weight_sync import TorchP2PTransport, execute_sync, plan_sync
-    from rl.weight_sync.baseline import baseline_sync, make_actor_tp_groups
+    from rl.weight_sync.baseline import baseline_sync, make_peer_export
     from rl.weight_sync.layouts import actor_sources, engine_destinations
     from rl.weight_sync.verify import WeightSyncMismatch, verify_sync
 
@@ -26,7 +25,7 @@ def _sync_all_layouts(rank: int, world_size: int, family: str):
     report = []
     for case, ((tp, pp, vpp), rtp) in enumerate(CASES):
         layout = mesh(tp, pp, vpp, rtp)
-        tp_members, tp_group = make_actor_tp_groups(rank, layout)
+        export = make_peer_export(rank, cfg, layout)
         sources = actor_sources(cfg, layout)
         destinations = engine_destinations(cfg, layout)
         src = megatron_shards(hf, family, tp, pp, vpp, rank)
@@ -40,10 +39,7 @@ def _sync_all_layouts(rank: int, world_size: int, family: str):
         for name, got in dst.items():
             assert torch.equal(got, reference_vllm_shard(hf, cfg, name, rtp, rank % rtp)), (tp, pp, vpp, rtp, name)
         base_dst = {p.name: torch.zeros(p.local_shape) for p in destinations[rank]}
-        shapes = hf_tensor_shapes(cfg)
-        base = baseline_sync(
-            rank, sources, destinations, shapes, tp_members, tp_group, src, base_dst, torch.float32, torch.device("cpu")
-        )
+        base = baseline_sync(export, cfg, src, base_dst, torch.device("cpu"))
         for name, got in base_dst.items():
             assert torch.equal(got, dst[name]), ("baseline", tp, pp, vpp, rtp, name)
         report.append(
@@ -53,6 +49,15 @@ def _sync_all_layouts(rank: int, world_size: int, family: str):
                 baseline=base.__dict__,
                 checked=checked,
                 plan_bytes=plan.bytes_moved,
+                # one full model as megatron holds it (vocab padded): the shards of one DP replica, without
+                # the tied embedding's copy on the last stage (not exported)
+                model_bytes=4
+                * sum(
+                    torch.Size(s).numel()
+                    for r in layout.actor_ranks(dp_rank=0)
+                    for (_, name), s in export.shard_shapes[r].items()
+                    if not (cfg.tie_word_embeddings and name == "output_layer.weight")
+                ),
             )
         )
     # a corrupted engine slice is caught, on every rank, naming tensor and ranks
@@ -74,8 +79,13 @@ def test_executor_verify_and_baseline_on_four_ranks():
         # what ranks received is exactly the planned traffic, and within one bucket of staging each
         assert sum(r["planned"]["bytes_received"] for r in per_rank) == per_rank[0]["plan_bytes"]
         assert all(r["planned"]["peak_extra_bytes"] <= 8 << 10 for r in per_rank)
-        # the baseline moves more and stages more
-        assert sum(r["baseline"]["bytes_received"] for r in per_rank) > per_rank[0]["plan_bytes"]
+        # the peers' export moves, per rank, (PP-1)/PP of the model / TP (pipeline broadcast of shards)
+        # + (TP-1)/TP of it (TP all-gather of TP-split tensors; the norms, replicated, are not gathered:
+        # a few % less)
+        (tp, pp, _, _), model_bytes = per_rank[0]["layout"], per_rank[0]["model_bytes"]
+        expected = WORLD * model_bytes * ((pp - 1) / pp / tp + (tp - 1) / tp)
+        received = sum(r["baseline"]["bytes_received"] for r in per_rank)
+        assert expected * 0.95 <= received <= expected, (per_rank[0]["layout"], received, expected)
     for r in reports:
         assert "engine rank 1 model.layers.2.mlp.down_proj.weight" in r[-1], r[-1]
 
@@ -112,3 +122,30 @@ def test_verify_sync_cli_end_to_end(tiny_model_dirs):
         timeout=120,
     )
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "ROLLOUT_TP=3" in bad.stderr
+
+
+def test_bench_sync_native_one_layout(tiny_model_dirs):
+    """`make bench-sync LAYOUT=tp2-tp1` on a tiny model: one JSON line with the fields the README promises,
+    the same engine outputs after every sync of either method (the tool fails otherwise), planned bytes =
+    the least any sync moves; a layout that is not one of the three fails at once in one line."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "tools.bench_sync", "--hf", tiny_model_dirs["qwen2"], "--layout", "tp2-tp1"]
+    proc = subprocess.run([*cmd, "--repeats", "2"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1
+    out = json.loads(lines[0])
+    for field in ("planned_s", "baseline_s", "planned_peak_extra_bytes", "baseline_peak_extra_bytes"):
+        assert out[field] >= 0, field
+    assert out["layout"] == "tp2->tp1" and out["engine"] == "native" and out["same_outputs"]
+    assert 0 < out["planned_bytes"] == out["min_bytes"] <= out["baseline_bytes"]
+    assert out["memcpy_gbps"] > 0 and out["planned_memcpy_fraction"] == out["planned_gbps"] / out["memcpy_gbps"]
+    assert "repeat 2/2: planned" in proc.stderr and "warm-up: baseline" in proc.stderr
+
+    bad = subprocess.run(
+        [sys.executable, "-m", "tools.bench_sync", "--layout", "tp3-tp1"], capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 2 and "LAYOUT='tp3-tp1' is not one of tp4->tp2, tp2pp2->tp2, tp2->tp1" in bad.stderr

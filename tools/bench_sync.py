@@ -1,141 +1,215 @@
-"""``make bench-sync``: the planned reshard against the gather+broadcast baseline, in one run, on 4 CPU ranks.
+"""``make bench-sync [ENGINE=vllm] [LAYOUT=...]``: the planned reshard against what verl and slime do, per layout.
 
-Prints one JSON line: ``planned`` and ``baseline`` (``bytes_moved``, ``seconds``, ``gbps``,
-``peak_extra_bytes`` = max over ranks), ``min_bytes`` (the least any correct sync must move),
-``bucket_bytes``, ``memcpy_gbps`` (a plain tensor copy on this machine, same run) and ``speedup``
-(baseline seconds / planned seconds). Both syncs must leave identical engine weights, or it fails.
+On each layout, ranks hold a megatron actor (train TP x PP) loaded from ``--hf`` (default the memory_cpu
+model with 4 KV heads, ~122 MB in fp32, so TP=4 fits) and an engine (native or vLLM's CPU build, rollout TP)
+built with empty weights; both methods end in that same engine:
+
+- ``planned``: this project's sync (``rl.weight_sync``): each engine rank receives only the slices it lacks,
+  written in place between ``begin_weight_update`` / ``finish_weight_update``;
+- ``baseline``: the peers' export (``rl.weight_sync.baseline``, cited there): PP broadcast of shards when
+  PP > 1, TP all-gather, full HF tensors streamed into the engine's own ``load_weights``.
+
+Layouts (the bytes differ unless rollout TP=1 and PP=1): ``tp4->tp2`` (4 ranks), ``tp2pp2->tp2`` (4 ranks),
+``tp2->tp1`` (2 ranks: both move the same bytes, so it shows each path's overhead). One warm-up sync of each
+method, then ``--repeats`` of each, alternating which goes first. After every sync the engine generates
+greedily from fixed prompts; every sync of either method must give the first one's tokens and log-probs
+exactly, or the tool fails.
+
+One JSON line per layout: ``planned_bytes`` (from the plan: bytes that cross ranks, per sync, all ranks),
+``baseline_bytes`` (counted by the baseline's collectives, all ranks), ``min_bytes`` (the least any correct
+sync moves, from the layouts), ``planned_s`` / ``baseline_s`` (median over repeats of the slowest rank),
+``*_gbps`` (bytes / seconds), ``memcpy_gbps`` (one process's ``copy_`` of a buffer of ``planned_bytes``, median
+of 5, same run), ``*_memcpy_fraction`` (``*_gbps / memcpy_gbps``), ``*_peak_extra_bytes`` (measured: the
+largest rise, over ranks, of the kernel's RSS high-water mark over the RSS at the sync's start, reset through
+``/proc/self/clear_refs``; median over repeats) and ``speedup`` (baseline_s / planned_s).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import re
+import statistics
 import sys
 import time
 
-import torch
-
-# A Qwen2-style model large enough that one sync moves >= 256 MiB at train (2, 2) -> rollout TP 4.
-BENCH_MODEL = dict(
-    model_type="qwen2",
-    num_hidden_layers=8,
-    hidden_size=1024,
-    intermediate_size=2816,
-    num_attention_heads=16,
-    num_key_value_heads=4,
-    vocab_size=32000,
-    tie_word_embeddings=False,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=2048,
-)
+PROMPTS = ("1+2=", "3+4=", "2+2=")
+# name -> (train TP, train PP, rollout TP, world size)
+LAYOUTS = {"tp4->tp2": (4, 1, 2, 4), "tp2pp2->tp2": (2, 2, 2, 4), "tp2->tp1": (2, 1, 1, 2)}
 
 
-def memcpy_gbps(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
-    src = torch.ones(num_bytes // 4)
+def parse_layout(text: str) -> str:
+    """``tp4->tp2``, ``tp4-tp2`` or ``tp4_tp2`` (a bare ``>`` is a redirection in a shell) -> the canonical name."""
+    canonical = re.sub(r"[-_>]+", "->", text.strip().lower())
+    if canonical not in LAYOUTS:
+        raise ValueError(f"LAYOUT={text!r} is not one of {', '.join(LAYOUTS)} (write tp4-tp2 without quotes)")
+    return canonical
+
+
+def memcpy_gbps(num_bytes: int, repeats: int = 5) -> float:
+    """One process copying ``num_bytes`` from one buffer to another: median GB/s."""
+    import torch
+
+    src = torch.ones(max(num_bytes, 1 << 20) // 4)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    start = time.perf_counter()
+    rates = []
     for _ in range(repeats):
+        start = time.perf_counter()
         dst.copy_(src)
-    return num_bytes * repeats / (time.perf_counter() - start) / 1e9
+        rates.append(src.numel() * 4 / (time.perf_counter() - start) / 1e9)
+    return statistics.median(rates)
 
 
-def _rank_main(args: argparse.Namespace) -> None:
+def _rank_main(args: argparse.Namespace, layout: str) -> None:
     import torch.distributed as dist
+    from transformers import AutoTokenizer
 
-    from megatron_backend.layout import RankLayout, hf_tensor_shapes, local_param_shapes, rank_pieces
-    from modelspec import ColocatedMesh, ModelShape
-    from rl.weight_sync import TorchP2PTransport, execute_sync, plan_sync
-    from rl.weight_sync.baseline import baseline_sync, make_actor_tp_groups
+    from megatron_backend.actor import Actor
+    from megatron_backend.config import ActorConfig
+    from megatron_backend.parallel import initialize_model_parallel
+    from modelspec import ColocatedMesh
+    from modelspec.tiny import resolve_model_path
+    from rl.memory import ProcessMemory
+    from rl.setup import rollout_groups
+    from rl.weight_sync import WeightSyncConfig
+    from rl.weight_sync.baseline import gather_full_hf_tensors, make_peer_export
+    from rl.weight_sync.execute import SyncStats
     from rl.weight_sync.layouts import actor_sources, engine_destinations
     from rl.weight_sync.plan import min_sync_bytes
+    from rollout import RolloutConfig, SamplingParams, make_engine
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    tp, pp, rtp = args.train_tp, args.train_pp, args.rollout_tp
-    mesh = ColocatedMesh(world_size=world, actor_tp=tp, actor_pp=pp, rollout_tp=rtp)
-    tp_rank, pp_rank = mesh.actor_coords(rank).tp_rank, mesh.actor_coords(rank).pp_rank
-    shape = ModelShape.from_hf_config(BENCH_MODEL)
-    # Random shards, seeded so that DP replicas match and TP-replicated tensors (norms) agree across
-    # TP ranks, as they do in a trained actor.
-    layout = RankLayout(tp, pp, None, tp_rank, pp_rank)
-    replicated = {(p.vp_stage, p.megatron_name) for p in rank_pieces(shape, layout) if p.transform == "replicate"}
-    src = {}
-    for i, (key, local_shape) in enumerate(sorted(local_param_shapes(shape, layout).items())):
-        seed = 1_000_000 * pp_rank + 1000 * i + (0 if key in replicated else 1 + tp_rank)
-        src[key] = torch.randn(local_shape, generator=torch.Generator().manual_seed(seed))
-    sources = actor_sources(shape, mesh)
-    destinations = engine_destinations(shape, mesh)
-    bucket_bytes = args.bucket_mb << 20
-    plan = plan_sync(sources, destinations, bucket_bytes, element_bytes=4)
-    results = {}
-    for name in ("planned", "baseline"):
-        dst = {p.name: torch.zeros(p.local_shape) for p in destinations[rank]}
-        dist.barrier()
-        if name == "planned":
-            stats = execute_sync(plan, rank, src, dst, transport=TorchP2PTransport())
-        else:
-            tp_members, tp_group = make_actor_tp_groups(rank, mesh)
-            stats = baseline_sync(
-                rank,
-                sources,
-                destinations,
-                hf_tensor_shapes(shape),
-                tp_members,
-                tp_group,
-                src,
-                dst,
-                torch.float32,
-                torch.device("cpu"),
-            )
-        dist.barrier()
-        gathered = [None] * world
-        dist.all_gather_object(gathered, (stats.bytes_received, stats.seconds, stats.peak_extra_bytes))
-        results[name] = dict(
-            bytes_moved=sum(g[0] for g in gathered),
-            seconds=max(g[1] for g in gathered),
-            peak_extra_bytes=max(g[2] for g in gathered),
-        )
-        results[name]["gbps"] = results[name]["bytes_moved"] / results[name]["seconds"] / 1e9
-        results[name + "_weights"] = dst
-    same = all(
-        torch.equal(results["planned_weights"][k], results["baseline_weights"][k]) for k in results["planned_weights"]
+    train_tp, train_pp, rollout_tp, _ = LAYOUTS[layout]
+    model_path = resolve_model_path(args.hf)
+    dims = initialize_model_parallel(train_tp, train_pp)
+    rank, world = dims.rank, dims.world_size
+    actor = Actor(model_path, ActorConfig(tp=train_tp, pp=train_pp), dims, train=False)
+    mesh = ColocatedMesh(world_size=world, actor_tp=train_tp, actor_pp=train_pp, rollout_tp=rollout_tp)
+    groups = rollout_groups(mesh)
+    rollout_cfg = RolloutConfig(
+        engine=args.engine,
+        tp=rollout_tp,
+        temperature=0.0,
+        max_model_len=128,
+        kv_cache_bytes=args.kv_cache_mb << 20 if args.engine == "vllm" else None,
     )
-    agree = [None] * world
-    dist.all_gather_object(agree, same)
+    engine = make_engine(
+        rollout_cfg,
+        model_path,
+        mesh=mesh,
+        rank=rank,
+        group=groups[mesh.replica(rank)] if rollout_tp > 1 else None,
+        device=dims.device,
+        dtype=actor.dtype,
+        load=False,
+    )
+    te_norms = actor.layout.te_norms
+    planned = WeightSyncConfig(bucket_mb=args.bucket_mb).build(actor.shape, mesh, rank, actor.dtype, te_norms)
+    export = make_peer_export(rank, actor.shape, mesh, te_norms=te_norms)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompt_ids = [tokenizer(p).input_ids for p in PROMPTS]
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=8)
+    process = ProcessMemory()
+
+    def run(method: str) -> tuple[int, float, int]:
+        dist.barrier()
+        process.reset_peak()
+        before, _ = process.read()
+        start = time.perf_counter()
+        if method == "planned":
+            stats = planned(actor.local_params(), engine.begin_weight_update()).stats
+            engine.finish_weight_update()
+        else:
+            stats = SyncStats()
+            engine.load_weights(gather_full_hf_tensors(export, actor.local_params(), dims.device, stats))
+        seconds = time.perf_counter() - start
+        _, peak = process.read()
+        return stats.bytes_received, seconds, peak - before
+
+    reference = None
+    results: dict[str, list[tuple[int, float, int]]] = {"planned": [], "baseline": []}
+    for repeat in range(-1, args.repeats):  # -1: warm-up, not recorded
+        order = ("planned", "baseline") if repeat % 2 == 0 else ("baseline", "planned")
+        for method in order:
+            measured = run(method)
+            outputs = [(c[0].token_ids, c[0].logprobs) for c in engine.generate(prompt_ids, greedy)]
+            reference = reference or outputs
+            if outputs != reference:
+                raise RuntimeError(f"{layout}: the engine's greedy outputs after the {method} sync #{repeat} differ")
+            gathered = [None] * world
+            dist.all_gather_object(gathered, measured)
+            if repeat >= 0:
+                results[method].append(
+                    (sum(g[0] for g in gathered), max(g[1] for g in gathered), max(g[2] for g in gathered))
+                )
+            if rank == 0:
+                label = "warm-up" if repeat < 0 else f"repeat {repeat + 1}/{args.repeats}"
+                print(f"[bench-sync {args.engine} {layout}] {label}: {method} {measured[1]:.3f} s", file=sys.stderr)
+    planned_bytes = planned.plan.bytes_moved
+    dist.barrier()
+    copy_gbps = memcpy_gbps(planned_bytes) if rank == 0 else 0.0
+    dist.barrier()
     if rank == 0:
-        if not all(agree):
-            print("bench-sync: planned and baseline syncs disagree", file=sys.stderr)
-            sys.exit(1)
-        out = dict(
-            model=dict(BENCH_MODEL, num_params=sum(torch.Size(s).numel() for s in hf_tensor_shapes(shape).values())),
-            layout=dict(train_tp=tp, train_pp=pp, rollout_tp=rtp, world_size=world),
-            planned=results["planned"],
-            baseline=results["baseline"],
-            min_bytes=min_sync_bytes(sources, destinations, 4),
-            bucket_bytes=bucket_bytes,
-            memcpy_gbps=memcpy_gbps(),
-            speedup=results["baseline"]["seconds"] / results["planned"]["seconds"],
+        if results["planned"][0][0] != planned_bytes:
+            raise RuntimeError(
+                f"{layout}: ranks received {results['planned'][0][0]} bytes, the plan says {planned_bytes}"
+            )
+        out = {"layout": layout, "engine": args.engine, "model": args.hf, "num_params": actor.shape.param_count()}
+        out.update(train_tp=train_tp, train_pp=train_pp, rollout_tp=rollout_tp, world_size=world)
+        out["planned_bytes"] = planned_bytes
+        out["baseline_bytes"] = results["baseline"][0][0]
+        out["min_bytes"] = min_sync_bytes(
+            actor_sources(actor.shape, mesh, te_norms),
+            engine_destinations(actor.shape, mesh),
+            planned.plan.element_bytes,
         )
+        for method, runs in results.items():
+            seconds = statistics.median(r[1] for r in runs)
+            out[f"{method}_s"] = seconds
+            out[f"{method}_s_all"] = [round(r[1], 4) for r in runs]
+            out[f"{method}_gbps"] = out[f"{method}_bytes"] / seconds / 1e9
+            out[f"{method}_peak_extra_bytes"] = int(statistics.median(r[2] for r in runs))
+        out["memcpy_gbps"] = copy_gbps
+        out["planned_memcpy_fraction"] = out["planned_gbps"] / copy_gbps
+        out["baseline_memcpy_fraction"] = out["baseline_gbps"] / copy_gbps
+        out["speedup"] = out["baseline_s"] / out["planned_s"]
+        out["same_outputs"] = True  # checked after every sync above
         print(json.dumps(out), flush=True)
-    dist.destroy_process_group()
+    if hasattr(engine, "shutdown"):
+        engine.shutdown()
+    dist.barrier()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     from rl.launch import spawn_local
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--train-tp", type=int, default=2)
-    parser.add_argument("--train-pp", type=int, default=2)
-    parser.add_argument("--rollout-tp", type=int, default=4)
-    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--engine", choices=("native", "vllm"), default="native")
+    parser.add_argument("--layout", help=f"one of {', '.join(LAYOUTS)} (default: all three)")
+    parser.add_argument("--hf", default="tiny:qwen2_memory_kv4", help="HF checkpoint directory or tiny:<family>")
     parser.add_argument("--bucket-mb", type=int, default=64)
-    args = parser.parse_args()
-    if args.world_size % (args.train_tp * args.train_pp) or args.world_size % args.rollout_tp:
-        parser.error("--world-size must be a multiple of train TP x PP and of rollout TP")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return spawn_local(_rank_main, args.world_size, (args,))
+    parser.add_argument("--kv-cache-mb", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    try:
+        layouts = [parse_layout(args.layout)] if args.layout else list(LAYOUTS)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.repeats < 1 or args.bucket_mb < 1:
+        parser.error("--repeats and --bucket-mb must be >= 1")
+    if args.engine == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            print(
+                "bench-sync: ENGINE=vllm needs the vllm package (`make install` brings its CPU build)", file=sys.stderr
+            )
+            return 2
+    for layout in layouts:
+        code = spawn_local(_rank_main, LAYOUTS[layout][3], (args, layout))
+        if code:
+            return code
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,147 +1,153 @@
-"""The usual weight sync, kept only as a baseline to measure against (``make bench-sync``).
+"""The peers' weight sync, kept only as the baseline ``make bench-sync`` measures the planned reshard against.
 
-Per megatron parameter: all-gather it across the actor's TP group, rebuild the full HF tensors it
-holds, broadcast each from its pipeline stage to every rank, and let every engine rank slice its
-part (or, for vLLM, hand the full tensors to the model's own ``load_weights``, as verl and slime do).
-Every rank briefly holds TP x its shard plus full HF tensors, and every byte of every tensor reaches
-every rank.
+What verl and slime do to hand a Megatron actor's weights to a colocated engine, one megatron parameter
+at a time, every rank taking part:
+
+1. within the actor's pipeline group, broadcast the parameter's TP shard from the stage that holds it
+   (only when PP > 1): verl ``verl/utils/megatron_utils.py::per_tensor_generator``
+   (``broadcast_from_megatron_pp``); slime ``slime/backends/megatron_utils/update_weight_utils.py``
+   (``UpdateWeightFromTensor``: "broadcast PP/EP -> gather TP -> convert HF -> send");
+2. all-gather the shard within the actor's TP group when it is TP-split (replicated ones, the norms, are
+   used as they are) and rebuild the full Hugging Face tensors: verl ``per_tensor_generator`` (TP
+   all-gather + ``default_tp_concat_fn``), slime ``all_gather_param`` + ``convert_to_hf``;
+3. the engine's own loading of full HF tensors, each rank keeping its slices: vLLM's
+   ``model.load_weights`` (verl ``verl/workers/sharding_manager/megatron_vllm.py``,
+   ``MegatronVLLMShardingManager.__enter__``: ``model.load_weights(per_tensor_param)``); the native engine's
+   equivalent, ``NativeEngine.load_weights`` (``rollout.layout.copy_hf_into_local`` per slice, which is
+   what :func:`baseline_sync` does here without an engine).
+
+Nothing crosses a DP replica or goes world-wide. Per rank, bytes received: (PP-1)/PP of the model /TP
+(step 1) + (TP-1)/TP of the model (step 2); every rank briefly holds TP shards plus the full tensors of
+one parameter. With PP=1 and rollout TP=1 that is what any sync must move (the planned one moves the
+same), so that layout shows each path's overhead.
 """
 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from modelspec import ColocatedMesh
+from megatron_backend.layout import RankLayout, hf_tensor_shapes, local_param_shapes
+from modelspec import ColocatedMesh, ModelShape
 from rl.weight_sync.execute import SyncStats
+from rl.weight_sync.layouts import actor_sources, engine_destinations
+from rollout.layout import copy_hf_into_local, hf_to_vllm_index
+
+
+@dataclass
+class PeerExport:
+    """One rank's view of the peers' export: the layouts of every rank and this rank's TP / PP groups.
+
+    Build it with :func:`make_peer_export` on every rank (it creates process groups: a collective)."""
+
+    rank: int
+    mesh: ColocatedMesh
+    sources: dict[int, list]  # global rank -> megatron slice pieces it holds
+    shard_shapes: dict[int, dict[tuple[int, str], tuple[int, ...]]]  # global rank -> (vp_stage, name) -> shape
+    hf_shapes: dict[str, tuple[int, ...]]
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup | None  # None when PP == 1: nothing is broadcast
+
+    def stage_rank(self, tp_rank: int, pp_rank: int) -> int:
+        """The global rank holding TP shard ``tp_rank`` of stage ``pp_rank`` in this rank's DP replica."""
+        dp_rank = self.mesh.actor_coords(self.rank).dp_rank
+        return self.mesh.actor_ranks(tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank)[0]
+
+
+def make_peer_export(rank: int, shape: ModelShape, mesh: ColocatedMesh, te_norms: bool = False) -> PeerExport:
+    """Every rank creates every actor TP group, then every PP group, in the same order (as megatron's
+    ``parallel_state`` does); keeps its own."""
+    tp_group = pp_group = None
+    for pp_rank in range(mesh.actor_pp):
+        for dp_rank in range(mesh.actor_dp):
+            members = mesh.actor_ranks(pp_rank=pp_rank, dp_rank=dp_rank)
+            group = dist.new_group(members)
+            tp_group = group if rank in members else tp_group
+    if mesh.actor_pp > 1:
+        for dp_rank in range(mesh.actor_dp):
+            for tp_rank in range(mesh.actor_tp):
+                members = mesh.actor_ranks(tp_rank=tp_rank, dp_rank=dp_rank)
+                group = dist.new_group(members)
+                pp_group = group if rank in members else pp_group
+    shard_shapes = {}
+    for r in range(mesh.world_size):
+        c = mesh.actor_coords(r)
+        layout = RankLayout(mesh.actor_tp, mesh.actor_pp, mesh.actor_vpp, c.tp_rank, c.pp_rank, te_norms=te_norms)
+        shard_shapes[r] = local_param_shapes(shape, layout)
+    return PeerExport(
+        rank,
+        mesh,
+        actor_sources(shape, mesh, te_norms=te_norms),
+        shard_shapes,
+        hf_tensor_shapes(shape),
+        tp_group,
+        pp_group,
+    )
 
 
 @torch.no_grad()
 def gather_full_hf_tensors(
-    rank: int,
-    sources: dict[int, list],
-    hf_shapes: dict[str, tuple[int, ...]],
-    tp_members: dict[int, list[int]],
-    tp_group: dist.ProcessGroup,
-    src_tensors: dict,
-    dtype: torch.dtype,
-    device: torch.device,
-    stats: SyncStats,
+    export: PeerExport, src_tensors: dict, device: torch.device, stats: SyncStats
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every full HF tensor on every rank, one megatron parameter at a time (what verl and slime hand
-    their engine): all-gather the parameter over the actor's TP group, rebuild the HF tensors it holds,
-    broadcast each from its pipeline stage. A collective: every rank must consume the whole iterator.
-    ``stats`` collects bytes received and the largest staging footprint; ``tp_members[r]``: the ranks of
-    rank r's actor TP group (every rank knows every group's members); ``tp_group``: this rank's own."""
-    # owner of each megatron param: the lowest rank of the stage holding it; its TP peers hold the other shards
-    params_by_owner: dict[tuple[int, str], list[int]] = defaultdict(list)
-    for r, pieces in sources.items():
-        for key in dict.fromkeys((p.vp_stage, p.megatron_name) for p in pieces if p.primary):
-            params_by_owner[key].append(r)
-    for key, holder_ranks in sorted(params_by_owner.items()):
-        for stage_ranks in _stages(key, holder_ranks, sources, tp_members):
-            owner = stage_ranks[0]
-            extra = 0
-            hf_full: dict[str, torch.Tensor] = {}
-            hf_names = sorted(
-                {
-                    p.hf_name
-                    for m in stage_ranks
-                    for p in sources[m]
-                    if (p.vp_stage, p.megatron_name) == key and p.primary
-                }
-            )
-            if rank in stage_ranks:
-                local = src_tensors[key]
-                gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(tp_group))]
-                dist.all_gather(gathered, local.contiguous(), group=tp_group)
-                stats.bytes_received += local.numel() * local.element_size() * (len(gathered) - 1)
-                extra += sum(g.numel() * g.element_size() for g in gathered)
-                for name in hf_names:
-                    hf_full[name] = torch.zeros(hf_shapes[name], dtype=local.dtype, device=device)
-                for peer, shard in zip(tp_members[rank], gathered):
-                    for p in sources[peer]:
-                        if (p.vp_stage, p.megatron_name) == key and p.hf_name in hf_full:
-                            hf_full[p.hf_name].narrow(p.dim, p.hf_start, p.length).copy_(
-                                shard.narrow(p.dim, p.local_start, p.length)
-                            )
-                del gathered
-            for name in hf_names:
-                if name not in hf_full:
-                    hf_full[name] = torch.empty(hf_shapes[name], dtype=dtype, device=device)
-                dist.broadcast(hf_full[name], src=owner)
+    """Every full HF tensor, on every rank, one megatron parameter at a time (steps 1 and 2 of the module
+    doc). A collective: every rank must consume the whole iterator. ``src_tensors``: (vp_stage, megatron
+    name) -> this rank's shard; ``stats.bytes_received`` counts what reached this rank."""
+    mesh, rank = export.mesh, export.rank
+    my = mesh.actor_coords(rank)
+    for pp_rank in range(mesh.actor_pp):
+        owner = export.stage_rank(my.tp_rank, pp_rank)  # this rank's TP position on that stage
+        # the union over the stage's TP ranks: a TP rank may hold only vocab padding of a tensor
+        stage = [export.stage_rank(t, pp_rank) for t in range(mesh.actor_tp)]
+        keys = sorted({(p.vp_stage, p.megatron_name) for r in stage for p in export.sources[r] if p.primary})
+        for key in keys:
+            if pp_rank == my.pp_rank:
+                shard = src_tensors[key].contiguous()
+            else:
+                dtype = next(iter(src_tensors.values())).dtype
+                shard = torch.empty(export.shard_shapes[owner][key], dtype=dtype, device=device)
+            if export.pp_group is not None:
+                dist.broadcast(shard, src=owner, group=export.pp_group)
                 if rank != owner:
-                    stats.bytes_received += hf_full[name].numel() * hf_full[name].element_size()
-                extra += hf_full[name].numel() * hf_full[name].element_size()
-            stats.peak_extra_bytes = max(stats.peak_extra_bytes, extra)
+                    stats.bytes_received += shard.numel() * shard.element_size()
+            pieces = [p for r in stage for p in export.sources[r] if (p.vp_stage, p.megatron_name) == key]
+            if all(p.transform == "replicate" for p in pieces):
+                shards = {owner: shard}  # replicated across TP (norms): nothing to gather
+            else:
+                gathered = [torch.empty_like(shard) for _ in range(mesh.actor_tp)]
+                dist.all_gather(gathered, shard, group=export.tp_group)
+                stats.bytes_received += shard.numel() * shard.element_size() * (mesh.actor_tp - 1)
+                shards = dict(zip(stage, gathered))
+            hf_full: dict[str, torch.Tensor] = {}
+            for peer, peer_shard in shards.items():
+                for p in export.sources[peer]:
+                    if (p.vp_stage, p.megatron_name) != key or not p.primary:
+                        continue
+                    if p.hf_name not in hf_full:
+                        hf_full[p.hf_name] = torch.empty(export.hf_shapes[p.hf_name], dtype=shard.dtype, device=device)
+                    hf_full[p.hf_name].narrow(p.dim, p.hf_start, p.length).copy_(
+                        peer_shard.narrow(p.dim, p.local_start, p.length)
+                    )
+            del shards
             yield from hf_full.items()
             del hf_full
 
 
 @torch.no_grad()
 def baseline_sync(
-    rank: int,
-    sources: dict[int, list],
-    destinations: dict[int, list],
-    hf_shapes: dict[str, tuple[int, ...]],
-    tp_members: dict[int, list[int]],
-    tp_group: dist.ProcessGroup,
-    src_tensors: dict,
-    dst_tensors: dict,
-    dtype: torch.dtype,
-    device: torch.device,
+    export: PeerExport, shape: ModelShape, src_tensors: dict, dst_tensors: dict, device: torch.device
 ) -> SyncStats:
-    """:func:`gather_full_hf_tensors`, then every engine rank slices its part of each full tensor.
-    ``sources``/``destinations`` as for :func:`plan_sync`."""
+    """:func:`gather_full_hf_tensors`, then each full tensor loaded as the native engine's
+    ``load_weights`` does (this rank's slices copied out of it), into ``dst_tensors`` (vLLM name ->
+    engine tensor, written in place)."""
     stats = SyncStats()
     start = time.perf_counter()
-    needs = defaultdict(list)  # hf_name -> this rank's (param, spec)
-    for param in destinations[rank]:
-        for spec in param.slices:
-            needs[spec.hf_name].append((param, spec))
-    full_tensors = gather_full_hf_tensors(
-        rank, sources, hf_shapes, tp_members, tp_group, src_tensors, dtype, device, stats
-    )
-    for name, full in full_tensors:
-        for param, spec in needs.get(name, []):
-            dst_tensors[param.name].narrow(spec.dim, spec.local_start, spec.length).copy_(
-                full.narrow(spec.dim, spec.hf_start, spec.length)
-            )
+    targets = hf_to_vllm_index(engine_destinations(shape, export.mesh)[export.rank])
+    for name, full in gather_full_hf_tensors(export, src_tensors, device, stats):
+        for layout, spec in targets.get(name, []):
+            copy_hf_into_local(dst_tensors[layout.name], layout, spec, full)
     stats.seconds = time.perf_counter() - start
-    stats.num_messages = dist.get_world_size()  # not meaningful for collectives; kept for the stats shape
     return stats
-
-
-def _stages(key, ranks: list[int], sources: dict, tp_members: dict) -> list[list[int]]:
-    """The TP groups holding megatron param ``key``, one per distinct set of HF tensors (= pipeline stage).
-
-    ``key`` is a local name, so it occurs on every stage; DP replicas of a stage hold identical shards
-    and only the first replica's TP group gathers and broadcasts.
-    """
-    stages: dict[frozenset, list[int]] = {}
-    for r in sorted(ranks):
-        members = sorted(tp_members[r])
-        names = frozenset(
-            p.hf_name for m in members for p in sources[m] if (p.vp_stage, p.megatron_name) == key and p.primary
-        )
-        stages.setdefault(names, members)
-    return list(stages.values())
-
-
-def make_actor_tp_groups(rank: int, mesh: ColocatedMesh) -> tuple[dict[int, list[int]], dist.ProcessGroup]:
-    """The actor's TP groups for :func:`baseline_sync`: every rank creates every group, in the same order.
-
-    Returns ``tp_members`` (rank -> the ranks of its TP group) and this rank's own group.
-    """
-    tp_members, own = {}, None
-    for pp_rank in range(mesh.actor_pp):
-        for dp_rank in range(mesh.actor_dp):
-            members = mesh.actor_ranks(pp_rank=pp_rank, dp_rank=dp_rank)
-            group = dist.new_group(members)
-            tp_members.update({m: members for m in members})
-            own = group if rank in members else own
-    return tp_members, own
