@@ -230,7 +230,14 @@ def test_unsupported_rope_fails_before_loading(tiny_model_dirs, tmp_path):
     from pathlib import Path
 
     config = json.loads((Path(tiny_model_dirs["llama"]) / "config.json").read_text())
-    llama3 = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500_000.0}
+    llama3 = {  # Llama 3.1's own (transformers rejects it without the frequency factors)
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_theta": 500_000.0,
+    }
     config["rope_parameters" if "rope_parameters" in config else "rope_scaling"] = llama3  # transformers v5 / v4
     (tmp_path / "config.json").write_text(json.dumps(config))  # no weights: the check comes first
     with pytest.raises(ValueError, match="rope_type='llama3'.*rollout.engine=vllm"):
