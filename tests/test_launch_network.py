@@ -45,8 +45,7 @@ HOSTS = [("node1", "10.77.0.11"), ("node1", "10.77.0.11"), ("node2", "10.77.0.12
 
 def test_lost_peer_is_named_from_gloos_message():
     error = (
-        "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.77.0.12]:31337\n"
-        "more lines"
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.77.0.12]:31337\nmore lines"
     )
     assert lost_peer_line(error, HOSTS, 1) == (
         "rank 1 on node1: lost rank(s) [2, 3] on node2 (10.77.0.12): "
