@@ -81,7 +81,7 @@ def rank_processes(node: str) -> list[str]:
 
 
 def test_two_node_job_preempted_and_requeued_equals_four_ranks_on_one_node(tmp_path):
-    job_id, run_dir, log = submit(tmp_path / "nodes", f"{RUN_ARGS} cluster.slurm_signal_seconds=30", "NODES=2")
+    job_id, run_dir, log = submit(tmp_path / "nodes", f"{RUN_ARGS} cluster.slurm_signal_seconds=600", "NODES=2")
     # the same 4 ranks on one node, meanwhile
     reference = subprocess.Popen(
         ["make", "-s", "run", f"ARGS={RUN_ARGS} cluster.procs_per_node=4 output_dir={tmp_path / 'one'}"],
