@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import signal
 import socket
 import sys
@@ -84,6 +85,56 @@ def free_port() -> int:
 
 def launched_externally() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def interface_to(address: str) -> tuple[str, str]:
+    """(interface name, local IPv4 address) this machine reaches ``address`` (a host name or IP) through.
+
+    The kernel's route decides: ``connect`` on a UDP socket sends nothing, it only picks the source
+    address, whose interface ``psutil.net_if_addrs`` names. Raises OSError if the name does not resolve.
+    """
+    import psutil
+
+    ip = socket.gethostbyname(address)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((ip, 9))
+        local_ip = probe.getsockname()[0]
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == local_ip for a in addrs):
+            return name, local_ip
+    raise OSError(f"no interface holds {local_ip}, the address that reaches {address} ({ip})")
+
+
+def bind_gloo_to_master_interface(environ: dict[str, str] = os.environ) -> str | None:
+    """Under torchrun / srun on several nodes: gloo listens on the interface that carries ``MASTER_ADDR``.
+
+    Left to itself gloo binds whatever this host's name resolves to, which on many clusters (and Debian's
+    /etc/hosts: ``127.0.1.1 <hostname>``) is loopback, and peers on other nodes then cannot connect.
+    Sets ``GLOO_SOCKET_IFNAME`` unless it is set already or the master is on loopback (one node); returns
+    a line saying what it chose, or None.
+    """
+    master = environ.get("MASTER_ADDR")
+    if not master or "GLOO_SOCKET_IFNAME" in environ:
+        return None
+    name, local_ip = interface_to(master)
+    if local_ip.startswith("127."):
+        return None
+    environ["GLOO_SOCKET_IFNAME"] = name
+    return f"gloo: GLOO_SOCKET_IFNAME={name} ({local_ip}), the interface that reaches MASTER_ADDR={master}"
+
+
+_PEER_IN_ERROR = re.compile(r"\[(\d+\.\d+\.\d+\.\d+)\]:\d+")  # gloo: "Connection closed by peer [10.77.0.12]:4711"
+
+
+def lost_peer_line(error: str, rank_hosts: list[tuple[str, str]], rank: int) -> str | None:
+    """One line naming the ranks a failed collective lost, from the peer address in gloo's error message
+    and every rank's (host name, address) gathered at the start; None if the message names no known peer."""
+    addresses = {ip for ip in _PEER_IN_ERROR.findall(error)} - {rank_hosts[rank][1]}
+    lost = [r for r, (_, ip) in enumerate(rank_hosts) if ip in addresses]
+    if not lost:
+        return None
+    hosts = ", ".join(sorted({f"{rank_hosts[r][0]} ({rank_hosts[r][1]})" for r in lost}))
+    return f"rank {rank} on {rank_hosts[rank][0]}: lost rank(s) {lost} on {hosts}: {error.splitlines()[0][:200]}"
 
 
 def missing_devices(cluster: ClusterConfig, external: bool) -> str | None:

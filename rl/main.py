@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import time
 from dataclasses import asdict
@@ -22,7 +23,14 @@ from modelspec.tiny import resolve_model_path
 from rl.checkpoint import checkpoint_from_path
 from rl.compose import ConfigError, compose, resolve_path
 from rl.config import RunConfig
-from rl.launch import launched_externally, missing_devices, spawn_local
+from rl.launch import (
+    bind_gloo_to_master_interface,
+    interface_to,
+    launched_externally,
+    lost_peer_line,
+    missing_devices,
+    spawn_local,
+)
 from rl.preflight import find_unfinished_run, hold_run_dir, preflight, resume_point
 
 
@@ -104,6 +112,29 @@ def check_launch(cfg: RunConfig, run_dir: str | None) -> None:
         )
 
 
+def run_launched_rank(cfg: RunConfig, run_dir: str) -> int:
+    """One rank under torchrun / srun: gloo on the interface that reaches the master (several nodes), every
+    rank's host and address known to all, so that a rank whose peer dies names it before it fails."""
+    import torch.distributed as dist
+
+    from megatron_backend.parallel import init_distributed
+    from rl.loop import run_rank
+
+    chosen = bind_gloo_to_master_interface()
+    if chosen is not None and os.environ.get("LOCAL_RANK", "0") == "0":  # once per node
+        print(f"{socket.gethostname()}: {chosen}", flush=True)
+    init_distributed(cfg.cluster.timeout_s)
+    rank_hosts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(rank_hosts, (socket.gethostname(), interface_to(os.environ["MASTER_ADDR"])[1]))
+    try:
+        return run_rank(cfg, run_dir)
+    except Exception as exc:
+        line = lost_peer_line(str(exc), rank_hosts, dist.get_rank())
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--exp", default="tiny_cpu", help="experiment under experiments/conf/exp/")
@@ -131,14 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     if state is not None and state.completed_steps >= cfg.trainer.steps:
         print(f"{run_dir} already did {state.completed_steps} steps (trainer.steps={cfg.trainer.steps}): nothing to do")
         return 0
-    from rl.loop import run_rank
-
     run_dir = prepare(cfg, run_dir)
     lock = lock or (hold_run_dir(run_dir) if int(os.environ.get("RANK", "0")) == 0 else None)  # a new directory
     if launched_externally():
-        return run_rank(cfg, str(run_dir))
+        return run_launched_rank(cfg, str(run_dir))
     resuming = f"; resuming after step {state.completed_steps}" if state is not None else ""
     print(f"run directory: {run_dir}{resuming}", flush=True)
+    from rl.loop import run_rank
+
     return spawn_local(run_rank, cfg.cluster.world_size, (cfg, str(run_dir)))
 
 

@@ -54,10 +54,10 @@ def wait_for(job_id: str, done, timeout_s: float, log: Path) -> dict[str, str]:
     pytest.fail(f"job {job_id} not done after {timeout_s:.0f} s: {job_fields(job_id).get('JobState')}\n{tail}")
 
 
-def submit(tmp_path: Path, args: str) -> tuple[str, Path, Path]:
-    """`make sbatch EXP=tiny_cpu SUBMIT=1 ARGS=...` -> (job id, run dir, its Slurm log)."""
+def submit(tmp_path: Path, args: str, *make_args: str) -> tuple[str, Path, Path]:
+    """`make sbatch EXP=tiny_cpu SUBMIT=1 [make_args] ARGS=...` -> (job id, run dir, its Slurm log)."""
     proc = subprocess.run(
-        ["make", "-s", "sbatch", "EXP=tiny_cpu", "SUBMIT=1", f"ARGS={args} output_dir={tmp_path}"],
+        ["make", "-s", "sbatch", "EXP=tiny_cpu", "SUBMIT=1", *make_args, f"ARGS={args} output_dir={tmp_path}"],
         cwd=REPO,
         capture_output=True,
         text=True,
