@@ -3,6 +3,7 @@ glibc's allocator from fragmenting it."""
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import gc
 
@@ -22,10 +23,13 @@ def freeze_long_lived_objects() -> None:
     A rank's setup builds hundreds of thousands of long-lived objects (megatron's modules, the engine,
     transformers' tokenizer). Without this, each :func:`release_freed_host_memory` and each of Python's own
     full collections walks all of them: measured on tiny_cpu, a third of a CPU step. Frozen objects are
-    still freed by reference counting; only cycles among them are left to the end of the process.
+    still freed by reference counting; only cycles among them are left to the end of the process, which
+    unfreezes them first (else its last collection skips them and nanobind's modules report them leaked).
     """
     gc.collect()
     gc.freeze()
+    atexit.unregister(gc.unfreeze)  # once, however often this is called
+    atexit.register(gc.unfreeze)
 
 
 # mallopt(3) parameters
