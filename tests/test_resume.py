@@ -20,7 +20,7 @@ from rl.checkpoint import complete_checkpoints
 from tests.wandb_records import find_run_file, history_rows
 
 REPO = Path(__file__).resolve().parent.parent
-STEPS = 5
+STEPS = 12  # room for a SIGTERM after a checkpoint of the third attempt: a step is ~1 s
 SETTINGS = (
     f"trainer.steps={STEPS}",
     "trainer.sft_warmup_steps=1",

@@ -67,8 +67,13 @@ def test_hundred_steps_and_nothing_grows(tmp_path):
     report = {}
     for rank, rows in sorted(samples.items()):
         for key, slack in (("fds", FD_SLACK), ("threads", THREAD_SLACK), ("children", CHILD_SLACK)):
-            early = statistics.median(s[key] for step, s in rows if step in EARLY)
-            late = statistics.median(s[key] for step, s in rows if step in LATE)
+            # the smallest count of each window: a leak raises the floor. A sample's count depends on where in
+            # the step it lands (while the actor is offloaded each host copy holds a temp file and its mapping,
+            # ~250 fds on tiny_cpu; a checkpoint save briefly adds threads and processes), so a median or a
+            # maximum moves with the sampling phase (133 -> 274 fds seen at ~1 s steps, no leak). Each 20-step
+            # window holds dozens of samples, in every state.
+            early = min(s[key] for step, s in rows if step in EARLY)
+            late = min(s[key] for step, s in rows if step in LATE)
             report[f"rank{rank}/{key}"] = (early, late)
             assert late <= early + slack, (rank, key, early, late)
 
