@@ -17,29 +17,19 @@ from pathlib import Path
 
 CALIBRATION_DIR = Path(__file__).resolve().parent
 SOURCES = ("fit", "published", "estimate", "policy")
+# the transient terms' factors and workspaces, and the margin: the same names on every device kind
+_TRANSIENT_CONSTANTS = (
+    "local_spec_activation_factor",
+    "engine_activation_factor",
+    "train_workspace_bytes",
+    "engine_workspace_bytes",
+    "heap_retention_bytes",
+    "margin_fraction",
+)
 # every constant the planner reads, per device kind (a calibration file must define all of its kind's)
 CONSTANTS: dict[str, tuple[str, ...]] = {
-    "cpu": (
-        "runtime_overhead_bytes",
-        "vllm_runtime_bytes",
-        "local_spec_activation_factor",
-        "engine_activation_factor",
-        "train_workspace_bytes",
-        "engine_workspace_bytes",
-        "heap_retention_bytes",
-        "margin_fraction",
-    ),
-    "cuda": (
-        "runtime_overhead_bytes",
-        "vllm_cuda_graph_bytes",
-        "nccl_bytes_per_communicator",
-        "local_spec_activation_factor",
-        "engine_activation_factor",
-        "train_workspace_bytes",
-        "engine_workspace_bytes",
-        "heap_retention_bytes",
-        "margin_fraction",
-    ),
+    "cpu": ("runtime_overhead_bytes", "vllm_runtime_bytes", *_TRANSIENT_CONSTANTS),
+    "cuda": ("runtime_overhead_bytes", "vllm_cuda_graph_bytes", "nccl_bytes_per_communicator", *_TRANSIENT_CONSTANTS),
 }
 
 
