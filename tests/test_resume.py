@@ -93,11 +93,30 @@ def deterministic(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith(NONDETERMINISTIC)}
 
 
-@pytest.mark.slow
-def test_killed_and_resumed_run_equals_the_uninterrupted_run(tmp_path):
-    reference_dir, resumed_dir = tmp_path / "reference", tmp_path / "resumed"
-    reference = start(reference_dir)
+@pytest.fixture(scope="module")
+def reference_dir(tmp_path_factory) -> Path:
+    """The run that was never interrupted, once for the module's tests."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    reference = start(run_dir)
     assert reference.wait(timeout=900) == 0, reference.stdout.read()[-4000:]
+    return run_dir
+
+
+def assert_same_steps_as(reference_dir: Path, resumed_dir: Path) -> None:
+    """Each step once, with the reference's rewards, losses, grad norms and sampled tokens."""
+    want = [json.loads(line) for line in (reference_dir / "metrics.jsonl").read_text().splitlines()]
+    got = [json.loads(line) for line in (resumed_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["trainer/step"] for m in got] == list(range(STEPS))
+    assert [deterministic(m) for m in got] == [deterministic(m) for m in want]
+    assert len({m["rollout/response_tokens_crc32"] for m in want}) == STEPS  # the seed varies per step
+    reference_summary = json.loads((reference_dir / "summary.json").read_text())
+    summary = json.loads((resumed_dir / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["reward_last5"] == reference_summary["reward_last5"]
+
+
+@pytest.mark.slow
+def test_killed_and_resumed_run_equals_the_uninterrupted_run(tmp_path, reference_dir):
+    resumed_dir = tmp_path / "resumed"
 
     # 1: SIGKILL to the launcher only, while step 1 runs (step 0 is logged, its checkpoint may be complete)
     proc = start(resumed_dir)
@@ -128,14 +147,7 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_run(tmp_path):
     assert [p.name for p in complete_checkpoints(resumed_dir / "checkpoints")] == [
         f"step_{n:08d}" for n in (STEPS - 1, STEPS)
     ]  # keep_last=2
-    want = [json.loads(line) for line in (reference_dir / "metrics.jsonl").read_text().splitlines()]
-    got = [json.loads(line) for line in (resumed_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["trainer/step"] for m in got] == list(range(STEPS))
-    assert [deterministic(m) for m in got] == [deterministic(m) for m in want]
-    assert len({m["rollout/response_tokens_crc32"] for m in want}) == STEPS  # the seed varies per step
-    reference_summary = json.loads((reference_dir / "summary.json").read_text())
-    summary = json.loads((resumed_dir / "summary.json").read_text())
-    assert summary["steps"] == STEPS and summary["reward_last5"] == reference_summary["reward_last5"]
+    assert_same_steps_as(reference_dir, resumed_dir)
 
     # W&B: each attempt wrote its own offline run; a step reaches W&B only once a checkpoint covers it, so no
     # step is there twice (a SIGKILL may lose records the W&B service had not written yet: never duplicates)
@@ -145,6 +157,33 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_run(tmp_path):
     steps = [s for run_steps in per_run for s in run_steps]
     assert len(steps) == len(set(steps)) and set(steps) <= set(range(STEPS)), per_run
     assert per_run[-1] and per_run[-1][-1] == STEPS - 1, per_run  # the last attempt ended normally
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_the_run_in_one_line_and_the_resume_equals_the_uninterrupted_run(tmp_path, reference_dir):
+    """The run directory on a 12 MiB tmpfs (a checkpoint of these settings is ~8 MiB, keep_last=2): the disk
+    fills while a checkpoint is written. The run stops with one line naming the path and the kept checkpoint;
+    once the disk is grown (remount), the same command resumes and ends with the uninterrupted run's steps."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0 or os.system(f"mount -t tmpfs -o size=12m tmpfs {mount} 2>/dev/null") != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        run_dir = mount / "run"
+        out, _ = (proc := start(run_dir)).communicate(timeout=900)
+        assert proc.returncode == 1, out[-4000:]
+        faults = [line for line in out.splitlines() if line.startswith("storage error: ")]
+        kept = complete_checkpoints(run_dir / "checkpoints")
+        assert len(faults) == 1 and "no space left on device" in faults[0], out[-4000:]
+        assert kept and f"the last complete checkpoint {kept[-1]} is kept" in faults[0], faults
+        assert logged_steps(run_dir) and logged_steps(run_dir)[-1] < STEPS - 1  # it stopped early
+        subprocess.run(["mount", "-o", "remount,size=300m", str(mount)], check=True)  # space returns
+        out, _ = (proc := start(run_dir)).communicate(timeout=900)
+        assert proc.returncode == 0, out[-4000:]
+        assert f"resuming from {kept[-1]}" in out, out[-4000:]
+        assert_same_steps_as(reference_dir, run_dir)
+    finally:
+        os.system(f"umount -l {mount}")
 
 
 @pytest.mark.slow
