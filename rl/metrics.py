@@ -83,7 +83,8 @@ def non_finite_stops(step: int, phase: str):
     try:
         yield
     except FloatingPointError as exc:
-        raise NonFiniteError(f"step {step}, phase {phase}: {exc}; {STOPPED}") from None
+        reason = str(exc).removesuffix("; the optimizer step was not applied")  # STOPPED says it
+        raise NonFiniteError(f"step {step}, phase {phase}: {reason}; {STOPPED}") from None
 
 
 def gap_distribution(gaps: torch.Tensor, token_threshold: float = 0.1) -> dict:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from rl.checkpoint import ACTOR_DIR, CHECKPOINT_DIR, RLState, complete_checkpoints, model_sizes
 from rl.launch import PREEMPTED_EXIT_CODE
+from rl.metrics import NonFiniteError
 from rl.sampling import sampling_seed
 from rl.setup import RankContext
 
@@ -133,21 +134,38 @@ def _bytes_under(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def numeric_fault_line(exc: BaseException, run_dir: Path) -> str | None:
+    """One line for a non-finite reward, log-prob, loss or grad norm (:class:`rl.metrics.NonFiniteError`): the
+    step, the phase, the quantity, and the checkpoint a resume starts from; None for any other failure."""
+    if not isinstance(exc, NonFiniteError):
+        return None
+    checkpoints = run_dir / CHECKPOINT_DIR
+    complete = complete_checkpoints(checkpoints) if checkpoints.is_dir() else []
+    kept = f"the last complete checkpoint {complete[-1]} is kept" if complete else "no checkpoint was written yet"
+    return (
+        f"numeric error: {exc}; {kept}: look at the step's data and rewards, or lower actor.lr, "
+        "then run again with the same run directory"
+    )
+
+
 def stops_on_storage_faults(run_rank):
-    """A full or read-only run directory while a checkpoint, the timeline or the metrics are written ends the
-    rank with one line instead of a library's traceback (rank 0's; the launcher stops the others)."""
+    """A full or read-only run directory while a checkpoint, the timeline or the metrics are written, or a
+    non-finite value in a step, ends the rank with one line instead of a library's traceback (rank 0's; the
+    launcher stops the others)."""
 
     @functools.wraps(run_rank)
     def wrapper(cfg, run_dir: str) -> int:
         try:
             return run_rank(cfg, run_dir)
         except BaseException as exc:  # torch's CheckpointException is a BaseException
-            line = None if isinstance(exc, (KeyboardInterrupt, SystemExit)) else storage_fault_line(exc, Path(run_dir))
+            line = None
+            if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                line = numeric_fault_line(exc, Path(run_dir)) or storage_fault_line(exc, Path(run_dir))
             if line is None:
                 raise
             if int(os.environ.get("RANK", "0")) != 0:  # rank 0 says it (the launcher then stops this rank);
                 time.sleep(STORAGE_LINE_GRACE_S)  # a rank whose disk alone is full says it after a moment
-            print(line, file=sys.stderr, flush=True)
+            print(f"\n{line}", file=sys.stderr, flush=True)  # on a line of its own after the progress bar
             os._exit(STORAGE_EXIT_CODE)  # not SystemExit: W&B's and torch's threads would print their tracebacks
 
     return wrapper

@@ -187,6 +187,28 @@ def test_a_full_disk_stops_the_run_in_one_line_and_the_resume_equals_the_uninter
 
 
 @pytest.mark.slow
+def test_a_learning_rate_typo_stops_at_the_first_nan_in_one_line_keeping_the_last_good_checkpoint(tmp_path):
+    """actor.lr=1e8 (meant 1e-8): step 0's update blows the weights up, step 1's grad norm is NaN. The run stops
+    in that step's train phase before the optimizer applies it, with one line (no traceback) naming the step,
+    the phase, the quantity and the checkpoint a resume starts from; step 0's checkpoint is the last one."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "rl.main", "--run-dir", str(run_dir), "trainer.steps=6", "trainer.save_every=1"]
+    cmd += ["trainer.sft_warmup_steps=0", "trainer.prompts_per_step=4", "actor.micro_batch_size=16"]
+    cmd += ["wandb.mode=disabled", "actor.lr=1e8"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-4000:]
+    kept = complete_checkpoints(run_dir / "checkpoints")
+    assert [p.name for p in kept] == ["step_00000001"], kept
+    lines = [line for line in out.splitlines() if line.startswith("numeric error: ")]
+    assert lines and set(lines) == {lines[0]}, out[-4000:]  # rank 0's line (another rank may repeat it)
+    assert lines[0].startswith("numeric error: step 1, phase train: grad_norm=nan is not finite; stopped before the optimizer"), lines
+    assert f"the last complete checkpoint {kept[-1]} is kept" in lines[0], lines
+    assert "Traceback" not in out, out[-4000:]
+    assert logged_steps(run_dir) == [0]
+
+
+@pytest.mark.slow
 def test_sigterm_during_the_warm_up_exits_within_seconds(tmp_path):
     """Slurm's --signal grace is 60-120 s: SIGTERM in the middle of a long warm-up must not wait for its end.
     (Before the warm-up honoured stops, this run kept warming up for its 5000 steps.)"""
