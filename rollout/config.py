@@ -46,6 +46,9 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    # True: every sample runs to max_new_tokens (the checkpoint's EOS does not stop it): the plan's worst case,
+    # for benchmarks and the planner's validation runs
+    ignore_eos: bool = False
     # Tokens per KV-cache block (None: the engine's default, ``default_block_size``: 16, but 128 for vLLM's
     # CPU build, whose attention wants multiples of 32); most sequences one batch may run; longest prompt +
     # response (None: the checkpoint's max_position_embeddings); bytes kept free for activations when sizing

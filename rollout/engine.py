@@ -59,6 +59,7 @@ class SamplingParams:
             top_p=cfg.top_p,
             top_k=cfg.top_k,
             max_tokens=cfg.max_new_tokens,
+            ignore_eos=cfg.ignore_eos,
             seed=cfg.seed,
         )
         values.update(overrides)

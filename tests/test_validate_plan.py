@@ -16,8 +16,20 @@ KNOWN_FAILURES = {
     "memory_cpu_reference_reshard": {"weight_sync peak", "weight_sync rise"},
     # rollout: machine-dependent (the CI machine's fit over-predicted its rise by > 20%; see the doc)
     "transients_long_vocab": {"train peak", "train rise", "rollout peak", "rollout rise"},
+    # the native engine's decode over 262-token contexts holds 45-55 MiB the plan does not count (engine_sleep
+    # starts where rollout left the heap); megatron's unfused attention: train under-, old_logprob over-predicted
+    # by 10-20%, at the tolerances' edge (the doc's "What is still wrong")
+    "long_sequences": {
+        "rollout peak",
+        "rollout rise",
+        "engine_sleep peak",
+        "old_logprob peak",
+        "old_logprob rise",
+        "train peak",
+    },
 }
-UNCAUGHT_MUTATIONS = {("attention_scores", 2.0), ("attention_scores", 0.0)}  # no long sequences in the set
+# caught here (long_sequences: train rise), but through a check at the edge of its tolerance on some machines
+MAY_BE_UNCAUGHT = {("attention_scores", 2.0), ("attention_scores", 0.0)}
 
 
 @pytest.mark.slow
@@ -33,5 +45,4 @@ def test_validate_plan_then_mutations(capsys):
         assert not new_failures, (line["config"], new_failures)
     mutate_plan.main([])
     results = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
-    uncaught = {(r["term"], r["factor"]) for r in results if not r["caught"]}
-    assert uncaught == UNCAUGHT_MUTATIONS
+    assert {(r["term"], r["factor"]) for r in results if not r["caught"]} <= MAY_BE_UNCAUGHT

@@ -29,6 +29,7 @@ date, device) and prints the fitted values.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import platform
@@ -37,6 +38,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+import planner.plan as plan_module
 from planner.calibration import Constant, load, write
 from tools.plan_runs import FIT_SET, REPO, ensure_run, measured_phases, plan_for, predicted_phases, run_dir_for
 
@@ -79,6 +81,17 @@ def level_residuals(predicted: dict, measured: dict) -> list[int]:
         for name, p in predicted.items()
         if name in measured and p.rise_bytes <= 0 and measured[name].peak_bytes > 0 and name != "engine_sleep"
     ]
+
+
+@contextlib.contextmanager
+def _attention_scores_zeroed():
+    """Plans made inside count no unfused attention scores: what is left of the activations is per token."""
+    real = plan_module.unfused_attention_bytes
+    plan_module.unfused_attention_bytes = lambda *args, **kwargs: 0
+    try:
+        yield
+    finally:
+        plan_module.unfused_attention_bytes = real
 
 
 def _line_fit(points: list[tuple[float, float, bool]]) -> tuple[float, float, float]:
@@ -126,13 +139,16 @@ def fit(run_dirs: dict[str, Path]) -> tuple[dict[str, tuple[float, float]], dict
 
     # 2. the actor's transients (every fit run: the actor is the same with either engine):
     #    rise(train) = workspace + factor x activations + logits; rise(old_logprob) = factor x activations + logits
+    #    (the factor covers the per-token tensors: the planned [s, s] attention scores are not scaled by it)
+    with _attention_scores_zeroed():
+        per_token = {name: predicted_phases(plan_for(specs[name], zero)) for name in run_dirs}
     actor_points = []
     for name in run_dirs:
         predicted, measured = planned[name]
         for phase in ("train", "old_logprob"):
             if phase not in measured:
                 continue
-            act = predicted[phase].components["activations"]
+            act = per_token[name][phase].components["activations"]
             other = predicted[phase].rise_bytes - act
             actor_points.append((act, measured[phase].rise_bytes - other, phase == "train"))
             evidence[name][f"{phase}_rise"] = {

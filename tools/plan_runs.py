@@ -112,6 +112,17 @@ VALIDATION_SET = (
         ),
         "transients dominate: 16k vocab, unchunked logits, long responses, 128-sequence micro-batches",
     ),
+    RunSpec(
+        "long_sequences",
+        "tiny_cpu",
+        (
+            "rollout.max_new_tokens=256",
+            "rollout.ignore_eos=true",
+            "trainer.prompts_per_step=8",
+            "actor.micro_batch_size=32",
+        ),
+        "long sequences: 262-token rows, where megatron's unfused [s, s] attention scores are a large transient",
+    ),
 )
 
 
