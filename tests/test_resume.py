@@ -60,10 +60,18 @@ def logged_steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["trainer/step"] for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-def saving(run_dir: Path) -> bool:
-    """A checkpoint is being written: its temporary directory exists and already holds actor shards."""
+def saving(run_dir: Path, since: float = 0.0) -> bool:
+    """A checkpoint is being written: its temporary directory exists and already holds actor shards written
+    after ``since`` (an earlier attempt killed inside a save leaves such a directory behind until the next
+    attempt has set up and cleans it: that one is not this attempt's save)."""
     root = run_dir / "checkpoints"
-    return root.is_dir() and any(p.name.startswith(".tmp-") and any(p.glob("actor/*.distcp")) for p in root.iterdir())
+    try:
+        return root.is_dir() and any(
+            p.name.startswith(".tmp-") and any(f.stat().st_mtime > since for f in p.glob("actor/*.distcp"))
+            for p in root.iterdir()
+        )
+    except FileNotFoundError:  # the run removed it while we looked
+        return False
 
 
 def kill_launcher_only(proc: subprocess.Popen) -> None:
@@ -124,8 +132,9 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_run(tmp_path, reference
     time.sleep(2.0)
     kill_launcher_only(proc)
     # 2: SIGKILL to every process inside a checkpoint save: the half-written one must never be picked
+    started = time.time()
     proc = start(resumed_dir)
-    wait_for(proc, lambda: saving(resumed_dir))
+    wait_for(proc, lambda: saving(resumed_dir, since=started))
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     before = [p.name for p in complete_checkpoints(resumed_dir / "checkpoints")]
