@@ -8,13 +8,14 @@ from safetensors.torch import load_file
 
 from megatron_backend.layout import (
     RankLayout,
-    hf_tensor_shapes,
     layer_offset,
     local_param_shapes,
     padded_vocab_size,
     rank_pieces,
 )
 from modelspec import ModelShape
+from modelspec.families import FAMILIES
+from modelspec.family import hf_tensor_shapes
 
 LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2), (2, 2, 2)]
 
@@ -29,7 +30,7 @@ def _build_local(pieces, local_shapes, hf):
     return local
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_pieces_match_reference_layouts_and_cover_every_tensor(family, tiny_model_dirs):
     shape = ModelShape.from_pretrained(f"tiny:{family}")
     hf = load_file(f"{tiny_model_dirs[family]}/model.safetensors")

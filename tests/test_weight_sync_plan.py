@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from modelspec import ColocatedMesh, ModelShape
+from modelspec.families import FAMILIES
 from rl.weight_sync.layouts import actor_sources, engine_destinations
 from rl.weight_sync.plan import plan_sync
 
@@ -30,7 +31,7 @@ def mesh(tp: int, pp: int, vpp, rtp: int = 1) -> ColocatedMesh:
 
 def hf_weights(family: str) -> dict[str, torch.Tensor]:
     """Random full HF tensors of the tiny family's shapes (distinct values so misplacement shows)."""
-    from megatron_backend.layout import hf_tensor_shapes
+    from modelspec.family import hf_tensor_shapes
 
     gen = torch.Generator().manual_seed(0)
     shapes = hf_tensor_shapes(model_config(family))
@@ -98,7 +99,7 @@ def simulate(plan, sources: dict, destinations: dict) -> None:
             destinations[t.dst_rank][t.dst_name].narrow(t.dim, t.dst_start, t.length).copy_(src)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "llama_kv4"])
+@pytest.mark.parametrize("family", [*FAMILIES, "llama_kv4"])
 def test_plan_reshards_every_layout_bit_exact(family):
     cfg = model_config(family)
     hf = hf_weights(family)
