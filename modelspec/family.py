@@ -97,6 +97,7 @@ POST_NORM = Part(
     megatron_te_name="mlp.linear_fc1.layer_norm_weight",
 )
 LAYER_PARTS = (Q, K, V, O_PROJ, Q_NORM, K_NORM, GATE, UP, DOWN, INPUT_NORM, POST_NORM)
+OPTIONAL_PARTS = (Q_NORM, K_NORM)  # a family has both (Qwen3) or neither
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,11 @@ class Family:
                     # a slice is a block of rows or of columns, never both: a column-split part stands alone
                     raise ValueError(f"family {self.model_type}: {tensor.name} stacks {part.name}, split on columns")
                 slots[part.name] = (tensor, tensor.parts[:index])
+        missing = [p.name for p in LAYER_PARTS if p not in OPTIONAL_PARTS and p.name not in slots]
+        if missing:
+            raise ValueError(f"family {self.model_type}: no HF tensor holds part(s) {missing}")
+        if len({p.name in slots for p in OPTIONAL_PARTS}) > 1:
+            raise ValueError(f"family {self.model_type}: q_norm and k_norm come together")
         object.__setattr__(self, "_slots", slots)
 
     def has_qkv_bias(self, config: dict) -> bool:
