@@ -122,7 +122,7 @@ test-slurm: $(STAMP) ## the slurm-marked tests: start a local Slurm (.ci/slurm-u
 lint: $(STAMP) ## ruff over the whole repo
 	$(PY) -m ruff check .
 
-tiny-models: $(STAMP) ## write the tiny Qwen2 / Llama / Qwen3 HF checkpoints to $(TINY_DIR)/
+tiny-models: $(STAMP) ## write the tiny HF checkpoint of every family (modelspec/families/) to $(TINY_DIR)/
 	$(PY) -m modelspec.tiny --out $(TINY_DIR)
 
 verify-sync: $(STAMP) $(TINY_HF) ## HF=<dir> -> actor TRAIN_TP x TRAIN_PP -> reshard -> engine ROLLOUT_TP; engine vs transformers (one JSON line)

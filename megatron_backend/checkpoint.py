@@ -18,11 +18,11 @@ from megatron_backend.layout import (
     ModelShape,
     RankLayout,
     SlicePiece,
-    hf_tensor_shapes,
     local_param_shapes,
     num_covered,
     rank_pieces,
 )
+from modelspec.family import hf_tensor_shapes
 
 
 def safetensors_index(hf_dir: str | Path) -> dict[str, Path]:

@@ -1,6 +1,7 @@
 """The single source of megatron-core weight-layout knowledge (pure: plain python + torch, no megatron).
 
-Given a Hugging Face config and one rank's place in the TP x PP (x VPP) grid, this module says which
+Given a model shape (its family, :mod:`modelspec.families`, says where each part lives in the HF checkpoint,
+which megatron parameter holds it and how TP splits it) and one rank's place in the TP x PP (x VPP) grid, this module says which
 megatron parameters that rank holds, their local shapes, and how each local shard is built from the
 full HF tensors. The loader (:mod:`megatron_backend.checkpoint`), the exporter and a future weight-sync
 planner all read the same :class:`SlicePiece` list, so the layout lives in exactly one place.
@@ -35,6 +36,7 @@ import math
 from dataclasses import dataclass
 
 from modelspec import ModelShape
+from modelspec.family import Part, dims_size, full_sizes, layer_parts, rank_sizes
 
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # megatron pads the vocab to a multiple of this x TP
 
@@ -92,34 +94,6 @@ def chunk_layers(shape: ModelShape, layout: RankLayout, vp_stage: int) -> range:
     return range(start, start + per_chunk)
 
 
-def hf_tensor_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the HF checkpoint (full, unsharded) and its shape."""
-    h, f, d, v = shape.hidden_size, shape.intermediate_size, shape.head_dim, shape.vocab_size
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
-    for layer in range(shape.num_layers):
-        p = f"model.layers.{layer}."
-        out[p + "input_layernorm.weight"] = (h,)
-        out[p + "self_attn.q_proj.weight"] = (shape.num_heads * d, h)
-        out[p + "self_attn.k_proj.weight"] = (shape.num_kv_heads * d, h)
-        out[p + "self_attn.v_proj.weight"] = (shape.num_kv_heads * d, h)
-        if shape.qkv_bias:
-            out[p + "self_attn.q_proj.bias"] = (shape.num_heads * d,)
-            out[p + "self_attn.k_proj.bias"] = (shape.num_kv_heads * d,)
-            out[p + "self_attn.v_proj.bias"] = (shape.num_kv_heads * d,)
-        if shape.qk_norm:
-            out[p + "self_attn.q_norm.weight"] = (d,)
-            out[p + "self_attn.k_norm.weight"] = (d,)
-        out[p + "self_attn.o_proj.weight"] = (h, shape.num_heads * d)
-        out[p + "post_attention_layernorm.weight"] = (h,)
-        out[p + "mlp.gate_proj.weight"] = (f, h)
-        out[p + "mlp.up_proj.weight"] = (f, h)
-        out[p + "mlp.down_proj.weight"] = (h, f)
-    out["model.norm.weight"] = (h,)
-    if not shape.tie_word_embeddings:
-        out["lm_head.weight"] = (v, h)
-    return out
-
-
 @dataclass(frozen=True)
 class SlicePiece:
     """One contiguous block of a HF tensor that lands in one megatron local shard.
@@ -141,53 +115,50 @@ class SlicePiece:
     primary: bool = True
 
 
-def _megatron_layer_pieces(shape: ModelShape, layout: RankLayout, vp_stage: int) -> list[SlicePiece]:
-    tp, r = layout.tp, layout.tp_rank
-    h, f, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
+def _megatron_rank_sizes(shape: ModelShape, tp: int) -> dict[str, int]:
+    """Dim symbol -> its size on one actor TP rank (megatron splits heads and rows evenly, no replication)."""
+    return rank_sizes(shape, shape.num_heads // tp, shape.num_kv_heads // tp, shape.intermediate_size // tp)
+
+
+def _part_pieces(shape: ModelShape, layout: RankLayout, part: Part, kind: str, layer: int, local: int, vp_stage: int):
+    """The pieces of one part of one layer: ``part.megatron_split`` applied to its rows in the HF tensor."""
+    tp, r, d = layout.tp, layout.tp_rank, shape.head_dim
+    hf_name, offset = shape.family.hf_slot(part, kind, layer, full_sizes(shape))
+    mg = f"decoder.layers.{local}." + part.megatron_param(kind, layout.te_norms)
+    local_sizes = _megatron_rank_sizes(shape, tp)
+    # parts before this one in its megatron parameter (stacked along rows there)
+    before = [p for p, k in layer_parts(shape) if k == kind and p.megatron == part.megatron]
+    before = before[: before.index(part)]
+    if part.megatron_split == "replicate":
+        (size,) = dims_size(part.kind_dims(kind), local_sizes)
+        return [SlicePiece(hf_name, vp_stage, mg, 0, offset, 0, size, "replicate")]
+    if part.megatron_split == "columns":  # a part split on columns is alone in its HF tensor's rows
+        cols = local_sizes[part.dims[1]]
+        return [SlicePiece(hf_name, vp_stage, mg, 1, r * cols, 0, cols, "column_split")]
+    if part.megatron_split == "rows":  # [this rank's rows of each stacked part], e.g. fc1 = [gate shard; up shard]
+        rows = local_sizes[part.dims[0]]
+        local_start = sum(local_sizes[p.dims[0]] for p in before)
+        return [SlicePiece(hf_name, vp_stage, mg, 0, offset + r * rows, local_start, rows, "gate_up")]
+    # qkv_groups: per KV group g, rows [q heads of g; k_g; v_g] (grouped interleave); the groups split across TP
     qpg = shape.num_heads // shape.num_kv_heads  # query heads per KV group
+    group_rows = (qpg + 2) * d
+    heads_per_group = {"q": qpg, "k": 1, "v": 1}
+    start_in_group = {"q": 0, "k": qpg * d, "v": (qpg + 1) * d}[part.name]
+    rows = heads_per_group[part.name] * d
     groups_per_rank = shape.num_kv_heads // tp
-    group_rows = (qpg + 2) * d  # rows of one KV group in linear_qkv: [q heads of g; k_g; v_g]
+    pieces = []
+    for j in range(groups_per_rank):
+        g = r * groups_per_rank + j
+        local_start = j * group_rows + start_in_group
+        pieces.append(SlicePiece(hf_name, vp_stage, mg, 0, offset + g * rows, local_start, rows, "qkv_interleave"))
+    return pieces
+
+
+def _megatron_layer_pieces(shape: ModelShape, layout: RankLayout, vp_stage: int) -> list[SlicePiece]:
     pieces: list[SlicePiece] = []
-
-    def add(hf, mg, dim, hf_start, local_start, length, transform):
-        pieces.append(SlicePiece(hf, vp_stage, mg, dim, hf_start, local_start, length, transform))
-
     for local, layer in enumerate(chunk_layers(shape, layout, vp_stage)):
-        hp, mp = f"model.layers.{layer}.", f"decoder.layers.{local}."
-        in_norm = "self_attention.linear_qkv.layer_norm_weight" if layout.te_norms else "input_layernorm.weight"
-        mlp_norm = "mlp.linear_fc1.layer_norm_weight" if layout.te_norms else "pre_mlp_layernorm.weight"
-        add(hp + "input_layernorm.weight", mp + in_norm, 0, 0, 0, h, "replicate")
-        add(hp + "post_attention_layernorm.weight", mp + mlp_norm, 0, 0, 0, h, "replicate")
-        # linear_qkv [groups_per_rank * group_rows, H] (bias [groups_per_rank * group_rows])
-        kinds = ("weight", "bias") if shape.qkv_bias else ("weight",)
-        for kind in kinds:
-            mg = mp + f"self_attention.linear_qkv.{kind}"
-            for j in range(groups_per_rank):
-                g = r * groups_per_rank + j
-                base = j * group_rows
-                add(hp + f"self_attn.q_proj.{kind}", mg, 0, g * qpg * d, base, qpg * d, "qkv_interleave")
-                add(hp + f"self_attn.k_proj.{kind}", mg, 0, g * d, base + qpg * d, d, "qkv_interleave")
-                add(hp + f"self_attn.v_proj.{kind}", mg, 0, g * d, base + (qpg + 1) * d, d, "qkv_interleave")
-        if shape.qk_norm:
-            add(hp + "self_attn.q_norm.weight", mp + "self_attention.q_layernorm.weight", 0, 0, 0, d, "replicate")
-            add(hp + "self_attn.k_norm.weight", mp + "self_attention.k_layernorm.weight", 0, 0, 0, d, "replicate")
-        # linear_proj [H, nq*d/TP]: columns of o_proj
-        cols = shape.num_heads * d // tp
-        add(
-            hp + "self_attn.o_proj.weight",
-            mp + "self_attention.linear_proj.weight",
-            1,
-            r * cols,
-            0,
-            cols,
-            "column_split",
-        )
-        # linear_fc1 [2F/TP, H] = [gate rows of rank r; up rows of rank r]
-        rows = f // tp
-        add(hp + "mlp.gate_proj.weight", mp + "mlp.linear_fc1.weight", 0, r * rows, 0, rows, "gate_up")
-        add(hp + "mlp.up_proj.weight", mp + "mlp.linear_fc1.weight", 0, r * rows, rows, rows, "gate_up")
-        # linear_fc2 [H, F/TP]: columns of down_proj
-        add(hp + "mlp.down_proj.weight", mp + "mlp.linear_fc2.weight", 1, r * rows, 0, rows, "column_split")
+        for part, kind in layer_parts(shape):
+            pieces += _part_pieces(shape, layout, part, kind, layer, local, vp_stage)
     return pieces
 
 
@@ -204,25 +175,22 @@ def _vocab_piece(shape: ModelShape, layout: RankLayout, vp_stage: int, hf_name: 
 def rank_pieces(shape: ModelShape, layout: RankLayout) -> list[SlicePiece]:
     """Everything this rank holds, as HF -> megatron slice pieces (all chunks, in chunk order)."""
     check_divisible(shape, layout.tp, layout.pp, layout.vpp)
+    family = shape.family
     pieces: list[SlicePiece] = []
     for vp_stage in range(layout.num_chunks):
         first, last = layout.is_first_chunk(vp_stage), layout.is_last_chunk(vp_stage)
         if first:
-            pieces += _vocab_piece(
-                shape, layout, vp_stage, "model.embed_tokens.weight", "embedding.word_embeddings.weight", True
-            )
+            pieces += _vocab_piece(shape, layout, vp_stage, family.embed, "embedding.word_embeddings.weight", True)
         pieces += _megatron_layer_pieces(shape, layout, vp_stage)
         if last:
             h = shape.hidden_size
             pieces.append(
-                SlicePiece("model.norm.weight", vp_stage, "decoder.final_layernorm.weight", 0, 0, 0, h, "replicate")
+                SlicePiece(family.final_norm, vp_stage, "decoder.final_layernorm.weight", 0, 0, 0, h, "replicate")
             )
             if not shape.tie_word_embeddings:
-                pieces += _vocab_piece(shape, layout, vp_stage, "lm_head.weight", "output_layer.weight", True)
+                pieces += _vocab_piece(shape, layout, vp_stage, family.lm_head, "output_layer.weight", True)
             elif not first:  # tied: megatron keeps a copy of the embedding on the last stage
-                pieces += _vocab_piece(
-                    shape, layout, vp_stage, "model.embed_tokens.weight", "output_layer.weight", False
-                )
+                pieces += _vocab_piece(shape, layout, vp_stage, family.embed, "output_layer.weight", False)
     return pieces
 
 
@@ -237,31 +205,19 @@ def all_rank_pieces(shape: ModelShape, tp: int, pp: int, vpp: int | None = None)
 
 def local_param_shapes(shape: ModelShape, layout: RankLayout) -> dict[tuple[int, str], tuple[int, ...]]:
     """(vp_stage, megatron name) -> local shape of every parameter this rank holds."""
-    tp, h, d = layout.tp, shape.hidden_size, shape.head_dim
+    tp, h = layout.tp, shape.hidden_size
     vocab_rows = padded_vocab_size(shape.vocab_size, tp) // tp
-    qkv_rows = (shape.num_heads + 2 * shape.num_kv_heads) * d // tp
+    local_sizes = _megatron_rank_sizes(shape, tp)
     out: dict[tuple[int, str], tuple[int, ...]] = {}
     for vp in range(layout.num_chunks):
         first, last = layout.is_first_chunk(vp), layout.is_last_chunk(vp)
         if first:
             out[(vp, "embedding.word_embeddings.weight")] = (vocab_rows, h)
         for local in range(len(chunk_layers(shape, layout, vp))):
-            mp = f"decoder.layers.{local}."
-            if layout.te_norms:
-                out[(vp, mp + "self_attention.linear_qkv.layer_norm_weight")] = (h,)
-                out[(vp, mp + "mlp.linear_fc1.layer_norm_weight")] = (h,)
-            else:
-                out[(vp, mp + "input_layernorm.weight")] = (h,)
-                out[(vp, mp + "pre_mlp_layernorm.weight")] = (h,)
-            out[(vp, mp + "self_attention.linear_qkv.weight")] = (qkv_rows, h)
-            if shape.qkv_bias:
-                out[(vp, mp + "self_attention.linear_qkv.bias")] = (qkv_rows,)
-            if shape.qk_norm:
-                out[(vp, mp + "self_attention.q_layernorm.weight")] = (d,)
-                out[(vp, mp + "self_attention.k_layernorm.weight")] = (d,)
-            out[(vp, mp + "self_attention.linear_proj.weight")] = (h, shape.num_heads * d // tp)
-            out[(vp, mp + "mlp.linear_fc1.weight")] = (2 * shape.intermediate_size // tp, h)
-            out[(vp, mp + "mlp.linear_fc2.weight")] = (h, shape.intermediate_size // tp)
+            for part, kind in layer_parts(shape):  # stacked parts add their rows to one parameter
+                key = (vp, f"decoder.layers.{local}." + part.megatron_param(kind, layout.te_norms))
+                rows, *rest = dims_size(part.kind_dims(kind), local_sizes)
+                out[key] = (out.get(key, (0,))[0] + rows, *rest)
         if last:
             out[(vp, "decoder.final_layernorm.weight")] = (h,)
             if not shape.tie_word_embeddings or not first:

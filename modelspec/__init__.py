@@ -1,6 +1,8 @@
 """The model contract, a leaf package (imports nothing else from this project).
 
 - :mod:`modelspec.shape`: :class:`ModelShape` (parsed once from a HF checkpoint) and RoPE parameters;
+- :mod:`modelspec.family`, :mod:`modelspec.families`: a model family as data (its HF tensors, the megatron and
+  vLLM parameters they become, its quirks, its tiny checkpoint), one file per family;
 - :mod:`modelspec.mesh`: :class:`ColocatedMesh`, every rank's actor and rollout coordinates;
 - :mod:`modelspec.dtypes`: dtype names and their torch dtypes;
 - :mod:`modelspec.contract`: what the actor hands a loss function (:class:`BatchTotals`, ``LossFn``);

@@ -2,8 +2,7 @@
 
 Every package that needs the model's sizes (the megatron actor's layout, vLLM's layout, the native
 engine, the config checks, the planner) takes a ``ModelShape``; nobody else reads ``config.json``.
-Supported families: Qwen2 (qkv bias), Llama 3.x (tied or untied embeddings, llama3 RoPE scaling),
-Qwen3 (q/k RMSNorms).
+The families it accepts, their tensors and quirks, are data in :mod:`modelspec.families` (one file each).
 """
 
 from __future__ import annotations
@@ -13,7 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3")
+from modelspec.families import FAMILIES
+from modelspec.family import Q_NORM, Family, full_sizes, layer_param_count
+
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 ROPE_TYPES = ("default", "llama3")
 # Shipped architectures: each <name>.json is a checkpoint's config.json exactly as published on Hugging
 # Face (no weights), so config checks and the memory planner need no download (see its README.md).
@@ -84,7 +86,10 @@ def _as_transformers_reads_it(config: dict, source: str) -> dict:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes of a Qwen2 / Llama / Qwen3 decoder (h hidden, I intermediate, d head_dim, V vocab)."""
+    """The sizes of a decoder of one of :data:`FAMILIES` (h hidden, I intermediate, d head_dim, V vocab).
+
+    ``qkv_bias`` and ``qk_norm`` are the family's answers for this config (its data decides them, see
+    :attr:`family`), kept as fields for megatron's TransformerConfig and for readers."""
 
     model_type: str
     num_layers: int
@@ -108,6 +113,8 @@ class ModelShape:
         """From a transformers config object, or a config.json dict (read through transformers' config class)."""
         c = _as_transformers_reads_it(config, source) if isinstance(config, dict) else config.to_dict()
         model_type = _supported_model_type(c, source)
+        family = FAMILIES[model_type]
+        family.check_config(c, source or "config.json")
         heads = c["num_attention_heads"]
         eos = c.get("eos_token_id")
         if isinstance(eos, list):
@@ -122,9 +129,8 @@ class ModelShape:
             head_dim=c.get("head_dim") or c["hidden_size"] // heads,
             vocab_size=c["vocab_size"],
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases; Llama / Qwen3 only with attention_bias=True.
-            qkv_bias=model_type == "qwen2" or bool(c.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qkv_bias=family.has_qkv_bias(c),
+            qk_norm=family.has_part(Q_NORM),
             rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
             rope=RopeParams.from_hf(c),
             max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
@@ -163,11 +169,13 @@ class ModelShape:
     def num_query_groups(self) -> int:
         return self.num_kv_heads
 
+    @property
+    def family(self) -> Family:
+        """This model's family: its HF tensors and quirks (:mod:`modelspec.families`)."""
+        return FAMILIES[self.model_type]
+
     def param_count(self) -> int:
         """Parameters of the full (unsharded) model."""
-        h, d, i, v = self.hidden_size, self.head_dim, self.intermediate_size, self.vocab_size
-        qkv = h * (self.num_heads + 2 * self.num_kv_heads) * d
-        bias = (self.num_heads + 2 * self.num_kv_heads) * d if self.qkv_bias else 0
-        per_layer = qkv + bias + self.num_heads * d * h + 3 * h * i + 2 * h + (2 * d if self.qk_norm else 0)
+        h, v = self.hidden_size, self.vocab_size
         embeddings = v * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embeddings + h
+        return self.num_layers * layer_param_count(self, full_sizes(self)) + embeddings + h

@@ -1,14 +1,12 @@
 """Tiny Hugging Face checkpoints for tests and the CPU experiment, built in-process (no downloads).
 
-Three families, each a normal HF directory (config.json, model.safetensors, tokenizer files):
+One per family of :mod:`modelspec.families` (its ``tiny_config``), each a normal HF directory (config.json,
+model.safetensors, tokenizer files); each family's file says what its tiny model exercises (e.g. the
+tiny Llama's vocab 99, the tokenizer's size, is NOT a multiple of 64, so every vocab-padding path runs).
 
-- ``qwen2``: Qwen2 architecture: qkv bias, GQA (4 q heads / 2 KV heads), untied embeddings.
-- ``llama``: Llama architecture: no bias, tied embeddings, vocab 99 (NOT a multiple of 64, so
-  every vocab-padding path is exercised).
-- ``qwen3``: Qwen3 architecture: q/k RMSNorms, explicit head_dim, untied embeddings.
-
-All use hidden 128 with 4 q heads / 2 KV heads of head_dim 32: the smallest head size vLLM's CPU
-attention supports (32, 64, 80, 96, 112, 128, ...), so the same checkpoints run in vLLM's CPU build.
+All use hidden 128 with 4 q heads / 2 KV heads of head_dim 32 (``modelspec.family.TINY_COMMON``): the
+smallest head size vLLM's CPU attention supports (32, 64, 80, 96, 112, 128, ...), so the same checkpoints
+run in vLLM's CPU build.
 All share a character-level tokenizer over printable ASCII, saved as ``tokenizer.json`` for
 ``PreTrainedTokenizerFast``. Weights come from ``from_config`` under a fixed seed, then every norm
 weight and bias is drawn at random too (HF init leaves them at 1 and 0, where a tensor written to the
@@ -25,6 +23,9 @@ import string
 import tempfile
 from pathlib import Path
 
+from modelspec.families import FAMILIES
+from modelspec.family import TINY_COMMON
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TINY_DIR = Path(os.environ.get("RLMEM_TINY_DIR", REPO_ROOT / "tiny_models"))
 TINY_PREFIX = "tiny:"
@@ -35,40 +36,9 @@ SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARACTERS = [c for c in string.printable if c not in "\t\n\r\x0b\x0c"]
 TOKENIZER_VOCAB_SIZE = len(SPECIAL_TOKENS) + len(CHARACTERS)
 
-_COMMON = dict(
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
-
 # family -> (transformers config class name, config kwargs)
 TINY_FAMILIES: dict[str, tuple[str, dict]] = {
-    "qwen2": (
-        "Qwen2Config",
-        dict(_COMMON, vocab_size=128, rope_theta=1_000_000.0, tie_word_embeddings=False),
-    ),
-    "llama": (
-        "LlamaConfig",
-        dict(
-            _COMMON,
-            vocab_size=TOKENIZER_VOCAB_SIZE,
-            rope_theta=500_000.0,
-            tie_word_embeddings=True,
-            attention_bias=False,
-            mlp_bias=False,
-        ),
-    ),
-    "qwen3": (
-        "Qwen3Config",
-        dict(_COMMON, vocab_size=160, head_dim=32, rope_theta=1_000_000.0, tie_word_embeddings=False),
-    ),
+    name: (family.config_class, family.tiny_config) for name, family in FAMILIES.items()
 }
 
 
@@ -190,7 +160,7 @@ SIZED_FAMILIES: dict[str, tuple[str, dict]] = {
     "qwen2_memory": (
         "Qwen2Config",
         dict(
-            _COMMON,
+            TINY_COMMON,
             hidden_size=512,
             intermediate_size=2048,
             num_hidden_layers=8,
@@ -204,7 +174,7 @@ SIZED_FAMILIES: dict[str, tuple[str, dict]] = {
     # vocabulary, so the logits of long micro-batches outweigh every other tensor (fp32 [tokens, 16384/TP])
     "qwen2_vocab": (
         "Qwen2Config",
-        dict(_COMMON, vocab_size=16384, rope_theta=1_000_000.0, tie_word_embeddings=False),
+        dict(TINY_COMMON, vocab_size=16384, rope_theta=1_000_000.0, tie_word_embeddings=False),
     ),
 }
 # The same model with 4 KV heads, so that actor TP=4 divides them (``make bench-sync``'s tp4->tp2).

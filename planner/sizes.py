@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+from modelspec.family import layer_param_count, rank_sizes
 from modelspec.shape import ModelShape
 
 MEGATRON_VOCAB_DIVISOR = 128  # megatron_backend.layout.MAKE_VOCAB_SIZE_DIVISIBLE_BY
@@ -33,17 +34,9 @@ def vllm_padded_vocab(vocab_size: int) -> int:
 
 
 def _layer_params(shape: ModelShape, q_heads: int, kv_heads: int, intermediate: int) -> int:
-    """One decoder layer's parameters on one TP rank holding ``q_heads`` / ``kv_heads`` / ``intermediate``."""
-    h, d = shape.hidden_size, shape.head_dim
-    qkv_rows = (q_heads + 2 * kv_heads) * d
-    return (
-        qkv_rows * h  # qkv weight
-        + (qkv_rows if shape.qkv_bias else 0)
-        + q_heads * d * h  # output projection
-        + 3 * intermediate * h  # gate, up, down
-        + 2 * h  # input and pre-MLP RMSNorm (replicated)
-        + (2 * d if shape.qk_norm else 0)  # Qwen3 q/k RMSNorm (replicated)
-    )
+    """One decoder layer's parameters on one TP rank holding ``q_heads`` / ``kv_heads`` / ``intermediate``: the
+    sum over the tensors its family has (qkv, bias, q/k norms, ...), replicated norms whole."""
+    return layer_param_count(shape, rank_sizes(shape, q_heads, kv_heads, intermediate))
 
 
 def actor_stage_param_count(shape: ModelShape, tp: int, pp: int, stage: int) -> int:

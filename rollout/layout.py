@@ -1,9 +1,10 @@
 """vLLM's per-rank weight layout, as data: the single source of that knowledge in this repo.
 
 Pure python + torch (no process group, no vLLM import). For a :class:`modelspec.ModelShape`, a rollout TP size
-and a TP rank, :func:`vllm_param_layouts` lists every parameter vLLM (Qwen2 / Llama / Qwen3 families)
-holds on that rank: its vLLM name, its local shape, and which slices of which full HF tensors it is
-made of. The native engine's loader fills its tensors from this list; a resharding planner can use the
+and a TP rank, :func:`vllm_param_layouts` lists every parameter vLLM (the Llama-derived models of
+:mod:`modelspec.families`) holds on that rank: its vLLM name, its local shape, and which slices of which
+full HF tensors it is made of (the family says where each part lives in its checkpoint, e.g. rows of a
+fused ``qkv_proj``). The native engine's loader fills its tensors from this list; a resharding planner can use the
 same list to move only the slices each rank needs.
 
 Layout (h = hidden, d = head_dim, Hq / Hkv = q / KV heads, I = intermediate, V = vocab, P = padded vocab
@@ -27,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from modelspec import ModelShape
+from modelspec.family import dims_size, full_sizes, layer_parts
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 
@@ -134,62 +136,39 @@ def vllm_param_layouts(shape: ModelShape, tp: int = 1, tp_rank: int = 0) -> list
         slices = (SliceSpec(hf_name, 0, t.vocab_start, stop, 0),) if stop > t.vocab_start else ()
         return ParamLayout(name, (t.vocab_per_rank, h), slices)
 
-    def replicated(hf_name: str, size: int) -> ParamLayout:
-        return ParamLayout(hf_name, (size,), (SliceSpec(hf_name, 0, 0, size, 0),), replicated=True)
+    def replicated(hf_name: str, name: str, size: int) -> ParamLayout:
+        return ParamLayout(name, (size,), (SliceSpec(hf_name, 0, 0, size, 0),), replicated=True)
 
-    out.append(vocab_rows("model.embed_tokens.weight", "model.embed_tokens.weight"))
-    q_rows, kv_rows = t.num_heads * d, t.num_kv_heads * d
-    q_start, kv_start = tp_rank * q_rows, t.kv_head_start * d
-    inter = t.intermediate_size
+    family, sizes = shape.family, full_sizes(shape)
+    # rows of this rank's share of a split dim: (first full row, rows); kv heads follow the replication rule
+    rank_rows = {
+        "q": (tp_rank * t.num_heads * d, t.num_heads * d),
+        "kv": (t.kv_head_start * d, t.num_kv_heads * d),
+        "i": (tp_rank * t.intermediate_size, t.intermediate_size),
+    }
+    local_sizes = {symbol: rows for symbol, (_, rows) in rank_rows.items()} | dict(h=h, d=d)
+    out.append(vocab_rows(family.embed, "model.embed_tokens.weight"))
     for layer in range(shape.num_layers):
-        p = f"model.layers.{layer}"
-        a = f"{p}.self_attn"
-        # qkv_proj rows: [q heads of this rank | its KV head(s) of k | the same of v]
-        for kind in ("weight", "bias") if shape.qkv_bias else ("weight",):
-            local_shape = (q_rows + 2 * kv_rows, h) if kind == "weight" else (q_rows + 2 * kv_rows,)
-            out.append(
-                ParamLayout(
-                    f"{a}.qkv_proj.{kind}",
-                    local_shape,
-                    (
-                        SliceSpec(f"{a}.q_proj.{kind}", 0, q_start, q_start + q_rows, 0),
-                        SliceSpec(f"{a}.k_proj.{kind}", 0, kv_start, kv_start + kv_rows, q_rows),
-                        SliceSpec(f"{a}.v_proj.{kind}", 0, kv_start, kv_start + kv_rows, q_rows + kv_rows),
-                    ),
-                )
-            )
-        # o_proj [h, Hq/T*d]: the input columns of this rank's q heads
-        out.append(
-            ParamLayout(
-                f"{a}.o_proj.weight", (h, q_rows), (SliceSpec(f"{a}.o_proj.weight", 1, q_start, q_start + q_rows, 0),)
-            )
-        )
-        if shape.qk_norm:
-            out.append(replicated(f"{a}.q_norm.weight", d))
-            out.append(replicated(f"{a}.k_norm.weight", d))
-        # gate_up_proj [2*I/T, h]: [gate rows of this rank; up rows of this rank]
-        i0 = tp_rank * inter
-        out.append(
-            ParamLayout(
-                f"{p}.mlp.gate_up_proj.weight",
-                (2 * inter, h),
-                (
-                    SliceSpec(f"{p}.mlp.gate_proj.weight", 0, i0, i0 + inter, 0),
-                    SliceSpec(f"{p}.mlp.up_proj.weight", 0, i0, i0 + inter, inter),
-                ),
-            )
-        )
-        # down_proj [h, I/T]: columns
-        out.append(
-            ParamLayout(
-                f"{p}.mlp.down_proj.weight", (h, inter), (SliceSpec(f"{p}.mlp.down_proj.weight", 1, i0, i0 + inter, 0),)
-            )
-        )
-        out.append(replicated(f"{p}.input_layernorm.weight", h))
-        out.append(replicated(f"{p}.post_attention_layernorm.weight", h))
-    out.append(replicated("model.norm.weight", h))
+        params: dict[str, tuple[tuple[int, ...], list[SliceSpec], bool]] = {}  # vLLM name -> shape, slices, replicated
+        for part, kind in layer_parts(shape):  # in vLLM's order; parts of one module stack along rows
+            hf_name, offset = family.hf_slot(part, kind, layer, sizes)
+            name = f"model.layers.{layer}.{part.vllm}.{kind}"
+            rows, *rest = dims_size(part.kind_dims(kind), local_sizes)
+            local_start = params[name][0][0] if name in params else 0
+            if part.vllm_split == "columns":  # e.g. o_proj [h, Hq/T*d], down_proj [h, I/T]
+                first, cols = rank_rows[part.dims[1]]
+                spec = SliceSpec(hf_name, 1, first, first + cols, 0)
+            elif part.vllm_split == "rows":  # e.g. qkv_proj [q shard; k shard; v shard], gate_up [gate; up]
+                first, _ = rank_rows[part.dims[0]]
+                spec = SliceSpec(hf_name, 0, offset + first, offset + first + rows, local_start)
+            else:
+                spec = SliceSpec(hf_name, 0, offset, offset + rows, 0)
+            slices = params[name][1] if name in params else []
+            params[name] = ((local_start + rows, *rest), [*slices, spec], part.vllm_split == "replicate")
+        out += [ParamLayout(name, local, tuple(slices), rep) for name, (local, slices, rep) in params.items()]
+    out.append(replicated(family.final_norm, "model.norm.weight", h))
     if not shape.tie_word_embeddings:
-        out.append(vocab_rows("lm_head.weight", "lm_head.weight"))
+        out.append(vocab_rows(family.lm_head, "lm_head.weight"))
     return out
 
 

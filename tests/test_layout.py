@@ -8,13 +8,15 @@ from safetensors.torch import load_file
 
 from megatron_backend.layout import (
     RankLayout,
-    hf_tensor_shapes,
     layer_offset,
     local_param_shapes,
     padded_vocab_size,
     rank_pieces,
 )
 from modelspec import ModelShape
+from modelspec.families import FAMILIES
+from modelspec.family import GATE, O_PROJ, UP, K, Q, V, hf_tensor_shapes
+from tests.family_helpers import hf_part
 
 LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2), (2, 2, 2)]
 
@@ -29,7 +31,7 @@ def _build_local(pieces, local_shapes, hf):
     return local
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_pieces_match_reference_layouts_and_cover_every_tensor(family, tiny_model_dirs):
     shape = ModelShape.from_pretrained(f"tiny:{family}")
     hf = load_file(f"{tiny_model_dirs[family]}/model.safetensors")
@@ -46,17 +48,17 @@ def test_pieces_match_reference_layouts_and_cover_every_tensor(family, tiny_mode
                 # grouped-interleaved QKV and [gate; up] fc1 against an explicit construction
                 for vp in range(vpp or 1):
                     first_layer = layer_offset(shape.num_layers, pp, vpp, pp_rank, vp)
-                    p = f"model.layers.{first_layer}.self_attn."
-                    q = hf[p + "q_proj.weight"].view(ng, qpg * d, h)
-                    k, v = hf[p + "k_proj.weight"].view(ng, d, h), hf[p + "v_proj.weight"].view(ng, d, h)
+                    q = hf_part(hf, shape, Q, first_layer).view(ng, qpg * d, h)
+                    k, v = (
+                        hf_part(hf, shape, K, first_layer).view(ng, d, h),
+                        hf_part(hf, shape, V, first_layer).view(ng, d, h),
+                    )
                     qkv = torch.cat([q, k, v], dim=1).reshape(-1, h).chunk(tp)[tp_rank]
                     assert torch.equal(local[(vp, "decoder.layers.0.self_attention.linear_qkv.weight")], qkv)
-                    m = f"model.layers.{first_layer}.mlp."
-                    fc1 = torch.cat(
-                        [hf[m + "gate_proj.weight"].chunk(tp)[tp_rank], hf[m + "up_proj.weight"].chunk(tp)[tp_rank]]
-                    )
+                    gate, up = hf_part(hf, shape, GATE, first_layer), hf_part(hf, shape, UP, first_layer)
+                    fc1 = torch.cat([gate.chunk(tp)[tp_rank], up.chunk(tp)[tp_rank]])
                     assert torch.equal(local[(vp, "decoder.layers.0.mlp.linear_fc1.weight")], fc1)
-                    o = hf[p + "o_proj.weight"].chunk(tp, dim=1)[tp_rank]
+                    o = hf_part(hf, shape, O_PROJ, first_layer).chunk(tp, dim=1)[tp_rank]
                     assert torch.equal(local[(vp, "decoder.layers.0.self_attention.linear_proj.weight")], o)
                 for piece in pieces:  # inverse direction: exporter semantics
                     if piece.primary:

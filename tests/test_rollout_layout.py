@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from modelspec import ModelShape
+from modelspec.families import FAMILIES
 from modelspec.tiny import tiny_hf_config
 from rollout.config import RolloutConfig
 from rollout.layout import assemble_local, padded_vocab_size, tp_shape, vllm_param_layouts
@@ -61,7 +62,7 @@ def test_qkv_rows_and_kv_head_replication():
     ]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_shards_reassemble_to_hf(family, tp):
     """Concatenating every rank's slices gives back each full HF tensor; padding rows are zero."""

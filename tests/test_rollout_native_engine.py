@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from modelspec.families import FAMILIES as MODEL_FAMILIES
 from rollout import make_engine
 from rollout.config import RolloutConfig
 from rollout.engine import RolloutEngine, SamplingParams
@@ -16,7 +17,7 @@ from rollout.native import NativeEngine, iter_safetensors
 from tests.dist import run_ranks
 from tests.rollout_helpers import MAX_NEW_TOKENS, PROMPTS, hf_greedy, hf_logprobs, max_abs_diff
 
-FAMILIES = ("qwen2", "llama", "qwen3")
+FAMILIES = tuple(MODEL_FAMILIES)  # every family of modelspec.families
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
 SMALL = dict(cpu_capacity_gb=0.25, activation_reserve_mb=16)  # a 64 MiB KV budget is plenty here
 

@@ -10,10 +10,11 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from modelspec.families import FAMILIES
 from modelspec.tiny import TOKENIZER_VOCAB_SIZE, resolve_model_path, write_tiny_model
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_tiny_checkpoint_loads_and_generates(tiny_model_dirs, family):
     path = tiny_model_dirs[family]
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -50,14 +51,14 @@ def test_family_features(tiny_model_dirs):
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)  # vLLM's CPU attention kernels
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_head_dim_runs_in_vllm_cpu_attention(tiny_model_dirs, family):
     c = json.loads((Path(tiny_model_dirs[family]) / "config.json").read_text())
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     assert head_dim in VLLM_CPU_HEAD_SIZES
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_norms_and_biases_are_random(tiny_model_dirs, family):
     """A norm left at 1 or a bias at 0 would hide a tensor written to the wrong place (or never)."""
     with safe_open(str(Path(tiny_model_dirs[family]) / "model.safetensors"), "pt") as f:

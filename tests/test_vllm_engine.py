@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from modelspec import ModelShape
+from modelspec.families import FAMILIES
 from modelspec.host_memory import release_freed_host_memory
 from modelspec.mesh import ColocatedMesh
 from modelspec.tiny import write_tiny_model
@@ -48,7 +49,7 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[str, str]]:
             str(write_tiny_model(family, root / family)),
             str(write_tiny_model(family, root / f"{family}_b", seed=NEW_SEED)),
         )
-        for family in ("qwen2", "llama", "qwen3")
+        for family in FAMILIES
     }
 
 
@@ -267,7 +268,7 @@ vllm_mark = pytest.mark.vllm
 
 
 @vllm_mark
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_matches_transformers(one_rank, checkpoints, family):
     for (hf_tokens, hf_lps), ((tokens, lps),) in zip(hf_greedy(checkpoints[family][0]), one_rank[family]["greedy"]):
         assert tokens == hf_tokens
@@ -275,7 +276,7 @@ def test_greedy_matches_transformers(one_rank, checkpoints, family):
 
 
 @vllm_mark
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_update_through_slices_equals_fresh_engine(one_rank, family):
     """begin -> this rank's slices in vLLM's layout (one tensor through the load_weights fallback) -> finish:
     greedy tokens AND log-probs equal a fresh engine built from the new checkpoint, exactly."""

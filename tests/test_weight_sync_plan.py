@@ -9,8 +9,11 @@ import pytest
 import torch
 
 from modelspec import ColocatedMesh, ModelShape
+from modelspec.families import FAMILIES
+from modelspec.family import DOWN, GATE, O_PROJ, UP, K, Q, V
 from rl.weight_sync.layouts import actor_sources, engine_destinations
 from rl.weight_sync.plan import plan_sync
+from tests.family_helpers import hf_part
 
 WORLD = 4
 TRAIN_LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (4, 1, None), (1, 4, None), (2, 2, 2)]
@@ -30,7 +33,7 @@ def mesh(tp: int, pp: int, vpp, rtp: int = 1) -> ColocatedMesh:
 
 def hf_weights(family: str) -> dict[str, torch.Tensor]:
     """Random full HF tensors of the tiny family's shapes (distinct values so misplacement shows)."""
-    from megatron_backend.layout import hf_tensor_shapes
+    from modelspec.family import hf_tensor_shapes
 
     gen = torch.Generator().manual_seed(0)
     shapes = hf_tensor_shapes(model_config(family))
@@ -65,20 +68,22 @@ def reference_vllm_shard(hf: dict, cfg: ModelShape, name: str, rtp: int, r: int)
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return vocab_rows(hf[name])
     prefix, _, leaf = name.rpartition(".")  # leaf: weight | bias
+    layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
     if prefix.endswith("qkv_proj"):
-        base = prefix[: -len("qkv_proj")]
-        q = hf[f"{base}q_proj.{leaf}"].reshape(hq, d, *hf[f"{base}q_proj.{leaf}"].shape[1:])
-        k = hf[f"{base}k_proj.{leaf}"].reshape(hkv, d, *hf[f"{base}k_proj.{leaf}"].shape[1:])
-        v = hf[f"{base}v_proj.{leaf}"].reshape(hkv, d, *hf[f"{base}v_proj.{leaf}"].shape[1:])
+        q, k, v = (hf_part(hf, cfg, part, layer, leaf) for part in (Q, K, V))
+        q = q.reshape(hq, d, *q.shape[1:])
+        k = k.reshape(hkv, d, *k.shape[1:])
+        v = v.reshape(hkv, d, *v.shape[1:])
         q_local = q.chunk(rtp, 0)[r]
         kv_heads = [r * hkv // rtp] if rtp >= hkv else list(range(r * hkv // rtp, (r + 1) * hkv // rtp))
         parts = [q_local, k[kv_heads], v[kv_heads]]
         return torch.cat([p.reshape(-1, *p.shape[2:]) for p in parts])
     if prefix.endswith("gate_up_proj"):
-        base = prefix[: -len("gate_up_proj")]
-        return torch.cat([hf[f"{base}gate_proj.weight"].chunk(rtp, 0)[r], hf[f"{base}up_proj.weight"].chunk(rtp, 0)[r]])
+        gate, up = hf_part(hf, cfg, GATE, layer), hf_part(hf, cfg, UP, layer)
+        return torch.cat([gate.chunk(rtp, 0)[r], up.chunk(rtp, 0)[r]])
     if prefix.endswith(("o_proj", "down_proj")):
-        return hf[name].chunk(rtp, 1)[r]
+        part = O_PROJ if prefix.endswith("o_proj") else DOWN
+        return hf_part(hf, cfg, part, layer).chunk(rtp, 1)[r]
     return hf[name]  # norms: replicated
 
 
@@ -98,7 +103,7 @@ def simulate(plan, sources: dict, destinations: dict) -> None:
             destinations[t.dst_rank][t.dst_name].narrow(t.dim, t.dst_start, t.length).copy_(src)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "llama_kv4"])
+@pytest.mark.parametrize("family", [*FAMILIES, "llama_kv4"])
 def test_plan_reshards_every_layout_bit_exact(family):
     cfg = model_config(family)
     hf = hf_weights(family)

@@ -31,8 +31,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_backend.layout import RankLayout, hf_tensor_shapes, local_param_shapes
+from megatron_backend.layout import RankLayout, local_param_shapes
 from modelspec import ColocatedMesh, ModelShape
+from modelspec.family import hf_tensor_shapes
 from rl.weight_sync.execute import SyncStats
 from rl.weight_sync.layouts import actor_sources, engine_destinations
 from rollout.layout import copy_hf_into_local, hf_to_vllm_index

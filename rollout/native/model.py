@@ -1,4 +1,4 @@
-"""The native engine's forward: a Qwen2 / Llama / Qwen3 decoder over vLLM-layout weights, prefill and decode.
+"""The native engine's forward: a decoder of :mod:`modelspec.families` over vLLM-layout weights, prefill and decode.
 
 Tensor parallel over an explicit process group (gloo or NCCL; None = TP=1, no collectives):
 vocab-parallel embedding (all-reduce), column-parallel qkv / gate_up, row-parallel o / down (all-reduce),
@@ -45,7 +45,7 @@ class LayerWeights(NamedTuple):
 
     input_norm: torch.Tensor  # [h] scaled
     qkv_w: torch.Tensor  # [(Hq/T + 2*kv) * d, h]
-    qkv_b: torch.Tensor | None  # [(Hq/T + 2*kv) * d] (Qwen2)
+    qkv_b: torch.Tensor | None  # [(Hq/T + 2*kv) * d] (families with a qkv bias)
     qk_norm: torch.Tensor | None  # [Hq/T + kv, d] scaled: q_norm repeated over the q heads, then k_norm (Qwen3)
     o_w_t: torch.Tensor  # [Hq/T * d, h]
     post_norm: torch.Tensor  # [h] scaled
@@ -96,7 +96,7 @@ class NativeModel:
         for i in range(self.shape.num_layers):
             pre = f"model.layers.{i}"
             qk_norm = None
-            if self.shape.qk_norm:
+            if f"{pre}.self_attn.q_norm.weight" in p:  # the layout has what the family has
                 qk_norm = scaled_norm_weight(
                     torch.cat(
                         [
@@ -119,13 +119,9 @@ class NativeModel:
             )
         self.final_norm = scaled_norm_weight(p["model.norm.weight"])
         self.embed_table = p["model.embed_tokens.weight"]  # [P/T, h]
-        self.lm_head = p["model.embed_tokens.weight" if self.shape.tie_word_embeddings else "lm_head.weight"]
+        self.lm_head = p.get("lm_head.weight", self.embed_table)  # tied embeddings: the layout has no lm_head
         # the TorchScript decode takes one list per field of LayerWeights (empty: the model has no such tensor)
-        self._tp1_weight_lists = [list(field) for field in zip(*self.layers)]
-        if not self.shape.qkv_bias:
-            self._tp1_weight_lists[2] = []
-        if not self.shape.qk_norm:
-            self._tp1_weight_lists[3] = []
+        self._tp1_weight_lists = [[t for t in field if t is not None] for field in zip(*self.layers)]
 
     # ------------------------------------------------------------------ building blocks
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:

@@ -62,6 +62,9 @@ class NativeWeights:
         # a host copy is kept only off CPU (on CPU it would not release anything, see MemorySaver.pause)
         self.survives_sleep = cpu_backup and device.type != "cpu"
         self._hf_index = hf_to_vllm_index(layouts)
+        # HF tensors a checkpoint may hold that no parameter reads: a tied model's lm_head (the engine's is
+        # model.embed_tokens.weight); RoPE buffers (``rotary_emb``) are skipped by name below
+        self._unread_hf_names = {shape.family.lm_head} if shape.tie_word_embeddings else set()
         self.loaded = False  # the tensors hold a model (not zeros from allocation or a dropping sleep)
         self.updating = False  # between begin_update() and finish_update()
 
@@ -80,11 +83,9 @@ class NativeWeights:
         num_tensors = 0
         for name, tensor in weights:
             num_tensors += 1
-            if name == "lm_head.weight" and self.shape.tie_word_embeddings:
-                continue  # tied: the engine's lm_head is model.embed_tokens.weight
             targets = self._hf_index.get(name)
             if targets is None:
-                if "rotary_emb" in name:
+                if name in self._unread_hf_names or "rotary_emb" in name:
                     continue
                 raise KeyError(f"{name!r} is not a Hugging Face tensor of this {self.shape.model_type} model")
             tensor = tensor.to(self.device, self.dtype)
