@@ -17,6 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 from tqdm import tqdm
 
+from modelspec.phases import ENGINE_STATE
 from rl.checkpoint import StopRequest, capture_rank_state, restore_rank_state
 from rl.config import RunConfig
 from rl.memory import SAVE_PHASE
@@ -24,6 +25,7 @@ from rl.metrics import (
     check_finite,
     check_logprob_gap,
     engine_actor_logprob_gap,
+    log_rows_after_last_step,
     log_step,
     logprob_gap_rule,
     non_finite_stops,
@@ -47,7 +49,7 @@ def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
         problems = ctx.task.sample(cfg.trainer.prompts_per_step)  # the same prompts on every rank
         samples = generate_samples(engine, ctx.tokenizer, ctx.task, problems, params, ctx.mesh, ctx.rank)
     with phase("engine_sleep", step):
-        engine.sleep(["weights", "kv_cache"])
+        engine.sleep(list(ENGINE_STATE))
     for what in ("params", "grads", "optimizer"):
         with phase(f"onload_{what}", step):
             if ctx.offloaded(what):
@@ -136,19 +138,23 @@ def run_rank(cfg: RunConfig, run_dir: str) -> int:
             progress.close()
             return save_and_stop(ctx, step, rank_state, warmup_losses, engine_awake=False)
         syncs.append(sync)
-        peak_bytes = log_step(ctx, step, metrics)
+        with ctx.phase("log", step):  # the step's record, then its checkpoint completed (after the record is on disk)
+            peak_bytes = log_step(ctx, step, metrics)
+            # after train (the step saved itself) or at the step's end (the engine is awake again)
+            stopping = ctx.stop_after_step or ctx.stop.agreed(ctx.dims.device)
+            if ctx.pending_save is not None and not stopping:
+                finish_checkpoint(ctx, ctx.pending_save, step + 1, capture_rank_state(ctx.task), warmup_losses)
+                ctx.pending_save = None
         if peak_bytes is not None:  # rank 0
             rewards.append(metrics["reward/mean"])
             progress.update()
             progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", peak_mib=f"{peak_bytes / 2**20:.0f}")
-        if ctx.stop_after_step or ctx.stop.agreed(ctx.dims.device):
+        if stopping:
             progress.close()
-            # after train (the step saved itself) or at the step's end (the engine is awake again)
             return save_and_stop(ctx, step + 1, capture_rank_state(ctx.task), warmup_losses, engine_awake=True)
-        if ctx.pending_save is not None:
-            finish_checkpoint(ctx, ctx.pending_save, step + 1, capture_rank_state(ctx.task), warmup_losses)
-            ctx.pending_save = None
     progress.close()
+    ctx.phase_order.finish()  # the last step ran every phase of the table
+    log_rows_after_last_step(ctx)  # the end of the last step's log phase
     if ctx.writer is not None:
         ctx.writer.finish(summarize(ctx, rewards, ctx.writer.read_rows(), syncs, warmup_losses))
     dist.barrier()

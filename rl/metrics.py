@@ -223,9 +223,19 @@ def log_step(ctx, step: int, metrics: dict[str, float]) -> int | None:
     dist.gather_object(rows, gathered, dst=0)
     if ctx.writer is None:
         return None
-    step_rows = [r for per_rank in gathered for r in per_rank]
-    ctx.writer.log_timeline(step_rows)
-    return max(ctx.writer.log_step(step, metrics, step_rows).values())
+    rows = [r for per_rank in gathered for r in per_rank]  # the step's, and the end of the last step's log phase
+    ctx.writer.log_timeline(rows)
+    return max(ctx.writer.log_step(step, metrics, [r for r in rows if r["step"] == step]).values())
+
+
+def log_rows_after_last_step(ctx) -> None:
+    """Gather the rows sampled since the last :func:`log_step` (the end of the last step's ``log`` phase)
+    to rank 0's timeline."""
+    rows = ctx.timeline.take_rows()
+    gathered: list | None = [None] * ctx.mesh.world_size if ctx.rank == 0 else None
+    dist.gather_object(rows, gathered, dst=0)
+    if ctx.writer is not None:
+        ctx.writer.log_timeline([r for per_rank in gathered for r in per_rank])
 
 
 def memory_summary(rows: list[dict], world_size: int) -> dict:
@@ -253,7 +263,7 @@ def memory_summary(rows: list[dict], world_size: int) -> dict:
 def time_summary(rows: list[dict], rank: int = 0) -> dict:
     """Where a step's time goes, on ``rank``'s clock, over the steady steps (rl.memory.steady_steps): the
     median seconds of each phase (its entry sample to its exit sample) and of a whole step (its first
-    sample to its last: the work between phases included; the logging after it is not)."""
+    sample to its last: the work between phases included, and its ``log`` phase)."""
     samples = {k: v for k, v in phase_samples(rows).items() if k[0] == rank}
     steady = set(steady_steps({"step": k[1]} for k in samples))
     per_phase: dict[str, list[float]] = {}

@@ -17,12 +17,13 @@ import torch.distributed as dist
 
 from modelspec import ColocatedMesh
 from modelspec.host_memory import freeze_long_lived_objects
+from modelspec.phases import PhaseOrder
 from rl.batching import Sample, make_batch
 from rl.checkpoint import ACTOR_DIR, Checkpointer, RLState, StopRequest, load_rank_state, resolve_resume
 from rl.config import RunConfig
 from rl.data import DigitSumTask, Gsm8kTask
 from rl.losses import PolicyLoss
-from rl.memory import TAGS, TIMELINE_PHASES, MemoryProbe, MemoryTimeline, measured_free_bytes
+from rl.memory import TAGS, MemoryProbe, MemoryTimeline, measured_free_bytes
 from rl.planning import KvCacheChoice
 from rl.tracking import RunWriter
 from rl.weight_sync import SyncResult, WeightSync
@@ -66,6 +67,11 @@ class RankContext:
     stop_after_step: bool = False  # every rank agreed (after train) to stop once this step is saved
     plan: Plan | None = None  # the memory plan with the engine's KV cache (start_engine); None: not plannable
     kv_choice: KvCacheChoice | None = None
+    phase_order: PhaseOrder | None = None  # the step's table for this run's flags (built in __post_init__)
+
+    def __post_init__(self) -> None:
+        if self.phase_order is None:
+            self.phase_order = PhaseOrder(self.cfg.step_flags())
 
     @property
     def start_step(self) -> int:
@@ -86,8 +92,9 @@ class RankContext:
 
     @contextlib.contextmanager
     def phase(self, name: str, step: int):
-        """Time and sample memory around one phase of the step."""
-        assert name in TIMELINE_PHASES, name
+        """Time and sample memory around one phase of the step; a phase the step's table (modelspec/phases.py)
+        does not list, or out of its order, is a PhaseOrderError."""
+        self.phase_order.enter(name, step)
         start = time.monotonic()
         with self.timeline.phase(name, step):
             yield
