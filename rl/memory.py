@@ -247,6 +247,10 @@ class MemoryTimeline:
                 self.sample(step, name)
             self.phase_seconds[(step, name)] = time.monotonic() - start
 
+    def step_phase_seconds(self, step: int) -> dict[str, float]:
+        """phase -> seconds, of the phases ``step`` has run so far."""
+        return {name: seconds for (at, name), seconds in self.phase_seconds.items() if at == step}
+
     def close(self) -> None:
         """Stop the sampler thread (it is a daemon: a run that ends without this loses nothing)."""
         self._stop.set()

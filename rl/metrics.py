@@ -281,7 +281,14 @@ def time_summary(rows: list[dict], rank: int = 0) -> dict:
     }
 
 
-def summarize(ctx, rewards: list[float], rows: list[dict], syncs: list[SyncResult], warmup_losses: list[float]) -> dict:
+def summarize(
+    ctx,
+    rewards: list[float],
+    rows: list[dict],
+    syncs: list[SyncResult],
+    logprob_gaps: list[float],
+    warmup_losses: list[float],
+) -> dict:
     """summary.json: rewards first/last 5 steps, the measured memory (:func:`memory_summary`), weight-sync totals."""
     plan = ctx.weight_sync.plan
     return {
@@ -302,7 +309,7 @@ def summarize(ctx, rewards: list[float], rows: list[dict], syncs: list[SyncResul
             "phases": prediction_errors(ctx.plan, rows),
         },
         "wake_strategy": ctx.cfg.rollout.wake_strategy,
-        "engine_actor_logprob_diff_max": max(ctx.logprob_gaps, default=0.0),
+        "engine_actor_logprob_diff_max": max(logprob_gaps, default=0.0),
         "weight_sync": {
             "bytes": plan.bytes_moved,  # all ranks, per sync
             "seconds": sum(s.stats.seconds for s in syncs) / max(1, len(syncs)),
