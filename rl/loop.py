@@ -140,6 +140,8 @@ def run_rank(cfg: RunConfig, run_dir: str) -> int:
     if ctx.resumed_state is None and ctx.stop.agreed(ctx.dims.device):  # signalled during setup or warm-up
         return save_and_stop(ctx, 0, capture_rank_state(ctx.task), warmup_losses, engine_awake=False)
     ctx = start_rollout(ctx)  # the engine starts, sized with the actor offloaded, and takes the actor's weights
+    if ctx.stop.agreed(ctx.dims.device):  # signalled while the engine started (vLLM's start can take minutes)
+        return save_and_stop(ctx, ctx.start_step, capture_rank_state(ctx.task), warmup_losses, engine_awake=True)
     if ctx.resumed_rank_state is not None:  # every RNG and the data cursor exactly as when the checkpoint was taken
         restore_rank_state(ctx.resumed_rank_state, ctx.task)
     rewards = [m["reward/mean"] for m in ctx.writer.previous_metrics] if ctx.writer is not None else []
