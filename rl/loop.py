@@ -71,10 +71,10 @@ def rl_step(ctx: RankContext, step: int) -> StepResult:
         raise StopBeforeTrain
     with phase("old_logprob", step):  # the batch, the actor's pass, then the engine-vs-actor check
         batch, rewards = ctx.make_batch(samples)
-        response = batch["loss_mask"]
-        check_finite(step, "rollout", {"reward": rewards, "engine log-prob": batch["engine_logprobs"]}, response)
-        batch["old_logprobs"] = actor.compute_logprobs(batch, phase="old_logprob", response_only=True)
-        check_finite(step, "old_logprob", {"old log-prob": batch["old_logprobs"]}, response)
+        response = batch.loss_mask
+        check_finite(step, "rollout", {"reward": rewards, "engine log-prob": batch.engine_logprobs}, response)
+        batch.old_logprobs = actor.compute_logprobs(batch, phase="old_logprob", response_only=True)
+        check_finite(step, "old_logprob", {"old log-prob": batch.old_logprobs}, response)
         # the engine-vs-actor gap over all ranks (p99, max); too large: stop before training on wrong log-probs
         gap = engine_actor_logprob_gap(batch)
         check_logprob_gap(gap, step, logprob_gap_rule(cfg.trainer, cfg.model.dtype), cfg.model.dtype)
@@ -83,8 +83,8 @@ def rl_step(ctx: RankContext, step: int) -> StepResult:
             ctx.ref_actor.onload("params")
     with phase("ref_logprob", step):
         if ctx.ref_actor is not None:
-            batch["ref_logprobs"] = ctx.ref_actor.compute_logprobs(batch, phase="ref_logprob", response_only=True)
-            check_finite(step, "ref_logprob", {"ref log-prob": batch["ref_logprobs"]}, response)
+            batch.ref_logprobs = ctx.ref_actor.compute_logprobs(batch, phase="ref_logprob", response_only=True)
+            check_finite(step, "ref_logprob", {"ref log-prob": batch.ref_logprobs}, response)
     with phase("offload_ref", step):
         if ctx.offloaded("ref_params"):
             ctx.ref_actor.offload("params")
@@ -113,7 +113,7 @@ def rl_step(ctx: RankContext, step: int) -> StepResult:
         if tags := cfg.rollout.wake_tags("wake_kv_cache"):
             ctx.check_wake("wake_kv_cache")
             engine.wake_up(tags)
-    num_train_tokens = int(batch["loss_mask"].sum()) * ctx.dims.dp
+    num_train_tokens = int(batch.loss_mask.sum()) * ctx.dims.dp
     seconds = ctx.timeline.step_phase_seconds(step)
     metrics = step_metrics(samples, rewards, num_train_tokens, train_metrics, seconds, sync, gap)
     # the sampled tokens in one number: a resumed run must sample exactly what the uninterrupted one did

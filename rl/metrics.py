@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import torch.distributed as dist
 
+from modelspec import TokenBatch
 from rl.batching import Sample
 from rl.memory import (
     PEAK_METRIC,
@@ -126,7 +127,7 @@ class LogprobGap:
         )
 
 
-def engine_actor_logprob_gap(batch: dict[str, torch.Tensor]) -> LogprobGap:
+def engine_actor_logprob_gap(batch: TokenBatch) -> LogprobGap:
     """The distribution of |actor - engine| log-prob over every rank's response tokens (gathered over the
     world) and its worst token.
 
@@ -135,9 +136,9 @@ def engine_actor_logprob_gap(batch: dict[str, torch.Tensor]) -> LogprobGap:
     must agree (same weights), so a jump shows a broken weight sync or a layout bug at once, on whichever
     rank it happens.
     """
-    mask = batch["loss_mask"] > 0
+    mask = batch.loss_mask > 0
     local = LogprobGap()
-    gap = (batch["old_logprobs"] - batch["engine_logprobs"]).abs().masked_fill(~mask, -1.0)  # [B, S-1]
+    gap = (batch.old_logprobs - batch.engine_logprobs).abs().masked_fill(~mask, -1.0)  # [B, S-1]
     if mask.any():
         flat = int(gap.argmax())
         row, col = divmod(flat, gap.shape[1])
@@ -145,11 +146,11 @@ def engine_actor_logprob_gap(batch: dict[str, torch.Tensor]) -> LogprobGap:
         local = LogprobGap(
             value=float(gap[row, col]),
             rank=dist.get_rank() if dist.is_initialized() else 0,
-            sample=int(batch["sample_index"][row]),
+            sample=int(batch.sample_index[row]),
             response_token=col - first_response,
-            token_id=int(batch["input_ids"][row, col + 1]),
-            actor_logprob=float(batch["old_logprobs"][row, col]),
-            engine_logprob=float(batch["engine_logprobs"][row, col]),
+            token_id=int(batch.input_ids[row, col + 1]),
+            actor_logprob=float(batch.old_logprobs[row, col]),
+            engine_logprob=float(batch.engine_logprobs[row, col]),
         )
     values = gap[mask].float()  # [tokens of this rank]
     if dist.is_initialized():

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from modelspec import ColocatedMesh
+from modelspec import ColocatedMesh, TokenBatch
 from modelspec.host_memory import freeze_long_lived_objects
 from modelspec.phases import PhaseOrder
 from rl.batching import Sample, make_batch
@@ -116,7 +116,7 @@ class RankContext:
             rank = gathered.index((shortfall, line))
             raise MemoryPlanError(f"rank {rank}: {line}")
 
-    def make_batch(self, samples: list[Sample]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def make_batch(self, samples: list[Sample]) -> tuple[TokenBatch, torch.Tensor]:
         """This DP rank's share of the step's samples (on its device), and every sample's reward [N]."""
         cfg, dims = self.cfg, self.dims
         return make_batch(
