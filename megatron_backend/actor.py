@@ -1,7 +1,7 @@
 """The actor facade the RL loop calls: a megatron-core GPTModel (TP x PP x VPP) built from a HF dir.
 
-Batches are dicts of CPU or device tensors, identical on every TP/PP rank of one DP group (each DP
-rank passes its own share):
+Batches are :class:`modelspec.TokenBatch` of CPU or device tensors, identical on every TP/PP rank of one
+DP group (each DP rank passes its own share):
 
 - ``input_ids`` [B, S] int64, right-padded prompt + response;
 - ``seq_lens`` [B] (optional): real tokens per row; without it rows count as unpadded;
@@ -23,6 +23,7 @@ LIBRARY-APIS.md). Both exclude biases and norms from weight decay, like megatron
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 from collections.abc import Iterable
@@ -39,7 +40,7 @@ from megatron_backend.memory import MemoryLedger, StorageOffloader, storage_byte
 from megatron_backend.model import build_gpt_chunks, recompute_kwargs, te_available
 from megatron_backend.packing import MicroBatch, build_micro_batch, partition, sequence_lengths
 from megatron_backend.parallel import ParallelDims
-from modelspec import BatchTotals, LossFn, ModelShape
+from modelspec import BatchTotals, LossFn, ModelShape, TokenBatch
 from modelspec.host_memory import release_freed_host_memory
 
 OFFLOADABLE = ("params", "grads", "optimizer")
@@ -151,11 +152,11 @@ class Actor:
         self.ledger.set("actor_grads", resident_bytes=storage_bytes(self._grad_tensors()))
 
     # ---------------------------------------------------------------- forward passes
-    def _micro_batches(self, batch: dict, max_tokens: int | None, response_only: bool) -> list[MicroBatch]:
+    def _micro_batches(self, batch: TokenBatch, max_tokens: int | None, response_only: bool) -> list[MicroBatch]:
         """This rank's micro-batches (megatron_backend.packing): ``micro_batch_size`` sequences each, or
         by the token budget ``max_tokens``; as many on every DP rank (the most any rank needs)."""
         lengths = sequence_lengths(batch)
-        packed, width = self.config.remove_padding, batch["input_ids"].shape[1]
+        packed, width = self.config.remove_padding, batch.input_ids.shape[1]
         min_count = self.dims.pp if self.dims.vpp else 1
 
         def split(at_least: int) -> list[list[int]]:
@@ -214,7 +215,7 @@ class Actor:
         return dist.get_global_rank(self.dims.pp_group, self.dims.pp - 1)
 
     def compute_logprobs(
-        self, batch: dict, with_entropy: bool = False, phase: str = "logprob", response_only: bool = False
+        self, batch: TokenBatch, with_entropy: bool = False, phase: str = "logprob", response_only: bool = False
     ):
         """Forward-only log-probs [B, S-1] (fp32, on every rank); with entropy: (logprobs, entropy).
 
@@ -224,8 +225,8 @@ class Actor:
         entry (the loop passes ``old_logprob`` / ``ref_logprob``).
         """
         self._require_onloaded("compute_logprobs", ("params",))
-        if response_only and "loss_mask" not in batch:
-            raise ValueError("compute_logprobs(response_only=True) needs batch['loss_mask']")
+        if response_only and batch.loss_mask is None:
+            raise ValueError("compute_logprobs(response_only=True) needs batch.loss_mask")
         with self.ledger.op(phase), torch.no_grad():
             micro_batches = self._micro_batches(batch, self.config.forward_max_tokens, response_only)
 
@@ -240,7 +241,7 @@ class Actor:
                 return loss_func
 
             outputs = self._run_schedule(micro_batches, factory, forward_only=True)
-            num_seqs, seq_len = batch["input_ids"].shape
+            num_seqs, seq_len = batch.input_ids.shape
             keys = ("logprobs", "entropy") if with_entropy else ("logprobs",)
             results = []
             for key in keys:
@@ -255,7 +256,7 @@ class Actor:
         return tuple(results) if with_entropy else results[0]
 
     # ---------------------------------------------------------------- training
-    def compute_grads(self, batch: dict, loss_fn: LossFn) -> dict[str, float]:
+    def compute_grads(self, batch: TokenBatch, loss_fn: LossFn) -> dict[str, float]:
         """Forward + backward of ``batch`` over its micro-batches into the grad buffers (DP-reduced); metrics.
 
         The loss of each micro-batch is normalized by the whole batch's totals (``BatchTotals``), so the
@@ -264,7 +265,7 @@ class Actor:
         """
         micro_batches = self._micro_batches(batch, self.config.max_tokens_per_micro_batch, response_only=True)
         num_micro = len(micro_batches)
-        totals = BatchTotals(num_tokens=float(batch["loss_mask"].sum()), num_seqs=batch["input_ids"].shape[0])
+        totals = BatchTotals(num_tokens=float(batch.loss_mask.sum()), num_seqs=batch.num_seqs)
         uses_entropy = bool(getattr(loss_fn, "uses_entropy", False))
         chunked = self.config.logprob_chunk_tokens is not None
         keep_softmax = not chunked or (uses_entropy and not self.config.entropy_recompute)
@@ -275,12 +276,10 @@ class Actor:
         def factory(mb):
             def loss_func(logits):
                 logprobs, entropy = self._logprobs_entropy(logits, mb, keep_softmax)
-                data = dict(mb.data)
-                if uses_entropy:
-                    data["entropy"] = mb.to_dense(entropy)
+                data = dataclasses.replace(mb.data, entropy=mb.to_dense(entropy)) if uses_entropy else mb.data
                 loss, metrics = loss_fn(mb.to_dense(logprobs), data, totals)
                 metrics = {k: torch.as_tensor(v).detach().clone().float() for k, v in metrics.items()}
-                mask = data["loss_mask"]
+                mask = data.loss_mask
                 metrics["entropy"] = (mb.to_dense(entropy.detach()) * mask).sum() / max(totals.num_tokens, 1.0)
                 # the schedule divides by the number of micro-batches; the loss is already batch-scaled
                 return loss * num_micro, metrics
@@ -301,7 +300,7 @@ class Actor:
         metrics["num_tokens"] = totals.num_tokens
         return metrics
 
-    def train_step(self, batch: dict, loss_fn: LossFn) -> dict[str, float]:
+    def train_step(self, batch: TokenBatch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over ``batch`` split in micro-batches (grad accumulation); returns metrics."""
         if self.optimizer is None:
             raise RuntimeError("this Actor was built with train=False")

@@ -1,7 +1,7 @@
 """Micro-batches for the actor: which sequences go together, and the tensors the model and loss get.
 
-A batch is right-padded: ``input_ids`` [B, S], ``loss_mask`` [B, S-1], optional ``seq_lens`` [B] (real
-prompt + response tokens of each row; without it every row counts as S tokens).
+A batch (``modelspec.TokenBatch``) is right-padded: ``input_ids`` [B, S], ``loss_mask`` [B, S-1], optional
+``seq_lens`` [B] (real prompt + response tokens of each row; without it every row counts as S tokens).
 
 Grouping (:func:`partition`): ``max_tokens=None`` keeps the fixed ``micro_batch_size`` split in batch
 order. With a token budget, packed micro-batches are balanced bins of real tokens (longest first into
@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from modelspec.contract import TokenBatch
+
 
 @dataclass
 class MicroBatch:
@@ -42,7 +44,7 @@ class MicroBatch:
     rows: torch.Tensor  # [M] int64 rows of the flattened logits [b*S or T, V_local]
     targets: torch.Tensor  # [M] int64 token ids
     dense_index: torch.Tensor  # [M] int64 positions in the flattened [b, S-1] output
-    data: dict  # the batch's tensors for these rows ([b, ...]): what the loss function reads
+    data: TokenBatch  # the batch's rows ([b, ...]): what the loss function reads
     num_model_tokens: int  # tokens the model runs on (b*S padded, T packed)
 
     @property
@@ -51,7 +53,7 @@ class MicroBatch:
 
     @property
     def dense_shape(self) -> tuple[int, int]:
-        return self.num_seqs, self.data["input_ids"].shape[1] - 1
+        return self.num_seqs, self.data.input_ids.shape[1] - 1
 
     def to_dense(self, values: torch.Tensor) -> torch.Tensor:
         """[M] per-row values -> [b, S-1] (zeros where nothing was computed), differentiable."""
@@ -60,14 +62,14 @@ class MicroBatch:
         return out.index_copy(0, self.dense_index, values).view(b, width)
 
 
-def sequence_lengths(batch: dict) -> torch.Tensor:
+def sequence_lengths(batch: TokenBatch) -> torch.Tensor:
     """[B] int64 real tokens per row: ``seq_lens`` when the batch has it, else the padded width S."""
-    num_seqs, width = batch["input_ids"].shape
-    if "seq_lens" not in batch:
+    num_seqs, width = batch.input_ids.shape
+    if batch.seq_lens is None:
         return torch.full((num_seqs,), width, dtype=torch.long)
-    lens = batch["seq_lens"].to("cpu", torch.long)
+    lens = batch.seq_lens.to("cpu", torch.long)
     if lens.shape != (num_seqs,) or int(lens.min()) < 1 or int(lens.max()) > width:
-        raise ValueError(f"batch['seq_lens'] must be [{num_seqs}] with values in 1..{width}, got {lens.tolist()}")
+        raise ValueError(f"batch.seq_lens must be [{num_seqs}] with values in 1..{width}, got {lens.tolist()}")
     return lens
 
 
@@ -145,18 +147,23 @@ def _packed_seq_params(lengths: torch.Tensor, device: torch.device):
 
 
 def build_micro_batch(
-    batch: dict, index: list[int], lengths: torch.Tensor, packed: bool, device: torch.device, response_only: bool
+    batch: TokenBatch,
+    index: list[int],
+    lengths: torch.Tensor,
+    packed: bool,
+    device: torch.device,
+    response_only: bool,
 ) -> MicroBatch:
     """The micro-batch of batch rows ``index`` in the padded or packed layout (see the module doc)."""
     idx = torch.tensor(index, dtype=torch.long)
-    data = {k: v[idx.to(v.device)].to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
-    input_ids = batch["input_ids"][idx.to(batch["input_ids"].device)].cpu()  # [b, S]
+    data = batch.select(idx, device)
+    input_ids = batch.input_ids[idx.to(batch.input_ids.device)].cpu()  # [b, S]
     num_seqs, width = input_ids.shape
     lens = lengths[idx]  # [b]
     # target positions t of row j: t < len_j - 1 (and under loss_mask when response_only)
     valid = torch.arange(width - 1).unsqueeze(0) < (lens - 1).unsqueeze(1)  # [b, S-1]
     if response_only:
-        valid &= batch["loss_mask"][idx.to(batch["loss_mask"].device)].cpu() > 0
+        valid &= batch.loss_mask[idx.to(batch.loss_mask.device)].cpu() > 0
     seq_of_row, pos_of_row = valid.nonzero(as_tuple=True)  # [M], [M] in row-major order
     targets = input_ids[seq_of_row, pos_of_row + 1]
     dense_index = seq_of_row * (width - 1) + pos_of_row

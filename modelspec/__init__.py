@@ -5,12 +5,13 @@
   vLLM parameters they become, its quirks, its tiny checkpoint), one file per family;
 - :mod:`modelspec.mesh`: :class:`ColocatedMesh`, every rank's actor and rollout coordinates;
 - :mod:`modelspec.dtypes`: dtype names and their torch dtypes;
-- :mod:`modelspec.contract`: what the actor hands a loss function (:class:`BatchTotals`, ``LossFn``);
+- :mod:`modelspec.contract`: the batch the actor runs and what it hands a loss function (:class:`TokenBatch`,
+  :class:`BatchTotals`, ``LossFn``);
 - :mod:`modelspec.tiny`: the tiny test checkpoints, built in-process;
 - :mod:`modelspec.host_memory`: giving freed host memory back to the OS.
 """
 
-from modelspec.contract import BatchTotals, LossFn
+from modelspec.contract import BatchTotals, LossFn, TokenBatch
 from modelspec.dtypes import DTYPE_NAMES, element_bytes, torch_dtype
 from modelspec.mesh import ColocatedMesh
 from modelspec.shape import SUPPORTED_MODEL_TYPES, ModelShape, RopeParams
@@ -23,6 +24,7 @@ __all__ = [
     "LossFn",
     "ModelShape",
     "RopeParams",
+    "TokenBatch",
     "element_bytes",
     "torch_dtype",
 ]

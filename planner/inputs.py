@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from modelspec.dtypes import DTYPE_NAMES, element_bytes
+from modelspec.phases import WAKE_STRATEGIES  # the step's table owns them (modelspec/phases.py)
 from modelspec.shape import ModelShape
 from planner.calibration import Calibration, load
 from planner.devices import GIB, MIB, DeviceSpec
@@ -16,7 +17,6 @@ DEFAULT_BLOCK_SIZE = 16
 VLLM_CPU_DEFAULT_BLOCK_SIZE = 128
 
 ENGINES = ("vllm", "native")
-WAKE_STRATEGIES = ("staged", "all_at_once")
 RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")

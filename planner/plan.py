@@ -1,25 +1,11 @@
 """The analytical memory plan: bytes per device in every phase of one RL step, itemized.
 
-What each phase holds follows rl/loop.py's ``rl_step``. The step starts in ``rollout`` with the engine
-awake (weights + KV cache) and the actor holding what its offload flags keep (params unless
-``offload_params``, and so on). A phase holds the union of what is resident when it starts and when it
-ends (offloads peak at their start, onloads and wakes at their end), plus its transients:
-
-| phase | changes | transient |
-|---|---|---|
-| rollout | - | engine activations |
-| engine_sleep | - engine weights, - KV cache | |
-| onload_params / _grads / _optimizer | + that state, where its offload flag is on | |
-| old_logprob | - | forward activations, logits |
-| onload_ref | + reference params, where ``offload_ref_params`` is on (reference model only) | |
-| ref_logprob | - | forward activations, logits (only with a reference model) |
-| offload_ref | - reference params, where ``offload_ref_params`` is on | |
-| train | - | activations kept for backward, logits |
-| offload_optimizer / _grads | - that state, where its offload flag is on | |
-| wake_weights | + engine weights (+ KV cache when all_at_once) | |
-| weight_sync | - | one sync bucket |
-| offload_params | - actor params, where its flag is on | |
-| wake_kv_cache | + KV cache (staged) | |
+What each phase holds follows the step's table, ``modelspec/phases.py`` (the one ``rl/loop.py::rl_step``
+runs): the state each phase adds and drops, and its transients, whose bytes ``_phases`` sizes here. The
+step starts in ``rollout`` with the engine awake (weights + KV cache) and the actor holding what its offload
+flags keep (params unless ``offload_params``, and so on). A phase holds the union of what is resident when
+it starts and when it ends (offloads peak at their start, onloads and wakes at their end), plus its
+transients. ``save_checkpoint``, which runs on save steps only, is not planned.
 
 Always resident: communicator buffers and the engine's persistent reserve (vLLM's CUDA graphs); the
 reference actor's params too unless ``offload_ref_params``. The plan is for the worst rank: every pipeline stage is planned (the
@@ -30,8 +16,9 @@ logits) and the stage with the highest peak is reported.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
+from modelspec.phases import StepFlags, phase_names, step_phases, wake_window_phases
 from planner.inputs import PlanInputs
 from planner.sizes import (
     FP32_BYTES,
@@ -48,25 +35,8 @@ from planner.sizes import (
     unfused_attention_bytes,
 )
 
-# The loop's phases in order (DESIGN.md, "The one loop"); rl/memory.py and rl/loop.py take them from here.
-PHASES = (
-    "rollout",
-    "engine_sleep",
-    "onload_params",
-    "onload_grads",
-    "onload_optimizer",
-    "old_logprob",
-    "onload_ref",
-    "ref_logprob",
-    "offload_ref",
-    "train",
-    "offload_optimizer",
-    "offload_grads",
-    "wake_weights",
-    "weight_sync",
-    "offload_params",
-    "wake_kv_cache",
-)
+# The step's phases in order (modelspec/phases.py: the one table the loop, the planner and the timeline read)
+PHASES = phase_names(saves=False)
 COMPONENTS = (
     "actor_params",
     "actor_grads",
@@ -81,14 +51,14 @@ COMPONENTS = (
     "sync_bucket",
 )
 ENGINES_FOR_UTILIZATION = ("vllm", "native", "sglang")
-# state that comes and goes between phases -> its component
-_STATE = {
-    "P": "actor_params",
-    "G": "actor_grads",
-    "O": "optimizer",
-    "R": "ref_params",
-    "W": "engine_weights",
-    "K": "kv_cache",
+# state that comes and goes between phases (modelspec.phases.STATE, memory tags) -> its component
+_COMPONENT = {
+    "actor_params": "actor_params",
+    "actor_grads": "actor_grads",
+    "optimizer": "optimizer",
+    "ref_params": "ref_params",
+    "weights": "engine_weights",
+    "kv_cache": "kv_cache",
 }
 
 
@@ -209,9 +179,14 @@ def _stage(inp: PlanInputs, stage: int) -> _Stage:
     )
 
 
+def step_flags(inp: PlanInputs) -> StepFlags:
+    """The flags that decide which state each phase of the step moves (modelspec.phases; PlanInputs has each)."""
+    return StepFlags(**{f.name: getattr(inp, f.name) for f in fields(StepFlags)})
+
+
 def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan, ...]:
-    """Every phase's components for one stage, walking rl_step's state changes."""
-    staged = inp.wake_strategy == "staged"
+    """Every phase's components for one stage, walking the step's table (modelspec.phases.step_phases):
+    its state changes, and the bytes of each phase's transients."""
     weights = engine_param_count(inp.shape, inp.rollout_tp) * inp.element_bytes
     sizes = {
         "actor_params": st.actor_params,
@@ -236,46 +211,37 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
     bucket = 0 if local_only else min(inp.sync_bucket_bytes, st.actor_params + weights)
     if inp.verify_sync:  # the checksums of the largest slice (rl/weight_sync/verify.py)
         bucket += VERIFY_BYTES_PER_ELEMENT * largest_engine_tensor_elements(inp.shape, inp.rollout_tp)
-    state = {"P": not inp.offload_params, "G": not inp.offload_grads, "O": not inp.offload_optimizer}
-    state.update(R=not inp.offload_ref_params, W=True, K=True)
-    start = dict(state)
-    forward = {"activations": st.forward_activations, "logits": st.forward_logits}
-    steps: list[tuple[str, dict[str, bool], dict[str, int]]] = [
-        ("rollout", {}, {"engine_reserve": rollout_reserve}),
+    # each kind of transient (modelspec.phases.TRANSIENTS) -> the components it raises, and to what
+    transient_bytes = {
+        "engine_activations": {"engine_reserve": rollout_reserve},
         # on CPU the rollout's small freed allocations stay in the heap (RSS) until the sleep trims it (malloc_trim)
-        ("engine_sleep", {"W": False, "K": False}, {"engine_reserve": sleep_reserve} if sleep_reserve else {}),
-        ("onload_params", {"P": True}, {}),
-        ("onload_grads", {"G": True}, {}),
-        ("onload_optimizer", {"O": True}, {}),
-        ("old_logprob", {}, forward),
-        ("onload_ref", {"R": True}, {}),
-        ("ref_logprob", {}, forward if inp.reference_model else {}),
-        ("offload_ref", {"R": not inp.offload_ref_params}, {}),
-        ("train", {}, {"activations": st.train_activations, "logits": st.train_logits}),
-        ("offload_optimizer", {"O": not inp.offload_optimizer}, {}),
-        ("offload_grads", {"G": not inp.offload_grads}, {}),
-        ("wake_weights", {"W": True} if staged else {"W": True, "K": True}, {}),
-        ("weight_sync", {}, {"sync_bucket": bucket, "engine_reserve": persistent_reserve + reload}),
-        ("offload_params", {"P": not inp.offload_params}, {}),
-        ("wake_kv_cache", {"K": True}, {}),
-    ]
+        "rollout_heap": {"engine_reserve": sleep_reserve} if sleep_reserve else {},
+        "forward_pass": {"activations": st.forward_activations, "logits": st.forward_logits},
+        "train_pass": {"activations": st.train_activations, "logits": st.train_logits},
+        "sync_bucket": {"sync_bucket": bucket, "engine_reserve": persistent_reserve + reload},
+    }
+    flags = step_flags(inp)
+    resident = set(flags.resident_at_step_start())
+    start = set(resident)
     out = []
-    for name, changes, transient in steps:
-        after = {**state, **changes}
+    for phase in step_phases(flags):
+        if not phase.every_step:  # planned for the steps that run it all: save_checkpoint is not planned
+            continue
+        after = (resident | set(phase.adds)) - set(phase.drops)
         components = dict.fromkeys(COMPONENTS, 0)
-        for key, component in _STATE.items():
-            if state[key] or after[key]:
-                components[component] = sizes[component]
+        for state in resident | after:  # offloads peak at their start, onloads and wakes at their end
+            components[_COMPONENT[state]] = sizes[_COMPONENT[state]]
         components["comm_buffers"] = inp.comm_bytes
         components["engine_reserve"] = persistent_reserve
-        start_components = {k: v for k, v in components.items() if k not in _STATE.values()}
-        start_components.update({c: sizes[c] if state[k] else 0 for k, c in _STATE.items()})
-        if name == "engine_sleep" and sleep_reserve:
+        start_components = {k: v for k, v in components.items() if k not in _COMPONENT.values()}
+        start_components.update({c: sizes[c] if s in resident else 0 for s, c in _COMPONENT.items()})
+        if "rollout_heap" in phase.transients and sleep_reserve:
             start_components["engine_reserve"] = sleep_reserve  # it starts where rollout left the heap
-        components.update(transient)
-        out.append(PhasePlan(name, components, start_components))
-        state = after
-    assert state == start, "rl_step must end where it started"
+        for transient in phase.transients:
+            components.update(transient_bytes[transient])
+        out.append(PhasePlan(phase.name, components, start_components))
+        resident = after
+    assert resident == start, "the step must end where it started"
     assert tuple(p.name for p in out) == PHASES
     return tuple(out)
 
@@ -369,7 +335,8 @@ class Plan:
     @property
     def wake_window_peak(self) -> PhasePlan:
         """The largest phase from ``wake_weights`` to ``wake_kv_cache``, where staged and all-at-once differ."""
-        return max(self.phases[PHASES.index("wake_weights") :], key=lambda p: p.predicted_bytes)
+        window = wake_window_phases()
+        return max((p for p in self.phases if p.name in window), key=lambda p: p.predicted_bytes)
 
     @property
     def overflows(self) -> tuple[Overflow, ...]:
@@ -456,9 +423,9 @@ def make_plan(inp: PlanInputs) -> Plan:
     stages = [_stage(inp, stage) for stage in range(inp.actor_pp)]
 
     # The KV cache is the one free variable: each phase that holds it leaves budget - (everything else)
-    # for it; the smallest such room over phases and stages is the largest safe KV.
-    room, limiting_phase = min(
-        (budget - (p.predicted_bytes - p.components["kv_cache"]), p.name)
+    # for it; the smallest such room over phases and stages is the largest safe KV (a tie: the earlier phase)
+    room, _, limiting_phase = min(
+        (budget - (p.predicted_bytes - p.components["kv_cache"]), PHASES.index(p.name), p.name)
         for st in stages
         for p in _phases(inp, st, kv_cache_bytes=1)
         if p.components["kv_cache"]

@@ -1,4 +1,5 @@
-"""Samples -> this DP rank's training batch: right-padded tokens, the loss mask, GRPO advantages.
+"""Samples -> this DP rank's training batch (``modelspec.TokenBatch``): right-padded tokens, the loss mask,
+GRPO advantages.
 
 Shapes (B sequences of this DP rank, S = longest prompt + response):
 ``input_ids`` [B, S] int64; ``seq_lens`` [B] int64 (prompt + response tokens of each row: what the
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_backend.packing import balanced_bins
+from modelspec import TokenBatch
 from rl.advantages import grpo_advantages
 
 
@@ -30,7 +32,7 @@ class Sample:
     reward: float
 
 
-def pack_sequences(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
+def pack_sequences(samples: list[Sample], pad_id: int) -> TokenBatch:
     """input_ids [B, S] = prompt + response, right-padded; seq_lens [B]; loss_mask [B, S-1] on response targets."""
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     seq_len = max(lengths)
@@ -44,12 +46,12 @@ def pack_sequences(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor
         loss_mask[i, len(s.prompt_ids) - 1 : len(tokens) - 1] = 1.0
         if s.response_logprobs:
             engine_logprobs[i, len(s.prompt_ids) - 1 : len(tokens) - 1] = torch.tensor(s.response_logprobs)
-    return {
-        "input_ids": input_ids,
-        "seq_lens": torch.tensor(lengths, dtype=torch.long),
-        "loss_mask": loss_mask,
-        "engine_logprobs": engine_logprobs,
-    }
+    return TokenBatch(
+        input_ids=input_ids,
+        seq_lens=torch.tensor(lengths, dtype=torch.long),
+        loss_mask=loss_mask,
+        engine_logprobs=engine_logprobs,
+    )
 
 
 def balanced_dp_shares(lengths: list[int], dp: int) -> list[list[int]]:
@@ -68,7 +70,7 @@ def make_batch(
     pad_id: int,
     device: torch.device,
     balance_tokens: bool = False,
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+) -> tuple[TokenBatch, torch.Tensor]:
     """This DP rank's share of the step, and the rewards of all samples [N] for the metrics.
 
     Advantages are computed over all samples first (GRPO groups are adjacent in ``samples``), so the
@@ -91,6 +93,6 @@ def make_batch(
     else:
         share = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
     batch = pack_sequences([samples[i] for i in share], pad_id=pad_id)
-    batch["advantages"] = advantages[share]
-    batch["sample_index"] = torch.tensor(share)  # [B]: which of the step's samples each row is
-    return {k: v.to(device) for k, v in batch.items()}, rewards
+    batch.advantages = advantages[share]
+    batch.sample_index = torch.tensor(share)  # [B]: which of the step's samples each row is
+    return batch.to(device), rewards

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from megatron_backend.config import ActorConfig
 from modelspec import DTYPE_NAMES, ColocatedMesh, ModelShape
+from modelspec.phases import StepFlags
 from modelspec.tiny import TINY_FAMILIES, TINY_PREFIX
 from rl.data import DataConfig
 from rl.launch import ClusterConfig
@@ -199,6 +200,18 @@ class RunConfig:
     @property
     def dp(self) -> int:
         return self.cluster.world_size // (self.actor.tp * self.actor.pp)
+
+    def step_flags(self) -> StepFlags:
+        """What decides which state each phase of the step moves (modelspec/phases.py, the step's table)."""
+        offload = self.actor.offload
+        return StepFlags(
+            offload_params=offload.params,
+            offload_grads=offload.grads,
+            offload_optimizer=offload.optimizer,
+            reference_model=self.algorithm.kl_coef > 0,
+            offload_ref_params=offload.ref_params,
+            wake_strategy=self.rollout.wake_strategy,
+        )
 
     def mesh(self) -> ColocatedMesh:
         """Every rank's actor and rollout coordinates (the one place this arithmetic lives)."""

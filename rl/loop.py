@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import os
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 from tqdm import tqdm
 
+from modelspec.phases import ENGINE_STATE
 from rl.checkpoint import StopRequest, capture_rank_state, restore_rank_state
 from rl.config import RunConfig
 from rl.memory import SAVE_PHASE
@@ -24,6 +26,7 @@ from rl.metrics import (
     check_finite,
     check_logprob_gap,
     engine_actor_logprob_gap,
+    log_rows_after_last_step,
     log_step,
     logprob_gap_rule,
     non_finite_stops,
@@ -38,8 +41,20 @@ from rl.weight_sync import SyncResult
 from rollout import SamplingParams
 
 
-def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
-    """One RL step, per rank, in the design's phase order."""
+@dataclass(frozen=True, kw_only=True)
+class StepResult:
+    """What one step changes beyond the actor's and the engine's own state."""
+
+    metrics: dict[str, float]  # the step's record (metrics.jsonl, W&B)
+    sync: SyncResult  # its weight sync
+    logprob_gap: float  # the largest |actor - engine| log-prob of a sampled token, over all ranks
+    pending_save: Path | None  # the checkpoint begun after train (None: this step does not save), completed in log
+    stop_after_step: bool  # every rank agreed (after train) to stop once this step is saved
+
+
+def rl_step(ctx: RankContext, step: int) -> StepResult:
+    """One RL step, per rank, in the table's phase order (modelspec/phases.py; the step's log phase follows it
+    in :func:`run_rank`)."""
     cfg, actor, engine, phase = ctx.cfg, ctx.actor, ctx.engine, ctx.phase
     stop_agreed = lambda: ctx.stop.agreed(ctx.dims.device)  # noqa: E731 (a collective at a phase boundary)
     params = SamplingParams.from_config(cfg.rollout, seed=sampling_seed(ctx.sampling_base_seed, step, ctx.replica))
@@ -47,7 +62,7 @@ def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
         problems = ctx.task.sample(cfg.trainer.prompts_per_step)  # the same prompts on every rank
         samples = generate_samples(engine, ctx.tokenizer, ctx.task, problems, params, ctx.mesh, ctx.rank)
     with phase("engine_sleep", step):
-        engine.sleep(["weights", "kv_cache"])
+        engine.sleep(list(ENGINE_STATE))
     for what in ("params", "grads", "optimizer"):
         with phase(f"onload_{what}", step):
             if ctx.offloaded(what):
@@ -56,21 +71,20 @@ def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
         raise StopBeforeTrain
     with phase("old_logprob", step):  # the batch, the actor's pass, then the engine-vs-actor check
         batch, rewards = ctx.make_batch(samples)
-        response = batch["loss_mask"]
-        check_finite(step, "rollout", {"reward": rewards, "engine log-prob": batch["engine_logprobs"]}, response)
-        batch["old_logprobs"] = actor.compute_logprobs(batch, phase="old_logprob", response_only=True)
-        check_finite(step, "old_logprob", {"old log-prob": batch["old_logprobs"]}, response)
+        response = batch.loss_mask
+        check_finite(step, "rollout", {"reward": rewards, "engine log-prob": batch.engine_logprobs}, response)
+        batch.old_logprobs = actor.compute_logprobs(batch, phase="old_logprob", response_only=True)
+        check_finite(step, "old_logprob", {"old log-prob": batch.old_logprobs}, response)
         # the engine-vs-actor gap over all ranks (p99, max); too large: stop before training on wrong log-probs
         gap = engine_actor_logprob_gap(batch)
         check_logprob_gap(gap, step, logprob_gap_rule(cfg.trainer, cfg.model.dtype), cfg.model.dtype)
-    ctx.logprob_gaps.append(gap.value)
     with phase("onload_ref", step):
         if ctx.offloaded("ref_params"):
             ctx.ref_actor.onload("params")
     with phase("ref_logprob", step):
         if ctx.ref_actor is not None:
-            batch["ref_logprobs"] = ctx.ref_actor.compute_logprobs(batch, phase="ref_logprob", response_only=True)
-            check_finite(step, "ref_logprob", {"ref log-prob": batch["ref_logprobs"]}, response)
+            batch.ref_logprobs = ctx.ref_actor.compute_logprobs(batch, phase="ref_logprob", response_only=True)
+            check_finite(step, "ref_logprob", {"ref log-prob": batch.ref_logprobs}, response)
     with phase("offload_ref", step):
         if ctx.offloaded("ref_params"):
             ctx.ref_actor.offload("params")
@@ -79,10 +93,10 @@ def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
     with phase("train", step), non_finite_stops(step, "train"):
         for _ in range(cfg.trainer.ppo_epochs):
             train_metrics = actor.train_step(batch, ctx.loss)
-    ctx.stop_after_step = stop_agreed()
-    if cfg.trainer.saves_after(step) or ctx.stop_after_step:
+    stop_after_step, pending_save = stop_agreed(), None
+    if cfg.trainer.saves_after(step) or stop_after_step:
         with phase(SAVE_PHASE, step):  # everything resident, the engine asleep: no extra device memory
-            ctx.pending_save = save_actor(ctx, completed_steps=step + 1)
+            pending_save = save_actor(ctx, completed_steps=step + 1)
     for what in ("optimizer", "grads"):
         with phase(f"offload_{what}", step):
             if ctx.offloaded(what):
@@ -99,11 +113,14 @@ def rl_step(ctx: RankContext, step: int) -> tuple[dict[str, float], SyncResult]:
         if tags := cfg.rollout.wake_tags("wake_kv_cache"):
             ctx.check_wake("wake_kv_cache")
             engine.wake_up(tags)
-    num_train_tokens = int(batch["loss_mask"].sum()) * ctx.dims.dp
-    metrics = step_metrics(samples, rewards, num_train_tokens, train_metrics, ctx.phase_seconds, sync, gap)
+    num_train_tokens = int(batch.loss_mask.sum()) * ctx.dims.dp
+    seconds = ctx.timeline.step_phase_seconds(step)
+    metrics = step_metrics(samples, rewards, num_train_tokens, train_metrics, seconds, sync, gap)
     # the sampled tokens in one number: a resumed run must sample exactly what the uninterrupted one did
     metrics["rollout/response_tokens_crc32"] = float(zlib.crc32(repr([s.response_ids for s in samples]).encode()))
-    return metrics, sync
+    return StepResult(
+        metrics=metrics, sync=sync, logprob_gap=gap.value, pending_save=pending_save, stop_after_step=stop_after_step
+    )
 
 
 @stops_on_storage_faults
@@ -122,34 +139,43 @@ def run_rank(cfg: RunConfig, run_dir: str) -> int:
         return exit_during_warmup(ctx, warmup_losses)
     if ctx.resumed_state is None and ctx.stop.agreed(ctx.dims.device):  # signalled during setup or warm-up
         return save_and_stop(ctx, 0, capture_rank_state(ctx.task), warmup_losses, engine_awake=False)
-    start_rollout(ctx)  # the engine starts, sized with the actor offloaded, and takes the actor's weights
+    ctx = start_rollout(ctx)  # the engine starts, sized with the actor offloaded, and takes the actor's weights
+    if ctx.stop.agreed(ctx.dims.device):  # signalled while the engine started (vLLM's start can take minutes)
+        return save_and_stop(ctx, ctx.start_step, capture_rank_state(ctx.task), warmup_losses, engine_awake=True)
     if ctx.resumed_rank_state is not None:  # every RNG and the data cursor exactly as when the checkpoint was taken
         restore_rank_state(ctx.resumed_rank_state, ctx.task)
     rewards = [m["reward/mean"] for m in ctx.writer.previous_metrics] if ctx.writer is not None else []
-    syncs = []
+    syncs, logprob_gaps = [], []  # per step of this attempt
     progress = tqdm(total=steps, initial=ctx.start_step, desc=cfg.exp, disable=ctx.rank != 0, dynamic_ncols=True)
     for step in range(ctx.start_step, steps):
         rank_state = capture_rank_state(ctx.task)  # the state at this step's start (a stop before train saves it)
         try:
-            metrics, sync = rl_step(ctx, step)
+            result = rl_step(ctx, step)
         except StopBeforeTrain:
             progress.close()
             return save_and_stop(ctx, step, rank_state, warmup_losses, engine_awake=False)
-        syncs.append(sync)
-        peak_bytes = log_step(ctx, step, metrics)
-        if peak_bytes is not None:  # rank 0
-            rewards.append(metrics["reward/mean"])
-            progress.update()
-            progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", peak_mib=f"{peak_bytes / 2**20:.0f}")
-        if ctx.stop_after_step or ctx.stop.agreed(ctx.dims.device):
-            progress.close()
+        syncs.append(result.sync)
+        logprob_gaps.append(result.logprob_gap)
+        with ctx.phase("log", step):  # the step's record, then its checkpoint completed (after the record is on disk)
+            peak_bytes = log_step(ctx, step, result.metrics)
             # after train (the step saved itself) or at the step's end (the engine is awake again)
-            return save_and_stop(ctx, step + 1, capture_rank_state(ctx.task), warmup_losses, engine_awake=True)
-        if ctx.pending_save is not None:
-            finish_checkpoint(ctx, ctx.pending_save, step + 1, capture_rank_state(ctx.task), warmup_losses)
-            ctx.pending_save = None
+            stopping = result.stop_after_step or ctx.stop.agreed(ctx.dims.device)
+            if result.pending_save is not None and not stopping:
+                finish_checkpoint(ctx, result.pending_save, step + 1, capture_rank_state(ctx.task), warmup_losses)
+        if peak_bytes is not None:  # rank 0
+            rewards.append(result.metrics["reward/mean"])
+            progress.update()
+            progress.set_postfix(reward=f"{rewards[-1]:.3f}", peak_mib=f"{peak_bytes / 2**20:.0f}")
+        if stopping:
+            progress.close()
+            rank_state = capture_rank_state(ctx.task)
+            return save_and_stop(
+                ctx, step + 1, rank_state, warmup_losses, engine_awake=True, pending=result.pending_save
+            )
     progress.close()
+    ctx.phase_order.finish()  # the last step ran every phase of the table
+    log_rows_after_last_step(ctx)  # the end of the last step's log phase
     if ctx.writer is not None:
-        ctx.writer.finish(summarize(ctx, rewards, ctx.writer.read_rows(), syncs, warmup_losses))
+        ctx.writer.finish(summarize(ctx, rewards, ctx.writer.read_rows(), syncs, logprob_gaps, warmup_losses))
     dist.barrier()
     return 0

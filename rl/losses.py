@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from modelspec import BatchTotals
+from modelspec import BatchTotals, TokenBatch
 
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum")
 KL_ESTIMATORS = ("k1", "k3")
@@ -104,14 +104,14 @@ class PolicyLoss:
         self.config = config
         self.uses_entropy = config.entropy_coef > 0  # read by the actor (modelspec.contract)
 
-    def __call__(self, logprobs: torch.Tensor, micro_batch: dict, totals: BatchTotals):
+    def __call__(self, logprobs: torch.Tensor, micro_batch: TokenBatch, totals: BatchTotals):
         cfg = self.config
-        mask = micro_batch["loss_mask"].to(logprobs.dtype)
-        advantages = micro_batch["advantages"].to(logprobs.dtype)
+        mask = micro_batch.loss_mask.to(logprobs.dtype)
+        advantages = micro_batch.advantages.to(logprobs.dtype)
         if advantages.dim() == 1:
             advantages = advantages.unsqueeze(-1).expand_as(logprobs)
         per_token, clipped = ppo_clip_per_token(
-            logprobs, micro_batch["old_logprobs"], advantages, cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip_c
+            logprobs, micro_batch.old_logprobs, advantages, cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip_c
         )
         pg_loss = aggregate(per_token, mask, cfg.loss_agg, totals)
         metrics = {
@@ -120,19 +120,19 @@ class PolicyLoss:
         }
         loss = pg_loss
         if cfg.kl_coef > 0:
-            kl = kl_penalty(logprobs, micro_batch["ref_logprobs"], cfg.kl_estimator)
+            kl = kl_penalty(logprobs, micro_batch.ref_logprobs, cfg.kl_estimator)
             kl_loss = aggregate(kl, mask, cfg.loss_agg, totals)
             loss = loss + cfg.kl_coef * kl_loss
             metrics["kl"] = kl_loss.detach()
         if cfg.entropy_coef > 0:
-            entropy_bonus = aggregate(micro_batch["entropy"], mask, cfg.loss_agg, totals)
+            entropy_bonus = aggregate(micro_batch.entropy, mask, cfg.loss_agg, totals)
             loss = loss - cfg.entropy_coef * entropy_bonus
         metrics["loss"] = loss.detach()
         return loss, metrics
 
 
-def sft_loss(logprobs: torch.Tensor, micro_batch: dict, totals) -> tuple[torch.Tensor, dict]:
+def sft_loss(logprobs: torch.Tensor, micro_batch: TokenBatch, totals: BatchTotals) -> tuple[torch.Tensor, dict]:
     """Supervised warm-up: mean negative log-likelihood of the response tokens over the whole batch."""
-    mask = micro_batch["loss_mask"].to(logprobs.dtype)
+    mask = micro_batch.loss_mask.to(logprobs.dtype)
     loss = -(logprobs * mask).sum() / max(totals.num_tokens, 1.0)
     return loss, {"sft_loss": loss.detach()}

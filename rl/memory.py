@@ -52,13 +52,13 @@ import psutil
 import torch
 
 from megatron_backend.memory import TAGS as ACTOR_TAGS
-from planner.plan import PHASES  # the step's phases in order (DESIGN.md, "The one loop"), shared with the planner
+from modelspec.phases import ALL_PHASES, PHASES, WAKE_WINDOW, released_tags, wake_window_phases  # noqa: F401 (re-exported)
 from rollout.memory_saver import TAGS as ENGINE_TAGS
 
-# A checkpoint save (rl/checkpoint.py) runs after train on the steps that save: not a phase of every step
-# (so not the planner's), but the timeline records it in its place.
+# The step's phases (modelspec/phases.py, the one table): PHASES run every step; the timeline records every
+# phase a step may run, in order: PHASES and, after train on the steps that save, the checkpoint's shards.
 SAVE_PHASE = "save_checkpoint"
-TIMELINE_PHASES = PHASES[: PHASES.index("train") + 1] + (SAVE_PHASE,) + PHASES[PHASES.index("train") + 1 :]
+TIMELINE_PHASES = ALL_PHASES
 
 # Memory tags: the engine's (rollout.memory_saver), the actor's (megatron_backend.memory) and the
 # reference actor's params (its ledger's actor_params, renamed in rl.setup).
@@ -70,16 +70,8 @@ METRICS = BASE_METRICS + tuple(f"tag/{tag}" for tag in TAGS)
 # the device holds at a sample (memory after a phase, bytes released by a phase).
 PEAK_METRIC = "device_peak"
 USED_METRIC = "device_used"
-# Phases that hand memory back, and the tags whose ledger says how much (the expected bytes).
-RELEASE_TAGS = {
-    "engine_sleep": ENGINE_TAGS,
-    "offload_optimizer": ("optimizer",),
-    "offload_grads": ("actor_grads",),
-    "offload_params": ("actor_params",),
-    "offload_ref": ("ref_params",),
-}
-# Where the engine and the actor change hands (DESIGN.md): staged and all-at-once differ only here.
-WAKE_WINDOW = ("wake_weights", "wake_kv_cache")
+# Phases that hand memory back, and the tags whose ledger says how much (the expected bytes): the table's drops
+RELEASE_TAGS = released_tags()
 
 LedgerFn = Callable[[], dict[str, int]]
 
@@ -255,6 +247,10 @@ class MemoryTimeline:
                 self.sample(step, name)
             self.phase_seconds[(step, name)] = time.monotonic() - start
 
+    def step_phase_seconds(self, step: int) -> dict[str, float]:
+        """phase -> seconds, of the phases ``step`` has run so far."""
+        return {name: seconds for (at, name), seconds in self.phase_seconds.items() if at == step}
+
     def close(self) -> None:
         """Stop the sampler thread (it is a daemon: a run that ends without this loses nothing)."""
         self._stop.set()
@@ -333,11 +329,6 @@ def steady_peak(rows: list[dict], phases: Iterable[str], rank: int) -> int:
         for step in steady_steps(rows)
     ]
     return int(statistics.median(per_step)) if per_step else 0
-
-
-def wake_window_phases() -> tuple[str, ...]:
-    i, j = PHASES.index(WAKE_WINDOW[0]), PHASES.index(WAKE_WINDOW[1])
-    return PHASES[i : j + 1]
 
 
 def phase_after(rows: list[dict], rank: int, step: int) -> dict[str, dict]:

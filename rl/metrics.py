@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import torch.distributed as dist
 
+from modelspec import TokenBatch
 from rl.batching import Sample
 from rl.memory import (
     PEAK_METRIC,
@@ -127,7 +128,7 @@ class LogprobGap:
         )
 
 
-def engine_actor_logprob_gap(batch: dict[str, torch.Tensor]) -> LogprobGap:
+def engine_actor_logprob_gap(batch: TokenBatch) -> LogprobGap:
     """The distribution of |actor - engine| log-prob over every rank's response tokens (gathered over the
     world) and its worst token.
 
@@ -136,9 +137,9 @@ def engine_actor_logprob_gap(batch: dict[str, torch.Tensor]) -> LogprobGap:
     must agree (same weights), so a jump shows a broken weight sync or a layout bug at once, on whichever
     rank it happens.
     """
-    mask = batch["loss_mask"] > 0
+    mask = batch.loss_mask > 0
     local = LogprobGap()
-    gap = (batch["old_logprobs"] - batch["engine_logprobs"]).abs().masked_fill(~mask, -1.0)  # [B, S-1]
+    gap = (batch.old_logprobs - batch.engine_logprobs).abs().masked_fill(~mask, -1.0)  # [B, S-1]
     if mask.any():
         flat = int(gap.argmax())
         row, col = divmod(flat, gap.shape[1])
@@ -146,11 +147,11 @@ def engine_actor_logprob_gap(batch: dict[str, torch.Tensor]) -> LogprobGap:
         local = LogprobGap(
             value=float(gap[row, col]),
             rank=dist.get_rank() if dist.is_initialized() else 0,
-            sample=int(batch["sample_index"][row]),
+            sample=int(batch.sample_index[row]),
             response_token=col - first_response,
-            token_id=int(batch["input_ids"][row, col + 1]),
-            actor_logprob=float(batch["old_logprobs"][row, col]),
-            engine_logprob=float(batch["engine_logprobs"][row, col]),
+            token_id=int(batch.input_ids[row, col + 1]),
+            actor_logprob=float(batch.old_logprobs[row, col]),
+            engine_logprob=float(batch.engine_logprobs[row, col]),
         )
     values = gap[mask].float()  # [tokens of this rank]
     if dist.is_initialized():
@@ -224,9 +225,19 @@ def log_step(ctx, step: int, metrics: dict[str, float]) -> int | None:
     dist.gather_object(rows, gathered, dst=0)
     if ctx.writer is None:
         return None
-    step_rows = [r for per_rank in gathered for r in per_rank]
-    ctx.writer.log_timeline(step_rows)
-    return max(ctx.writer.log_step(step, metrics, step_rows).values())
+    rows = [r for per_rank in gathered for r in per_rank]  # the step's, and the end of the last step's log phase
+    ctx.writer.log_timeline(rows)
+    return max(ctx.writer.log_step(step, metrics, [r for r in rows if r["step"] == step]).values())
+
+
+def log_rows_after_last_step(ctx) -> None:
+    """Gather the rows sampled since the last :func:`log_step` (the end of the last step's ``log`` phase)
+    to rank 0's timeline."""
+    rows = ctx.timeline.take_rows()
+    gathered: list | None = [None] * ctx.mesh.world_size if ctx.rank == 0 else None
+    dist.gather_object(rows, gathered, dst=0)
+    if ctx.writer is not None:
+        ctx.writer.log_timeline([r for per_rank in gathered for r in per_rank])
 
 
 def memory_summary(rows: list[dict], world_size: int) -> dict:
@@ -254,7 +265,7 @@ def memory_summary(rows: list[dict], world_size: int) -> dict:
 def time_summary(rows: list[dict], rank: int = 0) -> dict:
     """Where a step's time goes, on ``rank``'s clock, over the steady steps (rl.memory.steady_steps): the
     median seconds of each phase (its entry sample to its exit sample) and of a whole step (its first
-    sample to its last: the work between phases included; the logging after it is not)."""
+    sample to its last: the work between phases included, and its ``log`` phase)."""
     samples = {k: v for k, v in phase_samples(rows).items() if k[0] == rank}
     steady = set(steady_steps({"step": k[1]} for k in samples))
     per_phase: dict[str, list[float]] = {}
@@ -272,7 +283,14 @@ def time_summary(rows: list[dict], rank: int = 0) -> dict:
     }
 
 
-def summarize(ctx, rewards: list[float], rows: list[dict], syncs: list[SyncResult], warmup_losses: list[float]) -> dict:
+def summarize(
+    ctx,
+    rewards: list[float],
+    rows: list[dict],
+    syncs: list[SyncResult],
+    logprob_gaps: list[float],
+    warmup_losses: list[float],
+) -> dict:
     """summary.json: rewards first/last 5 steps, the measured memory (:func:`memory_summary`), weight-sync totals."""
     plan = ctx.weight_sync.plan
     return {
@@ -293,7 +311,7 @@ def summarize(ctx, rewards: list[float], rows: list[dict], syncs: list[SyncResul
             "phases": prediction_errors(ctx.plan, rows),
         },
         "wake_strategy": ctx.cfg.rollout.wake_strategy,
-        "engine_actor_logprob_diff_max": max(ctx.logprob_gaps, default=0.0),
+        "engine_actor_logprob_diff_max": max(logprob_gaps, default=0.0),
         "weight_sync": {
             "bytes": plan.bytes_moved,  # all ranks, per sync
             "seconds": sum(s.stats.seconds for s in syncs) / max(1, len(syncs)),

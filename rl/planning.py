@@ -7,7 +7,7 @@ experiment's devices (rl/main.py); ``make sweep`` / ``make sweep-local`` check e
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from planner import Plan, PlanInputs, device_preset
 from planner.devices import MIB
@@ -42,9 +42,7 @@ def plan_inputs(cfg, prompt_tokens: int | None = None, calibration=None) -> Plan
         actor_dp=cfg.dp,
         # megatron_backend.actor: megatron's optimizer on CUDA, distributed when DP > 1; torch AdamW on CPU
         distributed_optimizer=on_cuda and cfg.dp > 1,
-        offload_params=actor.offload.params,
-        offload_grads=actor.offload.grads,
-        offload_optimizer=actor.offload.optimizer,
+        **asdict(cfg.step_flags()),  # the offload flags, a reference actor, the wake strategy (the step's table)
         micro_batch_size=actor.micro_batch_size,
         remove_padding=actor.remove_padding,
         max_tokens_per_micro_batch=actor.max_tokens_per_micro_batch,
@@ -57,14 +55,11 @@ def plan_inputs(cfg, prompt_tokens: int | None = None, calibration=None) -> Plan
         entropy_grad=cfg.algorithm.entropy_coef > 0,
         entropy_recompute=actor.entropy_recompute,
         attention="flash" if on_cuda else "unfused",  # Transformer Engine on CUDA, megatron's local spec on CPU
-        reference_model=cfg.algorithm.kl_coef > 0,
-        offload_ref_params=actor.offload.ref_params,
         sequences_per_step=cfg.trainer.prompts_per_step * rollout.n_samples_per_prompt,
         prompt_tokens=max(1, prompt_tokens),
         response_tokens=rollout.max_new_tokens,
         engine=rollout.engine,
         rollout_tp=rollout.tp,
-        wake_strategy=rollout.wake_strategy,
         gpu_memory_utilization=None if util == "auto" else float(util),
         kv_cache_bytes=rollout.kv_cache_bytes,
         engine_capacity_bytes=int(rollout.cpu_capacity_gb * 2**30),

@@ -62,11 +62,19 @@ def finish_checkpoint(ctx: RankContext, tmp: Path, completed_steps: int, rank_st
     return path
 
 
-def save_and_stop(ctx: RankContext, completed_steps: int, rank_state: dict, warmup_losses, engine_awake: bool) -> int:
-    """A stop was agreed: save the state after ``completed_steps`` steps (unless that checkpoint exists),
-    close the outputs without a summary, return the exit code job.sbatch requeues on."""
-    if ctx.pending_save is not None:
-        path = finish_checkpoint(ctx, ctx.pending_save, completed_steps, rank_state, warmup_losses)
+def save_and_stop(
+    ctx: RankContext,
+    completed_steps: int,
+    rank_state: dict,
+    warmup_losses,
+    engine_awake: bool,
+    pending: Path | None = None,
+) -> int:
+    """A stop was agreed: save the state after ``completed_steps`` steps (completing ``pending``, the
+    checkpoint the step began after train, or unless that checkpoint exists), close the outputs without a
+    summary, return the exit code job.sbatch requeues on."""
+    if pending is not None:
+        path = finish_checkpoint(ctx, pending, completed_steps, rank_state, warmup_losses)
     elif ctx.checkpointer.exists(completed_steps):  # resumed from exactly this state and trained nothing since
         path = ctx.checkpointer.root / f"step_{completed_steps:08d}"
     else:

@@ -15,14 +15,15 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from modelspec import ColocatedMesh
+from modelspec import ColocatedMesh, TokenBatch
 from modelspec.host_memory import freeze_long_lived_objects
+from modelspec.phases import PhaseOrder
 from rl.batching import Sample, make_batch
 from rl.checkpoint import ACTOR_DIR, Checkpointer, RLState, StopRequest, load_rank_state, resolve_resume
 from rl.config import RunConfig
 from rl.data import DigitSumTask, Gsm8kTask
 from rl.losses import PolicyLoss
-from rl.memory import TAGS, TIMELINE_PHASES, MemoryProbe, MemoryTimeline, measured_free_bytes
+from rl.memory import TAGS, MemoryProbe, MemoryTimeline, measured_free_bytes
 from rl.planning import KvCacheChoice
 from rl.tracking import RunWriter
 from rl.weight_sync import SyncResult, WeightSync
@@ -36,16 +37,17 @@ if TYPE_CHECKING:
     from rollout import RolloutEngine
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class RankContext:
-    """Everything one rank holds for the run; built by :func:`setup`."""
+    """What one rank builds once for the run: :func:`setup` builds it, :func:`start_rollout` returns it with
+    the engine. Never reassigned: what a step changes comes back from ``rl_step`` (:class:`rl.loop.StepResult`).
+    The objects it holds (the actor, the engine, the timeline, the writer) keep their own state."""
 
     cfg: RunConfig
     mesh: ColocatedMesh
     dims: ParallelDims  # this rank's actor groups (megatron's)
     actor: Actor
     ref_actor: Actor | None
-    engine: RolloutEngine | None  # started by start_engine() once the actor has offloaded
     tokenizer: PreTrainedTokenizerBase
     task: DigitSumTask | Gsm8kTask
     loss: PolicyLoss
@@ -55,16 +57,15 @@ class RankContext:
     rollout_group: dist.ProcessGroup | None  # this rank's engine replica (native engine's TP group)
     checkpointer: Checkpointer
     stop: StopRequest
+    phase_order: PhaseOrder  # the step's table for this run's flags: every phase entry is checked against it
     # resuming: the checkpoint, its RLState and this rank's saved RNG/task state (applied before the first step)
     resumed_from: Path | None = None
     resumed_state: RLState | None = None
     resumed_rank_state: dict | None = None
-    phase_seconds: dict[str, float] = field(default_factory=dict)
-    logprob_gaps: list[float] = field(default_factory=list)  # per step, the worst over all ranks
     t0: float = field(default_factory=time.monotonic)
-    pending_save: Path | None = None  # the checkpoint written after this step's train, finished after its logging
-    stop_after_step: bool = False  # every rank agreed (after train) to stop once this step is saved
-    plan: Plan | None = None  # the memory plan with the engine's KV cache (start_engine); None: not plannable
+    # start_rollout(): the engine, and the memory plan made with its KV cache (None: not plannable)
+    engine: RolloutEngine | None = None
+    plan: Plan | None = None
     kv_choice: KvCacheChoice | None = None
 
     @property
@@ -86,12 +87,11 @@ class RankContext:
 
     @contextlib.contextmanager
     def phase(self, name: str, step: int):
-        """Time and sample memory around one phase of the step."""
-        assert name in TIMELINE_PHASES, name
-        start = time.monotonic()
-        with self.timeline.phase(name, step):
+        """Time and sample memory around one phase of the step; a phase the step's table (modelspec/phases.py)
+        does not list, or out of its order, is a PhaseOrderError."""
+        self.phase_order.enter(name, step)
+        with self.timeline.phase(name, step):  # its seconds: timeline.step_phase_seconds(step)
             yield
-        self.phase_seconds[name] = time.monotonic() - start
 
     def offloaded(self, what: str) -> bool:
         """Whether ``actor.offload.<what>`` moves it to host between its uses (``ref_params``: the
@@ -116,7 +116,7 @@ class RankContext:
             rank = gathered.index((shortfall, line))
             raise MemoryPlanError(f"rank {rank}: {line}")
 
-    def make_batch(self, samples: list[Sample]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def make_batch(self, samples: list[Sample]) -> tuple[TokenBatch, torch.Tensor]:
         """This DP rank's share of the step's samples (on its device), and every sample's reward [N]."""
         cfg, dims = self.cfg, self.dims
         return make_batch(
@@ -214,7 +214,6 @@ def setup(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None) -> Ran
         dims=dims,
         actor=actor,
         ref_actor=ref_actor,
-        engine=None,
         tokenizer=AutoTokenizer.from_pretrained(cfg.model.path),
         task=cfg.data.build(seed=cfg.trainer.seed),
         loss=PolicyLoss(cfg.algorithm),
@@ -224,6 +223,7 @@ def setup(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None) -> Ran
         rollout_group=groups[mesh.replica(dims.rank)] if mesh.rollout_tp > 1 else None,
         checkpointer=Checkpointer(run_dir, dims.rank, cfg.trainer.keep_last),
         stop=stop or StopRequest(dims.rank),
+        phase_order=PhaseOrder(cfg.step_flags()),
         resumed_from=checkpoint,
         resumed_state=resumed_state,
         resumed_rank_state=load_rank_state(checkpoint, dims.rank) if checkpoint else None,
@@ -232,15 +232,15 @@ def setup(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None) -> Ran
     return ctx
 
 
-def start_engine(ctx: RankContext) -> RolloutEngine:
-    """Build the engine with empty weights (the first weight sync writes them). Called once the actor has
+def start_engine(ctx: RankContext) -> RankContext:
+    """``ctx`` with its engine, built with empty weights (the first weight sync writes them). Called once the actor has
     offloaded what its flags say, so that what the engine sees at start-up (vLLM checks free memory against
     its utilization and sizes the KV cache from it) is what the step leaves it at the KV-cache wake.
 
     The KV cache: ``rollout.kv_cache_bytes``, else for ``gpu_memory_utilization=auto`` the planner's
     recommendation (on CUDA bounded by the free memory measured now, the least over ranks), handed to the
     engine as bytes; a float utilization is the engine's to apply. The plan, made with that KV cache, is
-    kept for the wake checks and the predicted-vs-measured calibration."""
+    kept for the wake checks and the predicted-vs-measured calibration (``ctx.plan``, ``ctx.kv_choice``)."""
     from planner import make_plan
     from rl.planning import choose_kv_cache, engine_config, plan_inputs
     from rollout import make_engine
@@ -256,21 +256,20 @@ def start_engine(ctx: RankContext) -> RolloutEngine:
             raise
         print(f"rank {dims.rank}: no memory plan ({exc}); no wake checks or calibration", flush=True)
         plan = None
-    rollout_cfg = cfg.rollout
+    rollout_cfg, kv_choice = cfg.rollout, None
     if plan is not None:
         free = None
         if auto and dims.device.type == "cuda":
             least = torch.tensor([torch.cuda.mem_get_info(dims.device)[0]], dtype=torch.int64, device=dims.device)
             dist.all_reduce(least, op=dist.ReduceOp.MIN)
             free = int(least)
-        ctx.kv_choice = choose_kv_cache(cfg, plan, free)
-        rollout_cfg = engine_config(cfg, ctx.kv_choice)
+        kv_choice = choose_kv_cache(cfg, plan, free)
+        rollout_cfg = engine_config(cfg, kv_choice)
         if rollout_cfg is not cfg.rollout:  # plan again with the KV cache the engine gets
             plan = make_plan(plan_inputs(dataclasses.replace(cfg, rollout=rollout_cfg), prompt_tokens))
         if dims.rank == 0:
-            print(ctx.kv_choice.line(), flush=True)
-    ctx.plan = plan
-    ctx.engine = make_engine(
+            print(kv_choice.line(), flush=True)
+    engine = make_engine(
         rollout_cfg,
         cfg.model.path,
         mesh=ctx.mesh,
@@ -280,27 +279,28 @@ def start_engine(ctx: RankContext) -> RolloutEngine:
         dtype=cfg.model.dtype,
         load=False,
     )
-    engine = ctx.engine
     ctx.timeline.probe.add_ledger(lambda: _tagged(engine.memory(), dims.device))
     if ctx.writer is not None and plan is not None:
         ctx.writer.predicted_bytes = {p.name: p.predicted_bytes + plan.runtime_overhead_bytes for p in plan.phases}
-    return engine
+    return dataclasses.replace(ctx, engine=engine, plan=plan, kv_choice=kv_choice)
 
 
-def start_rollout(ctx: RankContext) -> None:
+def start_rollout(ctx: RankContext) -> RankContext:
     """Before the first step: the actor offloads what its flags say, the engine starts sized for that
     (:func:`start_engine`) and takes the actor's weights (the step's weight_sync, once), the actor's params
-    go back to host if they live there between steps. Ends where a step ends: engine awake, actor offloaded."""
+    go back to host if they live there between steps. Ends where a step ends: engine awake, actor offloaded.
+    Returns ``ctx`` with the engine."""
     for what in ("optimizer", "grads", "params"):
         if ctx.offloaded(what):
             ctx.actor.offload(what)
-    start_engine(ctx)
+    ctx = start_engine(ctx)
     if ctx.offloaded("params"):
         ctx.actor.onload("params")
     ctx.sync_weights()
     if ctx.offloaded("params"):
         ctx.actor.offload("params")
     freeze_long_lived_objects()  # the engine's objects too
+    return ctx
 
 
 def _tagged(memory: dict[str, int], device: torch.device, rename: dict[str, str] | None = None) -> dict[str, int]:

@@ -34,7 +34,7 @@ def sft_warmup(ctx: RankContext) -> list[float]:
             for i, e in enumerate(examples)
         ]
         batch = pack_sequences(samples[ctx.dims.dp_rank :: ctx.dims.dp], pad_id=tok.pad_token_id or 0)
-        metrics = ctx.actor.train_step({k: v.to(ctx.dims.device) for k, v in batch.items()}, sft_loss)
+        metrics = ctx.actor.train_step(batch.to(ctx.dims.device), sft_loss)
         losses.append(float(metrics["sft_loss"]))
     return losses
 

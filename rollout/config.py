@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from modelspec.phases import WAKE_STRATEGIES, engine_wakes
+
 ENGINES = ("native", "vllm")
 # KV-cache block size when rollout.block_size is null: vLLM's CacheConfig.DEFAULT_BLOCK_SIZE (16), which its
 # CPU platform replaces with 128 (vllm/platforms/cpu.py check_and_update_config: CPU attention wants multiples
@@ -18,14 +20,11 @@ def default_block_size(engine: str, on_cuda: bool) -> int:
     return VLLM_CPU_DEFAULT_BLOCK_SIZE if engine == "vllm" and not on_cuda else DEFAULT_BLOCK_SIZE
 
 
-# Which memory tags the engine takes back at which wake phase of the step, per ``rollout.wake_strategy``:
-# staged wakes the weights, lets the sync write them and the actor offload its params, and only then
-# takes the KV cache, so the actor's params and the KV cache are never resident together.
-WAKE_TAGS: dict[str, dict[str, tuple[str, ...]]] = {
-    "staged": {"wake_weights": ("weights",), "wake_kv_cache": ("kv_cache",)},
-    "all_at_once": {"wake_weights": ("weights", "kv_cache"), "wake_kv_cache": ()},
-}
-WAKE_STRATEGIES = tuple(WAKE_TAGS)
+# Which memory tags the engine takes back at which wake phase of the step, per ``rollout.wake_strategy``: the
+# wake phases' adds in the step's table (modelspec/phases.py). staged wakes the weights, lets the sync write them
+# and the actor offload its params, and only then takes the KV cache, so the actor's params and the KV cache are
+# never resident together.
+WAKE_TAGS: dict[str, dict[str, tuple[str, ...]]] = {s: engine_wakes(s) for s in WAKE_STRATEGIES}
 MEMORY_SAVERS = ("auto", "portable", "torch_memory_saver")
 
 

@@ -9,18 +9,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from modelspec import TokenBatch
 from tests.dist import run_ranks
 from tests.numeric import assert_close_across_layouts, ulp_tolerance
 
 NUM_SEQS, SEQ_LEN, PROMPT_LEN = 4, 12, 6
 
 
-def _batch(vocab_size: int) -> dict:
+def _batch(vocab_size: int) -> TokenBatch:
     gen = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, vocab_size, (NUM_SEQS, SEQ_LEN), generator=gen)
     loss_mask = torch.zeros(NUM_SEQS, SEQ_LEN - 1)
     loss_mask[:, PROMPT_LEN - 1 :] = 1.0
-    return {"input_ids": input_ids, "loss_mask": loss_mask}
+    return TokenBatch(input_ids=input_ids, loss_mask=loss_mask)
 
 
 def _clear_moments(optimizer) -> None:
@@ -52,8 +53,8 @@ def _save_then_load_elsewhere(rank, world_size, hf_dir, ckpt_dir, save_layout, l
 
     def step(actor):
         batch = _batch(actor.shape.vocab_size)
-        batch["old_logprobs"] = actor.compute_logprobs(batch)
-        batch["advantages"] = grpo_advantages(torch.tensor([1.0, 0.0, 0.5, 0.0]), group_size=2)
+        batch.old_logprobs = actor.compute_logprobs(batch)
+        batch.advantages = grpo_advantages(torch.tensor([1.0, 0.0, 0.5, 0.0]), group_size=2)
         return actor.train_step(batch, loss_fn)
 
     actor = build(save_layout)

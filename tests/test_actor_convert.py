@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from modelspec import TokenBatch
 from tests.dist import run_ranks
 
 LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2), (2, 2, 2)]
@@ -37,7 +38,7 @@ def _convert_all(rank, world_size, model_dirs):
                 gen = torch.Generator().manual_seed(1)
                 input_ids = torch.randint(0, actor.shape.vocab_size, (NUM_SEQS, SEQ_LEN), generator=gen)
             exported = actor.export_hf(dst=0)
-            logprobs = actor.compute_logprobs({"input_ids": input_ids})
+            logprobs = actor.compute_logprobs(TokenBatch(input_ids=input_ids))
             bytes_loaded = torch.tensor([actor.num_bytes_loaded])
             torch.distributed.all_reduce(bytes_loaded, op=torch.distributed.ReduceOp.MAX)
             if rank != 0:

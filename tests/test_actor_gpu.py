@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from modelspec import TokenBatch
 from tests.dist import run_ranks
 
 
@@ -21,8 +22,8 @@ def _one_step(rank, world_size, hf_dir):
         actor = Actor(hf_dir, ActorConfig(micro_batch_size=2, lr=1e-4, grad_clip=1.0), dims, optimizer_impl=impl)
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, actor.shape.vocab_size, (4, 16), generator=gen)
-        batch = {"input_ids": ids, "loss_mask": torch.ones(4, 15), "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])}
-        batch["old_logprobs"] = actor.compute_logprobs(batch).cpu()
+        batch = TokenBatch(input_ids=ids, loss_mask=torch.ones(4, 15), advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
+        batch.old_logprobs = actor.compute_logprobs(batch).cpu()
         metrics = actor.train_step(batch, loss_fn)
         states[impl] = (metrics, {k: v.cpu() for k, v in actor.export_hf().items()})
     return states

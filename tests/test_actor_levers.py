@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from modelspec import TokenBatch
 from tests.dist import run_ranks
 from tests.numeric import assert_close_across_layouts
 
@@ -17,7 +18,7 @@ OTHER_DP_LENGTHS = [28, 5, 7, 30, 11, 6, 19, 8]  # DP rank 1: fewer tokens (4 bu
 PROMPT_LEN = 4
 
 
-def _batch(vocab_size: int, lengths=LENGTHS, seed: int = 0) -> dict:
+def _batch(vocab_size: int, lengths=LENGTHS, seed: int = 0) -> TokenBatch:
     gen = torch.Generator().manual_seed(seed)
     num, width = len(lengths), max(lengths)
     input_ids = torch.randint(3, vocab_size, (num, width), generator=gen)
@@ -25,12 +26,12 @@ def _batch(vocab_size: int, lengths=LENGTHS, seed: int = 0) -> dict:
     for i, n in enumerate(lengths):
         input_ids[i, n:] = 0  # padding
         loss_mask[i, PROMPT_LEN - 1 : n - 1] = 1.0
-    return {
-        "input_ids": input_ids,
-        "seq_lens": torch.tensor(lengths),
-        "loss_mask": loss_mask,
-        "advantages": torch.randn(num, generator=gen),
-    }
+    return TokenBatch(
+        input_ids=input_ids,
+        seq_lens=torch.tensor(lengths),
+        loss_mask=loss_mask,
+        advantages=torch.randn(num, generator=gen),
+    )
 
 
 def _grads(actor) -> dict[str, torch.Tensor]:
@@ -86,8 +87,8 @@ def _levers(rank, world_size, model_dir):
             lengths = LENGTHS if dims.dp_rank == 0 else OTHER_DP_LENGTHS
             batch = _batch(actor.shape.vocab_size, lengths, seed=dims.dp_rank)
             logprobs, entropy = actor.compute_logprobs(batch, with_entropy=True)
-            batch["old_logprobs"] = logprobs + 0.01 * torch.randn(logprobs.shape, generator=torch.Generator())
-            batch["ref_logprobs"] = logprobs - 0.05
+            batch.old_logprobs = logprobs + 0.01 * torch.randn(logprobs.shape, generator=torch.Generator())
+            batch.ref_logprobs = logprobs - 0.05
             metrics = actor.compute_grads(batch, loss_fn)
             results[name] = dict(logprobs=logprobs, entropy=entropy, grads=_grads(actor), metrics=metrics)
         out[layout] = results

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from modelspec import TokenBatch
 from tests.dist import run_ranks
 
 TAGS = ("actor_params", "actor_grads", "optimizer")
@@ -15,9 +16,9 @@ def _batch(actor, num_seqs=4, seq_len=16):
     input_ids = torch.randint(0, actor.shape.vocab_size, (num_seqs, seq_len), generator=gen)
     loss_mask = torch.zeros(num_seqs, seq_len - 1)
     loss_mask[:, seq_len // 2 :] = 1.0
-    batch = {"input_ids": input_ids, "loss_mask": loss_mask}
-    batch["old_logprobs"] = actor.compute_logprobs(batch)
-    batch["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5])[:num_seqs]
+    batch = TokenBatch(input_ids=input_ids, loss_mask=loss_mask)
+    batch.old_logprobs = actor.compute_logprobs(batch)
+    batch.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])[:num_seqs]
     return batch
 
 
@@ -72,7 +73,7 @@ def _offload_checks(rank, world_size, tiny_dir, wide_dir, saved_dir):
     # the trained weights export to a HF checkpoint that transformers reads back to the same log-probs
     plain.save_hf(saved_dir)
     out["trained_logprobs"] = plain.compute_logprobs(batch)
-    out["batch_input_ids"] = batch["input_ids"]
+    out["batch_input_ids"] = batch.input_ids
     del plain, cycled
 
     # 2) a wider model: the process's measured memory drops by what each offload moved, and its high-water

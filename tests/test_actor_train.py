@@ -9,19 +9,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from modelspec import TokenBatch
 from tests.dist import run_ranks
 from tests.numeric import assert_close_across_layouts
 
 NUM_SEQS, SEQ_LEN, PROMPT_LEN = 4, 16, 8
 
 
-def _batch(vocab_size: int) -> dict:
+def _batch(vocab_size: int) -> TokenBatch:
     gen = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, vocab_size, (NUM_SEQS, SEQ_LEN), generator=gen)
     loss_mask = torch.zeros(NUM_SEQS, SEQ_LEN - 1)
     loss_mask[:, PROMPT_LEN - 1 :] = 1.0
     loss_mask[1, -3:] = 0.0  # a shorter response: token-mean and seq-mean-token-sum differ
-    return {"input_ids": input_ids, "loss_mask": loss_mask}
+    return TokenBatch(input_ids=input_ids, loss_mask=loss_mask)
 
 
 def _train_layouts(rank, world_size, model_dirs):
@@ -37,9 +38,9 @@ def _train_layouts(rank, world_size, model_dirs):
 
     def make_batch(actor):
         batch = _batch(actor.shape.vocab_size)
-        batch["old_logprobs"] = actor.compute_logprobs(batch)
-        batch["ref_logprobs"] = batch["old_logprobs"] - 0.05
-        batch["advantages"] = grpo_advantages(torch.tensor([1.0, 0.0, 0.5, 0.0]), group_size=2)
+        batch.old_logprobs = actor.compute_logprobs(batch)
+        batch.ref_logprobs = batch.old_logprobs - 0.05
+        batch.advantages = grpo_advantages(torch.tensor([1.0, 0.0, 0.5, 0.0]), group_size=2)
         return batch
 
     results = {}
@@ -100,13 +101,13 @@ def _nan_step_is_not_applied(rank, world_size, model_dir):
     actor = Actor(model_dir, ActorConfig(micro_batch_size=2, lr=1e-3), initialize_model_parallel(tp=1, pp=1))
     loss_fn = PolicyLoss(PolicyLossConfig())
     batch = _batch(actor.shape.vocab_size)
-    batch["old_logprobs"] = actor.compute_logprobs(batch)
-    batch["advantages"] = grpo_advantages(torch.tensor([1.0, 0.0, 0.5, 0.0]), group_size=2)
+    batch.old_logprobs = actor.compute_logprobs(batch)
+    batch.advantages = grpo_advantages(torch.tensor([1.0, 0.0, 0.5, 0.0]), group_size=2)
     actor.train_step(batch, loss_fn)
     before = actor.export_hf(dst=0)
     moments = [t.clone() for t in actor._optimizer_tensors()]
     if rank == 1:
-        batch["advantages"][2] = float("nan")
+        batch.advantages[2] = float("nan")
     try:
         actor.train_step(batch, loss_fn)
         error = None

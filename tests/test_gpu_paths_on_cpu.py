@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_backend.memory import pinned_empty, unpin
+from modelspec import TokenBatch
 from tests.dist import run_ranks
 
 
@@ -119,8 +120,8 @@ def _grads_with_and_without_loss_scaling(rank, world_size, tiny_dir):
         input_ids = torch.randint(0, actor.shape.vocab_size, (4, 12), generator=gen)
         loss_mask = torch.zeros(4, 11)
         loss_mask[:, 6:] = 1.0
-        batch = {"input_ids": input_ids, "loss_mask": loss_mask, "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])}
-        batch["old_logprobs"] = actor.compute_logprobs(batch)
+        batch = TokenBatch(input_ids=input_ids, loss_mask=loss_mask, advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
+        batch.old_logprobs = actor.compute_logprobs(batch)
         actor.compute_grads(batch, loss_fn)
         grads.append([t.clone() for t in actor._grad_tensors()])
     return grads

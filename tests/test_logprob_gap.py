@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from modelspec import TokenBatch
 from rl.config import TrainerConfig
 from rl.metrics import (
     LOGPROB_GAP_RULE,
@@ -20,27 +23,27 @@ from tests.dist import run_ranks
 
 def _batch(
     num_seqs: int = 3, seq_len: int = 8, prompt_len: int = 3, seed: int = 0, first_sample: int = 0
-) -> dict[str, torch.Tensor]:
+) -> TokenBatch:
     gen = torch.Generator().manual_seed(seed)
     loss_mask = torch.zeros(num_seqs, seq_len - 1)
     loss_mask[:, prompt_len - 1 :] = 1.0  # response targets start at the last prompt position
     engine = -torch.rand(num_seqs, seq_len - 1, generator=gen) * loss_mask
-    return {
-        "input_ids": torch.randint(0, 50, (num_seqs, seq_len), generator=gen),
-        "loss_mask": loss_mask,
-        "engine_logprobs": engine,
-        "old_logprobs": engine + 1e-7 * loss_mask,
-        "sample_index": torch.arange(first_sample, first_sample + num_seqs),  # a contiguous DP share
-    }
+    return TokenBatch(
+        input_ids=torch.randint(0, 50, (num_seqs, seq_len), generator=gen),
+        loss_mask=loss_mask,
+        engine_logprobs=engine,
+        old_logprobs=engine + 1e-7 * loss_mask,
+        sample_index=torch.arange(first_sample, first_sample + num_seqs),  # a contiguous DP share
+    )
 
 
 def test_the_worst_response_token_is_found_and_named():
     batch = _batch(first_sample=10)
-    batch["old_logprobs"][1, 5] += 0.25  # sequence 1, target position 5 = its 4th response token
-    batch["old_logprobs"][2, 0] += 9.0  # a prompt position: not sampled by the engine, ignored
+    batch.old_logprobs[1, 5] += 0.25  # sequence 1, target position 5 = its 4th response token
+    batch.old_logprobs[2, 0] += 9.0  # a prompt position: not sampled by the engine, ignored
     gap = engine_actor_logprob_gap(batch)
     assert gap.value == pytest.approx(0.25, abs=1e-6) and gap.num_tokens == 3 * 5
-    assert (gap.sample, gap.response_token, gap.token_id) == (11, 3, int(batch["input_ids"][1, 6]))
+    assert (gap.sample, gap.response_token, gap.token_id) == (11, 3, int(batch.input_ids[1, 6]))
     assert gap.mean == pytest.approx((0.25 + 14 * 1e-7) / 15, rel=1e-3)
     with pytest.raises(LogprobGapError, match=r"step 7: .*sample 11, response token 3") as info:
         check_logprob_gap(gap, step=7, rule=logprob_gap_rule(TrainerConfig(), "float32"), dtype="float32")
@@ -52,7 +55,7 @@ def test_the_worst_response_token_is_found_and_named():
         dtype="float32",
     )  # raised bars
     # a token-balanced DP share is not contiguous: the batch names each row's sample
-    batch["sample_index"] = torch.tensor([4, 0, 9])
+    batch.sample_index = torch.tensor([4, 0, 9])
     assert engine_actor_logprob_gap(batch).sample == 0
 
 
@@ -69,9 +72,11 @@ def test_one_rare_outlier_passes_in_bf16_a_shifted_distribution_stops():
     kernel = _batch(num_seqs=100, seq_len=13, prompt_len=3)  # 10 response tokens per sequence
     per_token = torch.zeros(100, 12)  # [B, S-1]: the noise at the response targets
     per_token[:, 2:] = noise.view(100, 10)
-    kernel["old_logprobs"] = kernel["engine_logprobs"] + per_token
+    kernel.old_logprobs = kernel.engine_logprobs + per_token
     check_logprob_gap(engine_actor_logprob_gap(kernel), step=0, rule=rule, dtype="bfloat16")
-    shifted = dict(kernel, old_logprobs=kernel["engine_logprobs"] + kernel["loss_mask"] * (0.3 + per_token / 5))
+    shifted = dataclasses.replace(
+        kernel, old_logprobs=kernel.engine_logprobs + kernel.loss_mask * (0.3 + per_token / 5)
+    )
     gap = engine_actor_logprob_gap(shifted)
     assert gap.value < rule.max
     with pytest.raises(LogprobGapError, match=r"p99 0\.3\d* > trainer.max_logprob_gap_p99"):
@@ -86,7 +91,7 @@ def _gap_on_ranks(rank: int, world_size: int):
     dist.init_process_group("gloo")
     batch = _batch(seed=rank, first_sample=rank * 3)
     if rank == 1:  # only this DP rank's share is wrong
-        batch["old_logprobs"][0, 4] -= 2.0
+        batch.old_logprobs[0, 4] -= 2.0
     gap = engine_actor_logprob_gap(batch)
     try:
         check_logprob_gap(gap, step=3, rule=LogprobGapRule(p99=1e-3, max=1e-3), dtype="float32")
@@ -129,7 +134,7 @@ def test_missing_or_miscounted_engine_logprobs_are_refused_not_zero_filled():
         ]
 
     batch, _ = make_batch(samples([-0.5, -0.6]), 2, 1, 0, 0, torch.device("cpu"))
-    assert batch["engine_logprobs"][1, 1:3].tolist() == pytest.approx([-0.5, -0.6])
+    assert batch.engine_logprobs[1, 1:3].tolist() == pytest.approx([-0.5, -0.6])
     with pytest.raises(ValueError, match="sample 1: the engine returned 0 log-probs for 2 response tokens"):
         make_batch(samples([]), 2, 1, 0, 0, torch.device("cpu"))
     with pytest.raises(ValueError, match="sample 1: the engine returned 1 log-probs for 2 response tokens"):

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from modelspec import TokenBatch
 from tests.dist import run_ranks
 from tests.numeric import assert_close_across_layouts
 
@@ -128,7 +129,12 @@ def test_ppo_dual_clip_kl_and_aggregation():
     assert (k3 >= 0).all() and torch.allclose(k3, torch.exp(ref - new) - 1 - (ref - new))
 
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
-    batch = {"loss_mask": mask, "old_logprobs": torch.zeros(2, 4), "advantages": torch.tensor([1.0, 2.0])}
+    batch = TokenBatch(
+        input_ids=torch.zeros(2, 5, dtype=torch.long),  # the loss reads no tokens
+        loss_mask=mask,
+        old_logprobs=torch.zeros(2, 4),
+        advantages=torch.tensor([1.0, 2.0]),
+    )
     logprobs = torch.zeros(2, 4)
     totals = BatchTotals(num_tokens=6.0, num_seqs=2)
     token_mean, _ = PolicyLoss(PolicyLossConfig(loss_agg="token-mean"))(logprobs, batch, totals)
@@ -136,7 +142,7 @@ def test_ppo_dual_clip_kl_and_aggregation():
     assert token_mean.item() == pytest.approx(-(4 * 1 + 2 * 2) / 6)
     assert seq_mean.item() == pytest.approx(-(4 * 1 + 2 * 2) / 2)
     # micro-batches summed with batch totals give the whole-batch loss
-    halves = [{k: v[i : i + 1] for k, v in batch.items()} for i in range(2)]
+    halves = [batch.select(torch.tensor([i]), torch.device("cpu")) for i in range(2)]
     parts = [PolicyLoss(PolicyLossConfig())(logprobs[i : i + 1], halves[i], totals)[0] for i in range(2)]
     assert sum(parts).item() == pytest.approx(token_mean.item())
     with pytest.raises(ValueError, match="dual_clip_c"):

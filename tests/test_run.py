@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from modelspec.phases import phase_names
 from rl.checkpoint import complete_checkpoints
 from rl.main import main
 from rl.memory import PHASES, SAVE_PHASE, read_timeline_csv
@@ -26,6 +27,16 @@ def run_loop(tmp_path: Path, *overrides: str, exp: str = "tiny_cpu") -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     summary["run_dir"] = str(run_dir)
     return summary
+
+
+def phases_entered(rows: list[dict]) -> dict[tuple[int, int], tuple[str, ...]]:
+    """(rank, step) -> the phases it entered, in order (from the timeline's samples)."""
+    out: dict[tuple[int, int], list[str]] = {}
+    for row in sorted(rows, key=lambda r: r["t_s"]):
+        entered = out.setdefault((row["rank"], row["step"]), [])
+        if not entered or entered[-1] != row["phase"]:
+            entered.append(row["phase"])
+    return {key: tuple(names) for key, names in out.items()}
 
 
 def test_bad_config_fails_before_any_rank_starts(capsys):
@@ -61,6 +72,9 @@ def test_short_run_writes_every_output_and_a_readable_wandb_run(tmp_path):
     assert set(summary["memory"]["phase_peak_bytes"]) == {*PHASES, SAVE_PHASE}
     rows = read_timeline_csv(run_dir / "memory_timeline.csv")
     assert {r["phase"] for r in rows} == {*PHASES, SAVE_PHASE} and {r["rank"] for r in rows} == {0, 1}
+    # every rank ran the step's table (modelspec/phases.py) in its order, the checkpoint's shards on the saving step
+    for (rank, step), entered in phases_entered(rows).items():
+        assert entered == phase_names(saves=step == 1), (rank, step)
     assert [p.name for p in complete_checkpoints(run_dir / "checkpoints")] == ["step_00000002"]
     for png in ("memory_timeline.png", "memory_stages.png"):
         assert (run_dir / png).stat().st_size > 10_000, png

@@ -100,8 +100,10 @@ def write_model(out_dir: Path, args) -> Path:
     return out_dir
 
 
-def make_batch(args, vocab_size: int) -> dict:
+def make_batch(args, vocab_size: int):
     import torch
+
+    from modelspec import TokenBatch
 
     gen = torch.Generator().manual_seed(0)
     responses = response_lengths(args.seqs, args.response_min, args.response_max)
@@ -113,7 +115,7 @@ def make_batch(args, vocab_size: int) -> dict:
         input_ids[i, n:] = 0
         loss_mask[i, args.prompt - 1 : n - 1] = 1.0
     advantages = torch.randn(args.seqs, generator=gen)
-    return {"input_ids": input_ids, "seq_lens": torch.tensor(lengths), "loss_mask": loss_mask, "advantages": advantages}
+    return TokenBatch(input_ids=input_ids, seq_lens=torch.tensor(lengths), loss_mask=loss_mask, advantages=advantages)
 
 
 def config_overrides(name: str, args) -> tuple[dict, float]:
@@ -210,12 +212,12 @@ def worker(args) -> dict:
     overrides, entropy_coef = config_overrides(args.worker, args)
     dims = initialize_model_parallel(tp=1, pp=1)
     actor = Actor(args.model_dir, ActorConfig(**overrides), dims)
-    batch = {k: v.to(dims.device) for k, v in make_batch(args, actor.shape.vocab_size).items()}
+    batch = make_batch(args, actor.shape.vocab_size).to(dims.device)
     loss_fn = PolicyLoss(PolicyLossConfig(entropy_coef=entropy_coef))
     out = {}
 
     def old_logprob():
-        batch["old_logprobs"] = actor.compute_logprobs(batch, phase="old_logprob", response_only=True)
+        batch.old_logprobs = actor.compute_logprobs(batch, phase="old_logprob", response_only=True)
 
     out["old_logprob"] = _measure(old_logprob, dims.device)
     # Adam's states, allocated by a step on zero gradients (no weight moves), so train measures a steady step

@@ -60,8 +60,8 @@ def _rank_main(args: argparse.Namespace) -> None:
         ]
         batch = pack_sequences(samples, pad_id=tokenizer.pad_token_id or 0)
         old = actor.compute_logprobs(batch, response_only=True)
-        mask = batch["loss_mask"] > 0
-        gaps = (old - batch["engine_logprobs"]).abs()[mask]
+        mask = batch.loss_mask > 0
+        gaps = (old - batch.engine_logprobs).abs()[mask]
         return gap_distribution(gaps.float(), token_threshold=args.token_threshold)
 
     out = {"engine": args.engine, "dtype": args.dtype, "model": args.hf, "synced": measure(seed=1)}

@@ -48,6 +48,7 @@ def _worker(args) -> None:
     from megatron_backend.actor import Actor
     from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import destroy, initialize_model_parallel
+    from modelspec import TokenBatch
 
     dims = initialize_model_parallel(tp=args.tp, pp=args.pp, vpp=args.vpp)
     # the interleaved schedule needs >= PP micro-batches: one sequence per micro-batch there
@@ -60,7 +61,7 @@ def _worker(args) -> None:
     )
     generator = torch.Generator().manual_seed(args.seed)
     input_ids = torch.randint(0, actor.shape.vocab_size, (args.batch, args.seq_len), generator=generator)
-    logprobs = actor.compute_logprobs({"input_ids": input_ids}).cpu()  # [B, S-1] on every rank
+    logprobs = actor.compute_logprobs(TokenBatch(input_ids=input_ids)).cpu()  # [B, S-1] on every rank
     if dims.rank == 0:
         hf_model = AutoModelForCausalLM.from_pretrained(args.hf, dtype=torch.float32)
         hf_model.eval()

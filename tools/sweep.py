@@ -546,10 +546,10 @@ def write_markdown(rows: list[dict[str, Any]], params: list[str], path: Path, ti
 
 def format_compact(rows: list[dict[str, Any]], params: list[str]) -> str:
     """The printed table: the measured peaks of rollout, train and the wake window instead of every phase."""
-    from planner import PHASES
+    from modelspec.phases import wake_window_phases
 
     unit, scale = _unit(rows)
-    window = PHASES[PHASES.index("wake_weights") :]
+    window = wake_window_phases()
     header = [
         "#",
         *(short_key(k) for k in params),
