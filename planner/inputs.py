@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from modelspec.dtypes import DTYPE_NAMES, element_bytes
+from modelspec.mesh import check_actor_split, check_rollout_split
 from modelspec.shape import ModelShape
 from planner.calibration import Calibration, load
 from planner.devices import GIB, MIB, DeviceSpec
@@ -154,21 +155,10 @@ class PlanInputs:
             raise ValueError(f"recompute_method={self.recompute_method!r} is not one of {RECOMPUTE_METHODS}")
         if not set(self.recompute_modules) <= set(RECOMPUTE_MODULES):
             raise ValueError(f"recompute_modules={self.recompute_modules} must be drawn from {RECOMPUTE_MODULES}")
-        if s.num_heads % self.actor_tp or s.num_kv_heads % self.actor_tp:
-            raise ValueError(
-                f"actor_tp={self.actor_tp} must divide the {s.num_heads} heads and {s.num_kv_heads} KV heads; "
-                "pick a common divisor"
-            )
-        vpp = self.actor_vpp or 1
-        if s.num_layers % (self.actor_pp * vpp):
-            raise ValueError(f"actor_pp x actor_vpp = {self.actor_pp}x{vpp} must divide the {s.num_layers} layers")
+        check_actor_split(s, self.actor_tp, self.actor_pp, self.actor_vpp)
         if self.actor_vpp is not None and self.actor_vpp > 1 and self.actor_pp < 2:
             raise ValueError(f"actor_vpp={self.actor_vpp} needs actor_pp >= 2; set actor_vpp=None")
-        if s.num_heads % self.rollout_tp or (s.num_kv_heads % self.rollout_tp and self.rollout_tp % s.num_kv_heads):
-            raise ValueError(
-                f"rollout_tp={self.rollout_tp} must divide the {s.num_heads} heads and divide or be a multiple "
-                f"of the {s.num_kv_heads} KV heads"
-            )
+        check_rollout_split(s, self.rollout_tp)
         if self.sequences_per_step % self.actor_dp:
             raise ValueError(
                 f"sequences_per_step={self.sequences_per_step} must split evenly over actor_dp={self.actor_dp}"

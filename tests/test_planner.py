@@ -338,9 +338,9 @@ def test_side_by_side_keeps_the_kv_cache_and_flips_one_choice_each():
 
 
 def test_bad_inputs_fail_with_the_field_and_the_fix():
-    with pytest.raises(ValueError, match="actor_tp=8 must divide the 28 heads and 4 KV heads"):
+    with pytest.raises(ValueError, match=r"actor.tp=8 must divide the attention heads \(28\) and KV heads \(4\)"):
         qwen7b_inputs(actor_tp=8)
-    with pytest.raises(ValueError, match="rollout_tp=7 must divide"):
+    with pytest.raises(ValueError, match="rollout.tp=7 must divide"):
         qwen7b_inputs(rollout_tp=7)
     with pytest.raises(ValueError, match="wake_strategy='lazy' is not one of"):
         qwen7b_inputs(wake_strategy="lazy")
