@@ -1,7 +1,9 @@
 """The model contract, a leaf package (imports nothing else from this project).
 
 - :mod:`modelspec.shape`: :class:`ModelShape` (parsed once from a HF checkpoint) and RoPE parameters;
-- :mod:`modelspec.mesh`: :class:`ColocatedMesh`, every rank's actor and rollout coordinates;
+- :mod:`modelspec.mesh`: :class:`ColocatedMesh`, every rank's actor and rollout coordinates, and the one layout
+  check (``ColocatedMesh.check``: can both sides split this model);
+- :mod:`modelspec.engines`: each rollout engine's memory behaviour (``ENGINE_PROFILES``, the one engine list);
 - :mod:`modelspec.dtypes`: dtype names and their torch dtypes;
 - :mod:`modelspec.contract`: what the actor hands a loss function (:class:`BatchTotals`, ``LossFn``);
 - :mod:`modelspec.tiny`: the tiny test checkpoints, built in-process;

@@ -6,17 +6,12 @@ import math
 from dataclasses import dataclass
 
 from modelspec.dtypes import DTYPE_NAMES, element_bytes
+from modelspec.engines import EngineProfile, engine_profile
 from modelspec.mesh import check_actor_split, check_rollout_split
 from modelspec.shape import ModelShape
 from planner.calibration import Calibration, load
 from planner.devices import GIB, MIB, DeviceSpec
 
-# KV-cache block size when none is given: vLLM's CacheConfig.DEFAULT_BLOCK_SIZE and the native engine's (16);
-# vLLM's CPU platform uses 128 (restated from rollout.config, which the planner does not import)
-DEFAULT_BLOCK_SIZE = 16
-VLLM_CPU_DEFAULT_BLOCK_SIZE = 128
-
-ENGINES = ("vllm", "native")
 WAKE_STRATEGIES = ("staged", "all_at_once")
 RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -113,7 +108,7 @@ class PlanInputs:
     engine_capacity_bytes: int | None = None  # native engine on CPU: rollout.cpu_capacity_gb; None: device total
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
-    block_size: int | None = None  # None: the engine's default (rollout.config.default_block_size)
+    block_size: int | None = None  # None: the engine's default (modelspec.engines: its profile)
     native_activation_reserve_bytes: int = 64 * MIB
     vllm_max_batched_tokens: int | None = None  # rollout.max_num_batched_tokens; None: vLLM's per-device default
     native_max_batched_tokens: int | None = None  # the native engine's prefill cap (rollout.max_num_batched_tokens)
@@ -163,8 +158,8 @@ class PlanInputs:
             raise ValueError(
                 f"sequences_per_step={self.sequences_per_step} must split evenly over actor_dp={self.actor_dp}"
             )
+        engine_profile(self.engine)  # ValueError naming the engines there are (modelspec.engines)
         for name, choices in (
-            ("engine", ENGINES),
             ("wake_strategy", WAKE_STRATEGIES),
             ("recompute", RECOMPUTE),
             ("attention", ATTENTION),
@@ -237,7 +232,12 @@ class PlanInputs:
         """Tokens per KV-cache block: ``block_size``, else the engine's default on this device."""
         if self.block_size is not None:
             return self.block_size
-        return VLLM_CPU_DEFAULT_BLOCK_SIZE if self.engine == "vllm" and not self.on_cuda else DEFAULT_BLOCK_SIZE
+        return self.engine_profile.default_block_size(self.device.kind)
+
+    @property
+    def engine_profile(self) -> EngineProfile:
+        """The engine's memory behaviour (``modelspec.engines``): what the plan asks instead of its name."""
+        return engine_profile(self.engine)
 
     @property
     def vllm_batched_tokens(self) -> int:
@@ -279,15 +279,18 @@ class PlanInputs:
 
     @property
     def engine_persistent_bytes(self) -> int:
-        """What the engine keeps while it sleeps besides weights and KV cache: vLLM's CUDA graphs on CUDA
-        (``cuda_graph_bytes``), its runtime on CPU; 0 for the native engine."""
-        if self.engine != "vllm":
+        """What the engine keeps while it sleeps besides weights and KV cache: its profile's runtime reserve
+        on this device (vLLM: CUDA graphs on CUDA, ``cuda_graph_bytes`` when given; its runtime on CPU), or 0."""
+        return self.persistent_bytes_of(self.engine_profile)
+
+    def persistent_bytes_of(self, profile: EngineProfile) -> int:
+        """:attr:`engine_persistent_bytes` of the engine ``profile`` describes, on this device."""
+        constant = profile.runtime_reserve_constant(self.device.kind)
+        if constant is None:
             return 0
-        if not self.on_cuda:
-            return int(self.constants.value("vllm_runtime_bytes"))
-        if self.cuda_graph_bytes is not None:
+        if self.on_cuda and self.cuda_graph_bytes is not None:
             return self.cuda_graph_bytes
-        return int(self.constants.value("vllm_cuda_graph_bytes"))
+        return int(self.constants.value(constant))
 
     @property
     def num_communicators(self) -> int:

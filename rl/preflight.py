@@ -25,8 +25,6 @@ from rl.config import RunConfig
 from rl.planning import plan_inputs
 from rl.sampling import sampling_seed
 
-# engine -> the package it needs (the native engine is this repository)
-ENGINE_PACKAGES = {"vllm": "vllm"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 # keys that may change between the run that saved a checkpoint and the one that resumes it automatically
 RESUMABLE_CHANGES = ("resume", "trainer.steps")
@@ -44,7 +42,7 @@ def preflight(cfg: RunConfig, run_dir: Path | None) -> None:
 
 
 def check_engine_installed(cfg: RunConfig) -> None:
-    package = ENGINE_PACKAGES.get(cfg.rollout.engine)
+    package = cfg.rollout.profile.package  # what the engine needs beyond this repository (modelspec.engines)
     if package is None:
         return
     try:

@@ -128,7 +128,7 @@ def engine_args(
         enforce_eager=platform == "cpu",  # CPU: no torch.compile warm-up (minutes on 2 cores)
     )
     # the sizing knobs the memory plan uses reach vLLM; left null, vLLM picks its own per-device default, which
-    # the planner restates (planner.inputs.vllm_default_max_num_batched_tokens, rollout.config.default_block_size)
+    # the planner restates (planner.inputs.vllm_default_max_num_batched_tokens, the block size: modelspec.engines)
     if cfg.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
     if cfg.block_size is not None:
@@ -145,7 +145,7 @@ def engine_args(
         elem = 4 if dtype == "auto" else element_bytes(dtype)  # auto: assume fp32 (the smaller KV budget)
         weight_bytes = shape.param_count() * elem // cfg.tp
         capacity = capacity_bytes if capacity_bytes is not None else int(cfg.cpu_capacity_gb * 2**30)
-        budget = cfg.kv_cache_budget_bytes(capacity, weight_bytes)
+        budget = cfg.kv_cache_budget_bytes(platform, capacity, weight_bytes)
         if budget <= 0:
             raise ValueError(
                 f"KV cache budget {budget / 2**20:.0f} MiB <= 0: raise rollout.cpu_capacity_gb or "

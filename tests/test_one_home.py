@@ -69,3 +69,89 @@ def test_mesh_check_names_the_key(tp, pp, vpp, rollout_tp, fragment):
         ColocatedMesh(world_size=world, actor_tp=tp, actor_pp=pp, actor_vpp=vpp, rollout_tp=rollout_tp).check(shape)
     assert fragment in str(info.value)
     ColocatedMesh(world_size=world, actor_tp=2, actor_pp=2, rollout_tp=4).check(shape)  # KV heads replicated: fine
+
+
+# ---------------------------------------------------------------- engine memory behaviour: modelspec.engines
+def test_one_engine_list_everywhere():
+    from modelspec.engines import ENGINE_PROFILES, ENGINES
+    from planner import PlanInputs, device_preset
+    from rollout.config import RolloutConfig
+
+    assert set(ENGINES) == set(ENGINE_PROFILES) == {"native", "vllm"}
+    shape = ModelShape.from_pretrained("tiny:qwen2")
+    for engine in ENGINES:
+        RolloutConfig(engine=engine)
+        PlanInputs(shape=shape, device=device_preset("cpu"), engine=engine)
+    for build in (lambda: RolloutConfig(engine="sglang"), lambda: PlanInputs(shape=shape, device=device_preset("cpu"), engine="sglang")):  # fmt: skip
+        with pytest.raises(ValueError, match=r"rollout.engine='sglang' is not one of \('native', 'vllm'\)"):
+            build()
+
+
+@pytest.mark.parametrize("engine", ["native", "vllm"])
+@pytest.mark.parametrize("device_kind", ["cpu", "cuda"])
+def test_the_kv_sizing_rule_and_its_inverse_agree(engine, device_kind):
+    from modelspec.engines import KvSizing, engine_profile
+
+    profile = engine_profile(engine)
+    sizing = KvSizing(
+        device_kind=device_kind,
+        device_total_bytes=80 * 2**30,
+        capacity_bytes=2 * 2**30 if device_kind == "cpu" else 80 * 2**30,
+        weight_bytes=300 * 2**20,
+        activation_reserve_bytes=64 * 2**20,
+        profiled_reserve_bytes=3 * 2**30,
+    )
+    kv = profile.kv_cache_bytes(0.5, sizing)
+    assert profile.utilization(kv, sizing) == pytest.approx(0.5)
+    reserve = 3 * 2**30 if profile.profiles_activations(device_kind) else 64 * 2**20
+    capacity = sizing.device_total_bytes if profile.profiles_activations(device_kind) else sizing.capacity_bytes
+    assert kv == capacity // 2 - 300 * 2**20 - reserve
+
+
+def test_the_planner_sizes_the_native_kv_cache_as_the_engine_does():
+    """The planner and the engine apply the same rule (modelspec.engines) to the same config."""
+    from planner import PlanInputs, device_preset, make_plan
+    from planner.sizes import engine_param_count
+    from rollout.config import RolloutConfig
+
+    shape = ModelShape.from_pretrained("tiny:qwen2")
+    cfg = RolloutConfig(engine="native", gpu_memory_utilization=0.3, cpu_capacity_gb=0.5, max_num_seqs=100_000)
+    inputs = PlanInputs(
+        shape=shape,
+        device=device_preset("cpu"),
+        dtype="float32",
+        engine="native",
+        gpu_memory_utilization=0.3,
+        engine_capacity_bytes=int(0.5 * 2**30),
+        max_num_seqs=100_000,
+        native_activation_reserve_bytes=cfg.activation_reserve_mb * 2**20,
+    )
+    plan = make_plan(inputs)
+    weights = engine_param_count(shape, 1) * 4
+    assert plan.engine_weight_bytes == weights
+    engine_budget = cfg.kv_cache_budget_bytes("cpu", int(0.5 * 2**30), weights)
+    block = plan.kv_bytes_per_token * inputs.kv_block_size
+    assert plan.kv_cache_source == "gpu_memory_utilization"
+    assert plan.kv_cache_bytes == engine_budget // block * block > 0
+    assert inputs.kv_block_size == cfg.block_size_on("cpu") == 16
+
+
+def test_the_planner_asks_the_profile_not_the_name(monkeypatch):
+    """An engine that cannot sleep or repacks on sync: the plan follows its profile, no code names it."""
+    from dataclasses import replace
+
+    from modelspec import engines
+    from planner import PlanInputs, device_preset, make_plan
+
+    shape = ModelShape.from_pretrained("tiny:qwen2")
+    awake = replace(engines.ENGINE_PROFILES["native"], name="awake", sleeps=False, repacks_weights_on=("cpu",))
+    monkeypatch.setitem(engines.ENGINE_PROFILES, "awake", awake)
+    common = dict(shape=shape, device=device_preset("cpu"), kv_cache_bytes=2**24, actor_tp=1)
+    native = make_plan(PlanInputs(engine="native", **common))
+    plan = make_plan(PlanInputs(engine="awake", **common))
+    weights = native.engine_weight_bytes
+    assert native.phase("train").components["engine_weights"] == 0
+    assert plan.phase("train").components["engine_weights"] == weights  # never released
+    assert plan.phase("train").components["kv_cache"] == native.kv_cache_bytes
+    reserve = plan.phase("weight_sync").components["engine_reserve"]
+    assert reserve - native.phase("weight_sync").components["engine_reserve"] == weights  # the repack copy
