@@ -95,8 +95,8 @@ def check_kv_budget(cfg: RunConfig) -> None:
     vLLM both refuse to start without). The KV cache is the one the memory plan gives this config's engine
     (``planner.plan``: each engine's own sizing rule), so launch and ``make plan`` agree."""
     rollout = cfg.rollout
-    if rollout.gpu_memory_utilization == "auto" and rollout.kv_cache_bytes is None:
-        return  # the planner picks it (rl.main.check_auto_plan refuses a plan where none fits)
+    if rollout.planner_sizes_kv_cache:
+        return  # the planner picks it (rl.planning.check_auto_kv_cache, at launch, refuses a plan where none fits)
     try:
         plan = make_plan(plan_inputs(cfg))
     except ValueError as exc:

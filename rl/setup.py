@@ -246,7 +246,7 @@ def start_engine(ctx: RankContext) -> RolloutEngine:
     from rollout import make_engine
 
     cfg, dims = ctx.cfg, ctx.dims
-    auto = cfg.rollout.gpu_memory_utilization == "auto"
+    auto = cfg.rollout.utilization is None
     # sequences as long as this task's longest prompt + max_new_tokens (not max_model_len: the data decides)
     prompt_tokens = max(len(ctx.tokenizer(p).input_ids) for p in ctx.task.longest_prompts())
     try:

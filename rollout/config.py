@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from modelspec.engines import EngineProfile, KvSizing, engine_profile
+
+AUTO = "auto"  # rollout.gpu_memory_utilization=auto: the planner picks the KV cache
 
 # Which memory tags the engine takes back at which wake phase of the step, per ``rollout.wake_strategy``:
 # staged wakes the weights, lets the sync write them and the actor offload its params, and only then
@@ -25,8 +26,8 @@ class RolloutConfig:
     engine: str = "native"
     tp: int = 1
     # float in (0, 1]: fraction of device memory the engine may hold (weights + KV cache + reserve);
-    # "auto": the planner picks the largest safe value before launch.
-    gpu_memory_utilization: Any = 0.5
+    # "auto" (AUTO): the planner picks the KV cache (rl.planning.choose_kv_cache, the one place that resolves it).
+    gpu_memory_utilization: float | int | str = 0.5  # composed as written (1, 0.5, auto); a float or AUTO after checks
     wake_strategy: str = "staged"
     # On CPU there is no device capacity to read; the native engine sizes its KV cache from this.
     cpu_capacity_gb: float = 2.0
@@ -65,7 +66,7 @@ class RolloutConfig:
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"rollout.tp={self.tp!r} must be a positive integer")
         util = self.gpu_memory_utilization
-        if util != "auto":
+        if util != AUTO:
             try:
                 util = float(util)
             except (TypeError, ValueError):
@@ -124,6 +125,16 @@ class RolloutConfig:
         return WAKE_TAGS[self.wake_strategy][phase]
 
     @property
+    def utilization(self) -> float | None:
+        """``gpu_memory_utilization`` as a fraction, or None for ``auto`` (the planner's convention)."""
+        return None if self.gpu_memory_utilization == AUTO else float(self.gpu_memory_utilization)
+
+    @property
+    def planner_sizes_kv_cache(self) -> bool:
+        """``auto`` without ``kv_cache_bytes``: the plan picks the KV cache (``rl.planning.choose_kv_cache``)."""
+        return self.utilization is None and self.kv_cache_bytes is None
+
+    @property
     def profile(self) -> EngineProfile:
         """This engine's memory behaviour (``modelspec.engines``)."""
         return engine_profile(self.engine)
@@ -134,8 +145,8 @@ class RolloutConfig:
         device's total memory, or ``cpu_capacity_gb`` on CPU)."""
         if self.kv_cache_bytes is not None:
             return self.kv_cache_bytes
-        util = self.gpu_memory_utilization
-        if util == "auto":
+        util = self.utilization
+        if util is None:
             raise ValueError(
                 "rollout.gpu_memory_utilization='auto' must be resolved by the planner before the engine starts"
             )

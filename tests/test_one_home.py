@@ -155,3 +155,32 @@ def test_the_planner_asks_the_profile_not_the_name(monkeypatch):
     assert plan.phase("train").components["kv_cache"] == native.kv_cache_bytes
     reserve = plan.phase("weight_sync").components["engine_reserve"]
     assert reserve - native.phase("weight_sync").components["engine_reserve"] == weights  # the repack copy
+
+
+# ---------------------------------------------------------------- gpu_memory_utilization=auto: rl.planning
+def test_auto_is_one_value_resolved_in_one_place():
+    from planner import make_plan
+    from rl.compose import ConfigError, compose
+    from rl.main import check_launch
+    from rl.planning import check_auto_kv_cache, choose_kv_cache, engine_config, plan_inputs
+    from rollout.config import AUTO
+
+    cfg = compose("qwen7b_1xh200", [])  # gpu_memory_utilization: auto
+    assert cfg.rollout.gpu_memory_utilization == AUTO and cfg.rollout.utilization is None
+    assert cfg.rollout.planner_sizes_kv_cache and plan_inputs(cfg).gpu_memory_utilization is None
+    choice = choose_kv_cache(cfg, make_plan(plan_inputs(cfg)))
+    engine_cfg = engine_config(cfg, choice)  # what the engine gets: bytes and a float, never "auto"
+    assert type(engine_cfg.gpu_memory_utilization) is float and not engine_cfg.planner_sizes_kv_cache
+    assert engine_cfg.utilization == pytest.approx(choice.gpu_memory_utilization)
+    assert engine_cfg.kv_cache_bytes == choice.kv_cache_bytes
+    floats = compose("tiny_cpu", ["rollout.gpu_memory_utilization=1"])
+    assert type(floats.rollout.gpu_memory_utilization) is float and floats.rollout.utilization == 1.0
+
+    offloads = [f"actor.offload.{what}=false" for what in ("params", "grads", "optimizer")]
+    tight = compose("qwen7b_1xh200", offloads)
+    with pytest.raises(ValueError) as planned:
+        check_auto_kv_cache(tight)
+    with pytest.raises(ConfigError) as launched:
+        check_launch(tight, None)
+    assert str(launched.value) == str(planned.value)
+    assert str(planned.value).startswith("rollout.gpu_memory_utilization=auto: DOES NOT FIT")
