@@ -58,9 +58,11 @@ class Actor:
         dtype: str = "float32",
         train: bool = True,
         optimizer_impl: str = "auto",
+        shape: ModelShape | None = None,
     ):
         """``optimizer_impl``: ``auto`` (megatron-core's on CUDA, torch AdamW on CPU), ``megatron`` or
-        ``torch`` (the CPU path, also on CUDA: the two are pinned to the same update by a gpu test)."""
+        ``torch`` (the CPU path, also on CUDA: the two are pinned to the same update by a gpu test).
+        ``shape``: the run's model shape (None: read from ``hf_dir``)."""
         if optimizer_impl not in ("auto", "megatron", "torch"):
             raise ValueError(f"optimizer_impl={optimizer_impl!r} must be auto, megatron or torch")
         if optimizer_impl == "auto":
@@ -73,7 +75,7 @@ class Actor:
             )
         self.config, self.dims, self.dtype = config, dims, dtype
         self.hf_dir = Path(hf_dir)
-        self.shape = ModelShape.from_pretrained(hf_dir)
+        self.shape = shape if shape is not None else ModelShape.from_pretrained(hf_dir)
         check_actor_split(self.shape, dims.tp, dims.pp, dims.vpp)
         self.layout = RankLayout(dims.tp, dims.pp, dims.vpp, dims.tp_rank, dims.pp_rank, te_norms=te_available())
         self.vocab_start = dims.tp_rank * padded_vocab_size(self.shape.vocab_size, dims.tp) // dims.tp

@@ -44,7 +44,16 @@ class ModelConfig:
             raise ValueError(f"model.path={self.path!r}: tiny families are {sorted(TINY_FAMILIES)}")
 
     def shape(self) -> ModelShape:
-        """The model's shape from ``path`` (or ``architecture``), checked against the declared sizes."""
+        """The model's shape from ``path`` (or ``architecture``), checked against the declared sizes. Read once
+        per run: kept with this config (and pickled with it to the ranks) until ``path`` or ``architecture``
+        changes, so the config's checks, preflight, the planner, the actor and the engine share one read."""
+        key = (self.path, self.architecture)
+        cached = getattr(self, "_shape_read", None)
+        if cached is None or cached[0] != key:
+            self._shape_read = (key, self._read_shape())
+        return self._shape_read[1]
+
+    def _read_shape(self) -> ModelShape:
         try:
             shape = ModelShape.from_pretrained(self.path)
         except ValueError as exc:  # an unsupported architecture, a config.json that does not parse

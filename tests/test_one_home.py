@@ -184,3 +184,50 @@ def test_auto_is_one_value_resolved_in_one_place():
         check_launch(tight, None)
     assert str(launched.value) == str(planned.value)
     assert str(planned.value).startswith("rollout.gpu_memory_utilization=auto: DOES NOT FIT")
+
+
+# ---------------------------------------------------------------- the shape: read once per run
+def _counting_reads(reads: list[str]):
+    """ModelShape.from_pretrained, the one reader of config.json, wrapped to record each call."""
+    real = ModelShape.from_pretrained.__func__
+
+    def counting(cls, path):
+        reads.append(str(path))
+        return real(cls, path)
+
+    return classmethod(counting)
+
+
+def _rank_reads(rank: int, world_size: int, cfg, run_dir: str) -> list[str]:
+    from rl.loop import run_rank
+
+    reads: list[str] = []
+    ModelShape.from_pretrained = _counting_reads(reads)  # this rank's process only
+    assert run_rank(cfg, run_dir) == 0
+    return reads
+
+
+def test_the_shape_is_read_once_per_run_and_passed_down(tmp_path, monkeypatch):
+    """The launcher reads the shape (composition, then once more when tiny:qwen2 becomes a directory);
+    preflight, the planner, the actor, the reference actor and the engine of every rank reuse it."""
+    from modelspec.tiny import resolve_model_path
+    from rl.compose import compose, resolve_path
+    from rl.main import check_launch, prepare
+    from rl.planning import plan_inputs
+    from rl.preflight import preflight
+    from tests.dist import run_ranks
+
+    reads: list[str] = []
+    monkeypatch.setattr(ModelShape, "from_pretrained", _counting_reads(reads))
+    overrides = ["trainer.steps=1", "trainer.sft_warmup_steps=0", "trainer.prompts_per_step=4", "trainer.save_every=0"]
+    overrides += ["actor.micro_batch_size=16", "algorithm.kl_coef=0.01", "wandb.mode=disabled"]
+    cfg = compose("tiny_cpu", [*overrides, f"output_dir={tmp_path}"])
+    assert reads == ["tiny:qwen2"]  # composition (RunConfig's layout check): the tiny config, in memory
+    check_launch(cfg, None)
+    cfg.model.path = resolve_model_path(resolve_path(cfg.model.path))
+    preflight(cfg, None)
+    plan_inputs(cfg)
+    run_dir = prepare(cfg, tmp_path / "run")
+    assert reads == ["tiny:qwen2", cfg.model.path]  # the checkpoint directory's config.json, once
+    per_rank = run_ranks(_rank_reads, 2, cfg, str(run_dir), timeout_s=600)
+    assert per_rank == [[], []]  # actor, reference actor, engine, planner: the launcher's shape
