@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from megatron_backend.checkpoint import chunk_params, gather_hf_state_dict, load_hf_into_chunks
 from megatron_backend.config import ActorConfig
-from megatron_backend.layout import RankLayout, check_divisible, padded_vocab_size
+from megatron_backend.layout import RankLayout, padded_vocab_size
 from megatron_backend.logprobs import fused_logprobs_entropy
 from megatron_backend.memory import MemoryLedger, StorageOffloader, storage_bytes
 from megatron_backend.model import build_gpt_chunks, recompute_kwargs, te_available
@@ -42,6 +42,7 @@ from megatron_backend.packing import MicroBatch, build_micro_batch, partition, s
 from megatron_backend.parallel import ParallelDims
 from modelspec import BatchTotals, LossFn, ModelShape, TokenBatch
 from modelspec.host_memory import release_freed_host_memory
+from modelspec.mesh import check_actor_split
 
 OFFLOADABLE = ("params", "grads", "optimizer")
 _TAG = {"params": "actor_params", "grads": "actor_grads", "optimizer": "optimizer"}
@@ -58,9 +59,11 @@ class Actor:
         dtype: str = "float32",
         train: bool = True,
         optimizer_impl: str = "auto",
+        shape: ModelShape | None = None,
     ):
         """``optimizer_impl``: ``auto`` (megatron-core's on CUDA, torch AdamW on CPU), ``megatron`` or
-        ``torch`` (the CPU path, also on CUDA: the two are pinned to the same update by a gpu test)."""
+        ``torch`` (the CPU path, also on CUDA: the two are pinned to the same update by a gpu test).
+        ``shape``: the run's model shape (None: read from ``hf_dir``)."""
         if optimizer_impl not in ("auto", "megatron", "torch"):
             raise ValueError(f"optimizer_impl={optimizer_impl!r} must be auto, megatron or torch")
         if optimizer_impl == "auto":
@@ -73,8 +76,8 @@ class Actor:
             )
         self.config, self.dims, self.dtype = config, dims, dtype
         self.hf_dir = Path(hf_dir)
-        self.shape = ModelShape.from_pretrained(hf_dir)
-        check_divisible(self.shape, dims.tp, dims.pp, dims.vpp)
+        self.shape = shape if shape is not None else ModelShape.from_pretrained(hf_dir)
+        check_actor_split(self.shape, dims.tp, dims.pp, dims.vpp)
         self.layout = RankLayout(dims.tp, dims.pp, dims.vpp, dims.tp_rank, dims.pp_rank, te_norms=te_available())
         self.vocab_start = dims.tp_rank * padded_vocab_size(self.shape.vocab_size, dims.tp) // dims.tp
         self.ledger = MemoryLedger()

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from modelspec import ModelShape
 from modelspec.family import Part, dims_size, full_sizes, layer_parts, rank_sizes
+from modelspec.mesh import check_actor_split
 
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # megatron pads the vocab to a multiple of this x TP
 
@@ -66,19 +67,6 @@ class RankLayout:
 
     def is_last_chunk(self, vp_stage: int) -> bool:
         return self.pp_rank == self.pp - 1 and vp_stage == self.num_chunks - 1
-
-
-def check_divisible(shape: ModelShape, tp: int, pp: int, vpp: int | None) -> None:
-    """ValueError naming the field and the fix when the layout cannot split this model."""
-    if shape.num_heads % tp or shape.num_kv_heads % tp:
-        raise ValueError(
-            f"TP={tp} must divide num_attention_heads={shape.num_heads} and num_key_value_heads="
-            f"{shape.num_kv_heads}; pick a common divisor"
-        )
-    if shape.intermediate_size % tp:
-        raise ValueError(f"TP={tp} must divide intermediate_size={shape.intermediate_size}")
-    if shape.num_layers % (pp * (vpp or 1)):
-        raise ValueError(f"PP x VPP = {pp}x{vpp or 1} must divide num_hidden_layers={shape.num_layers}")
 
 
 def layer_offset(num_layers: int, pp: int, vpp: int | None, pp_rank: int, vp_stage: int) -> int:
@@ -174,7 +162,7 @@ def _vocab_piece(shape: ModelShape, layout: RankLayout, vp_stage: int, hf_name: 
 
 def rank_pieces(shape: ModelShape, layout: RankLayout) -> list[SlicePiece]:
     """Everything this rank holds, as HF -> megatron slice pieces (all chunks, in chunk order)."""
-    check_divisible(shape, layout.tp, layout.pp, layout.vpp)
+    check_actor_split(shape, layout.tp, layout.pp, layout.vpp)
     family = shape.family
     pieces: list[SlicePiece] = []
     for vp_stage in range(layout.num_chunks):

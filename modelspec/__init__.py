@@ -3,7 +3,9 @@
 - :mod:`modelspec.shape`: :class:`ModelShape` (parsed once from a HF checkpoint) and RoPE parameters;
 - :mod:`modelspec.family`, :mod:`modelspec.families`: a model family as data (its HF tensors, the megatron and
   vLLM parameters they become, its quirks, its tiny checkpoint), one file per family;
-- :mod:`modelspec.mesh`: :class:`ColocatedMesh`, every rank's actor and rollout coordinates;
+- :mod:`modelspec.mesh`: :class:`ColocatedMesh`, every rank's actor and rollout coordinates, and the one layout
+  check (``ColocatedMesh.check``: can both sides split this model);
+- :mod:`modelspec.engines`: each rollout engine's memory behaviour (``ENGINE_PROFILES``, the one engine list);
 - :mod:`modelspec.dtypes`: dtype names and their torch dtypes;
 - :mod:`modelspec.contract`: the batch the actor runs and what it hands a loss function (:class:`TokenBatch`,
   :class:`BatchTotals`, ``LossFn``);

@@ -12,6 +12,46 @@ Built once in setup from the config and passed explicitly (in the spirit of torc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from modelspec.shape import ModelShape
+
+
+def _of(shape: ModelShape) -> str:
+    return f" of {shape.source}" if shape.source else ""
+
+
+def check_actor_split(shape: ModelShape, tp: int, pp: int, vpp: int | None) -> None:
+    """The one check that actor TP x PP (x VPP) can split this model; ValueError naming the key and the fix.
+    Config (``RunConfig``), the planner (``PlanInputs``) and megatron's layout all call it."""
+    if shape.num_heads % tp or shape.num_kv_heads % tp:
+        raise ValueError(
+            f"actor.tp={tp} must divide the attention heads ({shape.num_heads}) and KV heads ({shape.num_kv_heads})"
+            f"{_of(shape)}; pick a common divisor"
+        )
+    if shape.intermediate_size % tp:
+        raise ValueError(
+            f"actor.tp={tp} must divide the intermediate size ({shape.intermediate_size}){_of(shape)}; pick a divisor"
+        )
+    if shape.num_layers % (pp * (vpp or 1)):
+        raise ValueError(
+            f"actor.pp x actor.vpp = {pp}x{vpp or 1} must divide the {shape.num_layers} layers{_of(shape)}"
+        )
+
+
+def check_rollout_split(shape: ModelShape, tp: int) -> None:
+    """The one check that rollout TP can split this model (KV heads may be replicated: TP a multiple of them).
+    Config, the planner and the engines' layout (``rollout.layout.tp_shape``) all call it."""
+    if shape.num_heads % tp or (shape.num_kv_heads % tp and tp % shape.num_kv_heads):
+        raise ValueError(
+            f"rollout.tp={tp} must divide the attention heads ({shape.num_heads}), and divide or be a multiple "
+            f"of the KV heads ({shape.num_kv_heads}){_of(shape)}"
+        )
+    if shape.intermediate_size % tp:
+        raise ValueError(
+            f"rollout.tp={tp} must divide the intermediate size ({shape.intermediate_size}){_of(shape)}; pick a divisor"
+        )
 
 
 @dataclass(frozen=True)
@@ -35,13 +75,22 @@ class ColocatedMesh:
         for name in ("world_size", "actor_tp", "actor_pp", "rollout_tp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"mesh {name}={getattr(self, name)} must be >= 1")
-        if self.world_size % (self.actor_tp * self.actor_pp):
+        world, tp, pp = self.world_size, self.actor_tp, self.actor_pp
+        if world % (tp * pp):
             raise ValueError(
-                f"world size {self.world_size} is not a multiple of actor.tp x actor.pp = "
-                f"{self.actor_tp}x{self.actor_pp}"
+                f"actor.tp={tp} x actor.pp={pp} does not divide the world size {world} (cluster.num_nodes x "
+                f"cluster.procs_per_node); pick actor.tp and actor.pp whose product divides {world}, or change "
+                "cluster.procs_per_node"
             )
-        if self.world_size % self.rollout_tp:
-            raise ValueError(f"rollout.tp={self.rollout_tp} does not divide the world size {self.world_size}")
+        if world % self.rollout_tp:
+            raise ValueError(
+                f"rollout.tp={self.rollout_tp} does not divide the world size {world}; pick a divisor of {world}"
+            )
+
+    def check(self, shape: ModelShape) -> None:
+        """Whether both sides' layouts can split ``shape`` (:func:`check_actor_split`, :func:`check_rollout_split`)."""
+        check_actor_split(shape, self.actor_tp, self.actor_pp, self.actor_vpp)
+        check_rollout_split(shape, self.rollout_tp)
 
     # ------------------------------------------------------------------ actor
     @property

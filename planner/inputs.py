@@ -6,17 +6,13 @@ import math
 from dataclasses import dataclass
 
 from modelspec.dtypes import DTYPE_NAMES, element_bytes
+from modelspec.engines import EngineProfile, engine_profile
+from modelspec.mesh import check_actor_split, check_rollout_split
 from modelspec.phases import WAKE_STRATEGIES  # the step's table owns them (modelspec/phases.py)
 from modelspec.shape import ModelShape
 from planner.calibration import Calibration, load
 from planner.devices import GIB, MIB, DeviceSpec
 
-# KV-cache block size when none is given: vLLM's CacheConfig.DEFAULT_BLOCK_SIZE and the native engine's (16);
-# vLLM's CPU platform uses 128 (restated from rollout.config, which the planner does not import)
-DEFAULT_BLOCK_SIZE = 16
-VLLM_CPU_DEFAULT_BLOCK_SIZE = 128
-
-ENGINES = ("vllm", "native")
 RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
@@ -112,7 +108,7 @@ class PlanInputs:
     engine_capacity_bytes: int | None = None  # native engine on CPU: rollout.cpu_capacity_gb; None: device total
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
-    block_size: int | None = None  # None: the engine's default (rollout.config.default_block_size)
+    block_size: int | None = None  # None: the engine's default (modelspec.engines: its profile)
     native_activation_reserve_bytes: int = 64 * MIB
     vllm_max_batched_tokens: int | None = None  # rollout.max_num_batched_tokens; None: vLLM's per-device default
     native_max_batched_tokens: int | None = None  # the native engine's prefill cap (rollout.max_num_batched_tokens)
@@ -154,27 +150,16 @@ class PlanInputs:
             raise ValueError(f"recompute_method={self.recompute_method!r} is not one of {RECOMPUTE_METHODS}")
         if not set(self.recompute_modules) <= set(RECOMPUTE_MODULES):
             raise ValueError(f"recompute_modules={self.recompute_modules} must be drawn from {RECOMPUTE_MODULES}")
-        if s.num_heads % self.actor_tp or s.num_kv_heads % self.actor_tp:
-            raise ValueError(
-                f"actor_tp={self.actor_tp} must divide the {s.num_heads} heads and {s.num_kv_heads} KV heads; "
-                "pick a common divisor"
-            )
-        vpp = self.actor_vpp or 1
-        if s.num_layers % (self.actor_pp * vpp):
-            raise ValueError(f"actor_pp x actor_vpp = {self.actor_pp}x{vpp} must divide the {s.num_layers} layers")
+        check_actor_split(s, self.actor_tp, self.actor_pp, self.actor_vpp)
         if self.actor_vpp is not None and self.actor_vpp > 1 and self.actor_pp < 2:
             raise ValueError(f"actor_vpp={self.actor_vpp} needs actor_pp >= 2; set actor_vpp=None")
-        if s.num_heads % self.rollout_tp or (s.num_kv_heads % self.rollout_tp and self.rollout_tp % s.num_kv_heads):
-            raise ValueError(
-                f"rollout_tp={self.rollout_tp} must divide the {s.num_heads} heads and divide or be a multiple "
-                f"of the {s.num_kv_heads} KV heads"
-            )
+        check_rollout_split(s, self.rollout_tp)
         if self.sequences_per_step % self.actor_dp:
             raise ValueError(
                 f"sequences_per_step={self.sequences_per_step} must split evenly over actor_dp={self.actor_dp}"
             )
+        engine_profile(self.engine)  # ValueError naming the engines there are (modelspec.engines)
         for name, choices in (
-            ("engine", ENGINES),
             ("wake_strategy", WAKE_STRATEGIES),
             ("recompute", RECOMPUTE),
             ("attention", ATTENTION),
@@ -247,7 +232,12 @@ class PlanInputs:
         """Tokens per KV-cache block: ``block_size``, else the engine's default on this device."""
         if self.block_size is not None:
             return self.block_size
-        return VLLM_CPU_DEFAULT_BLOCK_SIZE if self.engine == "vllm" and not self.on_cuda else DEFAULT_BLOCK_SIZE
+        return self.engine_profile.default_block_size(self.device.kind)
+
+    @property
+    def engine_profile(self) -> EngineProfile:
+        """The engine's memory behaviour (``modelspec.engines``): what the plan asks instead of its name."""
+        return engine_profile(self.engine)
 
     @property
     def vllm_batched_tokens(self) -> int:
@@ -289,15 +279,18 @@ class PlanInputs:
 
     @property
     def engine_persistent_bytes(self) -> int:
-        """What the engine keeps while it sleeps besides weights and KV cache: vLLM's CUDA graphs on CUDA
-        (``cuda_graph_bytes``), its runtime on CPU; 0 for the native engine."""
-        if self.engine != "vllm":
+        """What the engine keeps while it sleeps besides weights and KV cache: its profile's runtime reserve
+        on this device (vLLM: CUDA graphs on CUDA, ``cuda_graph_bytes`` when given; its runtime on CPU), or 0."""
+        return self.persistent_bytes_of(self.engine_profile)
+
+    def persistent_bytes_of(self, profile: EngineProfile) -> int:
+        """:attr:`engine_persistent_bytes` of the engine ``profile`` describes, on this device."""
+        constant = profile.runtime_reserve_constant(self.device.kind)
+        if constant is None:
             return 0
-        if not self.on_cuda:
-            return int(self.constants.value("vllm_runtime_bytes"))
-        if self.cuda_graph_bytes is not None:
+        if self.on_cuda and self.cuda_graph_bytes is not None:
             return self.cuda_graph_bytes
-        return int(self.constants.value("vllm_cuda_graph_bytes"))
+        return int(self.constants.value(constant))
 
     @property
     def num_communicators(self) -> int:

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 
 from modelspec.phases import StepFlags, phase_names, step_phases, wake_window_phases
+from modelspec.engines import ENGINE_PROFILES, EngineProfile, KvSizing
 from planner.inputs import PlanInputs
 from planner.sizes import (
     FP32_BYTES,
@@ -50,7 +51,6 @@ COMPONENTS = (
     "comm_buffers",
     "sync_bucket",
 )
-ENGINES_FOR_UTILIZATION = ("vllm", "native", "sglang")
 # state that comes and goes between phases (modelspec.phases.STATE, memory tags) -> its component
 _COMPONENT = {
     "actor_params": "actor_params",
@@ -197,9 +197,9 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
         "ref_params": st.ref_params,
     }
     persistent_reserve = inp.engine_persistent_bytes
-    # vLLM's CPU build takes new weights through its layerwise reload: the layers' unprocessed weights are
-    # materialized beside the repacked ones until vLLM repacks them again (measured: the engine's weights)
-    reload = weights if inp.engine == "vllm" and not inp.on_cuda else 0
+    # an engine that repacks its weights (vLLM's CPU build, layerwise reload) materializes the layers'
+    # unprocessed weights beside the repacked ones until it repacks them again (measured: the engine's weights)
+    reload = weights if inp.engine_profile.repacks_weights(inp.device.kind) else 0
     rollout_activations = engine_rollout_activation_bytes(inp)
     rollout_reserve = persistent_reserve + rollout_activations
     retained = 0 if inp.on_cuda else min(rollout_activations, int(inp.constants.value("heap_retention_bytes")))
@@ -223,11 +223,13 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
     flags = step_flags(inp)
     resident = set(flags.resident_at_step_start())
     start = set(resident)
+    # an engine that cannot sleep keeps its weights and KV cache through engine_sleep (its profile says)
+    engine_state = set() if inp.engine_profile.sleeps else {"weights", "kv_cache"}
     out = []
     for phase in step_phases(flags):
         if not phase.every_step:  # planned for the steps that run it all: save_checkpoint is not planned
             continue
-        after = (resident | set(phase.adds)) - set(phase.drops)
+        after = (resident | set(phase.adds)) - (set(phase.drops) - engine_state)
         components = dict.fromkeys(COMPONENTS, 0)
         for state in resident | after:  # offloads peak at their start, onloads and wakes at their end
             components[_COMPONENT[state]] = sizes[_COMPONENT[state]]
@@ -252,7 +254,7 @@ def engine_rollout_activation_bytes(inp: PlanInputs) -> int:
     the batch it really runs
     (its replica's sequences, all prompts prefilled at once unless max_num_batched_tokens caps them); its
     activation reserve is headroom kept out of the KV cache, not memory it allocates."""
-    if inp.engine == "native" or not inp.on_cuda:  # vLLM's CPU worker reserves no profiled activation peak
+    if not inp.engine_profile.profiles_activations(inp.device.kind):  # eager: the batch it really runs
         replicas = inp.actor_tp * inp.actor_pp * inp.actor_dp // inp.rollout_tp
         seqs = min(inp.max_num_seqs, math.ceil(inp.sequences_per_step / replicas))
         prefill = seqs * inp.prompt_tokens
@@ -370,28 +372,15 @@ class Plan:
         return kv // block * self.inputs.kv_block_size
 
     def equivalent_utilization(self, kv_cache_bytes: int | None = None) -> dict[str, float]:
-        """The ``gpu_memory_utilization`` that yields ``kv_cache_bytes`` under each engine's meaning.
-
-        vLLM: fraction of the device's total memory for weights + KV cache + reserve (activations, CUDA
-        graphs). native: weights + KV cache + its activation reserve, of the device total (on CPU, of
-        ``engine_capacity_bytes``). SGLang (``mem_fraction_static``): weights + KV cache, of the memory
-        free when the engine starts, taken as the device total less the runtime and what the rollout
-        phase holds outside the engine.
-        """
+        """The ``gpu_memory_utilization`` that yields ``kv_cache_bytes`` under each engine's meaning (its
+        profile's sizing rule, ``modelspec.engines``). vLLM on CUDA: fraction of the device's total memory for
+        weights + KV cache + reserve (CUDA graphs, profiled activations). native, and vLLM on CPU: weights + KV
+        cache + activation reserve, of the device total (on CPU, of ``engine_capacity_bytes``)."""
         inp = self.inputs
         kv = self.kv_cache_bytes if kv_cache_bytes is None else kv_cache_bytes
-        weights = self.engine_weight_bytes
-        vllm_reserve = inp.engine_persistent_bytes + engine_activation_bytes(
-            inp.shape, inp.rollout_tp, inp.element_bytes, inp.vllm_batched_tokens, inp.max_num_seqs
-        )
-        rollout = self.phase("rollout").components
-        outside_engine = sum(v for k, v in rollout.items() if k not in ("engine_weights", "kv_cache", "engine_reserve"))
-        free_at_start = self.capacity_bytes - self.runtime_overhead_bytes - outside_engine
-        native_capacity = inp.utilization_capacity_bytes if inp.engine == "native" else self.capacity_bytes
         return {
-            "vllm": (weights + kv + vllm_reserve) / self.capacity_bytes,
-            "native": (weights + kv + inp.native_activation_reserve_bytes) / native_capacity,
-            "sglang": (weights + kv) / free_at_start if free_at_start > 0 else math.inf,
+            name: profile.utilization(kv, _sizing(inp, profile, self.engine_weight_bytes))
+            for name, profile in ENGINE_PROFILES.items()
         }
 
     @property
@@ -401,14 +390,21 @@ class Plan:
         return math.floor(value * 1000) / 1000
 
 
-def _kv_from_utilization(inp: PlanInputs, weights: int, rollout_reserve: int) -> int:
-    """The KV cache an engine sizes itself from ``gpu_memory_utilization``."""
-    util = inp.gpu_memory_utilization
-    if (
-        inp.engine == "native" or not inp.on_cuda
-    ):  # vLLM on CPU is handed the native engine's budget (rollout/vllm_engine.py)
-        return int(util * inp.utilization_capacity_bytes) - weights - inp.native_activation_reserve_bytes
-    return int(util * inp.device.total_bytes) - weights - rollout_reserve
+def _sizing(inp: PlanInputs, profile: EngineProfile, weights: int) -> KvSizing:
+    """What an engine's KV sizing rule (``EngineProfile.kv_cache_bytes``) takes, on this plan's device."""
+    profiled = None
+    if profile.profiles_activations(inp.device.kind):  # its reserve: runtime + the profiled activation peak
+        profiled = inp.persistent_bytes_of(profile) + engine_activation_bytes(
+            inp.shape, inp.rollout_tp, inp.element_bytes, inp.vllm_batched_tokens, inp.max_num_seqs
+        )
+    return KvSizing(
+        device_kind=inp.device.kind,
+        device_total_bytes=inp.device.total_bytes,
+        capacity_bytes=inp.utilization_capacity_bytes,
+        weight_bytes=weights,
+        activation_reserve_bytes=inp.native_activation_reserve_bytes,
+        profiled_reserve_bytes=profiled,
+    )
 
 
 def make_plan(inp: PlanInputs) -> Plan:
@@ -435,12 +431,13 @@ def make_plan(inp: PlanInputs) -> Plan:
     if inp.kv_cache_bytes is not None:
         kv, source = inp.kv_cache_bytes, "kv_cache_bytes"
     elif inp.gpu_memory_utilization is not None:
-        kv, source = max(0, _kv_from_utilization(inp, weights, rollout_reserve)), "gpu_memory_utilization"
+        sized = inp.engine_profile.kv_cache_bytes(inp.gpu_memory_utilization, _sizing(inp, inp.engine_profile, weights))
+        kv, source = max(0, sized), "gpu_memory_utilization"
     else:
         kv, source = recommended, "auto"
     kv = kv // block * block
-    if inp.engine == "native":
-        kv = min(kv, useful_kv)  # the native engine allocates no more than max_num_seqs sequences can use
+    if inp.engine_profile.caps_kv_cache_at_max_num_seqs:
+        kv = min(kv, useful_kv)  # the engine allocates no more than max_num_seqs sequences can use
     plans = [_phases(inp, st, kv) for st in stages]
     worst = max(range(len(stages)), key=lambda i: max(p.predicted_bytes for p in plans[i]))
     notes = []

@@ -88,10 +88,10 @@ def format_table(plan: Plan, side_by_side: list[tuple[str, Plan]] | None = None,
         f"recommended {gib(plan.recommended_kv_cache_bytes)} GiB = {plan.kv_cache_tokens(plan.recommended_kv_cache_bytes):,}"
         " tokens"
     )
+    same = ", ".join(f"{engine} {value:.3f}" for engine, value in util.items())
     lines.append(
         f"recommended gpu_memory_utilization for {inp.engine}: {plan.recommended_gpu_memory_utilization} "
-        f"(same KV cache as vllm {util['vllm']:.3f}, native {util['native']:.3f}, sglang mem_fraction_static "
-        f"{util['sglang']:.3f})"
+        f"(same KV cache as {same})"
     )
     lines += ["", *constants_lines(plan)]
     if side_by_side:
@@ -167,16 +167,15 @@ def constants_used(plan: Plan) -> list[dict]:
     used: list[tuple[str, float, float]] = []  # name, the value this plan uses, bytes of the peak per unit of it
     if inp.runtime_overhead_bytes is None:
         used.append(("runtime_overhead_bytes", plan.runtime_overhead_bytes, 1.0))
-    if inp.engine == "vllm" and inp.on_cuda and inp.cuda_graph_bytes is None:
-        used.append(("vllm_cuda_graph_bytes", cal.value("vllm_cuda_graph_bytes"), 1.0))
-    if inp.engine == "vllm" and not inp.on_cuda:
-        used.append(("vllm_runtime_bytes", cal.value("vllm_runtime_bytes"), 1.0))
+    reserve = inp.engine_profile.runtime_reserve_constant(inp.device.kind)
+    if reserve is not None and not (inp.on_cuda and inp.cuda_graph_bytes is not None):
+        used.append((reserve, cal.value(reserve), 1.0))
     if inp.on_cuda and inp.comm_bytes_per_communicator is None and inp.num_communicators:
         used.append(("nccl_bytes_per_communicator", cal.value("nccl_bytes_per_communicator"), inp.num_communicators))
     if inp.attention == "unfused":
         factor = cal.value("local_spec_activation_factor")
         used.append(("local_spec_activation_factor", factor, peak["activations"] / factor if factor else 0.0))
-    if not inp.on_cuda or inp.engine == "native":
+    if not inp.engine_profile.profiles_activations(inp.device.kind):
         factor = cal.value("engine_activation_factor")
         rollout_act = engine_rollout_activation_bytes(inp) if plan.peak_phase in ("rollout", "engine_sleep") else 0
         used.append(("engine_activation_factor", factor, rollout_act / factor if factor else 0.0))

@@ -5,7 +5,7 @@ Each component owns its keyword-only config dataclass beside its code: ``ActorCo
 (rl/weight_sync/sync.py), ``DataConfig`` (rl/data.py), ``WandbConfig`` (rl/tracking.py),
 ``ClusterConfig`` (rl/launch.py), ``PolicyLossConfig`` (rl/losses.py). This module holds the model and
 trainer configs and :class:`RunConfig`, whose ``__post_init__`` checks parallel sizes against the model
-(its :class:`~modelspec.ModelShape`) and the world. Hydra composition lives in :mod:`rl.compose`.
+(its :class:`~modelspec.ModelShape`) and the world through :meth:`modelspec.ColocatedMesh.check`. Hydra composition lives in :mod:`rl.compose`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,16 @@ class ModelConfig:
             raise ValueError(f"model.path={self.path!r}: tiny families are {sorted(TINY_FAMILIES)}")
 
     def shape(self) -> ModelShape:
-        """The model's shape from ``path`` (or ``architecture``), checked against the declared sizes."""
+        """The model's shape from ``path`` (or ``architecture``), checked against the declared sizes. Read once
+        per run: kept with this config (and pickled with it to the ranks) until ``path`` or ``architecture``
+        changes, so the config's checks, preflight, the planner, the actor and the engine share one read."""
+        key = (self.path, self.architecture)
+        cached = getattr(self, "_shape_read", None)
+        if cached is None or cached[0] != key:
+            self._shape_read = (key, self._read_shape())
+        return self._shape_read[1]
+
+    def _read_shape(self) -> ModelShape:
         try:
             shape = ModelShape.from_pretrained(self.path)
         except ValueError as exc:  # an unsupported architecture, a config.json that does not parse
@@ -138,8 +147,9 @@ class RunConfig:
     output_dir: str = "runs"
 
     def __post_init__(self) -> None:
-        self._check_world()
-        self._check_model_split(self.model.shape())
+        mesh = self.mesh()  # the world size against actor TP x PP and rollout TP
+        self._check_actor_dp()
+        mesh.check(self.model.shape())  # both layouts against the model: modelspec.mesh, the one layout check
         dp = self.dp
         if self.trainer.prompts_per_step % dp:
             raise ValueError(
@@ -162,39 +172,12 @@ class RunConfig:
         if not self.resume:
             raise ValueError("resume='' is empty; use resume=auto, resume=never or resume=<checkpoint path>")
 
-    def _check_world(self) -> None:
+    def _check_actor_dp(self) -> None:
         world, tp, pp = self.cluster.world_size, self.actor.tp, self.actor.pp
-        if world % (tp * pp) != 0:
-            raise ValueError(
-                f"actor.tp={tp} x actor.pp={pp} does not divide the world size {world} (cluster.num_nodes x "
-                f"cluster.procs_per_node); pick actor.tp and actor.pp whose product divides {world}, or change "
-                "cluster.procs_per_node"
-            )
         if self.actor.dp is not None and tp * pp * self.actor.dp != world:
             raise ValueError(
                 f"actor.tp x actor.pp x actor.dp = {tp}x{pp}x{self.actor.dp} != world size {world}; "
                 f"set actor.dp={world // (tp * pp)} or actor.dp=null"
-            )
-        if world % self.rollout.tp != 0:
-            raise ValueError(
-                f"rollout.tp={self.rollout.tp} does not divide the world size {world}; pick a divisor of {world}"
-            )
-
-    def _check_model_split(self, shape: ModelShape) -> None:
-        heads, kv_heads, layers = shape.num_heads, shape.num_kv_heads, shape.num_layers
-        tp, pp, vpp = self.actor.tp, self.actor.pp, self.actor.vpp or 1
-        if heads % tp or kv_heads % tp:
-            raise ValueError(
-                f"actor.tp={tp} must divide the attention heads ({heads}) and KV heads ({kv_heads}) "
-                f"of {self.model.path}; pick a common divisor"
-            )
-        if layers % (pp * vpp):
-            raise ValueError(f"actor.pp x actor.vpp = {pp}x{vpp} must divide the {layers} layers of {self.model.path}")
-        rtp = self.rollout.tp
-        if heads % rtp or (kv_heads % rtp and rtp % kv_heads):
-            raise ValueError(
-                f"rollout.tp={rtp} must divide the attention heads ({heads}), and divide or be a multiple "
-                f"of the KV heads ({kv_heads}) of {self.model.path}"
             )
 
     @property

@@ -68,22 +68,6 @@ def needs_devices(cfg: RunConfig, overrides: list[str], problem: str) -> int:
     return 2
 
 
-def check_auto_plan(cfg: RunConfig) -> None:
-    """gpu_memory_utilization=auto: the planner must be able to pick a KV cache before any rank starts."""
-    from planner import make_plan
-    from planner.report import verdict
-    from rl.planning import plan_inputs
-
-    try:
-        plan = make_plan(plan_inputs(cfg))
-    except ValueError as exc:
-        raise ConfigError(f"rollout.gpu_memory_utilization=auto needs a memory plan: {exc}") from None
-    if not plan.fits:
-        raise ConfigError(
-            f"rollout.gpu_memory_utilization=auto: {verdict(plan)} (`make plan EXP={cfg.exp}` shows every phase)"
-        )
-
-
 def pick_run_dir(cfg: RunConfig, given: str | None) -> Path | None:
     """Where the run writes: --run-dir; else the run directory of resume=<checkpoint>; else, for resume=auto,
     the newest unfinished run of this experiment with the same config; else None (a new directory)."""
@@ -101,8 +85,13 @@ def pick_run_dir(cfg: RunConfig, given: str | None) -> Path | None:
 
 def check_launch(cfg: RunConfig, run_dir: str | None) -> None:
     """What the launcher itself cannot do with this config (raises ConfigError)."""
-    if cfg.rollout.gpu_memory_utilization == "auto" and cfg.rollout.kv_cache_bytes is None:
-        check_auto_plan(cfg)
+    if cfg.rollout.planner_sizes_kv_cache:
+        from rl.planning import check_auto_kv_cache
+
+        try:
+            check_auto_kv_cache(cfg)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if launched_externally() and run_dir is None:
         raise ConfigError("--run-dir is required under torchrun/srun so all ranks share one")
     if not launched_externally() and cfg.cluster.num_nodes > 1:

@@ -31,7 +31,6 @@ def plan_inputs(cfg, prompt_tokens: int | None = None, calibration=None) -> Plan
         prompt_tokens = longest - rollout.max_new_tokens
         if not rollout.max_model_len:
             prompt_tokens = min(DEFAULT_PROMPT_TOKENS, prompt_tokens)
-    util = rollout.gpu_memory_utilization
     return PlanInputs(
         shape=shape,
         device=device,
@@ -60,7 +59,8 @@ def plan_inputs(cfg, prompt_tokens: int | None = None, calibration=None) -> Plan
         response_tokens=rollout.max_new_tokens,
         engine=rollout.engine,
         rollout_tp=rollout.tp,
-        gpu_memory_utilization=None if util == "auto" else float(util),
+        wake_strategy=rollout.wake_strategy,
+        gpu_memory_utilization=rollout.utilization,  # None: auto
         kv_cache_bytes=rollout.kv_cache_bytes,
         engine_capacity_bytes=int(rollout.cpu_capacity_gb * 2**30),
         max_num_seqs=rollout.max_num_seqs,
@@ -95,17 +95,18 @@ class KvCacheChoice:
 
 
 def choose_kv_cache(cfg, plan: Plan, measured_free_bytes: int | None = None) -> KvCacheChoice:
-    """What the engine is handed. ``rollout.kv_cache_bytes`` wins; ``gpu_memory_utilization=auto`` takes the
-    planner's recommendation, bounded (when ``measured_free_bytes`` is given: CUDA, after the actor is built
-    and offloaded) by what the device has free for weights + KV cache + engine reserve less the plan's
-    margin, in whole blocks. A float utilization is left to the engine."""
+    """What the engine is handed: the one place ``rollout.gpu_memory_utilization=auto`` is resolved (the
+    launcher's check and the rank's engine start both come here). ``rollout.kv_cache_bytes`` wins; ``auto``
+    takes the planner's recommendation, bounded (when ``measured_free_bytes`` is given: CUDA, after the actor
+    is built and offloaded) by what the device has free for weights + KV cache + engine reserve less the
+    plan's margin, in whole blocks. A float utilization is left to the engine."""
     rollout = cfg.rollout
     if rollout.kv_cache_bytes is not None:
-        util = rollout.gpu_memory_utilization
-        util = plan.equivalent_utilization(rollout.kv_cache_bytes)[rollout.engine] if util == "auto" else util
+        util = rollout.utilization
+        util = plan.equivalent_utilization(rollout.kv_cache_bytes)[rollout.engine] if util is None else util
         return KvCacheChoice(rollout.kv_cache_bytes, util, "rollout.kv_cache_bytes", plan.kv_cache_tokens())
-    if rollout.gpu_memory_utilization != "auto":
-        return KvCacheChoice(None, rollout.gpu_memory_utilization, "the engine's own sizing", plan.kv_cache_tokens())
+    if rollout.utilization is not None:
+        return KvCacheChoice(None, rollout.utilization, "the engine's own sizing", plan.kv_cache_tokens())
     kv, source = plan.recommended_kv_cache_bytes, "chosen by the planner (gpu_memory_utilization=auto)"
     if measured_free_bytes is not None:
         block = plan.kv_bytes_per_token * plan.inputs.kv_block_size
@@ -125,13 +126,30 @@ def choose_kv_cache(cfg, plan: Plan, measured_free_bytes: int | None = None) -> 
 
 def engine_config(cfg, choice: KvCacheChoice):
     """``cfg.rollout`` as the engine gets it: an ``auto`` utilization resolved to bytes (and its fraction)."""
-    if choice.kv_cache_bytes is None or cfg.rollout.gpu_memory_utilization != "auto":
+    if choice.kv_cache_bytes is None or cfg.rollout.utilization is not None:
         return cfg.rollout
     return dataclasses.replace(
         cfg.rollout,
         kv_cache_bytes=choice.kv_cache_bytes,
         gpu_memory_utilization=min(1.0, choice.gpu_memory_utilization),
     )
+
+
+def check_auto_kv_cache(cfg) -> None:
+    """``rollout.gpu_memory_utilization=auto`` before any rank starts: the plan must fit and pick a KV cache
+    (``choose_kv_cache`` without a measurement, what a CPU rank will do). ValueError in one line."""
+    from planner import make_plan
+    from planner.report import verdict
+
+    try:
+        plan = make_plan(plan_inputs(cfg))
+    except ValueError as exc:
+        raise ValueError(f"rollout.gpu_memory_utilization=auto needs a memory plan: {exc}") from None
+    if not plan.fits:
+        raise ValueError(
+            f"rollout.gpu_memory_utilization=auto: {verdict(plan)} (`make plan EXP={cfg.exp}` shows every phase)"
+        )
+    choose_kv_cache(cfg, plan)
 
 
 def prediction_errors(plan: Plan, rows: list[dict], min_bytes: int = 0) -> dict[str, dict[str, float]]:

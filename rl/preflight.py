@@ -25,8 +25,6 @@ from rl.config import RunConfig
 from rl.planning import plan_inputs
 from rl.sampling import sampling_seed
 
-# engine -> the package it needs (the native engine is this repository)
-ENGINE_PACKAGES = {"vllm": "vllm"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 # keys that may change between the run that saved a checkpoint and the one that resumes it automatically
 RESUMABLE_CHANGES = ("resume", "trainer.steps")
@@ -44,7 +42,7 @@ def preflight(cfg: RunConfig, run_dir: Path | None) -> None:
 
 
 def check_engine_installed(cfg: RunConfig) -> None:
-    package = ENGINE_PACKAGES.get(cfg.rollout.engine)
+    package = cfg.rollout.profile.package  # what the engine needs beyond this repository (modelspec.engines)
     if package is None:
         return
     try:
@@ -97,8 +95,8 @@ def check_kv_budget(cfg: RunConfig) -> None:
     vLLM both refuse to start without). The KV cache is the one the memory plan gives this config's engine
     (``planner.plan``: each engine's own sizing rule), so launch and ``make plan`` agree."""
     rollout = cfg.rollout
-    if rollout.gpu_memory_utilization == "auto" and rollout.kv_cache_bytes is None:
-        return  # the planner picks it (rl.main.check_auto_plan refuses a plan where none fits)
+    if rollout.planner_sizes_kv_cache:
+        return  # the planner picks it (rl.planning.check_auto_kv_cache, at launch, refuses a plan where none fits)
     try:
         plan = make_plan(plan_inputs(cfg))
     except ValueError as exc:

@@ -178,12 +178,13 @@ def setup(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None) -> Ran
 
     probe = MemoryProbe(dims.device)  # after imports and process-group setup: the CPU baseline
     timeline = MemoryTimeline(probe, dims.rank, interval_s=cfg.trainer.memory_sample_interval_s)
-    actor = Actor(cfg.model.path, cfg.actor, dims, dtype=cfg.model.dtype)
+    shape = cfg.model.shape()  # read once, in the launcher (it came with cfg)
+    actor = Actor(cfg.model.path, cfg.actor, dims, dtype=cfg.model.dtype, shape=shape)
     if checkpoint is not None:
         actor.load_checkpoint(checkpoint / ACTOR_DIR)  # any saved layout: dist checkpointing reshards
     ref_actor = None
     if cfg.algorithm.kl_coef > 0:
-        ref_actor = Actor(cfg.model.path, cfg.actor, dims, dtype=cfg.model.dtype, train=False)
+        ref_actor = Actor(cfg.model.path, cfg.actor, dims, dtype=cfg.model.dtype, train=False, shape=shape)
     probe.add_ledger(lambda: _tagged(actor.memory(), dims.device))
     if ref_actor is not None:
         # the reference actor's params under their own tag (its ledger calls them actor_params)
@@ -246,7 +247,7 @@ def start_engine(ctx: RankContext) -> RankContext:
     from rollout import make_engine
 
     cfg, dims = ctx.cfg, ctx.dims
-    auto = cfg.rollout.gpu_memory_utilization == "auto"
+    auto = cfg.rollout.utilization is None
     # sequences as long as this task's longest prompt + max_new_tokens (not max_model_len: the data decides)
     prompt_tokens = max(len(ctx.tokenizer(p).input_ids) for p in ctx.task.longest_prompts())
     try:
@@ -278,6 +279,7 @@ def start_engine(ctx: RankContext) -> RankContext:
         device=dims.device,
         dtype=cfg.model.dtype,
         load=False,
+        shape=cfg.model.shape(),
     )
     ctx.timeline.probe.add_ledger(lambda: _tagged(engine.memory(), dims.device))
     if ctx.writer is not None and plan is not None:

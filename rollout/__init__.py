@@ -27,9 +27,9 @@ def make_engine(
     """The engine of ``cfg.engine`` for the HF checkpoint at ``model_path``, on global ``rank`` of ``mesh``.
 
     native: ``group`` is the rollout TP process group of this rank's replica (None for TP=1); kwargs
-    ``device``, ``dtype``, ``load``. vllm: runs inside the training ranks (external_launcher; vLLM makes its
+    ``device``, ``dtype``, ``load``, ``shape`` (the run's :class:`~modelspec.ModelShape`; None: read it). vllm: runs inside the training ranks (external_launcher; vLLM makes its
     own TP / DP groups from ``mesh``, ``group`` is not used); kwargs ``dtype``, ``load``, ``device`` and
-    EngineArgs fields.
+    ``shape`` and EngineArgs fields.
     """
     if cfg.engine == "native":
         from rollout.native import NativeEngine

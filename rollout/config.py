@@ -3,22 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+from modelspec.engines import EngineProfile, KvSizing, engine_profile
 from modelspec.phases import WAKE_STRATEGIES, engine_wakes
 
-ENGINES = ("native", "vllm")
-# KV-cache block size when rollout.block_size is null: vLLM's CacheConfig.DEFAULT_BLOCK_SIZE (16), which its
-# CPU platform replaces with 128 (vllm/platforms/cpu.py check_and_update_config: CPU attention wants multiples
-# of 32); the native engine uses 16.
-DEFAULT_BLOCK_SIZE = 16
-VLLM_CPU_DEFAULT_BLOCK_SIZE = 128
-
-
-def default_block_size(engine: str, on_cuda: bool) -> int:
-    """The KV-cache block size ``engine`` uses when ``rollout.block_size`` is null."""
-    return VLLM_CPU_DEFAULT_BLOCK_SIZE if engine == "vllm" and not on_cuda else DEFAULT_BLOCK_SIZE
-
+AUTO = "auto"  # rollout.gpu_memory_utilization=auto: the planner picks the KV cache
 
 # Which memory tags the engine takes back at which wake phase of the step, per ``rollout.wake_strategy``: the
 # wake phases' adds in the step's table (modelspec/phases.py). staged wakes the weights, lets the sync write them
@@ -35,8 +24,8 @@ class RolloutConfig:
     engine: str = "native"
     tp: int = 1
     # float in (0, 1]: fraction of device memory the engine may hold (weights + KV cache + reserve);
-    # "auto": the planner picks the largest safe value before launch.
-    gpu_memory_utilization: Any = 0.5
+    # "auto" (AUTO): the planner picks the KV cache (rl.planning.choose_kv_cache, the one place that resolves it).
+    gpu_memory_utilization: float | int | str = 0.5  # composed as written (1, 0.5, auto); a float or AUTO after checks
     wake_strategy: str = "staged"
     # On CPU there is no device capacity to read; the native engine sizes its KV cache from this.
     cpu_capacity_gb: float = 2.0
@@ -48,8 +37,8 @@ class RolloutConfig:
     # True: every sample runs to max_new_tokens (the checkpoint's EOS does not stop it): the plan's worst case,
     # for benchmarks and the planner's validation runs
     ignore_eos: bool = False
-    # Tokens per KV-cache block (None: the engine's default, ``default_block_size``: 16, but 128 for vLLM's
-    # CPU build, whose attention wants multiples of 32); most sequences one batch may run; longest prompt +
+    # Tokens per KV-cache block (None: the engine's default, its profile's in modelspec.engines: 16, but 128 for
+    # vLLM's CPU build, whose attention wants multiples of 32); most sequences one batch may run; longest prompt +
     # response (None: the checkpoint's max_position_embeddings); bytes kept free for activations when sizing
     # the native engine's KV cache. vLLM gets block_size, max_num_seqs, max_num_batched_tokens, max_model_len.
     block_size: int | None = None
@@ -74,12 +63,11 @@ class RolloutConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ValueError(f"rollout.engine={self.engine!r} is not one of {ENGINES}")
+        engine_profile(self.engine)  # ValueError naming the engines there are
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"rollout.tp={self.tp!r} must be a positive integer")
         util = self.gpu_memory_utilization
-        if util != "auto":
+        if util != AUTO:
             try:
                 util = float(util)
             except (TypeError, ValueError):
@@ -137,14 +125,41 @@ class RolloutConfig:
         """The tags the engine wakes at ``phase`` (``wake_weights`` or ``wake_kv_cache``) under this strategy."""
         return WAKE_TAGS[self.wake_strategy][phase]
 
-    def kv_cache_budget_bytes(self, capacity_bytes: int, weight_bytes: int) -> int:
-        """Bytes the KV cache may take: ``kv_cache_bytes`` when set, else utilization x capacity - weights -
-        activation reserve (capacity: the device's total memory, or ``cpu_capacity_gb`` on CPU)."""
+    @property
+    def utilization(self) -> float | None:
+        """``gpu_memory_utilization`` as a fraction, or None for ``auto`` (the planner's convention)."""
+        return None if self.gpu_memory_utilization == AUTO else float(self.gpu_memory_utilization)
+
+    @property
+    def planner_sizes_kv_cache(self) -> bool:
+        """``auto`` without ``kv_cache_bytes``: the plan picks the KV cache (``rl.planning.choose_kv_cache``)."""
+        return self.utilization is None and self.kv_cache_bytes is None
+
+    @property
+    def profile(self) -> EngineProfile:
+        """This engine's memory behaviour (``modelspec.engines``)."""
+        return engine_profile(self.engine)
+
+    def kv_cache_budget_bytes(self, device_kind: str, capacity_bytes: int, weight_bytes: int) -> int:
+        """Bytes the KV cache may take: ``kv_cache_bytes`` when set, else the engine's sizing rule
+        (``EngineProfile.kv_cache_bytes``: utilization x capacity - weights - activation reserve; capacity: the
+        device's total memory, or ``cpu_capacity_gb`` on CPU)."""
         if self.kv_cache_bytes is not None:
             return self.kv_cache_bytes
-        util = self.gpu_memory_utilization
-        if util == "auto":
+        util = self.utilization
+        if util is None:
             raise ValueError(
                 "rollout.gpu_memory_utilization='auto' must be resolved by the planner before the engine starts"
             )
-        return int(util * capacity_bytes) - weight_bytes - self.activation_reserve_mb * 2**20
+        sizing = KvSizing(
+            device_kind=device_kind,
+            device_total_bytes=capacity_bytes,
+            capacity_bytes=capacity_bytes,
+            weight_bytes=weight_bytes,
+            activation_reserve_bytes=self.activation_reserve_mb * 2**20,
+        )
+        return self.profile.kv_cache_bytes(util, sizing)
+
+    def block_size_on(self, device_kind: str) -> int:
+        """Tokens per KV-cache block: ``block_size``, else the engine's default on ``device_kind``."""
+        return self.block_size or self.profile.default_block_size(device_kind)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from modelspec import ModelShape
 from modelspec.family import dims_size, full_sizes, layer_parts
+from modelspec.mesh import check_rollout_split
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 
@@ -59,13 +60,8 @@ class TPShape:
 def tp_shape(shape: ModelShape, tp: int, tp_rank: int) -> TPShape:
     if not 0 <= tp_rank < tp:
         raise ValueError(f"tp_rank={tp_rank} is outside [0, {tp})")
+    check_rollout_split(shape, tp)
     hq, hkv = shape.num_heads, shape.num_kv_heads
-    if hq % tp:
-        raise ValueError(f"rollout.tp={tp} must divide the {hq} attention heads")
-    if hkv % tp and tp % hkv:
-        raise ValueError(f"rollout.tp={tp} must divide or be a multiple of the {hkv} KV heads")
-    if shape.intermediate_size % tp:
-        raise ValueError(f"rollout.tp={tp} must divide intermediate_size={shape.intermediate_size}")
     if tp >= hkv:  # vLLM QKVParallelLinear: one KV head per rank, replicated T/Hkv times
         kv, kv_start = 1, tp_rank // (tp // hkv)
     else:

@@ -101,6 +101,7 @@ def engine_args(
     dtype: str = "auto",
     load: bool = True,
     capacity_bytes: int | None = None,
+    shape: ModelShape | None = None,
     **overrides: Any,
 ) -> dict[str, Any]:
     """The keyword arguments of ``vllm.LLM`` / ``EngineArgs`` for ``platform`` ("cpu" or "cuda").
@@ -108,6 +109,7 @@ def engine_args(
     Only ``EngineArgs`` fields (vLLM raises ``TypeError`` on anything else). ``load=False`` starts from
     vLLM's dummy (random) weights: the caller writes the real ones (weight sync) before generating.
     ``capacity_bytes``: what the CPU KV budget is a fraction of (default ``rollout.cpu_capacity_gb``).
+    ``shape``: the run's model shape (None: read from ``model_path`` when the CPU KV budget needs it).
     """
     if platform not in ("cpu", "cuda"):
         raise ValueError(f"platform={platform!r} must be 'cpu' or 'cuda'")
@@ -128,7 +130,7 @@ def engine_args(
         enforce_eager=platform == "cpu",  # CPU: no torch.compile warm-up (minutes on 2 cores)
     )
     # the sizing knobs the memory plan uses reach vLLM; left null, vLLM picks its own per-device default, which
-    # the planner restates (planner.inputs.vllm_default_max_num_batched_tokens, rollout.config.default_block_size)
+    # the planner restates (planner.inputs.vllm_default_max_num_batched_tokens, the block size: modelspec.engines)
     if cfg.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
     if cfg.block_size is not None:
@@ -141,11 +143,11 @@ def engine_args(
         kwargs.update(enable_sleep_mode=True, gpu_memory_utilization=cfg.gpu_memory_utilization)
     elif cfg.kv_cache_bytes is None:
         # CPU vLLM would take gpu_memory_utilization x the NODE's memory; size it as the native engine does
-        shape = ModelShape.from_pretrained(model_path)
+        shape = shape if shape is not None else ModelShape.from_pretrained(model_path)
         elem = 4 if dtype == "auto" else element_bytes(dtype)  # auto: assume fp32 (the smaller KV budget)
         weight_bytes = shape.param_count() * elem // cfg.tp
         capacity = capacity_bytes if capacity_bytes is not None else int(cfg.cpu_capacity_gb * 2**30)
-        budget = cfg.kv_cache_budget_bytes(capacity, weight_bytes)
+        budget = cfg.kv_cache_budget_bytes(platform, capacity, weight_bytes)
         if budget <= 0:
             raise ValueError(
                 f"KV cache budget {budget / 2**20:.0f} MiB <= 0: raise rollout.cpu_capacity_gb or "
@@ -391,6 +393,7 @@ class VllmEngine:
         dtype: str = "auto",
         load: bool = True,
         device: torch.device | str | None = None,
+        shape: ModelShape | None = None,
         **overrides: Any,
     ) -> None:
         check_vllm_available()
@@ -406,7 +409,7 @@ class VllmEngine:
         if device is not None and torch.device(device) not in (vllm_device, torch.device(vllm_device.type)):
             raise ValueError(f"device={device} but vLLM runs this rank on {vllm_device} (its platform, LOCAL_RANK)")
         _ensure_launcher_env(mesh, rank)
-        kwargs = engine_args(cfg, model_path, mesh, self.platform, dtype=dtype, load=load, **overrides)
+        kwargs = engine_args(cfg, model_path, mesh, self.platform, dtype=dtype, load=load, shape=shape, **overrides)
         with _keep_process_settings():
             self.llm = LLM(**kwargs)
         # vLLM's in-process engine core tears down torch.distributed when it is collected (its shutdown

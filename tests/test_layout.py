@@ -119,9 +119,9 @@ def test_te_spec_names_and_divisibility_errors():
     assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in names
     assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in names
     assert not any("input_layernorm" in n or "pre_mlp_layernorm" in n for n in names)
-    with pytest.raises(ValueError, match="TP=4 must divide"):
+    with pytest.raises(ValueError, match="actor.tp=4 must divide"):
         rank_pieces(shape, RankLayout(4, 1, None, 0, 0))
-    with pytest.raises(ValueError, match="PP x VPP = 2x4"):
+    with pytest.raises(ValueError, match="actor.pp x actor.vpp = 2x4"):
         rank_pieces(shape, RankLayout(1, 2, 4, 0, 0))
     with pytest.raises(ValueError, match="not supported"):
         ModelShape.from_hf_config({"model_type": "gpt2"})
@@ -141,4 +141,4 @@ def test_parity_cli_rejects_bad_input_before_launching(tmp_path, tiny_model_dirs
     assert "model_type 'gpt2' is not supported" in capsys.readouterr().err
     assert main(["--hf", tiny_model_dirs["qwen2"], "--tp", "4"]) == 2
     err = capsys.readouterr().err
-    assert "TP=4 must divide" in err and len(err.strip().splitlines()) == 1
+    assert "actor.tp=4 must divide" in err and len(err.strip().splitlines()) == 1

@@ -1,4 +1,4 @@
-"""``make sweep`` / ``make sweep-local`` (tools/sweep.py): the grid from the YAML, the agent's command line,
+"""``make sweep`` / ``make sweep-local`` (tools/sweep/): the grid from the YAML, the agent's command line,
 validation before launch, the summary table and plot, the rendered Slurm array, and one real local sweep (slow).
 
 The agent's command line is checked against wandb's own ``Agent._command_run`` (only the process it would
@@ -19,22 +19,26 @@ import pytest
 import yaml
 
 from planner import PHASES
-from tools import sweep as sw
+from tools.sweep import agent as sweep_agent
+from tools.sweep import grid as sweep_grid
+from tools.sweep import points as sweep_points
+from tools.sweep import summary as sweep_summary
+from tools.sweep import trial as sweep_trial
 
 REPO = Path(__file__).resolve().parent.parent
 SMOKE_ARGS = ["trainer.steps=2", "trainer.sft_warmup_steps=2"]
 
 
 def test_every_sweep_file_loads_and_its_points_compose():
-    names = sorted(p.stem for p in sw.SWEEPS_DIR.glob("*.yaml"))
+    names = sorted(p.stem for p in sweep_grid.SWEEPS_DIR.glob("*.yaml"))
     assert {"util_offload", "cpu_smoke"} <= set(names)
     for name in names:
-        grid = sw.grid_points(sw.load_sweep(name))
+        grid = sweep_grid.grid_points(sweep_grid.load_sweep(name))
         assert len(grid) == len({json.dumps(p, sort_keys=True) for p in grid})  # no point twice
 
 
 def test_grid_is_w_and_bs_order_sorted_parameters_last_fastest():
-    grid = sw.grid_points(sw.load_sweep("util_offload"))
+    grid = sweep_grid.grid_points(sweep_grid.load_sweep("util_offload"))
     assert len(grid) == 4 * 2 * 2 * 2 * 2
     assert list(grid[0]) == sorted(grid[0])  # parameters by name
     assert grid[0] == {
@@ -47,7 +51,7 @@ def test_grid_is_w_and_bs_order_sorted_parameters_last_fastest():
     assert grid[1]["rollout.wake_strategy"] == "all_at_once" and grid[2]["rollout.gpu_memory_utilization"] == 0.5
     assert grid[-1]["actor.offload.grads"] is False and grid[-1]["rollout.gpu_memory_utilization"] == 0.9
     constant = {"method": "grid", "parameters": {"b": {"values": [1, 2]}, "a": {"value": "x"}}}
-    assert sw.grid_points(constant) == [{"a": "x", "b": 1}, {"a": "x", "b": 2}]
+    assert sweep_grid.grid_points(constant) == [{"a": "x", "b": 1}, {"a": "x", "b": 2}]
 
 
 @pytest.mark.parametrize(
@@ -61,22 +65,22 @@ def test_grid_is_w_and_bs_order_sorted_parameters_last_fastest():
 def test_bad_sweep_files_fail_in_one_line(text, expected, tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
-    with pytest.raises(sw.SweepError, match=None) as info:
-        sw.load_sweep(str(path))
+    with pytest.raises(sweep_grid.SweepError, match=None) as info:
+        sweep_grid.load_sweep(str(path))
     assert expected in str(info.value) and "\n" not in str(info.value)
-    with pytest.raises(sw.SweepError, match="SWEEP='nope' is not a sweep; choose one of"):
-        sw.load_sweep("nope")
+    with pytest.raises(sweep_grid.SweepError, match="SWEEP='nope' is not a sweep; choose one of"):
+        sweep_grid.load_sweep("nope")
 
 
 def test_local_command_is_what_w_and_bs_agent_runs(tmp_path, monkeypatch):
     import wandb.wandb_agent as wandb_agent
 
-    sweep = sw.load_sweep("cpu_smoke")
-    point = sw.grid_points(sweep)[3]
+    sweep = sweep_grid.load_sweep("cpu_smoke")
+    point = sweep_grid.grid_points(sweep)[3]
     fixed = ["trainer.steps=2"]
-    command = sw.with_fixed_overrides(sweep["command"], fixed)
-    env = {sw.EXP_ENV: "tiny_cpu", sw.RUN_DIR_ENV: str(tmp_path / "run")}
-    ours = sw.agent_command(dict(sweep, command=command), point, env, "python")
+    command = sweep_grid.with_fixed_overrides(sweep["command"], fixed)
+    env = {sweep_agent.EXP_ENV: "tiny_cpu", sweep_agent.RUN_DIR_ENV: str(tmp_path / "run")}
+    ours = sweep_agent.agent_command(dict(sweep, command=command), point, env, "python")
 
     started = []
 
@@ -105,19 +109,21 @@ def test_infeasible_points_are_found_before_launch_with_their_reason():
         {"rollout.gpu_memory_utilization": 0.5},
         {"rollout.gpu_memory_utilization": 1.5},  # not a valid config
     ]
-    points = sw.validate("tiny_cpu", SMOKE_ARGS, grid)
+    points = sweep_points.validate("tiny_cpu", SMOKE_ARGS, grid)
     assert [p.status for p in points] == ["infeasible", "pending", "infeasible"]
     assert points[0].reason.startswith("plan on cpu: DOES NOT FIT: the KV cache")
     assert points[1].plan.fits and points[1].cfg.trainer.steps == 2
     assert points[2].reason.startswith("config: rollout.gpu_memory_utilization=1.5 is outside (0, 1]")
-    big = sw.validate("qwen32b_8xh100", [], [{"actor.offload.params": False, "rollout.gpu_memory_utilization": 0.9}])
+    big = sweep_points.validate(
+        "qwen32b_8xh100", [], [{"actor.offload.params": False, "rollout.gpu_memory_utilization": 0.9}]
+    )
     assert "plan on H100-80GB: DOES NOT FIT: rollout needs" in big[0].reason
 
 
 def test_args_may_not_set_a_swept_key():
-    grid = sw.grid_points(sw.load_sweep("cpu_smoke"))
-    with pytest.raises(sw.SweepError, match="ARGS sets rollout.wake_strategy=staged, which the sweep varies"):
-        sw.check_fixed(["trainer.steps=2", "rollout.wake_strategy=staged"], grid)
+    grid = sweep_grid.grid_points(sweep_grid.load_sweep("cpu_smoke"))
+    with pytest.raises(sweep_grid.SweepError, match="ARGS sets rollout.wake_strategy=staged, which the sweep varies"):
+        sweep_grid.check_fixed(["trainer.steps=2", "rollout.wake_strategy=staged"], grid)
 
 
 def fake_run(run_dir: Path, peaks: dict[int, dict[str, int]], step_seconds: list[float], reward: float) -> None:
@@ -139,14 +145,14 @@ def fake_run(run_dir: Path, peaks: dict[int, dict[str, int]], step_seconds: list
 
 def test_table_and_plot_from_run_directories(tmp_path):
     grid = [{"rollout.gpu_memory_utilization": 0.02}, {"rollout.gpu_memory_utilization": 0.5}]
-    points = sw.validate("tiny_cpu", SMOKE_ARGS, grid)
+    points = sweep_points.validate("tiny_cpu", SMOKE_ARGS, grid)
     mib = 2**20
     ranks = {0: {ph: 100 * mib for ph in PHASES}, 1: {ph: 100 * mib for ph in PHASES}}
     ranks[1]["train"] = 300 * mib  # the peak: rank 1, train
     fake_run(tmp_path / "p1", ranks, step_seconds=[4.0, 2.0, 3.0], reward=0.25)
-    points[1].result = sw.collect_result(tmp_path / "p1")
+    points[1].result = sweep_trial.collect_result(tmp_path / "p1")
     points[1].status = "ok"
-    rows = sw.table_rows(points)
+    rows = sweep_summary.table_rows(points)
     assert rows[1]["measured_train_bytes"] == 300 * mib and rows[1]["measured_rollout_bytes"] == 100 * mib
     assert (rows[1]["measured_peak_bytes"], rows[1]["measured_peak_phase"]) == (300 * mib, "train")
     assert rows[1]["step_seconds"] == 3.0 and rows[1]["reward"] == 0.25  # median over steps
@@ -156,19 +162,19 @@ def test_table_and_plot_from_run_directories(tmp_path):
     )
 
     params = list(grid[0])
-    sw.write_csv(rows, tmp_path / "summary.csv")
+    sweep_summary.write_csv(rows, tmp_path / "summary.csv")
     with open(tmp_path / "summary.csv", newline="") as f:
         read = list(csv.DictReader(f))
     assert [r["status"] for r in read] == ["infeasible", "ok"]
     assert int(read[1]["measured_train_bytes"]) == 300 * mib and read[0]["measured_train_bytes"] == ""
-    sw.write_markdown(rows, params, tmp_path / "summary.md", title="t")
+    sweep_summary.write_markdown(rows, params, tmp_path / "summary.md", title="t")
     md = (tmp_path / "summary.md").read_text()
     assert "| # | util | status | predicted peak MiB | measured peak MiB | rollout |" in md
     assert "| 1 | 0.500 | ok |" in md and "300 (train)" in md
     assert "- 00_util=0.02: infeasible: plan on cpu: DOES NOT FIT" in md
-    printed = sw.format_compact(rows, params)
+    printed = sweep_summary.format_compact(rows, params)
     assert "| 1 | 0.500 | ok |" in printed and "| 300 train | 100 | 300 |" in printed
-    sw.plot_peaks(rows, params, tmp_path / "peak.png", title="t")
+    sweep_summary.plot_peaks(rows, params, tmp_path / "peak.png", title="t")
     assert (tmp_path / "peak.png").stat().st_size > 10_000
 
 
@@ -196,7 +202,8 @@ def test_rendered_array_runs_one_agent_per_task_and_passes_bash_n(tmp_path):
     assert "#SBATCH --array=1-8\n" in text and "#SBATCH --cpus-per-task=2\n" in text and "{{" not in text
     uploaded = yaml.safe_load((script.parent / "sweep.yaml").read_text())
     assert (
-        uploaded["name"] == "cpu_smoke-tiny_cpu" and uploaded["parameters"] == sw.load_sweep("cpu_smoke")["parameters"]
+        uploaded["name"] == "cpu_smoke-tiny_cpu"
+        and uploaded["parameters"] == sweep_grid.load_sweep("cpu_smoke")["parameters"]
     )
     assert uploaded["command"][-3:] == ["wandb.mode=online", f"output_dir={tmp_path}", "${args_no_hyphens}"]
 
@@ -253,7 +260,7 @@ def test_without_an_api_key_wandb_sweep_fails_in_one_line_and_leaves_nothing(tmp
 
 @pytest.mark.slow
 def test_sweep_local_runs_its_points_and_skips_the_infeasible_ones(tmp_path):
-    sweep = sw.load_sweep("cpu_smoke")
+    sweep = sweep_grid.load_sweep("cpu_smoke")
     sweep["parameters"] = {
         "rollout.gpu_memory_utilization": {"values": [0.02, 0.5]},
         "rollout.wake_strategy": {"values": ["staged", "all_at_once"]},

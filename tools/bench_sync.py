@@ -33,6 +33,8 @@ import statistics
 import sys
 import time
 
+from modelspec.engines import ENGINES
+
 PROMPTS = ("1+2=", "3+4=", "2+2=")
 # name -> (train TP, train PP, rollout TP, world size)
 LAYOUTS = {"tp4->tp2": (4, 1, 2, 4), "tp2pp2->tp2": (2, 2, 2, 4), "tp2->tp1": (2, 1, 1, 2)}
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     from rl.launch import spawn_local
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engine", choices=("native", "vllm"), default="native")
+    parser.add_argument("--engine", choices=ENGINES, default="native")
     parser.add_argument("--layout", help=f"one of {', '.join(LAYOUTS)} (default: all three)")
     parser.add_argument("--hf", default="tiny:qwen2_memory_kv4", help="HF checkpoint directory or tiny:<family>")
     parser.add_argument("--bucket-mb", type=int, default=64)

@@ -15,6 +15,8 @@ import argparse
 import json
 import sys
 
+from modelspec.engines import ENGINES
+
 
 def _rank_main(args: argparse.Namespace) -> None:
     import torch
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     from rl.launch import spawn_local
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engine", choices=("native", "vllm"), default="native")
+    parser.add_argument("--engine", choices=ENGINES, default="native")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--hf", default="tiny:qwen2_memory")
     parser.add_argument("--num-prompts", type=int, default=64)

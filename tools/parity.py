@@ -18,8 +18,8 @@ from pathlib import Path
 
 def check_input(hf_dir: str, tp: int, pp: int, vpp: int | None) -> str | None:
     """One line describing what is wrong, or None."""
-    from megatron_backend.layout import check_divisible
     from modelspec import ModelShape
+    from modelspec.mesh import check_actor_split
 
     path = Path(hf_dir)
     if not path.is_dir():
@@ -35,7 +35,7 @@ def check_input(hf_dir: str, tp: int, pp: int, vpp: int | None) -> str | None:
 
         shape = ModelShape.from_pretrained(path)
         rope_scaling_kwargs(shape)
-        check_divisible(shape, tp, pp, vpp)
+        check_actor_split(shape, tp, pp, vpp)
     except ValueError as exc:
         return f"HF={hf_dir}: {exc}"
     return None

@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from modelspec.engines import ENGINES
+
 PROMPTS = ("1+2=", "The quick brown fox", "def add(a, b):", "RL on CPU, 7*6=")
 
 
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rollout-tp", type=int, default=1)
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--engine", choices=("native", "vllm"), default="native")
+    parser.add_argument("--engine", choices=ENGINES, default="native")
     parser.add_argument("--kv-cache-mb", type=int, default=64, help="vLLM's KV cache on CPU")
     parser.add_argument("--export-dir", default=None, help="vllm: where the actor's checkpoint is exported")
     args = parser.parse_args(argv)

@@ -40,11 +40,12 @@ class NativeEngine:
         device: str | torch.device | None = None,
         dtype: str | torch.dtype = "float32",
         load: bool = True,
+        shape: ModelShape | None = None,
     ) -> None:
         self.cfg = cfg
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
-        self.shape = ModelShape.from_pretrained(model_path)
+        self.shape = shape if shape is not None else ModelShape.from_pretrained(model_path)
         check_supported(self.shape)
         self.group = group
         self.tp = 1 if group is None else dist.get_world_size(group)

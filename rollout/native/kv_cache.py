@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from modelspec import ModelShape
-from rollout.config import DEFAULT_BLOCK_SIZE, RolloutConfig
+from rollout.config import RolloutConfig
 from rollout.layout import TPShape
 from rollout.memory_saver import MemorySaver
 
@@ -27,7 +27,7 @@ from rollout.memory_saver import MemorySaver
 def kv_cache_budget_bytes(cfg: RolloutConfig, device: torch.device, weight_bytes: int) -> int:
     """:meth:`RolloutConfig.kv_cache_budget_bytes` of this device's capacity (CUDA: its total memory)."""
     capacity = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else int(cfg.cpu_capacity_gb * 2**30)
-    return cfg.kv_cache_budget_bytes(capacity, weight_bytes)
+    return cfg.kv_cache_budget_bytes(device.type, capacity, weight_bytes)
 
 
 class BlockAllocator:
@@ -70,7 +70,7 @@ class KVCache:
         weight_bytes: int,
     ) -> None:
         self.saver = saver
-        self.block_size = bs = cfg.block_size or DEFAULT_BLOCK_SIZE
+        self.block_size = bs = cfg.block_size_on(device.type)
         self.head_dim = d = shape.head_dim
         num_kv_heads = tps.num_kv_heads
         elem = torch.empty((), dtype=dtype).element_size()
