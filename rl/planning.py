@@ -59,7 +59,6 @@ def plan_inputs(cfg, prompt_tokens: int | None = None, calibration=None) -> Plan
         response_tokens=rollout.max_new_tokens,
         engine=rollout.engine,
         rollout_tp=rollout.tp,
-        wake_strategy=rollout.wake_strategy,
         gpu_memory_utilization=rollout.utilization,  # None: auto
         kv_cache_bytes=rollout.kv_cache_bytes,
         engine_capacity_bytes=int(rollout.cpu_capacity_gb * 2**30),
