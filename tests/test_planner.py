@@ -435,3 +435,22 @@ def test_unset_engine_knobs_follow_the_engines_own_defaults():
         make_plan(h100).rollout_engine_reserve_bytes
         > make_plan(replace(h100, vllm_max_batched_tokens=8192)).rollout_engine_reserve_bytes
     )
+
+
+def test_the_local_spec_factor_scales_per_token_activations_not_the_attention_scores():
+    """The factor is fitted on short sequences (make calibrate): the [b, Hq/t, s, s] scores are counted as they
+    are, so doubling the factor doubles only the per-token part of a layer's kept activations."""
+    from planner.plan import _layer_bytes
+    from planner.sizes import unfused_attention_bytes
+
+    base = qwen7b_inputs(attention="unfused", sequences_per_step=4, micro_batch_size=2)
+    mb = base.micro_batches(train=True)
+    scores = unfused_attention_bytes(base.shape, base.actor_tp, base.element_bytes, mb.sequences, mb.attention_span)
+
+    def layer(factor: float) -> int:
+        inp = replace(base, calibration=base.constants.with_values(local_spec_activation_factor=factor))
+        return _layer_bytes(inp, inp.micro_batches(train=True))
+
+    per_token = layer(1.0) - scores
+    assert scores > 0 and per_token > 0
+    assert layer(2.0) == 2 * per_token + scores

@@ -279,3 +279,10 @@ def test_weight_update_writes_in_place_between_begin_and_finish(tiny_model_dirs)
     engine.wake_up(["weights"])
     with pytest.raises(RuntimeError, match="without begin_weight_update"):
         engine.finish_weight_update()
+
+
+def test_rollout_ignore_eos_reaches_the_sampling_params():
+    """rollout.ignore_eos=true (the planner's validation runs reach the planned response length) is what every
+    generate call of the step gets (rl/loop.py builds its params with SamplingParams.from_config)."""
+    assert SamplingParams.from_config(RolloutConfig(ignore_eos=True)).ignore_eos is True
+    assert SamplingParams.from_config(RolloutConfig()).ignore_eos is False
