@@ -162,6 +162,23 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def forked_children_die_with_this_process() -> None:
+    """Every child this process forks (not exec'd: ``subprocess`` skips the hooks) gets SIGKILL when this
+    process dies. megatron's checkpoint writer forks one worker per write bucket
+    (``FileSystemWriterAsync.write_preloaded_data_multiproc``); a worker of a rank SIGKILLed mid-save
+    otherwise lives on, blocked on its results queue, holding the launcher's resource tracker open and
+    able to write into a checkpoint directory the next attempt reuses. PR_SET_PDEATHSIG is not inherited
+    across fork, hence the hook; a child whose parent is already gone when the hook runs exits at once."""
+    parent = os.getpid()
+
+    def in_child() -> None:
+        _die_with_parent()
+        if os.getppid() != parent:  # the parent died between fork and prctl: no signal will come
+            os._exit(128 + signal.SIGKILL)
+
+    os.register_at_fork(after_in_child=in_child)
+
+
 @contextlib.contextmanager
 def updated_environ(**values: str) -> Iterator[None]:
     """``os.environ`` updated with ``values`` inside the block, as it was after it."""
@@ -179,6 +196,7 @@ def updated_environ(**values: str) -> Iterator[None]:
 
 def _rank_entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
     _die_with_parent()
+    forked_children_die_with_this_process()
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),

@@ -25,6 +25,7 @@ from rl.compose import ConfigError, compose, resolve_path
 from rl.config import RunConfig
 from rl.launch import (
     bind_gloo_to_master_interface,
+    forked_children_die_with_this_process,
     interface_to,
     launched_externally,
     lost_peer_line,
@@ -109,6 +110,7 @@ def run_launched_rank(cfg: RunConfig, run_dir: str) -> int:
     from megatron_backend.parallel import init_distributed
     from rl.loop import run_rank
 
+    forked_children_die_with_this_process()  # torchrun / srun stop the ranks; their forked writers too
     chosen = bind_gloo_to_master_interface()
     if chosen is not None and os.environ.get("LOCAL_RANK", "0") == "0":  # once per node
         print(f"{socket.gethostname()}: {chosen}", flush=True)

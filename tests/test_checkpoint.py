@@ -10,6 +10,8 @@ import signal
 import time
 from pathlib import Path
 
+import psutil
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -166,6 +168,32 @@ def test_launcher_names_the_dead_rank_and_stops_the_others(capfd, tmp_path):
     err = capfd.readouterr().err
     assert "rank 1 was killed by SIGKILL; stopping ranks [0, 2]" in err, err
     assert not list(tmp_path.iterdir())  # the others were killed, not waited for
+
+
+def _sleep_forever() -> None:
+    time.sleep(600)
+
+
+def _fork_a_writer_then_die(out_dir: str) -> None:
+    """As a rank SIGKILLed inside a save: megatron's checkpoint writer has forked a worker (fork context)."""
+    import multiprocessing
+
+    worker = multiprocessing.get_context("fork").Process(target=_sleep_forever)
+    worker.start()
+    Path(out_dir, "worker.pid").write_text(str(worker.pid))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_forked_worker_dies_with_its_rank(tmp_path):
+    """A worker the rank forked (PR_SET_PDEATHSIG is not inherited across fork) must not outlive it: an
+    orphaned checkpoint writer keeps writing into a run that is being restarted."""
+    assert spawn_local(_fork_a_writer_then_die, 1, (str(tmp_path),)) == 128 + signal.SIGKILL
+    worker = psutil.Process(int((tmp_path / "worker.pid").read_text()))
+    try:
+        worker.wait(timeout=30)  # reaped by init once killed; a live orphan sleeps its 600 s out
+    except psutil.TimeoutExpired:
+        worker.kill()
+        pytest.fail("the rank's forked worker outlived the rank")
 
 
 def _report_threads(out_dir: str) -> int:
