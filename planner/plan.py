@@ -18,8 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 
-from modelspec.phases import StepFlags, phase_names, step_phases, wake_window_phases
 from modelspec.engines import ENGINE_PROFILES, EngineProfile, KvSizing
+from modelspec.phases import StepFlags, phase_names, step_phases, wake_window_phases
 from planner.inputs import PlanInputs
 from planner.sizes import (
     FP32_BYTES,
@@ -260,8 +260,9 @@ def engine_rollout_activation_bytes(inp: PlanInputs) -> int:
         prefill = seqs * inp.prompt_tokens
         if inp.native_max_batched_tokens:
             prefill = min(prefill, max(inp.native_max_batched_tokens, inp.prompt_tokens))
-        # eager ops hold more of a layer at once than the fused count, and a fixed workspace beside it (both
-        # calibrated: engine_activation_factor, engine_workspace_bytes; 1 and 0 where never fitted)
+        # eager ops hold more than the live tensors counted (one layer's working set and the sampler's four
+        # [seqs, V] fp32 tensors): the heap keeps freed blocks of other sizes, and a fixed workspace sits beside
+        # them (both calibrated: engine_activation_factor, engine_workspace_bytes; 1 and 0 where never fitted)
         working = engine_activation_bytes(inp.shape, inp.rollout_tp, inp.element_bytes, prefill, seqs)
         constants = inp.constants
         return round(working * constants.value("engine_activation_factor")) + int(

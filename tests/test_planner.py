@@ -454,3 +454,42 @@ def test_the_local_spec_factor_scales_per_token_activations_not_the_attention_sc
     per_token = layer(1.0) - scores
     assert scores > 0 and per_token > 0
     assert layer(2.0) == 2 * per_token + scores
+
+
+_SAMPLER_PEAK = """
+import re, sys, torch
+from rollout.engine import SamplingParams
+from rollout.native.sampling import Sampler
+
+def status(key):
+    return int(re.search(key + r":\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
+
+sampler = Sampler(SamplingParams(temperature=1.0, seed=0), torch.device("cpu"))
+sampler(torch.randn(4, 64))  # the kernels' first-use setup, outside the window
+open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
+base = status("VmRSS")
+sampler(torch.randn(int(sys.argv[1]), int(sys.argv[2])))  # the engine's logits [seqs, V] fp32, then sampling
+print(status("VmHWM") - base)
+"""
+
+
+def test_the_sampler_is_planned_as_the_native_sampler_runs():
+    """Per sequence, the native sampler's measured peak (logits included) is what sizes.sampler_bytes plans:
+    the slope between 128 and 256 sequences of a 16k vocabulary (16 MiB of logits at 256), far above noise."""
+    import subprocess
+    import sys
+
+    from planner.sizes import sampler_bytes, vllm_padded_vocab
+
+    vocab = 16384
+    shape = replace(QWEN7B, vocab_size=vocab)  # the sampler's bytes depend on the vocabulary only
+    assert vllm_padded_vocab(vocab) == vocab
+    peaks = []
+    for seqs in (128, 256):
+        out = subprocess.run(
+            [sys.executable, "-c", _SAMPLER_PEAK, str(seqs), str(vocab)], capture_output=True, text=True, check=True
+        )
+        peaks.append(int(out.stdout.strip()))
+    measured_per_seq = (peaks[1] - peaks[0]) / 128
+    planned_per_seq = sampler_bytes(shape, 1)
+    assert abs(measured_per_seq - planned_per_seq) <= 0.15 * planned_per_seq, (measured_per_seq, planned_per_seq)

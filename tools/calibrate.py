@@ -29,7 +29,6 @@ date, device) and prints the fitted values.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import platform
@@ -38,7 +37,6 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-import planner.plan as plan_module
 from planner.calibration import Constant, load, write
 from tools.plan_runs import FIT_SET, REPO, ensure_run, measured_phases, plan_for, predicted_phases, run_dir_for
 
@@ -83,15 +81,13 @@ def level_residuals(predicted: dict, measured: dict) -> list[int]:
     ]
 
 
-@contextlib.contextmanager
-def _attention_scores_zeroed():
-    """Plans made inside count no unfused attention scores: what is left of the activations is per token."""
-    real = plan_module.unfused_attention_bytes
-    plan_module.unfused_attention_bytes = lambda *args, **kwargs: 0
-    try:
-        yield
-    finally:
-        plan_module.unfused_attention_bytes = real
+def _scaled_part(spec, constants, factor: str, phase: str, pick) -> tuple[int, int]:
+    """(the part of ``pick(phase)`` that the constant ``factor`` scales, the rest), from two plans at the factor
+    1 and 2: what the planner does not scale (unfused attention scores, stage inputs, the sampler's [seqs, V]
+    tensors) stays out of the fit."""
+    one = pick(predicted_phases(plan_for(spec, constants.with_values(**{factor: 1.0})))[phase])
+    two = pick(predicted_phases(plan_for(spec, constants.with_values(**{factor: 2.0})))[phase])
+    return two - one, 2 * one - two
 
 
 def _line_fit(points: list[tuple[float, float, bool]]) -> tuple[float, float, float]:
@@ -140,15 +136,15 @@ def fit(run_dirs: dict[str, Path]) -> tuple[dict[str, tuple[float, float]], dict
     # 2. the actor's transients (every fit run: the actor is the same with either engine):
     #    rise(train) = workspace + factor x activations + logits; rise(old_logprob) = factor x activations + logits
     #    (the factor covers the per-token tensors: the planned [s, s] attention scores are not scaled by it)
-    with _attention_scores_zeroed():
-        per_token = {name: predicted_phases(plan_for(specs[name], zero)) for name in run_dirs}
     actor_points = []
     for name in run_dirs:
         predicted, measured = planned[name]
         for phase in ("train", "old_logprob"):
             if phase not in measured:
                 continue
-            act = per_token[name][phase].components["activations"]
+            act, _ = _scaled_part(
+                specs[name], zero, "local_spec_activation_factor", phase, lambda p: p.components["activations"]
+            )
             other = predicted[phase].rise_bytes - act
             actor_points.append((act, measured[phase].rise_bytes - other, phase == "train"))
             evidence[name][f"{phase}_rise"] = {
@@ -158,15 +154,19 @@ def fit(run_dirs: dict[str, Path]) -> tuple[dict[str, tuple[float, float]], dict
             }
     train_workspace, factor, actor_residual = _line_fit(actor_points)
 
-    # 3. the native engine's rollout: rise = workspace + factor x planned working set
+    # 3. the native engine's rollout: rise = workspace + factor x planned layer working set + sampler
     engine_points, retained = [], []
     for name in native:
         predicted, measured = planned[name]
         if "rollout" in measured:
-            engine_points.append((predicted["rollout"].rise_bytes, measured["rollout"].rise_bytes, True))
+            working, sampler = _scaled_part(
+                specs[name], zero, "engine_activation_factor", "rollout", lambda p: p.rise_bytes
+            )
+            engine_points.append((working, measured["rollout"].rise_bytes - sampler, True))
             evidence[name]["rollout_rise"] = {
                 "measured": measured["rollout"].rise_bytes,
-                "planned": predicted["rollout"].rise_bytes,
+                "planned_working_set": working,
+                "planned_other": sampler,
             }
         if "rollout" in measured and "engine_sleep" in measured:  # what rollout left in the heap for the sleep
             retained.append(measured["engine_sleep"].peak_bytes - measured["rollout"].start_bytes)

@@ -82,7 +82,9 @@ def _worker(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hf", required=True, help="Hugging Face checkpoint directory (a family of modelspec/families/)")
+    parser.add_argument(
+        "--hf", required=True, help="Hugging Face checkpoint directory (a family of modelspec/families/)"
+    )
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--vpp", type=int, default=None)
