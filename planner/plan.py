@@ -94,13 +94,18 @@ class _Stage:
     forward_logits: int  # last stage only: the same, forward-only (old/ref_logprob micro-batches)
 
 
-def _layer_bytes(inp: PlanInputs, mb, recomputed: tuple[str, ...] = ()) -> int:
-    """What one layer keeps for backward for micro-batch ``mb`` (``recomputed``: selective modules)."""
+def _layer_bytes(inp: PlanInputs, mb, recomputed: tuple[str, ...] = (), train: bool = True) -> int:
+    """What one layer keeps for backward for micro-batch ``mb`` (``recomputed``: selective modules); with
+    ``train=False``, one layer's working set in a forward without grad."""
     s, e, tp = inp.shape, inp.element_bytes, inp.actor_tp
     per_layer = mb.model_tokens * layer_activation_bytes_per_token(s, tp, e, inp.attention, recomputed)
     scores = 0
     if inp.attention == "unfused" and "core_attn" not in recomputed:
-        scores = unfused_attention_bytes(s, tp, e, mb.sequences, mb.attention_span)
+        # without grad nothing is kept: packed sequences go through the attention one at a time
+        # (megatron_backend/model.py, VarlenDotProductAttention) and free their [Hq/t, L, L] scores before the
+        # next; a padded micro-batch attends all its rows at once
+        at_once = mb.sequences if train or not inp.remove_padding else 1
+        scores = unfused_attention_bytes(s, tp, e, at_once, mb.attention_span)
     # megatron's local spec (CPU) runs RMSNorm, RoPE, SwiGLU and attention unfused: autograd keeps more per
     # token than the fused count above; the factor is fitted by `make calibrate` (planner/calibration/cpu.json)
     # on runs of short sequences, so it covers the per-token tensors only: the [b, Hq/t, s, s] scores are
@@ -173,7 +178,7 @@ def _stage(inp: PlanInputs, stage: int) -> _Stage:
         train_activations=train_activation_bytes(inp, layers, layers_per_chunk, micro_batches_in_flight)
         + int(inp.constants.value("train_workspace_bytes")),
         # forward-only: one layer's working set at a time
-        forward_activations=_layer_bytes(inp, forward_mb) + forward_input,
+        forward_activations=_layer_bytes(inp, forward_mb, train=False) + forward_input,
         train_logits=logprob_pass_bytes(inp, train=True) if last else 0,
         forward_logits=logprob_pass_bytes(inp, train=False) if last else 0,
     )

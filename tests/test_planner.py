@@ -456,6 +456,27 @@ def test_the_local_spec_factor_scales_per_token_activations_not_the_attention_sc
     assert layer(2.0) == 2 * per_token + scores
 
 
+def test_a_forward_without_grad_holds_one_packed_sequences_attention_scores_at_a_time():
+    """old/ref_logprob: packed sequences attend one at a time (VarlenDotProductAttention) and nothing is kept,
+    so the planned scores are one sequence's; a padded micro-batch attends all its rows at once. Measured on
+    long_sequences (make validate-plan): old_logprob rise 79 MiB planned, 88 measured; with every row's
+    scores planned, 111."""
+    from planner.plan import _layer_bytes
+    from planner.sizes import unfused_attention_bytes
+
+    for packed in (True, False):
+        inp = qwen7b_inputs(attention="unfused", sequences_per_step=8, micro_batch_size=4, remove_padding=packed)
+        mb = inp.micro_batches(train=False)
+        assert mb.sequences == 4
+        at_once = 1 if packed else mb.sequences
+        scores = unfused_attention_bytes(inp.shape, inp.actor_tp, inp.element_bytes, at_once, mb.attention_span)
+        per_token_only = replace(inp, attention="flash")  # the same layer without the [s, s] scores
+        assert _layer_bytes(inp, mb, train=False) - _layer_bytes(per_token_only, mb, train=False) > 0
+        kept = _layer_bytes(inp, mb) - _layer_bytes(inp, mb, train=False)  # train keeps every row's scores
+        all_rows = unfused_attention_bytes(inp.shape, inp.actor_tp, inp.element_bytes, 4, mb.attention_span)
+        assert kept == all_rows - scores
+
+
 _SAMPLER_PEAK = """
 import re, sys, torch
 from rollout.engine import SamplingParams
