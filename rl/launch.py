@@ -46,7 +46,7 @@ class ClusterConfig:
     slurm_time: str | None = None  # --time, e.g. "04:00:00" (checked by tools/sbatch.py, with the environment's)
     slurm_partition: str | None = None
     slurm_account: str | None = None
-    slurm_gpus_per_node: int | None = None  # None: procs_per_node if rollout.engine=vllm, else 0 (a CPU job)
+    slurm_gpus_per_node: int | None = None  # None: procs_per_node on a CUDA cluster.device, else 0 (a CPU job)
     slurm_signal_seconds: int = 300  # USR1 this long before the time limit: ranks checkpoint, the job requeues
     # every collective (and the rendezvous) gives up after this long: a rank whose peer died raises, never hangs
     timeout_s: float = 600.0

@@ -139,8 +139,10 @@ def test_usr1_is_forwarded_to_the_step_then_the_job_requeues(two_node_script, tm
     assert proc.returncode == 0  # the step exited 0 after its checkpoint
 
 
-def test_cpu_experiment_asks_for_one_core_per_rank_and_no_gpus(tmp_path, capsys):
-    assert main(["--exp", "tiny_cpu", f"output_dir={tmp_path}", "trainer.steps=3"]) == 0
+@pytest.mark.parametrize("engine", ["native", "vllm"])
+def test_cpu_experiment_asks_for_one_core_per_rank_and_no_gpus(tmp_path, capsys, engine):
+    """cluster.device decides the devices, not the engine: vLLM's CPU build runs a CPU job."""
+    assert main(["--exp", "tiny_cpu", f"output_dir={tmp_path}", "trainer.steps=3", f"rollout.engine={engine}"]) == 0
     script = Path(re.search(r"^rendered (\S+):", capsys.readouterr().out, re.M).group(1))
     text = script.read_text()
     assert "#SBATCH --cpus-per-task=2" in text and "--gpus-per-node" not in text

@@ -68,10 +68,13 @@ def _setting(value: str | None, key: str, env: str, environ: dict[str, str]) -> 
 
 
 def gpus_per_node(cfg: RunConfig) -> int:
-    """GPUs to request per node: cluster.slurm_gpus_per_node, else one per rank for vLLM (GPU only), else 0."""
+    """GPUs to request per node: cluster.slurm_gpus_per_node, else one per rank when the ranks run on a CUDA
+    device (cluster.device), whatever the engine (vLLM's CPU build runs a CPU job), else 0."""
+    from planner import device_preset
+
     if cfg.cluster.slurm_gpus_per_node is not None:
         return cfg.cluster.slurm_gpus_per_node
-    return cfg.cluster.procs_per_node if cfg.rollout.engine == "vllm" else 0
+    return cfg.cluster.procs_per_node if device_preset(cfg.cluster.device).kind == "cuda" else 0
 
 
 def resource_lines(cfg: RunConfig, environ: dict[str, str]) -> list[str]:
