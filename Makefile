@@ -92,7 +92,7 @@ sweep: $(STAMP) ## W&B grid sweep SWEEP over EXP: plan every point, `wandb sweep
 sweep-local: $(STAMP) ## run SWEEP's grid on EXP here, offline, point by point (infeasible points skipped); table + plot
 	@$(PY) -m tools.sweep local --sweep $(SWEEP) --exp $(EXP) $(ARGS)
 
-calibrate: $(STAMP) ## fit the planner's CPU constants from the fit set (tools/plan_runs.py; runs what runs/calibration/ lacks, ARGS=--rerun) -> planner/calibration/cpu.json
+calibrate: $(STAMP) ## fit the planner constants of this machine's device kind from its fit set (tools/plan_runs.py; CPU here, CUDA on a GPU node; ARGS=--rerun) -> planner/calibration/<kind>.json
 	@$(PY) -m tools.calibrate $(ARGS)
 
 validate-plan: $(STAMP) ## the memory plan vs the validation set's runs (never fitted on; runs what runs/validation/ lacks): one JSON line per config

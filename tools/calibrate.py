@@ -19,9 +19,11 @@ constants being fitted zeroed (or 1 for a factor), and fits, in this order:
 4. ``vllm_runtime_bytes`` (CPU): what vLLM's CPU build holds beside its weights and KV cache, asleep or
    awake: the same residual as 1 on the vLLM runs, less the fitted runtime.
 
-Only the CPU fit set is declared: the CUDA constants (runtime, vLLM's CUDA graphs, NCCL buffers) stay the
-marked estimates of ``planner/calibration/cuda.json`` until a GPU fit set is added to FIT_SET and fitted on
-a GPU node with the same residuals.
+On a GPU node (or ``--kind cuda``) the fit set is :func:`tools.plan_runs.cuda_fit_set` for the node's GPU
+preset, and the CUDA constants are fitted on the same level residuals, one run each (:func:`fit_cuda`):
+``runtime_overhead_bytes`` (one GPU, native engine), ``vllm_cuda_graph_bytes`` (one GPU, vLLM: what it keeps
+beside weights and KV cache, its CUDA graphs and reserve) and ``nccl_bytes_per_communicator`` (two GPUs: the
+residual over the rank's communicators). The other CUDA constants are policies and stay as they are.
 Writes ``planner/calibration/<kind>.json`` with the provenance (runs, their configs, library versions,
 date, device) and prints the fitted values.
 """
@@ -38,7 +40,17 @@ from importlib import metadata
 from pathlib import Path
 
 from planner.calibration import Constant, load, write
-from tools.plan_runs import FIT_SET, REPO, ensure_run, measured_phases, plan_for, predicted_phases, run_dir_for
+from tools.plan_runs import (
+    FIT_SET,
+    REPO,
+    cuda_fit_set,
+    ensure_run,
+    inputs_for,
+    measured_phases,
+    plan_for,
+    predicted_phases,
+    run_dir_for,
+)
 
 SET_NAME = "calibration"
 MIN_ACTIVATION_BYTES = 4 * 2**20  # phases whose planned activations are below this carry no signal for the factor
@@ -54,9 +66,37 @@ def library_versions() -> dict[str, str]:
     return out
 
 
-def device_description() -> dict:
+def cuda_preset() -> str:
+    """The planner device preset (planner/devices.py) of this node's first GPU, by name and memory."""
+    import torch
+
+    from planner.devices import CUDA_PRESETS
+
+    props = torch.cuda.get_device_properties(0)
+    for name, total in CUDA_PRESETS.items():
+        if name.split("-")[0] in props.name and abs(props.total_memory - total) <= 0.03 * total:
+            return name
+    raise ValueError(
+        f"this GPU ({props.name}, {props.total_memory / 2**30:.1f} GiB) matches no planner device preset "
+        f"{list(CUDA_PRESETS)}: add it to planner/devices.py::CUDA_PRESETS"
+    )
+
+
+def device_description(kind: str = "cpu") -> dict:
     import psutil
 
+    if kind == "cuda":
+        import torch
+
+        props = torch.cuda.get_device_properties(0)
+        return {
+            "kind": "cuda",
+            "gpu": props.name,
+            "gpu_memory_bytes": props.total_memory,
+            "gpus": torch.cuda.device_count(),
+            "cuda": torch.version.cuda,
+            "preset": cuda_preset(),
+        }
     return {
         "kind": "cpu",
         "cpu": platform.processor() or platform.machine(),
@@ -203,16 +243,73 @@ def fit(run_dirs: dict[str, Path]) -> tuple[dict[str, tuple[float, float]], dict
     }, evidence
 
 
+def _median_and_spread(values: list[float]) -> tuple[int, int]:
+    median = statistics.median(values)
+    return int(median), int(max(abs(v - median) for v in values))
+
+
+def _with_measured_kv_cache(spec, run_dir: Path):
+    """``spec`` with ``rollout.kv_cache_bytes`` pinned to the KV cache the run allocated (its timeline's
+    ``tag/kv_cache``, largest over ranks and steps)."""
+    from dataclasses import replace
+
+    from rl.memory import read_timeline_csv
+
+    kv = max((int(r.get("tag/kv_cache", 0)) for r in read_timeline_csv(run_dir / "memory_timeline.csv")), default=0)
+    if kv <= 0:
+        return spec
+    return replace(spec, overrides=(*spec.overrides, f"rollout.kv_cache_bytes={kv}"))
+
+
+def fit_cuda(run_dirs: dict[str, Path], specs: dict) -> tuple[dict[str, tuple[float, float]], dict]:
+    """The CUDA constants from :func:`tools.plan_runs.cuda_fit_set`'s runs: each the median level residual of its
+    run (measured - planned, with the constants before it fitted and it zeroed), the NCCL one per communicator."""
+    zero = load("cuda").with_values(runtime_overhead_bytes=0, vllm_cuda_graph_bytes=0, nccl_bytes_per_communicator=0)
+    evidence: dict = {name: {} for name in run_dirs}
+    # vLLM on CUDA sizes its KV cache after what it measured beside it (graphs, runtime): planned with a
+    # constant zeroed, the KV cache would grow by it and hide it. Plan each run with the KV cache it allocated.
+    specs = {name: _with_measured_kv_cache(spec, run_dirs[name]) for name, spec in specs.items()}
+
+    def residuals(name: str, constants) -> list[int]:
+        r = level_residuals(*_residuals(specs[name], run_dirs[name], constants))
+        if not r:
+            raise ValueError(f"{name}: no phase without a transient was measured in {run_dirs[name]}")
+        evidence[name]["level_residual_bytes"] = r
+        return r
+
+    runtime = _median_and_spread(residuals("cuda_runtime", zero))
+    fitted = zero.with_values(runtime_overhead_bytes=runtime[0])
+    graphs = _median_and_spread(residuals("cuda_vllm", fitted))
+    fitted = fitted.with_values(vllm_cuda_graph_bytes=graphs[0])
+    communicators = inputs_for(specs["cuda_tp2"], fitted).num_communicators
+    evidence["cuda_tp2"]["communicators"] = communicators
+    nccl = _median_and_spread([r / communicators for r in residuals("cuda_tp2", fitted)])
+    return {
+        "runtime_overhead_bytes": runtime,
+        "vllm_cuda_graph_bytes": graphs,
+        "nccl_bytes_per_communicator": nccl,
+    }, evidence
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rerun", action="store_true", help="run the fit set again even where finished runs exist")
-    parser.add_argument("--out", default=None, help="write here instead of planner/calibration/cpu.json")
+    parser.add_argument("--out", default=None, help="write here instead of planner/calibration/<kind>.json")
+    parser.add_argument(
+        "--kind", choices=("auto", "cpu", "cuda"), default="auto", help="device kind to fit (auto: cuda on a GPU node)"
+    )
     args = parser.parse_args(argv)
-    run_dirs = {spec.name: ensure_run(spec, run_dir_for(spec, SET_NAME), rerun=args.rerun) for spec in FIT_SET}
-    values, evidence = fit(run_dirs)
-    base = load("cpu")
+    kind = args.kind
+    if kind == "auto":
+        import torch
+
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    fit_set = FIT_SET if kind == "cpu" else cuda_fit_set(cuda_preset())
+    run_dirs = {spec.name: ensure_run(spec, run_dir_for(spec, SET_NAME), rerun=args.rerun) for spec in fit_set}
+    values, evidence = fit(run_dirs) if kind == "cpu" else fit_cuda(run_dirs, {s.name: s for s in fit_set})
+    base = load(kind)
     runs = [
-        {"name": s.name, "run_dir": str(run_dirs[s.name].relative_to(REPO)), "why": s.why, **s.key()} for s in FIT_SET
+        {"name": s.name, "run_dir": str(run_dirs[s.name].relative_to(REPO)), "why": s.why, **s.key()} for s in fit_set
     ]
     reference = "make calibrate (tools/calibrate.py) on the fit set in provenance.runs"
     constants = dict(base.constants)
@@ -220,14 +317,14 @@ def main(argv: list[str] | None = None) -> int:
         unit = constants[name].unit
         constants[name] = Constant(name, value, uncertainty, "fit", reference, unit)
     calibration = type(base)(
-        "cpu",
+        kind,
         constants,
         {
             "runs": runs,
             "evidence": evidence,
             "versions": library_versions(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "device": device_description(),
+            "device": device_description(kind),
         },
     )
     path = write(calibration, Path(args.out) if args.out else None)

@@ -79,6 +79,35 @@ FIT_SET = (
         "large tensors (16k vocabulary): the activation terms where they are mostly big allocations",
     ),
 )
+
+
+def cuda_fit_set(device: str) -> tuple[RunSpec, ...]:
+    """What `make calibrate` fits the CUDA constants on, on a GPU node whose GPUs are the planner preset
+    ``device``: memory_cpu's 122 MB model (built here, no download) on one GPU, then two. Each run isolates
+    one constant, fitted in this order on the level residual (measured - planned, phases without transients)."""
+    on = (f"cluster.device={device}",)
+    return (
+        RunSpec(
+            "cuda_runtime",
+            "memory_cpu",
+            (*on, "cluster.procs_per_node=1"),
+            "runtime_overhead_bytes: one GPU, no communicator, the native engine (no CUDA graphs)",
+        ),
+        RunSpec(
+            "cuda_vllm",
+            "memory_cpu",
+            (*on, "cluster.procs_per_node=1", "rollout.engine=vllm"),
+            "vllm_cuda_graph_bytes: what vLLM keeps beside its weights and KV cache, asleep or awake",
+        ),
+        RunSpec(
+            "cuda_tp2",
+            "memory_cpu",
+            (*on, "cluster.procs_per_node=2", "actor.tp=2", "rollout.tp=2"),
+            "nccl_bytes_per_communicator: two GPUs, three communicators per rank (actor TP, engine TP, world)",
+        ),
+    )
+
+
 # Validation set: never fitted on.
 VALIDATION_SET = (
     RunSpec("tiny_cpu", "tiny_cpu", (), "the default experiment"),
@@ -219,13 +248,18 @@ def spec_prompt_tokens(spec: RunSpec) -> int:
     return run_prompt_tokens(spec_config(spec))
 
 
+def inputs_for(spec: RunSpec, calibration=None):
+    """The planner inputs the run planned with, optionally under another calibration."""
+    from rl.planning import plan_inputs
+
+    return plan_inputs(spec_config(spec), spec_prompt_tokens(spec), calibration=calibration)
+
+
 def plan_for(spec: RunSpec, calibration=None):
     """The plan the run made for itself (same inputs), optionally under another calibration."""
     from planner import make_plan
-    from rl.planning import plan_inputs
 
-    inputs = plan_inputs(spec_config(spec), spec_prompt_tokens(spec), calibration=calibration)
-    return make_plan(inputs)
+    return make_plan(inputs_for(spec, calibration))
 
 
 def predicted_phases(plan, mutate: Callable[[dict[str, int]], dict[str, int]] | None = None) -> dict[str, Predicted]:
