@@ -41,9 +41,18 @@ class EngineProfile:
     repacks_weights_on: tuple[str, ...] = ()
     # whether the engine allocates no more KV cache than max_num_seqs full-length sequences can use
     caps_kv_cache_at_max_num_seqs: bool = False
+    # device kind -> [seqs, V] fp32 tensors its sampler holds at once (temperature sampling, log-probs of the
+    # sampled tokens), as the device's allocator sees them
+    sampler_vocab_tensors: dict[str, int] = field(default_factory=lambda: {"cpu": 4, "cuda": 4})
 
     def __post_init__(self) -> None:
-        for kind in (*self.default_block_sizes, *self.profiles_activations_on, *self.runtime_reserve_constants):
+        kinds = (
+            *self.default_block_sizes,
+            *self.profiles_activations_on,
+            *self.runtime_reserve_constants,
+            *self.sampler_vocab_tensors,
+        )
+        for kind in kinds:
             if kind not in DEVICE_KINDS:
                 raise ValueError(f"engine {self.name}: device kind {kind!r} is not one of {DEVICE_KINDS}")
 
@@ -55,6 +64,9 @@ class EngineProfile:
 
     def repacks_weights(self, device_kind: str) -> bool:
         return device_kind in self.repacks_weights_on
+
+    def sampler_tensors(self, device_kind: str) -> int:
+        return self.sampler_vocab_tensors[device_kind]
 
     def runtime_reserve_constant(self, device_kind: str) -> str | None:
         return self.runtime_reserve_constants.get(device_kind)
@@ -98,7 +110,12 @@ ENGINE_PROFILES: dict[str, EngineProfile] = {
     for profile in (
         # plain torch (rollout/native/): eager everywhere, sizes its KV cache itself and never past what
         # max_num_seqs sequences of max_model_len can use
-        EngineProfile(name="native", caps_kv_cache_at_max_num_seqs=True),
+        # its sampler (rollout/native/sampling.py) at the draw: the logits, the probabilities and
+        # torch.multinomial's exponential draws (one sample: argmax(p / q), q ~ Exp(1), aten Distributions.cpp);
+        # the temperature-scaled copy is freed before the draw, but on CPU glibc does not hand its block to the
+        # draws (posix_memalign asks for more than the exact-size block freed; measured: 4 units in RSS, 3 with
+        # MALLOC_MMAP_THRESHOLD_ fixed), CUDA's caching allocator does
+        EngineProfile(name="native", caps_kv_cache_at_max_num_seqs=True, sampler_vocab_tensors={"cpu": 4, "cuda": 3}),
         # vLLM 0.32 (rollout/vllm_engine.py): CacheConfig.DEFAULT_BLOCK_SIZE 16, 128 on its CPU platform (CPU
         # attention wants multiples of 32); profiles its peak on CUDA; CUDA graphs on CUDA, its runtime on CPU
         EngineProfile(
@@ -108,6 +125,9 @@ ENGINE_PROFILES: dict[str, EngineProfile] = {
             profiles_activations_on=("cuda",),
             runtime_reserve_constants={"cuda": "vllm_cuda_graph_bytes", "cpu": "vllm_runtime_bytes"},
             repacks_weights_on=("cpu",),
+            # vllm/v1/sample/sampler.py with logprobs requested: the logits, their raw log_softmax (kept to
+            # gather the sampled token's), the probabilities and the exponential draws (topk_topp_sampler.py)
+            sampler_vocab_tensors={"cpu": 4, "cuda": 4},
         ),
     )
 }

@@ -268,13 +268,25 @@ def engine_rollout_activation_bytes(inp: PlanInputs) -> int:
         # eager ops hold more than the live tensors counted (one layer's working set and the sampler's four
         # [seqs, V] fp32 tensors): the heap keeps freed blocks of other sizes, and a fixed workspace sits beside
         # them (both calibrated: engine_activation_factor, engine_workspace_bytes; 1 and 0 where never fitted)
-        working = engine_activation_bytes(inp.shape, inp.rollout_tp, inp.element_bytes, prefill, seqs)
+        working = engine_activation_bytes(
+            inp.shape,
+            inp.rollout_tp,
+            inp.element_bytes,
+            prefill,
+            seqs,
+            inp.engine_profile.sampler_tensors(inp.device.kind),
+        )
         constants = inp.constants
         return round(working * constants.value("engine_activation_factor")) + int(
             constants.value("engine_workspace_bytes")
         )
     return engine_activation_bytes(
-        inp.shape, inp.rollout_tp, inp.element_bytes, inp.vllm_batched_tokens, inp.max_num_seqs
+        inp.shape,
+        inp.rollout_tp,
+        inp.element_bytes,
+        inp.vllm_batched_tokens,
+        inp.max_num_seqs,
+        inp.engine_profile.sampler_tensors(inp.device.kind),
     )
 
 
@@ -401,7 +413,12 @@ def _sizing(inp: PlanInputs, profile: EngineProfile, weights: int) -> KvSizing:
     profiled = None
     if profile.profiles_activations(inp.device.kind):  # its reserve: runtime + the profiled activation peak
         profiled = inp.persistent_bytes_of(profile) + engine_activation_bytes(
-            inp.shape, inp.rollout_tp, inp.element_bytes, inp.vllm_batched_tokens, inp.max_num_seqs
+            inp.shape,
+            inp.rollout_tp,
+            inp.element_bytes,
+            inp.vllm_batched_tokens,
+            inp.max_num_seqs,
+            profile.sampler_tensors(inp.device.kind),
         )
     return KvSizing(
         device_kind=inp.device.kind,

@@ -169,7 +169,12 @@ def optimizer_bytes_per_param(element_bytes: int) -> int:
 
 
 def engine_activation_bytes(
-    shape: ModelShape, rollout_tp: int, element_bytes: int, max_batched_tokens: int, max_num_seqs: int
+    shape: ModelShape,
+    rollout_tp: int,
+    element_bytes: int,
+    max_batched_tokens: int,
+    max_num_seqs: int,
+    sampler_vocab_tensors: int,
 ) -> int:
     """vLLM's profiled activation peak: one layer's working set for ``max_batched_tokens`` tokens plus the
     sampler's full-vocab fp32 tensors for ``max_num_seqs`` sequences (:func:`sampler_bytes`).
@@ -183,21 +188,14 @@ def engine_activation_bytes(
         + (2 * shape.num_heads // t + 2 * engine_kv_heads_per_rank(shape, t)) * d
         + 3 * shape.intermediate_size // t
     )
-    return max_batched_tokens * per_token * element_bytes + sampler_bytes(shape, max_num_seqs)
+    return max_batched_tokens * per_token * element_bytes + sampler_bytes(shape, max_num_seqs, sampler_vocab_tensors)
 
 
-# The sampler's peak holds four [seqs, V] fp32 tensors. native (rollout/native/sampling.py): the logits, the
-# temperature-scaled copy, its softmax and torch.multinomial's exponential draws (one sample: argmax(p / q),
-# q ~ Exp(1), aten's Distributions.cpp); vLLM (vllm/v1/sample/sampler.py, logprobs requested): the logits,
-# their raw log_softmax, the probabilities and the same exponential draws (topk_topp_sampler.random_sample).
-# Measured for native in-process: 3.0 [seqs, V] units over the logits (128 and 256 sequences x 16k vocabulary).
-SAMPLER_VOCAB_TENSORS = 4
-
-
-def sampler_bytes(shape: ModelShape, num_seqs: int) -> int:
-    """The sampler's peak for ``num_seqs`` sequences: SAMPLER_VOCAB_TENSORS x [num_seqs, V] fp32 (full vocabulary:
-    the logits are gathered across the engine's TP ranks before sampling)."""
-    return SAMPLER_VOCAB_TENSORS * num_seqs * vllm_padded_vocab(shape.vocab_size) * FP32_BYTES
+def sampler_bytes(shape: ModelShape, num_seqs: int, vocab_tensors: int) -> int:
+    """The sampler's peak for ``num_seqs`` sequences: ``vocab_tensors`` (the engine's profile,
+    ``EngineProfile.sampler_vocab_tensors``) x [num_seqs, V] fp32, the full vocabulary (the logits are gathered
+    across the engine's TP ranks before sampling)."""
+    return vocab_tensors * num_seqs * vllm_padded_vocab(shape.vocab_size) * FP32_BYTES
 
 
 def largest_engine_tensor_elements(shape: ModelShape, rollout_tp: int) -> int:

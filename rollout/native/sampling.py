@@ -44,7 +44,12 @@ class Sampler:
                 drop = probs.cumsum(dim=-1) - probs > params.top_p  # keep the smallest prefix reaching top_p
                 sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
                 scaled = torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
-            tokens = torch.multinomial(scaled.softmax(dim=-1), 1, generator=self.generator).squeeze(1)
+            probs = scaled.softmax(dim=-1)
+            # freed before multinomial's [B, V] exponential draws: CUDA's caching allocator hands them its block
+            # (one [B, V] fp32 fewer at the draw); glibc does not (modelspec/engines.py, the native profile)
+            del scaled
+            tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+            del probs
         if self.group is not None:  # every TP rank continues with rank 0's tokens
             dist.broadcast(tokens, src=self.src_rank, group=self.group)
         return tokens, logits.gather(1, tokens[:, None]).squeeze(1) - log_normalizer
