@@ -495,23 +495,27 @@ print(status("VmHWM") - base)
 
 
 def test_the_sampler_is_planned_as_the_native_sampler_runs():
-    """Per sequence, the native sampler's measured peak (logits included) is what sizes.sampler_bytes plans
-    with the native engine's CPU profile (4 [seqs, V] fp32 tensors):
-    the slope between 128 and 256 sequences of a 16k vocabulary (16 MiB of logits at 256), far above noise."""
+    """The native sampler's measured peak (logits included, fresh processes, 256 sequences x 16k vocabulary: 16 MiB
+    per [seqs, V] fp32) is never above what sizes.sampler_bytes plans with the CPU profile (4), and holds at
+    least the three tensors alive at the draw. It is 3 or 4 from one process to the next: glibc hands the freed
+    scaled copy's block to the draws or not (modelspec/engines.py)."""
     import subprocess
     import sys
 
     from planner.sizes import sampler_bytes, vllm_padded_vocab
 
-    vocab = 16384
+    seqs, vocab = 256, 16384
     shape = replace(QWEN7B, vocab_size=vocab)  # the sampler's bytes depend on the vocabulary only
     assert vllm_padded_vocab(vocab) == vocab
-    peaks = []
-    for seqs in (128, 256):
-        out = subprocess.run(
-            [sys.executable, "-c", _SAMPLER_PEAK, str(seqs), str(vocab)], capture_output=True, text=True, check=True
+    unit = seqs * vocab * 4
+    planned = sampler_bytes(shape, seqs, ENGINE_PROFILES["native"].sampler_tensors("cpu")) / unit
+    measured = [
+        int(
+            subprocess.run(
+                [sys.executable, "-c", _SAMPLER_PEAK, str(seqs), str(vocab)], capture_output=True, text=True, check=True
+            ).stdout.strip()
         )
-        peaks.append(int(out.stdout.strip()))
-    measured_per_seq = (peaks[1] - peaks[0]) / 128
-    planned_per_seq = sampler_bytes(shape, 1, ENGINE_PROFILES["native"].sampler_tensors("cpu"))
-    assert abs(measured_per_seq - planned_per_seq) <= 0.15 * planned_per_seq, (measured_per_seq, planned_per_seq)
+        / unit
+        for _ in range(4)
+    ]
+    assert all(2.85 <= m <= planned + 0.15 for m in measured), (measured, planned)
