@@ -115,6 +115,10 @@ class PlanInputs:
     cuda_graph_bytes: int | None = None  # None: the calibration's vllm_cuda_graph_bytes for vLLM on CUDA
     # weight sync and device
     sync_bucket_bytes: int = 512 * MIB
+    # per actor pipeline stage, the most bytes one of its ranks stages in one bucket of the weight sync: the sync
+    # plan's packed part (rl.weight_sync.plan.SyncPlan.max_staged_bytes, computed from both sides' layouts by
+    # rl/planning.py). None: not computed; planned as the bucket's bound (planner/plan.py::sync_staging_bytes)
+    sync_staged_bytes: tuple[int, ...] | None = None
     verify_sync: bool = False  # weight_sync.verify: int64 checksums of every slice after each sync
     margin_fraction: float | None = None  # None: the calibration's margin_fraction
     runtime_overhead_bytes: int | None = None  # None: the calibration's runtime_overhead_bytes
@@ -178,6 +182,9 @@ class PlanInputs:
             raise ValueError(f"block_size={self.block_size} must be a power of two")
         if self.sync_bucket_bytes < 1:
             raise ValueError(f"sync_bucket_bytes={self.sync_bucket_bytes} must be >= 1")
+        staged = self.sync_staged_bytes
+        if staged is not None and (len(staged) != self.actor_pp or min(staged) < 0):
+            raise ValueError(f"sync_staged_bytes={staged} must give actor_pp={self.actor_pp} byte counts >= 0")
 
     # ---------------------------------------------------------------- derived sizes
     @property

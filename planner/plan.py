@@ -209,13 +209,7 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
     rollout_reserve = persistent_reserve + rollout_activations
     retained = 0 if inp.on_cuda else min(rollout_activations, int(inp.constants.value("heap_retention_bytes")))
     sleep_reserve = persistent_reserve + retained if retained else 0
-    # a rank stages at most what it sends (its actor shard) plus what it receives (its engine shard); with
-    # PP = 1 and actor TP = engine TP its engine shard is cut from its own actor shard and every copy is local
-    # (no staging; measured on memory_cpu at TP=2 -> TP=2: weight_sync rose 0.2 MiB)
-    local_only = inp.actor_pp == 1 and inp.actor_tp == inp.rollout_tp
-    bucket = 0 if local_only else min(inp.sync_bucket_bytes, st.actor_params + weights)
-    if inp.verify_sync:  # the checksums of the largest slice (rl/weight_sync/verify.py)
-        bucket += VERIFY_BYTES_PER_ELEMENT * largest_engine_tensor_elements(inp.shape, inp.rollout_tp)
+    bucket = sync_staging_bytes(inp, st, weights)
     # each kind of transient (modelspec.phases.TRANSIENTS) -> the components it raises, and to what
     transient_bytes = {
         "engine_activations": {"engine_reserve": rollout_reserve},
@@ -251,6 +245,37 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
     assert resident == start, "the step must end where it started"
     assert tuple(p.name for p in out) == PHASES
     return tuple(out)
+
+
+def sync_staging_bytes(inp: PlanInputs, st: _Stage, engine_weight_bytes: int) -> int:
+    """What the weight sync holds beyond the actor's and the engine's tensors on a rank of stage ``st``.
+
+    rl/weight_sync/execute.py runs the sync plan one bucket at a time and frees a bucket's buffers before the
+    next: per bucket a rank allocates one flat send buffer per peer for the transfers it packs and one flat
+    receive buffer per peer for those it unpacks (``[sum of the packed slices' numel]`` each, the actor's
+    dtype). Packed are the column (dim 1) slices, e.g. o_proj / down_proj ``[h, I/t]`` cut from a row-parallel
+    shard, and row slices under 1 MiB (``rl.weight_sync.plan.is_direct``); row slices of >= 1 MiB (gate / up
+    ``[I/t, h]``, vocab rows) go from the shard straight into the engine parameter, and local copies (the
+    slices a rank's own actor shard holds) need no buffer. The peak is the largest bucket's staged bytes,
+    ``inp.sync_staged_bytes[stage]`` (rl/planning.py plans the sync from both sides' layouts and takes
+    ``SyncPlan.max_staged_bytes`` over the stage's ranks; memory_cpu at actor TP=2 -> engine TP=1: 27.9 MiB
+    of a 64 MiB bucket). Without it, the bound: what the rank sends (its actor shard) plus what it receives
+    (its engine shard), at most a bucket; 0 when PP = 1 and actor TP = engine TP (every copy local).
+
+    ``weight_sync.verify`` runs after the executor has freed its buffers: it checksums one slice at a time,
+    its int64 bits, position weights and their product alive together (rl/weight_sync/verify.py::checksum,
+    3 x 8 bytes per element of the largest slice, at most an engine tensor), so the phase holds the larger
+    of the two, not their sum.
+    """
+    if inp.sync_staged_bytes is not None:
+        staged = inp.sync_staged_bytes[st.stage]
+    elif inp.actor_pp == 1 and inp.actor_tp == inp.rollout_tp:
+        staged = 0
+    else:
+        staged = min(inp.sync_bucket_bytes, st.actor_params + engine_weight_bytes)
+    if not inp.verify_sync:
+        return staged
+    return max(staged, VERIFY_BYTES_PER_ELEMENT * largest_engine_tensor_elements(inp.shape, inp.rollout_tp))
 
 
 def engine_rollout_activation_bytes(inp: PlanInputs) -> int:

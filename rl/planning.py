@@ -7,6 +7,7 @@ experiment's devices (rl/main.py); ``make sweep`` / ``make sweep-local`` check e
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import asdict, dataclass
 
 from planner import Plan, PlanInputs, device_preset
@@ -31,7 +32,7 @@ def plan_inputs(cfg, prompt_tokens: int | None = None, calibration=None) -> Plan
         prompt_tokens = longest - rollout.max_new_tokens
         if not rollout.max_model_len:
             prompt_tokens = min(DEFAULT_PROMPT_TOKENS, prompt_tokens)
-    return PlanInputs(
+    inputs = PlanInputs(
         shape=shape,
         device=device,
         dtype=cfg.model.dtype,
@@ -71,6 +72,25 @@ def plan_inputs(cfg, prompt_tokens: int | None = None, calibration=None) -> Plan
         sync_bucket_bytes=cfg.weight_sync.bucket_mb * MIB,
         verify_sync=cfg.weight_sync.verify,
         calibration=calibration,
+    )
+    # after PlanInputs has checked the splits: the sync plan the run will execute, planned the same way
+    staged = sync_staged_bytes(shape, cfg.mesh(), inputs.sync_bucket_bytes, inputs.element_bytes)
+    return dataclasses.replace(inputs, sync_staged_bytes=staged)
+
+
+@functools.lru_cache(maxsize=32)
+def sync_staged_bytes(shape, mesh, bucket_bytes: int, element_bytes: int) -> tuple[int, ...]:
+    """Per actor pipeline stage, the most bytes one of its ranks stages in one bucket of the weight sync: the
+    plan rl/setup.py builds (``WeightSyncConfig.build``: both sides' layouts, no communication) and its
+    packed part (``SyncPlan.max_staged_bytes``). The actor's norm naming (``te_norms``) changes no size."""
+    from rl.weight_sync.layouts import actor_sources, engine_destinations
+    from rl.weight_sync.plan import plan_sync
+
+    plan = plan_sync(actor_sources(shape, mesh), engine_destinations(shape, mesh), bucket_bytes, element_bytes)
+    stage_of = [mesh.actor_coords(rank).pp_rank for rank in range(mesh.world_size)]
+    return tuple(
+        plan.max_staged_bytes([r for r in range(mesh.world_size) if stage_of[r] == stage])
+        for stage in range(mesh.actor_pp)
     )
 
 

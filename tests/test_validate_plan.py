@@ -13,7 +13,6 @@ import pytest
 
 KNOWN_FAILURES = {
     "tiny_cpu_pp": {"train peak", "train rise"},
-    "memory_cpu_reference_reshard": {"weight_sync peak", "weight_sync rise"},
     # rollout: machine-dependent (the CI machine's fit over-predicted its rise by > 20%; see the doc)
     "transients_long_vocab": {"train peak", "train rise", "rollout peak", "rollout rise"},
     # the native engine's decode over 262-token contexts holds 45-55 MiB the plan does not count (engine_sleep

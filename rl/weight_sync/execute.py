@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rl.weight_sync.plan import SyncPlan, Transfer
+from rl.weight_sync.plan import DIRECT_MIN_BYTES, SyncPlan, Transfer, is_direct
 from rl.weight_sync.transport import TorchP2PTransport, Transport
 
 
@@ -39,15 +39,6 @@ def _src_view(src: dict, t: Transfer) -> torch.Tensor:
 
 def _dst_view(dst: dict, t: Transfer) -> torch.Tensor:
     return dst[t.dst_name].narrow(t.dim, t.dst_start, t.length)
-
-
-DIRECT_MIN_BYTES = 1 << 20
-
-
-def _is_direct(t: Transfer, element_bytes: int, direct_min_bytes: int) -> bool:
-    """Large row slices are contiguous on both sides: sent from the shard and received into the engine
-    parameter as they are, with no staging copy. Everything else is packed per peer."""
-    return t.dim == 0 and t.numel * element_bytes >= direct_min_bytes
 
 
 @torch.no_grad()
@@ -87,7 +78,7 @@ def execute_sync(
         # Per peer, in plan order on both sides: one packed message (if any), then the direct ones.
         unpack, extra = [], 0
         for peer in sorted(sends):
-            packed = [t for t in sends[peer] if not _is_direct(t, plan.element_bytes, direct_min_bytes)]
+            packed = [t for t in sends[peer] if not is_direct(t, plan.element_bytes, direct_min_bytes)]
             if packed:
                 buffer = torch.empty(sum(t.numel for t in packed), dtype=dtype, device=device)
                 offset = 0
@@ -98,18 +89,18 @@ def execute_sync(
                 extra += buffer.numel() * buffer.element_size()
                 transport.submit_send(buffer, peer)
             for t in sends[peer]:
-                if _is_direct(t, plan.element_bytes, direct_min_bytes):
+                if is_direct(t, plan.element_bytes, direct_min_bytes):
                     transport.submit_send(_src_view(src_tensors, t), peer)
             stats.bytes_sent += sum(t.numel for t in sends[peer]) * plan.element_bytes
         for peer in sorted(recvs):
-            packed = [t for t in recvs[peer] if not _is_direct(t, plan.element_bytes, direct_min_bytes)]
+            packed = [t for t in recvs[peer] if not is_direct(t, plan.element_bytes, direct_min_bytes)]
             if packed:
                 buffer = torch.empty(sum(t.numel for t in packed), dtype=dtype, device=device)
                 extra += buffer.numel() * buffer.element_size()
                 transport.submit_recv(buffer, peer)
                 unpack.append((buffer, packed))
             for t in recvs[peer]:
-                if _is_direct(t, plan.element_bytes, direct_min_bytes):
+                if is_direct(t, plan.element_bytes, direct_min_bytes):
                     transport.submit_recv(_dst_view(dst_tensors, t), peer)
             stats.bytes_received += sum(t.numel for t in recvs[peer]) * plan.element_bytes
         stats.peak_extra_bytes = max(stats.peak_extra_bytes, extra)
@@ -120,7 +111,8 @@ def execute_sync(
                 view = _dst_view(dst_tensors, t)
                 view.copy_(buffer[offset : offset + t.numel].view(view.shape))
                 offset += t.numel
-        del unpack
+        # drop every reference to this bucket's buffers before the next allocates its own
+        unpack = buffer = None
         stats.num_buckets += 1
     stats.seconds = time.perf_counter() - start
     return stats

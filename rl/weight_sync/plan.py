@@ -17,6 +17,12 @@ colocated source rank when it holds it (a local copy, never a message), else fro
 been given the least to send so far (spreading load over DP replicas). Transfers are then packed
 first-fit into buckets so that on every rank the bytes it sends plus the bytes it receives in one
 bucket stay within ``bucket_bytes``; a transfer larger than a bucket is split along its dim.
+
+What the executor (``execute.py``) stages is decided here too (:func:`is_direct`): a row slice of at least
+``DIRECT_MIN_BYTES`` is contiguous on both sides and goes from the actor shard straight into the engine
+parameter; every other cross-rank transfer is packed into one send buffer per peer and arrives in one
+receive buffer per peer. :meth:`SyncPlan.staged_bytes` is what one rank allocates for one bucket, the
+number the memory planner plans the weight_sync phase with (``rl/planning.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +32,10 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+# a row (dim 0) transfer of at least this many bytes is sent from the shard and received into the engine
+# parameter as it is (both contiguous); smaller ones and column slices are packed per peer (staged)
+DIRECT_MIN_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,30 @@ class SyncPlan:
 
     def max_extra_bytes(self) -> int:
         return max((self.bucket_extra_bytes(b, r) for b in self.buckets for r in range(self.world_size)), default=0)
+
+    def staged_bytes(self, bucket: Sequence[Transfer], rank: int, direct_min_bytes: int = DIRECT_MIN_BYTES) -> int:
+        """What the executor allocates on ``rank`` for one bucket: the packed send buffers (what it sends that
+        is not direct) plus the packed receive buffers (what it receives that is not direct). Direct transfers
+        and local copies move between the shard and the engine parameter with no buffer."""
+        return self.element_bytes * sum(
+            t.numel
+            for t in bucket
+            if not t.is_local
+            and rank in (t.src_rank, t.dst_rank)
+            and not is_direct(t, self.element_bytes, direct_min_bytes)
+        )
+
+    def max_staged_bytes(self, ranks: Sequence[int] | None = None, direct_min_bytes: int = DIRECT_MIN_BYTES) -> int:
+        """The most any of ``ranks`` (None: every rank) stages in one bucket (the executor's peak beyond the
+        tensors: one bucket's buffers at a time)."""
+        ranks = range(self.world_size) if ranks is None else ranks
+        return max((self.staged_bytes(b, r, direct_min_bytes) for b in self.buckets for r in ranks), default=0)
+
+
+def is_direct(t: Transfer, element_bytes: int, direct_min_bytes: int = DIRECT_MIN_BYTES) -> bool:
+    """Large row slices are contiguous on both sides: sent from the shard and received into the engine
+    parameter as they are, with no staging copy. Everything else is packed per peer."""
+    return t.dim == 0 and t.numel * element_bytes >= direct_min_bytes
 
 
 def _split(transfer: Transfer, max_numel: int) -> list[Transfer]:
