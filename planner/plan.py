@@ -31,6 +31,7 @@ from planner.sizes import (
     kv_bytes_per_token,
     largest_engine_tensor_elements,
     layer_activation_bytes_per_token,
+    layer_forward_bytes_per_token,
     logits_bytes,
     optimizer_bytes_per_param,
     unfused_attention_bytes,
@@ -96,21 +97,23 @@ class _Stage:
 
 def _layer_bytes(inp: PlanInputs, mb, recomputed: tuple[str, ...] = (), train: bool = True) -> int:
     """What one layer keeps for backward for micro-batch ``mb`` (``recomputed``: selective modules); with
-    ``train=False``, one layer's working set in a forward without grad."""
+    ``train=False``, one layer's working set in a forward without grad (counted, not scaled: nothing is kept)."""
     s, e, tp = inp.shape, inp.element_bytes, inp.actor_tp
     per_layer = mb.model_tokens * layer_activation_bytes_per_token(s, tp, e, inp.attention, recomputed)
+    if not train:
+        per_layer = mb.model_tokens * layer_forward_bytes_per_token(s, tp, e)
     scores = 0
     if inp.attention == "unfused" and "core_attn" not in recomputed:
         # without grad nothing is kept: packed sequences go through the attention one at a time
         # (megatron_backend/model.py, VarlenDotProductAttention) and free their [Hq/t, L, L] scores before the
         # next; a padded micro-batch attends all its rows at once
         at_once = mb.sequences if train or not inp.remove_padding else 1
-        scores = unfused_attention_bytes(s, tp, e, at_once, mb.attention_span)
+        scores = unfused_attention_bytes(s, tp, e, at_once, mb.attention_span, kept=train)
     # megatron's local spec (CPU) runs RMSNorm, RoPE, SwiGLU and attention unfused: autograd keeps more per
     # token than the fused count above; the factor is fitted by `make calibrate` (planner/calibration/cpu.json)
     # on runs of short sequences, so it covers the per-token tensors only: the [b, Hq/t, s, s] scores are
     # counted as they are (with the factor on them, 166-token rows were over-predicted by 20%)
-    return round(per_layer * inp.activation_factor) + scores
+    return round(per_layer * (inp.activation_factor if train else 1.0)) + scores
 
 
 def train_activation_bytes(inp: PlanInputs, layers: int, layers_per_chunk: int, micro_batches_in_flight: int) -> int:
@@ -167,6 +170,11 @@ def _stage(inp: PlanInputs, stage: int) -> _Stage:
     forward_mb = inp.micro_batches(train=False)
     forward_input = forward_mb.model_tokens * s.hidden_size * e
     last = stage == pp - 1
+    # a forward without grad holds the residual stream and one layer's working set, then (last stage) the
+    # log-prob pass beside the final hidden state: one after the other, so the activations count what the
+    # layers hold beyond the log-prob pass
+    forward_logits = logprob_pass_bytes(inp, train=False) if last else 0
+    forward_layer = _layer_bytes(inp, forward_mb, train=False)
     optimizer = count * optimizer_bytes_per_param(e) // (inp.actor_dp if inp.distributed_optimizer else 1)
     return _Stage(
         stage=stage,
@@ -177,10 +185,9 @@ def _stage(inp: PlanInputs, stage: int) -> _Stage:
         # plus the fixed workspace the train phase takes beside activations (CPU: calibrated; CUDA: 0)
         train_activations=train_activation_bytes(inp, layers, layers_per_chunk, micro_batches_in_flight)
         + int(inp.constants.value("train_workspace_bytes")),
-        # forward-only: one layer's working set at a time
-        forward_activations=_layer_bytes(inp, forward_mb, train=False) + forward_input,
+        forward_activations=forward_input + max(0, forward_layer - forward_logits),
         train_logits=logprob_pass_bytes(inp, train=True) if last else 0,
-        forward_logits=logprob_pass_bytes(inp, train=False) if last else 0,
+        forward_logits=forward_logits,
     )
 
 

@@ -100,14 +100,39 @@ def layer_activation_bytes_per_token(
     return elements * element_bytes + lse
 
 
-def unfused_attention_bytes(
-    shape: ModelShape, tp: int, element_bytes: int, micro_batch_size: float, seq_len: float
-) -> int:
-    """Scores and softmax probabilities [b, Hq/t, s, s] of one layer's unfused attention, in the dtype.
+def layer_forward_bytes_per_token(shape: ModelShape, tp: int, element_bytes: int) -> int:
+    """Peak bytes per token of one decoder layer's forward without grad (old/ref_logprob), beside the residual
+    stream [N, h] (the caller counts it): nothing is kept, so the peak is the larger of the two blocks' live
+    tensors at their widest moment, in the dtype.
 
-    Packed sequences attend within themselves: b sequences of (mean) length s, not b x the padded length.
+    Attention, at the core attention: the normed input (h), the qkv output ((Hq + 2 Hkv) d / t), RoPE'd q and k
+    ((Hq + Hkv) d / t) and the attention output (Hq d / t). MLP, at SwiGLU's product: the normed input (h), the
+    fc1 output [gate, up] (2I / t), silu(gate) and the product (I / t each). Unfused [s, s] scores are the
+    caller's (one packed sequence's at a time).
     """
-    return int(2 * micro_batch_size * (shape.num_heads // tp) * seq_len * seq_len * element_bytes)
+    h, d, t = shape.hidden_size, shape.head_dim, tp
+    attention = h + (2 * shape.num_heads + 3 * shape.num_kv_heads) * d // t + shape.num_heads * d // t
+    mlp = h + 4 * shape.intermediate_size // t
+    return max(attention, mlp) * element_bytes
+
+
+def unfused_attention_bytes(
+    shape: ModelShape, tp: int, element_bytes: int, micro_batch_size: float, seq_len: float, kept: bool = False
+) -> int:
+    """One layer's unfused attention (megatron's local DotProductAttention) over b sequences of length s.
+
+    At its softmax it holds the scores and the probabilities [b, Hq/t, s, s] in the dtype (``kept=False``: the
+    forward's peak). For backward (``kept=True``) autograd keeps the probabilities and the [s, s] bool causal
+    mask the scores were ``masked_fill_``'d with (megatron's ``get_default_causal_mask``, built per call): one
+    of each per sequence and layer, counted with ``torch.autograd.graph.saved_tensors_hooks`` on a tiny Qwen2
+    at TP 1 and 2. Packed sequences attend within themselves: b sequences of (mean) length s, not b x the
+    padded length.
+    """
+    square = micro_batch_size * seq_len * seq_len
+    heads = shape.num_heads // tp
+    if kept:
+        return int(square * (heads * element_bytes + 1))
+    return int(2 * square * heads * element_bytes)
 
 
 def logits_bytes(
@@ -130,7 +155,7 @@ def logits_bytes(
     rows at a time (None: all rows together). Per chunk: the gathered rows in fp32 (plus the 16-bit
     gather when the dtype is narrower) and their exp. Training also keeps the softmax of every row
     until backward when ``keep_softmax`` (default: unchunked), and backward holds the logits, their
-    gradient (dtype) and one chunk's fp32 softmax (and its p log p with an entropy gradient).
+    gradient (dtype) and one chunk's work (below).
     """
     vocab = megatron_padded_vocab(shape.vocab_size, tp) // tp
     logits = num_tokens * vocab * element_bytes
@@ -145,7 +170,12 @@ def logits_bytes(
     kept = rows * vocab * FP32_BYTES if keep else 0
     if keep and chunk_tokens is not None:
         forward = max(forward, logits + kept + forward_work)
-    backward = 2 * logits + kept + work_rows * vocab * (FP32_BYTES * (2 if entropy_grad else 1) + narrow)
+    # backward per chunk (megatron_backend/logprobs.py, _FusedLogprobEntropy.backward) beside the logits and
+    # their zeroed gradient: the chunk's fp32 softmax (the kept one, mul_'d in place into the gradient, or
+    # recomputed from an index_select: a new fp32 chunk), xlogy's new fp32 chunk with an entropy gradient, and
+    # the gradient's cast to a narrower dtype before index_add_
+    work = (0 if keep else FP32_BYTES) + (FP32_BYTES if entropy_grad else 0) + narrow
+    backward = 2 * logits + kept + work_rows * vocab * work
     return max(forward, backward)
 
 

@@ -10,8 +10,9 @@ constants being fitted zeroed (or 1 for a factor), and fits, in this order:
 2. ``local_spec_activation_factor`` and ``train_workspace_bytes`` (CPU): what megatron's local layer
    (unfused RMSNorm, RoPE, SwiGLU and attention) keeps per token over the fused count, and the fixed
    workspace the train phase takes beside it (backward and the optimizer step). Least squares of the
-   measured rises of ``train`` (workspace + factor x planned activations) and ``old_logprob`` (factor x
-   planned activations), each less its planned logits.
+   measured rises of ``train`` (workspace + factor x planned activations), less its planned logits and
+   attention scores. A forward without grad (old/ref_logprob) keeps nothing: its working set is counted
+   (``planner.sizes.layer_forward_bytes_per_token``), not fitted.
 3. ``engine_activation_factor`` and ``engine_workspace_bytes`` (CPU): the rollout phase's measured rise
    against the planned engine working set (eager ops hold more of a layer at once than the fused count),
    least squares over the native runs; ``heap_retention_bytes``: what rollout leaves in the heap for
@@ -174,12 +175,12 @@ def fit(run_dirs: dict[str, Path]) -> tuple[dict[str, tuple[float, float]], dict
     runtime_unc = max(abs(r - runtime) for r in residuals)
 
     # 2. the actor's transients (every fit run: the actor is the same with either engine):
-    #    rise(train) = workspace + factor x activations + logits; rise(old_logprob) = factor x activations + logits
+    #    rise(train) = workspace + factor x activations + logits
     #    (the factor covers the per-token tensors: the planned [s, s] attention scores are not scaled by it)
     actor_points = []
     for name in run_dirs:
         predicted, measured = planned[name]
-        for phase in ("train", "old_logprob"):
+        for phase in ("train",):
             if phase not in measured:
                 continue
             act, _ = _scaled_part(
