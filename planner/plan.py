@@ -29,6 +29,7 @@ from planner.sizes import (
     engine_param_count,
     in_flight_layers,
     kv_bytes_per_token,
+    largest_actor_weight_elements,
     largest_engine_tensor_elements,
     layer_activation_bytes_per_token,
     layer_forward_bytes_per_token,
@@ -142,6 +143,24 @@ def train_activation_bytes(inp: PlanInputs, layers: int, layers_per_chunk: int, 
     return activations + micro_batches_in_flight * stage_input
 
 
+def train_backward_bytes(inp: PlanInputs, stage: int, layers: int, logits_pass: int = 0) -> int:
+    """What train holds beside the kept activations and the log-prob pass, on a rank of ``stage`` holding
+    ``layers`` in-flight layers of the largest train micro-batch: the largest weight's gradient before DDP's
+    hook adds it into main_grad (sizes.largest_actor_weight_elements), what megatron's local attention keeps
+    per packed sequence and layer beyond its tensors (VarlenDotProductAttention runs each sequence through its
+    own autograd nodes and small tensors: ``local_attention_sequence_bytes``, calibrated on CPU, where those
+    host objects are the device's memory; 0 on CUDA), and a fixed workspace (``train_workspace_bytes``).
+    The weight gradients come after the log-prob pass's backward (``logits_pass``, last stage), whose buffers
+    are freed by then: the stage holds the larger of the two."""
+    s, e = inp.shape, inp.element_bytes
+    weight_grad = max(0, largest_actor_weight_elements(s, inp.actor_tp, inp.actor_pp, stage) * e - logits_pass)
+    per_sequence = 0
+    if inp.attention == "unfused" and inp.remove_padding:
+        sequences = inp.micro_batches(train=True).sequences
+        per_sequence = round(sequences * layers * inp.constants.value("local_attention_sequence_bytes"))
+    return weight_grad + per_sequence + int(inp.constants.value("train_workspace_bytes"))
+
+
 def logprob_pass_bytes(inp: PlanInputs, train: bool) -> int:
     """The last stage's log-prob/entropy pass over the largest micro-batch (sizes.logits_bytes)."""
     mb = inp.micro_batches(train=train)
@@ -175,6 +194,7 @@ def _stage(inp: PlanInputs, stage: int) -> _Stage:
     # layers hold beyond the log-prob pass
     forward_logits = logprob_pass_bytes(inp, train=False) if last else 0
     forward_layer = _layer_bytes(inp, forward_mb, train=False)
+    train_logits = logprob_pass_bytes(inp, train=True) if last else 0
     optimizer = count * optimizer_bytes_per_param(e) // (inp.actor_dp if inp.distributed_optimizer else 1)
     return _Stage(
         stage=stage,
@@ -182,11 +202,10 @@ def _stage(inp: PlanInputs, stage: int) -> _Stage:
         actor_grads=count * FP32_BYTES,  # megatron DDP main_grad buffers, fp32 (grad_reduce_in_fp32)
         optimizer=optimizer,
         ref_params=params if inp.reference_model else 0,
-        # plus the fixed workspace the train phase takes beside activations (CPU: calibrated; CUDA: 0)
         train_activations=train_activation_bytes(inp, layers, layers_per_chunk, micro_batches_in_flight)
-        + int(inp.constants.value("train_workspace_bytes")),
+        + train_backward_bytes(inp, stage, layers, train_logits),
         forward_activations=forward_input + max(0, forward_layer - forward_logits),
-        train_logits=logprob_pass_bytes(inp, train=True) if last else 0,
+        train_logits=train_logits,
         forward_logits=forward_logits,
     )
 

@@ -175,6 +175,12 @@ def constants_used(plan: Plan) -> list[dict]:
     if inp.attention == "unfused":
         factor = cal.value("local_spec_activation_factor")
         used.append(("local_spec_activation_factor", factor, peak["activations"] / factor if factor else 0.0))
+        if inp.remove_padding:  # per sequence of the train micro-batch and in-flight layer (at most a stage's)
+            in_train = plan.peak_phase == "train"
+            per_unit = inp.micro_batches(train=True).sequences * inp.shape.num_layers if in_train else 0
+            used.append(("local_attention_sequence_bytes", cal.value("local_attention_sequence_bytes"), per_unit))
+    if cal.value("train_workspace_bytes") or cal["train_workspace_bytes"].uncertainty:
+        used.append(("train_workspace_bytes", cal.value("train_workspace_bytes"), float(plan.peak_phase == "train")))
     if not inp.engine_profile.profiles_activations(inp.device.kind):
         factor = cal.value("engine_activation_factor")
         rollout_act = engine_rollout_activation_bytes(inp) if plan.peak_phase in ("rollout", "engine_sleep") else 0
@@ -201,7 +207,11 @@ def constants_used(plan: Plan) -> list[dict]:
 
 def _value(c: dict) -> str:
     if c["unit"] == "bytes":
-        return f"{gib(c['value'])} GiB +- {gib(c['uncertainty'])}"
+        if c["value"] >= 2**30:
+            return f"{gib(c['value'])} GiB +- {gib(c['uncertainty'])}"
+        for unit, size in (("MiB", 2**20), ("KiB", 2**10)):
+            if c["value"] >= size or unit == "KiB":
+                return f"{c['value'] / size:.1f} {unit} +- {c['uncertainty'] / size:.1f}"
     return f"{c['value']:g} +- {c['uncertainty']:g}"
 
 
@@ -216,7 +226,7 @@ def constants_lines(plan: Plan) -> list[str]:
         mark = "measured" if c["measured_on_device_kind"] else f"NEVER MEASURED on {inp.device.name}"
         if c["source"] == "policy":
             mark = "policy"
-        lines.append(f"  {c['name']:<30}{_value(c):<24}{c['source']:<9}{mark}: {c['reference']}")
+        lines.append(f"  {c['name']:<32}{_value(c):<24}{c['source']:<9}{mark}: {c['reference']}")
     unmeasured = [c for c in constants if not c["measured_on_device_kind"] and c["source"] != "policy"]
     spread = sum(c["uncertainty_bytes_at_peak"] for c in constants if c["source"] != "policy")
     unmeasured_spread = sum(c["uncertainty_bytes_at_peak"] for c in unmeasured)

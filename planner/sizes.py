@@ -179,6 +179,23 @@ def logits_bytes(
     return max(forward, backward)
 
 
+def largest_actor_weight_elements(shape: ModelShape, tp: int, pp: int, stage: int) -> int:
+    """Elements of the largest weight one actor rank of stage ``stage`` holds (megatron layout): qkv
+    [(Hq + 2 Hkv) d / t, h], fc1 [2I / t, h], or the vocab rows [V / t, h] of the embedding (first stage) or
+    the output layer (last stage).
+
+    Its gradient is a transient of train's backward: megatron_backend/model.py builds the layers with
+    ``gradient_accumulation_fusion=False``, so each linear's backward returns a new [out, in] weight gradient
+    in the params' dtype that DDP's hook adds into the fp32 ``main_grad`` and drops (megatron-core
+    ``LinearWithGradAccumulationAndAsyncCommunication.backward``; the embedding's is a dense [V / t, h] too).
+    """
+    h, d, t = shape.hidden_size, shape.head_dim, tp
+    largest = max((shape.num_heads + 2 * shape.num_kv_heads) * d // t * h, 2 * shape.intermediate_size // t * h)
+    if stage == 0 or stage == pp - 1:
+        largest = max(largest, megatron_padded_vocab(shape.vocab_size, tp) // tp * h)
+    return largest
+
+
 def in_flight_layers(num_layers: int, pp: int, vpp: int | None, stage: int, num_micro_batches: int) -> int:
     """Layers' worth of one micro-batch's activations stage ``stage`` holds at its peak under 1F1B.
 

@@ -569,3 +569,38 @@ def test_the_sampler_is_planned_as_the_native_sampler_runs():
         for _ in range(4)
     ]
     assert all(2.85 <= m <= planned + 0.15 for m in measured), (measured, planned)
+
+
+def test_train_holds_the_largest_weight_gradient_unless_the_logprob_pass_is_larger():
+    """gradient_accumulation_fusion=False (megatron_backend/model.py): each linear's backward makes a new
+    [out, in] weight gradient before DDP's hook adds it into main_grad. The largest is a vocab table on the
+    first and last stages, else qkv or fc1; it comes after the log-prob pass's backward has freed its buffers."""
+    from planner.plan import train_backward_bytes
+    from planner.sizes import largest_actor_weight_elements, megatron_padded_vocab
+
+    s = QWEN7B
+    vocab_rows = megatron_padded_vocab(s.vocab_size, 4) // 4 * s.hidden_size
+    fc1 = 2 * s.intermediate_size // 4 * s.hidden_size
+    assert largest_actor_weight_elements(s, 4, 4, 0) == largest_actor_weight_elements(s, 4, 4, 3) == vocab_rows
+    assert largest_actor_weight_elements(s, 4, 4, 1) == fc1 > (s.num_heads + 2 * s.num_kv_heads) * s.head_dim // 4 * s.hidden_size
+
+    inp = qwen7b_inputs(attention="flash", actor_pp=4, actor_dp=1, distributed_optimizer=False)
+    workspace = int(inp.constants.value("train_workspace_bytes"))
+    assert train_backward_bytes(inp, 1, 7) == fc1 * inp.element_bytes + workspace
+    assert train_backward_bytes(inp, 3, 7, logits_pass=fc1) == vocab_rows * inp.element_bytes - fc1 + workspace
+    assert train_backward_bytes(inp, 3, 7, logits_pass=10 * vocab_rows) == workspace
+
+
+def test_the_local_attention_loop_costs_per_packed_sequence_and_in_flight_layer():
+    """megatron's local attention runs each packed sequence through its own autograd nodes
+    (VarlenDotProductAttention): ``local_attention_sequence_bytes`` per sequence of the train micro-batch and
+    in-flight layer; a padded micro-batch attends in one call, and flash attention has no loop."""
+    from planner.plan import train_backward_bytes
+
+    per_sequence = 30_000
+    packed = qwen7b_inputs(attention="unfused", sequences_per_step=16, micro_batch_size=4, remove_padding=True)
+    packed = replace(packed, calibration=packed.constants.with_values(local_attention_sequence_bytes=per_sequence))
+    base = train_backward_bytes(replace(packed, attention="flash"), 0, 28)
+    assert train_backward_bytes(packed, 0, 28) - base == 4 * 28 * per_sequence
+    assert train_backward_bytes(packed, 0, 14) - base == 4 * 14 * per_sequence
+    assert train_backward_bytes(replace(packed, remove_padding=False), 0, 28) == base

@@ -34,14 +34,10 @@ def failures_on_any_machine(line: dict) -> set[str]:
     return failed
 
 
-KNOWN_FAILURES = {
-    # the train phase's fitted workspace (9 MiB on runs of 32-128-sequence micro-batches) is ~2 MiB at
-    # 8-sequence micro-batches, and this 4-rank run's ranks sit ~10 MiB under the runtime level fitted on 2-rank
-    # runs (docs/plan-validation.md, "What is still wrong"): 17 MiB over, past the 16 MiB floor
-    "tiny_cpu_pp": {"train peak", "train rise"},
-}
-# every mutation must be caught (each is, by a margin: docs/plan-validation.md's mutation table)
-MAY_BE_UNCAUGHT: set[tuple[str, float]] = set()
+KNOWN_FAILURES: dict[str, set[str]] = {}  # every configuration passes here (docs/plan-validation.md)
+# doubled attention scores fail long_sequences' train peak by 4 points beyond its 10% (+14%; its rise, +14%, is
+# inside 20%): a machine whose fit under-predicts that train by a few more points would let it through
+MAY_BE_UNCAUGHT = {("attention_scores", 2.0)}
 
 
 @pytest.mark.slow

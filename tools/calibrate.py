@@ -7,11 +7,12 @@ constants being fitted zeroed (or 1 for a factor), and fits, in this order:
 1. ``runtime_overhead_bytes``: what a rank holds beside the planned tensors. For every phase of the native-
    engine runs whose plan has no transient (sleep, on/offloads, wakes), measured peak - planned bytes; the
    median, uncertainty = the largest deviation from it.
-2. ``local_spec_activation_factor`` and ``train_workspace_bytes`` (CPU): what megatron's local layer
-   (unfused RMSNorm, RoPE, SwiGLU and attention) keeps per token over the fused count, and the fixed
-   workspace the train phase takes beside it (backward and the optimizer step). Least squares of the
-   measured rises of ``train`` (workspace + factor x planned activations), less its planned logits and
-   attention scores. A forward without grad (old/ref_logprob) keeps nothing: its working set is counted
+2. ``local_spec_activation_factor``, ``local_attention_sequence_bytes`` and ``train_workspace_bytes`` (CPU):
+   what megatron's local layer (unfused RMSNorm, RoPE, SwiGLU and attention) keeps per token over the fused
+   count, what its attention loop keeps per packed sequence and in-flight layer beside its tensors, and the
+   fixed workspace the train phase takes beside them. Least squares of the measured rises of ``train``
+   (workspace + factor x planned activations + per_sequence x sequence-layers), less what the plan counts
+   (logits, attention scores, the largest weight gradient). A forward without grad (old/ref_logprob) keeps nothing: its working set is counted
    (``planner.sizes.layer_forward_bytes_per_token``), not fitted.
 3. ``engine_activation_factor`` and ``engine_workspace_bytes`` (CPU): the rollout phase's measured rise
    against the planned engine working set (eager ops hold more of a layer at once than the fused count),
@@ -147,6 +148,22 @@ def _line_fit(points: list[tuple[float, float, bool]]) -> tuple[float, float, fl
     return f, k, residual
 
 
+def _actor_fit(rows: list[tuple[float, float, float]]) -> tuple[float, float, float, float]:
+    """Least squares of y = workspace + factor x act + per_sequence x sequence_layers over (act,
+    sequence_layers, y): (workspace, factor, per_sequence, largest residual). With fewer rows than unknowns or
+    no spread in sequence_layers, per_sequence is 0 and the rest is the line fit."""
+    import numpy as np
+
+    a = np.array([[1.0, act, seq] for act, seq, _ in rows])
+    y = np.array([r[2] for r in rows])
+    if len(rows) < 3 or np.linalg.matrix_rank(a) < 3:
+        workspace, factor, residual = _line_fit([(act, y_, True) for act, _, y_ in rows])
+        return workspace, factor, 0.0, residual
+    (workspace, factor, per_sequence), *_ = np.linalg.lstsq(a, y, rcond=None)
+    residual = float(np.abs(a @ np.array([workspace, factor, per_sequence]) - y).max())
+    return float(workspace), float(factor), float(per_sequence), residual
+
+
 def fit(run_dirs: dict[str, Path]) -> tuple[dict[str, tuple[float, float]], dict]:
     """name -> (value, uncertainty), and the per-run evidence."""
     base = load("cpu")
@@ -156,6 +173,7 @@ def fit(run_dirs: dict[str, Path]) -> tuple[dict[str, tuple[float, float]], dict
         local_spec_activation_factor=1.0,
         engine_activation_factor=1.0,
         train_workspace_bytes=0,
+        local_attention_sequence_bytes=0,
         engine_workspace_bytes=0,
         heap_retention_bytes=0,
     )
@@ -177,23 +195,26 @@ def fit(run_dirs: dict[str, Path]) -> tuple[dict[str, tuple[float, float]], dict
     # 2. the actor's transients (every fit run: the actor is the same with either engine):
     #    rise(train) = workspace + factor x activations + logits
     #    (the factor covers the per-token tensors: the planned [s, s] attention scores are not scaled by it)
-    actor_points = []
+    #    + per_sequence x (sequences x in-flight layers: megatron's local attention loop, counted by the plan)
+    actor_rows = []  # (activations the factor scales, sequence-layers, measured rise less the rest)
     for name in run_dirs:
         predicted, measured = planned[name]
-        for phase in ("train",):
-            if phase not in measured:
-                continue
-            act, _ = _scaled_part(
-                specs[name], zero, "local_spec_activation_factor", phase, lambda p: p.components["activations"]
-            )
-            other = predicted[phase].rise_bytes - act
-            actor_points.append((act, measured[phase].rise_bytes - other, phase == "train"))
-            evidence[name][f"{phase}_rise"] = {
-                "measured": measured[phase].rise_bytes,
-                "planned_activations": act,
-                "planned_other": other,
-            }
-    train_workspace, factor, actor_residual = _line_fit(actor_points)
+        if "train" not in measured:
+            continue
+        act, _ = _scaled_part(
+            specs[name], zero, "local_spec_activation_factor", "train", lambda p: p.components["activations"]
+        )
+        per_byte = predicted_phases(plan_for(specs[name], zero.with_values(local_attention_sequence_bytes=1)))
+        sequence_layers = per_byte["train"].rise_bytes - predicted["train"].rise_bytes
+        other = predicted["train"].rise_bytes - act
+        actor_rows.append((act, sequence_layers, measured["train"].rise_bytes - other))
+        evidence[name]["train_rise"] = {
+            "measured": measured["train"].rise_bytes,
+            "planned_activations": act,
+            "sequence_layers": sequence_layers,
+            "planned_other": other,
+        }
+    train_workspace, factor, per_sequence, actor_residual = _actor_fit(actor_rows)
 
     # 3. the native engine's rollout: rise = workspace + factor x planned layer working set + sampler
     engine_points, retained = [], []
@@ -221,6 +242,7 @@ def fit(run_dirs: dict[str, Path]) -> tuple[dict[str, tuple[float, float]], dict
         local_spec_activation_factor=factor,
         engine_activation_factor=engine_factor,
         train_workspace_bytes=train_workspace,
+        local_attention_sequence_bytes=per_sequence,
         engine_workspace_bytes=engine_workspace,
         heap_retention_bytes=retention,
     )
@@ -231,12 +253,14 @@ def fit(run_dirs: dict[str, Path]) -> tuple[dict[str, tuple[float, float]], dict
         v += r
     vllm_runtime = statistics.median(v) if v else base.value("vllm_runtime_bytes")
     vllm_unc = max((abs(r - vllm_runtime) for r in v), default=base["vllm_runtime_bytes"].uncertainty)
-    mean_act = statistics.mean(x for x, _, _ in actor_points) or 1
+    mean_act = statistics.mean(x for x, _, _ in actor_rows) or 1
+    mean_seq = statistics.mean(x for _, x, _ in actor_rows) or 1
     mean_eng = statistics.mean(x for x, _, _ in engine_points) if engine_points else 1
     return {
         "runtime_overhead_bytes": (int(runtime), int(runtime_unc)),
         "local_spec_activation_factor": (round(factor, 3), round(actor_residual / mean_act, 3)),
         "train_workspace_bytes": (int(train_workspace), int(actor_residual)),
+        "local_attention_sequence_bytes": (int(per_sequence), int(actor_residual / mean_seq)),
         "engine_activation_factor": (round(engine_factor, 3), round(engine_residual / mean_eng, 3)),
         "engine_workspace_bytes": (int(engine_workspace), int(engine_residual)),
         "heap_retention_bytes": (int(retention), int(retention_unc)),

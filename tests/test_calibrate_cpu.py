@@ -1,0 +1,44 @@
+"""`make calibrate` on CPU: the fit recovers the constants the fit set's timelines were made with.
+
+The timelines are written from the plan under known constants (what a machine whose runtime, local-layer
+factor, train workspace, per-sequence attention cost and engine constants are those would measure, phase by
+phase); the fit must find them. In particular the three train terms (the factor on the per-token count, the
+per packed sequence and layer cost of megatron's local attention loop, the fixed workspace) are separable on
+the fit set: a fit set that could not tell them apart would fail here."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.calibration import load
+from tests.test_calibrate_cuda import write_timeline
+from tools.calibrate import fit
+from tools.plan_runs import FIT_SET
+
+MIB = 2**20
+TRUTH = {
+    "runtime_overhead_bytes": 30 * MIB,
+    "local_spec_activation_factor": 1.4,
+    "train_workspace_bytes": 5 * MIB,
+    "local_attention_sequence_bytes": 30_000,
+    "vllm_runtime_bytes": 180 * MIB,
+}
+
+
+@pytest.mark.parametrize(
+    "changed", [{}, {"local_attention_sequence_bytes": 60_000}, {"train_workspace_bytes": 1 * MIB}]
+)
+def test_cpu_fit_recovers_the_train_terms_the_timelines_were_made_with(tmp_path, changed):
+    truth = load("cpu").with_values(**{**TRUTH, **changed})
+    specs = {s.name: s for s in FIT_SET}
+    for name, spec in specs.items():
+        write_timeline(tmp_path / name, spec, truth)
+    values, evidence = fit({name: tmp_path / name for name in specs})
+    want = {**TRUTH, **changed}
+    assert values["local_spec_activation_factor"][0] == pytest.approx(want["local_spec_activation_factor"], abs=0.01)
+    assert values["train_workspace_bytes"][0] == pytest.approx(want["train_workspace_bytes"], abs=64 * 1024)
+    assert values["local_attention_sequence_bytes"][0] == pytest.approx(want["local_attention_sequence_bytes"], rel=0.02)
+    assert values["runtime_overhead_bytes"][0] == pytest.approx(want["runtime_overhead_bytes"], abs=1)
+    assert values["vllm_runtime_bytes"][0] == pytest.approx(want["vllm_runtime_bytes"], abs=1)
+    # every fit run's train rise carries sequence-layers: the per-sequence term is counted, not guessed
+    assert all(e["train_rise"]["sequence_layers"] > 0 for e in evidence.values())
