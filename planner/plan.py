@@ -100,8 +100,9 @@ def _layer_bytes(inp: PlanInputs, mb, recomputed: tuple[str, ...] = (), train: b
     """What one layer keeps for backward for micro-batch ``mb`` (``recomputed``: selective modules); with
     ``train=False``, one layer's working set in a forward without grad (counted, not scaled: nothing is kept)."""
     s, e, tp = inp.shape, inp.element_bytes, inp.actor_tp
-    per_layer = mb.model_tokens * layer_activation_bytes_per_token(s, tp, e, inp.attention, recomputed)
-    if not train:
+    if train:
+        per_layer = mb.model_tokens * layer_activation_bytes_per_token(s, tp, e, inp.attention, recomputed)
+    else:
         per_layer = mb.model_tokens * layer_forward_bytes_per_token(s, tp, e)
     scores = 0
     if inp.attention == "unfused" and "core_attn" not in recomputed:
@@ -112,7 +113,7 @@ def _layer_bytes(inp: PlanInputs, mb, recomputed: tuple[str, ...] = (), train: b
         scores = unfused_attention_bytes(s, tp, e, at_once, mb.attention_span, kept=train)
     # megatron's local spec (CPU) runs RMSNorm, RoPE, SwiGLU and attention unfused: autograd keeps more per
     # token than the fused count above; the factor is fitted by `make calibrate` (planner/calibration/cpu.json)
-    # on runs of short sequences, so it covers the per-token tensors only: the [b, Hq/t, s, s] scores are
+    # on train rises of short sequences, so it covers the per-token tensors only: the [b, Hq/t, s, s] scores are
     # counted as they are (with the factor on them, 166-token rows were over-predicted by 20%)
     return round(per_layer * (inp.activation_factor if train else 1.0)) + scores
 
