@@ -37,8 +37,28 @@ def test_cpu_fit_recovers_the_train_terms_the_timelines_were_made_with(tmp_path,
     want = {**TRUTH, **changed}
     assert values["local_spec_activation_factor"][0] == pytest.approx(want["local_spec_activation_factor"], abs=0.01)
     assert values["train_workspace_bytes"][0] == pytest.approx(want["train_workspace_bytes"], abs=64 * 1024)
-    assert values["local_attention_sequence_bytes"][0] == pytest.approx(want["local_attention_sequence_bytes"], rel=0.02)
+    assert values["local_attention_sequence_bytes"][0] == pytest.approx(
+        want["local_attention_sequence_bytes"], rel=0.02
+    )
     assert values["runtime_overhead_bytes"][0] == pytest.approx(want["runtime_overhead_bytes"], abs=1)
     assert values["vllm_runtime_bytes"][0] == pytest.approx(want["vllm_runtime_bytes"], abs=1)
-    # every fit run's train rise carries sequence-layers: the per-sequence term is counted, not guessed
-    assert all(e["train_rise"]["sequence_layers"] > 0 for e in evidence.values())
+    # every transient-fitting run's train rise carries sequence-layers: the per-sequence term is counted, not guessed
+    assert all(evidence[s.name]["train_rise"]["sequence_layers"] > 0 for s in FIT_SET if s.fits_transients)
+
+
+def test_runtime_is_the_middle_of_the_levels_and_a_level_only_run_leaves_the_transients_alone(tmp_path):
+    """Runs whose shapes hold different runtime levels: the fitted constant is the middle of their range (the
+    smallest worst error over the shapes) with half the range as its uncertainty. A level-only run (the 4-rank
+    pipeline run) moves the level, never the transient terms, however its rises look."""
+    level_only = [s for s in FIT_SET if not s.fits_transients]
+    assert level_only, "the fit set has a level-only run (tools/plan_runs.py)"
+    truth = load("cpu").with_values(**TRUTH)
+    for spec in FIT_SET:
+        constants = truth
+        if not spec.fits_transients:  # 10 MiB lower level, a train workspace 4x the others'
+            constants = truth.with_values(runtime_overhead_bytes=20 * MIB, train_workspace_bytes=20 * MIB)
+        write_timeline(tmp_path / spec.name, spec, constants)
+    values, _ = fit({s.name: tmp_path / s.name for s in FIT_SET})
+    assert values["runtime_overhead_bytes"] == pytest.approx((25 * MIB, 5 * MIB), abs=1)
+    assert values["train_workspace_bytes"][0] == pytest.approx(TRUTH["train_workspace_bytes"], abs=64 * 1024)
+    assert values["local_spec_activation_factor"][0] == pytest.approx(TRUTH["local_spec_activation_factor"], abs=0.01)

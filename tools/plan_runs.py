@@ -48,6 +48,8 @@ class RunSpec:
     exp: str
     overrides: tuple[str, ...] = ()
     why: str = ""
+    # calibrate fits the transient constants (train and rollout rises) on this run too; False: the level only
+    fits_transients: bool = True
 
     @property
     def all_overrides(self) -> tuple[str, ...]:
@@ -67,6 +69,16 @@ FIT_SET = (
         "what megatron's local (CPU) layer keeps per token beyond the fused count: activations dominate",
     ),
     RunSpec("tiny_cpu_vllm", "tiny_cpu", ("rollout.engine=vllm",), "vLLM's CPU runtime beside its tensors"),
+    RunSpec(
+        "tiny_cpu_pp_long_responses",
+        "tiny_cpu_pp",
+        ("rollout.max_new_tokens=16", "actor.micro_batch_size=16"),
+        "4 ranks, PP=2, the tiny Llama: the lowest runtime level (~10 MiB under the 2-rank runs), so that the "
+        "fitted runtime sits between the levels the shapes have, not at one end. Its rises stay out of the "
+        "transient fits: a pipeline schedule's train rise is ~4 MiB under the 3-term count, which would pull the "
+        "2-rank runs' workspace below zero",
+        fits_transients=False,
+    ),
     RunSpec(
         "vocab_mid_batches",
         "tiny_cpu",
