@@ -56,7 +56,8 @@ def rl_step(ctx: RankContext, step: int) -> StepResult:
     """One RL step, per rank, in the table's phase order (modelspec/phases.py; the step's log phase follows it
     in :func:`run_rank`)."""
     cfg, actor, engine, phase = ctx.cfg, ctx.actor, ctx.engine, ctx.phase
-    stop_agreed = lambda: ctx.stop.agreed(ctx.dims.device)  # noqa: E731 (a collective at a phase boundary)
+    device = ctx.dims.device  # the default group's: a collective's tensors live there (CUDA under NCCL)
+    stop_agreed = lambda: ctx.stop.agreed(device)  # noqa: E731 (a collective at a phase boundary)
     params = SamplingParams.from_config(cfg.rollout, seed=sampling_seed(ctx.sampling_base_seed, step, ctx.replica))
     with phase("rollout", step):  # every line of the step is inside a phase: the timeline sees all its memory
         problems = ctx.task.sample(cfg.trainer.prompts_per_step)  # the same prompts on every rank
@@ -72,9 +73,11 @@ def rl_step(ctx: RankContext, step: int) -> StepResult:
     with phase("old_logprob", step):  # the batch, the actor's pass, then the engine-vs-actor check
         batch, rewards = ctx.make_batch(samples)
         response = batch.loss_mask
-        check_finite(step, "rollout", {"reward": rewards, "engine log-prob": batch.engine_logprobs}, response)
+        check_finite(
+            step, "rollout", {"reward": rewards, "engine log-prob": batch.engine_logprobs}, response, device=device
+        )
         batch.old_logprobs = actor.compute_logprobs(batch, phase="old_logprob", response_only=True)
-        check_finite(step, "old_logprob", {"old log-prob": batch.old_logprobs}, response)
+        check_finite(step, "old_logprob", {"old log-prob": batch.old_logprobs}, response, device=device)
         # the engine-vs-actor gap over all ranks (p99, max); too large: stop before training on wrong log-probs
         gap = engine_actor_logprob_gap(batch)
         check_logprob_gap(gap, step, logprob_gap_rule(cfg.trainer, cfg.model.dtype), cfg.model.dtype)
@@ -84,7 +87,7 @@ def rl_step(ctx: RankContext, step: int) -> StepResult:
     with phase("ref_logprob", step):
         if ctx.ref_actor is not None:
             batch.ref_logprobs = ctx.ref_actor.compute_logprobs(batch, phase="ref_logprob", response_only=True)
-            check_finite(step, "ref_logprob", {"ref log-prob": batch.ref_logprobs}, response)
+            check_finite(step, "ref_logprob", {"ref log-prob": batch.ref_logprobs}, response, device=device)
     with phase("offload_ref", step):
         if ctx.offloaded("ref_params"):
             ctx.ref_actor.offload("params")

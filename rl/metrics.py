@@ -61,12 +61,16 @@ class NonFiniteError(RuntimeError):
     weights, Adam's moments and the last checkpoint stay the last good ones."""
 
 
-def check_finite(step: int, phase: str, quantities: dict[str, torch.Tensor], loss_mask: torch.Tensor) -> None:
+def check_finite(
+    step: int, phase: str, quantities: dict[str, torch.Tensor], loss_mask: torch.Tensor, *, device: torch.device
+) -> None:
     """Every rank stops together (one all-reduce) when any rank holds a non-finite value of a quantity;
-    tensors of ``loss_mask``'s shape [B, S-1] are checked on response tokens only, others everywhere."""
+    tensors of ``loss_mask``'s shape [B, S-1] are checked on response tokens only, others everywhere.
+    ``device``: the default group's (CUDA under NCCL, which takes no host tensor; tests/test_collective_devices.py)."""
     mask = loss_mask > 0
     bad = torch.tensor(
-        [float(not torch.isfinite(t[mask] if t.shape == mask.shape else t).all()) for t in quantities.values()]
+        [float(not torch.isfinite(t[mask] if t.shape == mask.shape else t).all()) for t in quantities.values()],
+        device=device,
     )
     if dist.is_initialized():
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)

@@ -109,16 +109,23 @@ def test_every_rank_stops_on_a_gap_seen_by_one():
 def test_a_non_finite_reward_or_logprob_names_step_phase_and_quantity():
     from rl.metrics import NonFiniteError, check_finite, non_finite_stops
 
+    cpu = torch.device("cpu")
     loss_mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
     logprobs = torch.tensor([[float("nan"), -1.0, -2.0], [0.0, -0.5, float("inf")]])  # non-finite only off-response
-    check_finite(3, "old_logprob", {"old log-prob": logprobs, "reward": torch.tensor([1.0, 0.0])}, loss_mask)
+    check_finite(
+        3, "old_logprob", {"old log-prob": logprobs, "reward": torch.tensor([1.0, 0.0])}, loss_mask, device=cpu
+    )
     with pytest.raises(NonFiniteError, match=r"^step 3, phase rollout: reward not finite \(NaN/inf\); stopped before"):
         check_finite(
-            3, "rollout", {"engine log-prob": logprobs, "reward": torch.tensor([1.0, float("nan")])}, loss_mask
+            3,
+            "rollout",
+            {"engine log-prob": logprobs, "reward": torch.tensor([1.0, float("nan")])},
+            loss_mask,
+            device=cpu,
         )
     logprobs[1, 1] = float("-inf")
     with pytest.raises(NonFiniteError, match="step 4, phase old_logprob: old log-prob not finite"):
-        check_finite(4, "old_logprob", {"old log-prob": logprobs}, loss_mask)
+        check_finite(4, "old_logprob", {"old log-prob": logprobs}, loss_mask, device=cpu)
     with pytest.raises(NonFiniteError, match="step 5, phase train: grad_norm=nan is not finite"):
         with non_finite_stops(5, "train"):
             raise FloatingPointError("grad_norm=nan is not finite; the optimizer step was not applied")
