@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from modelspec import ColocatedMesh, TokenBatch
 from modelspec.host_memory import freeze_long_lived_objects
-from modelspec.phases import PhaseOrder
+from modelspec.phases import ENGINE_STATE, PhaseOrder
 from rl.batching import Sample, make_batch
 from rl.checkpoint import ACTOR_DIR, Checkpointer, RLState, StopRequest, load_rank_state, resolve_resume
 from rl.config import RunConfig
@@ -289,18 +289,29 @@ def start_engine(ctx: RankContext) -> RankContext:
 
 def start_rollout(ctx: RankContext) -> RankContext:
     """Before the first step: the actor offloads what its flags say, the engine starts sized for that
-    (:func:`start_engine`) and takes the actor's weights (the step's weight_sync, once), the actor's params
-    go back to host if they live there between steps. Ends where a step ends: engine awake, actor offloaded.
-    Returns ``ctx`` with the engine."""
+    (:func:`start_engine`, which leaves it fully awake), then the first weight sync follows the step's own wake
+    order (rl/loop.py, ``wake_weights`` .. ``wake_kv_cache``): the engine sleeps, the actor's params come back,
+    the engine wakes what ``wake_weights`` wakes (checked against the plan), takes the weights, the params go
+    back to host, then the KV cache wakes (checked). So the start-up never holds more than a step does (a
+    fully awake engine beside the actor's params would hold params and KV cache together, which the staged
+    strategy exists to avoid). Ends where a step ends: engine awake, actor offloaded. Returns ``ctx`` with the
+    engine."""
     for what in ("optimizer", "grads", "params"):
         if ctx.offloaded(what):
             ctx.actor.offload(what)
     ctx = start_engine(ctx)
+    rollout = ctx.cfg.rollout
+    ctx.engine.sleep(list(ENGINE_STATE))
     if ctx.offloaded("params"):
         ctx.actor.onload("params")
+    ctx.check_wake("wake_weights")
+    ctx.engine.wake_up(rollout.wake_tags("wake_weights"))
     ctx.sync_weights()
     if ctx.offloaded("params"):
         ctx.actor.offload("params")
+    if tags := rollout.wake_tags("wake_kv_cache"):
+        ctx.check_wake("wake_kv_cache")
+        ctx.engine.wake_up(tags)
     freeze_long_lived_objects()  # the engine's objects too
     return ctx
 
