@@ -137,6 +137,35 @@ def lost_peer_line(error: str, rank_hosts: list[tuple[str, str]], rank: int) -> 
     return f"rank {rank} on {rank_hosts[rank][0]}: lost rank(s) {lost} on {hosts}: {error.splitlines()[0][:200]}"
 
 
+# What the ranks of a CUDA run get in their environment (unless it sets them already), read by ProcessGroupNCCL
+# when the group is made (torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp). A dead peer makes gloo
+# raise at once; NCCL raises nothing: the waiting ranks sit in the collective until its timeout (cluster.timeout_s,
+# init_process_group's `timeout`), when the watchdog acts. ASYNC_ERROR_HANDLING=1 (TearDown) makes that act an
+# abort of the communicators and the end of the process (SIGABRT), so the wait is bounded by the timeout and the
+# launcher sees the exit; torchrun sets the same for its workers. Not TORCH_NCCL_BLOCKING_WAIT: it would turn every
+# collective into a host-side wait (a Python exception at the timeout, but no CPU/GPU overlap at any time).
+# Who died is named by the launcher from exit codes (spawn_local; torchrun's error files), not by the survivors.
+NCCL_RANK_ENVIRON = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+
+
+def rank_environ(cluster: ClusterConfig, environ: dict[str, str] = os.environ) -> dict[str, str]:
+    """The variables a rank of ``cluster`` needs and ``environ`` does not set yet (NCCL's error handling on CUDA)."""
+    if cluster.device not in CUDA_PRESETS:
+        return {}
+    return {k: v for k, v in NCCL_RANK_ENVIRON.items() if k not in environ}
+
+
+def run_launched(fn: Callable, cluster: ClusterConfig, *args: Any) -> Any:
+    """``fn(*args)`` as one rank under torchrun / srun: :func:`rank_environ` set before any process group is made,
+    and an exception recorded (torch's ``record``) in the error file torchrun gives each rank, from which torchrun
+    names the first rank to fail ("Root Cause (first observed failure)": rank, host, exit code, traceback) before
+    it stops the others; a rank killed by a signal it names by that signal. Every backend gives this."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    os.environ.update(rank_environ(cluster))
+    return record(fn)(*args)
+
+
 def missing_devices(cluster: ClusterConfig, external: bool) -> str | None:
     """Why this machine cannot run ``cluster.device`` ranks (None: it can). Checked before anything starts.
 
@@ -211,6 +240,8 @@ def _rank_entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple
 
 
 def describe_exit(exitcode: int) -> str:
+    if exitcode == -signal.SIGABRT:  # NCCL's watchdog ends a rank this way (NCCL_RANK_ENVIRON)
+        return "was killed by SIGABRT (on CUDA: NCCL's watchdog, a collective that waited cluster.timeout_s)"
     return f"was killed by {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exited with code {exitcode}"
 
 
@@ -219,8 +250,11 @@ def shell_exit_code(exitcode: int) -> int:
     return 128 - exitcode if exitcode < 0 else exitcode
 
 
-def spawn_local(fn: Callable, world_size: int, args: tuple[Any, ...] = ()) -> int:
-    """Run ``fn(*args)`` on ``world_size`` local ranks (env set as torchrun would); returns an exit code.
+def spawn_local(
+    fn: Callable, world_size: int, args: tuple[Any, ...] = (), environ: dict[str, str] | None = None
+) -> int:
+    """Run ``fn(*args)`` on ``world_size`` local ranks (env set as torchrun would, plus ``environ``, e.g.
+    :func:`rank_environ`); returns an exit code.
 
     SIGTERM / SIGUSR1 sent to this process are forwarded to every rank (they checkpoint and exit 0).
     When a rank dies, one line names it and how it died, the others are killed at once (a checkpoint
@@ -245,7 +279,7 @@ def spawn_local(fn: Callable, world_size: int, args: tuple[Any, ...] = ()) -> in
     # `fn`, before `_rank_entry` runs: so the thread count must be in the environment it is spawned with.
     # Two ranks of two threads each on two cores spend most of a CPU step waiting on each other.
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // world_size))
-    with updated_environ(OMP_NUM_THREADS=threads):
+    with updated_environ(OMP_NUM_THREADS=threads, **(environ or {})):
         for p in procs:
             p.start()
     exit_code = 0

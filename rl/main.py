@@ -30,6 +30,8 @@ from rl.launch import (
     launched_externally,
     lost_peer_line,
     missing_devices,
+    rank_environ,
+    run_launched,
     spawn_local,
 )
 from rl.preflight import find_unfinished_run, hold_run_dir, preflight, resume_point
@@ -156,12 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = prepare(cfg, run_dir)
     lock = lock or (hold_run_dir(run_dir) if int(os.environ.get("RANK", "0")) == 0 else None)  # a new directory
     if launched_externally():
-        return run_launched_rank(cfg, str(run_dir))
+        return run_launched(run_launched_rank, cfg.cluster, cfg, str(run_dir))
     resuming = f"; resuming after step {state.completed_steps}" if state is not None else ""
     print(f"run directory: {run_dir}{resuming}", flush=True)
     from rl.loop import run_rank
 
-    return spawn_local(run_rank, cfg.cluster.world_size, (cfg, str(run_dir)))
+    return spawn_local(run_rank, cfg.cluster.world_size, (cfg, str(run_dir)), rank_environ(cfg.cluster))
 
 
 if __name__ == "__main__":
