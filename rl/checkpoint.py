@@ -20,6 +20,7 @@ or ``checkpoints`` directory).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -28,7 +29,9 @@ import re
 import shutil
 import signal
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -202,18 +205,57 @@ def _write_durably(path: Path, write) -> None:
         os.fsync(f.fileno())
 
 
-class Checkpointer:
-    """Writes the run's checkpoints (every rank calls every method: they are collective)."""
+@contextlib.contextmanager
+def collective_timeout(timeout_s: float, restore_s: float) -> Iterator[None]:
+    """The default group's collectives give up after ``timeout_s`` inside the block, ``restore_s`` after it.
 
-    def __init__(self, run_dir: Path, rank: int, keep_last: int):
+    For one-sided file work inside a collective window (a rank writing its shards while the others wait in the
+    checkpoint's final gather; rank 0 renaming and deleting while the others wait in a barrier): on NCCL the
+    watchdog would otherwise end the waiting ranks at ``cluster.timeout_s`` (rl/launch.py, NCCL_RANK_ENVIRON).
+    torch's own ``dist.breakpoint`` lengthens the timeout the same way (``_set_pg_timeout``, for gloo and NCCL);
+    collectives begun inside the block keep the long timeout. Chosen over moving the work out of the window
+    (the next collective would then wait on it instead) and over a gloo side group (megatron's checkpoint
+    collectives run on the default group, which only this reaches)."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    if not dist.is_initialized():
+        yield
+        return
+    _set_pg_timeout(timedelta(seconds=timeout_s))
+    try:
+        yield
+    finally:
+        _set_pg_timeout(timedelta(seconds=restore_s))
+
+
+class Checkpointer:
+    """Writes the run's checkpoints (every rank calls every method: they are collective). Its file work runs in
+    :meth:`window` (the collectives there wait up to ``file_timeout_s``, then ``timeout_s`` again; None: as they
+    are)."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        rank: int,
+        keep_last: int,
+        *,
+        timeout_s: float | None = None,
+        file_timeout_s: float | None = None,
+    ):
         if keep_last < 1:
             raise ValueError(f"trainer.keep_last={keep_last} must be >= 1")
         self.root = Path(run_dir) / CHECKPOINT_DIR
         self.rank = rank
         self.keep_last = keep_last
-        if rank == 0:
-            self.remove_leftovers()
-        dist.barrier()
+        self.timeouts = (file_timeout_s, timeout_s) if file_timeout_s is not None and timeout_s is not None else None
+        with self.window():
+            if rank == 0:
+                self.remove_leftovers()
+            dist.barrier()
+
+    def window(self) -> contextlib.AbstractContextManager:
+        """Around one-sided file work inside collectives (this class's, and the actor's shard writes and reads)."""
+        return contextlib.nullcontext() if self.timeouts is None else collective_timeout(*self.timeouts)
 
     def remove_leftovers(self) -> None:
         """Half-written (``.tmp-*``) and half-deleted (``.trash-*``) directories of a killed run."""
@@ -228,29 +270,31 @@ class Checkpointer:
     def begin(self, completed_steps: int) -> Path:
         """A fresh temporary directory for the checkpoint after ``completed_steps`` steps."""
         tmp = self.root / f".tmp-{step_dir_name(completed_steps)}"
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            (tmp / RANKS_DIR).mkdir(parents=True)
-        dist.barrier()
+        with self.window():
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                (tmp / RANKS_DIR).mkdir(parents=True)
+            dist.barrier()
         return tmp
 
     def finish(self, tmp: Path, rank_state: dict[str, Any], state: RLState | None) -> Path:
         """Write this rank's part; rank 0 then writes ``rl_state.json`` (``state``) and renames the
         directory into place, then drops the checkpoints beyond ``keep_last``."""
-        _write_durably(tmp / RANKS_DIR / f"rank_{self.rank:05d}.pt", lambda f: torch.save(rank_state, f))
-        dist.barrier()
         final = tmp.with_name(tmp.name.removeprefix(".tmp-"))
-        if self.rank == 0:
-            assert state is not None, "rank 0 writes rl_state.json"
-            text = json.dumps(dataclasses.asdict(state), indent=2) + "\n"
-            _write_durably(tmp / STATE_FILE, lambda f: f.write(text.encode()))
-            if final.exists():  # the same state saved again (a stop right after resuming): keep the first
-                shutil.rmtree(tmp)
-            else:
-                os.rename(tmp, final)
-                _fsync_dir(self.root)
-            self.prune()
-        dist.barrier()
+        with self.window():
+            _write_durably(tmp / RANKS_DIR / f"rank_{self.rank:05d}.pt", lambda f: torch.save(rank_state, f))
+            dist.barrier()
+            if self.rank == 0:
+                assert state is not None, "rank 0 writes rl_state.json"
+                text = json.dumps(dataclasses.asdict(state), indent=2) + "\n"
+                _write_durably(tmp / STATE_FILE, lambda f: f.write(text.encode()))
+                if final.exists():  # the same state saved again (a stop right after resuming): keep the first
+                    shutil.rmtree(tmp)
+                else:
+                    os.rename(tmp, final)
+                    _fsync_dir(self.root)
+                self.prune()
+            dist.barrier()
         return final
 
     def prune(self) -> None:

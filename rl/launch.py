@@ -50,6 +50,9 @@ class ClusterConfig:
     slurm_signal_seconds: int = 300  # USR1 this long before the time limit: ranks checkpoint, the job requeues
     # every collective (and the rendezvous) gives up after this long: a rank whose peer died raises, never hangs
     timeout_s: float = 600.0
+    # ... except inside a checkpoint's file work (rl/checkpoint.py, Checkpointer.window): a rank writing its ~56 GB
+    # of a 32B checkpoint, or rank 0 deleting an old one, while the others wait in a collective
+    file_timeout_s: float = 7200.0
 
     def __post_init__(self) -> None:
         if self.device not in DEVICE_NAMES:
@@ -66,6 +69,11 @@ class ClusterConfig:
         if self.timeout_s < 10:
             raise ValueError(
                 f"cluster.timeout_s={self.timeout_s} must be >= 10 (collectives of a slow step take seconds)"
+            )
+        if self.file_timeout_s < self.timeout_s:
+            raise ValueError(
+                f"cluster.file_timeout_s={self.file_timeout_s} must be >= cluster.timeout_s={self.timeout_s} "
+                "(it bounds the collectives around checkpoint file work, which take longer than a step's)"
             )
         if self.slurm_signal_seconds < 30:
             raise ValueError(

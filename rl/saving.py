@@ -27,7 +27,8 @@ class StopBeforeTrain(Exception):
 def save_actor(ctx: RankContext, completed_steps: int) -> Path:
     """Begin the checkpoint after ``completed_steps`` steps: the actor's shards into its temporary directory."""
     tmp = ctx.checkpointer.begin(completed_steps)
-    ctx.actor.save_checkpoint(tmp / ACTOR_DIR)
+    with ctx.checkpointer.window():  # every rank writes its shards, then waits for the slowest in a collective
+        ctx.actor.save_checkpoint(tmp / ACTOR_DIR)
     return tmp
 
 

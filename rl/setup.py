@@ -180,8 +180,13 @@ def setup(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None) -> Ran
     timeline = MemoryTimeline(probe, dims.rank, interval_s=cfg.trainer.memory_sample_interval_s)
     shape = cfg.model.shape()  # read once, in the launcher (it came with cfg)
     actor = Actor(cfg.model.path, cfg.actor, dims, dtype=cfg.model.dtype, shape=shape)
+    cluster = cfg.cluster
+    checkpointer = Checkpointer(
+        run_dir, dims.rank, cfg.trainer.keep_last, timeout_s=cluster.timeout_s, file_timeout_s=cluster.file_timeout_s
+    )
     if checkpoint is not None:
-        actor.load_checkpoint(checkpoint / ACTOR_DIR)  # any saved layout: dist checkpointing reshards
+        with checkpointer.window():  # every rank reads its shards, then waits for the slowest
+            actor.load_checkpoint(checkpoint / ACTOR_DIR)  # any saved layout: dist checkpointing reshards
     ref_actor = None
     if cfg.algorithm.kl_coef > 0:
         ref_actor = Actor(cfg.model.path, cfg.actor, dims, dtype=cfg.model.dtype, train=False, shape=shape)
@@ -222,7 +227,7 @@ def setup(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None) -> Ran
         timeline=timeline,
         writer=writer,
         rollout_group=groups[mesh.replica(dims.rank)] if mesh.rollout_tp > 1 else None,
-        checkpointer=Checkpointer(run_dir, dims.rank, cfg.trainer.keep_last),
+        checkpointer=checkpointer,
         stop=stop or StopRequest(dims.rank),
         phase_order=PhaseOrder(cfg.step_flags()),
         resumed_from=checkpoint,
