@@ -87,12 +87,34 @@ def test_vllm_bf16_with_cuda_graphs_within_the_gap_rule_and_after_sleep(tiny_mod
     assert _within_bf16_rule(after), after
 
 
+def _write_slices(engine, model_dir: str, tp: int, rank: int) -> dict:
+    """The weight sync's in-place path by hand: begin -> this rank's slices (rollout.layout) into vLLM's live
+    bf16 parameters on the GPU -> finish; whether what vLLM reads back is those slices in bf16."""
+    from safetensors.torch import load_file
+
+    from modelspec import ModelShape
+    from rollout.layout import assemble_local, split_in_place, vllm_param_layouts
+
+    hf = load_file(str(Path(model_dir) / "model.safetensors"))
+    layouts = vllm_param_layouts(ModelShape.from_pretrained(model_dir), tp=tp, tp_rank=rank % tp)
+    dst = engine.begin_weight_update()
+    in_place, fell_back = split_in_place(layouts, dst)
+    for layout in in_place:
+        dst[layout.name].copy_(assemble_local(layout, hf))  # host fp32 -> device bf16
+    readable = engine.named_parameters()
+    matches = all(
+        torch.equal(readable[p.name].cpu(), assemble_local(p, hf).to(readable[p.name].dtype)) for p in in_place
+    )
+    engine.load_weights([(s.hf_name, hf[s.hf_name]) for p in fell_back for s in p.slices])
+    engine.finish_weight_update()
+    return {"readable_matches": matches, "fell_back": sorted(p.name for p in fell_back)}
+
+
 def _staged_wake_tp2(rank: int, world_size: int, model_dir: str) -> dict:
     import torch.distributed as dist
 
     from modelspec.mesh import ColocatedMesh
     from rollout.vllm_engine import VllmEngine
-    from tests.test_vllm_engine import _write_slices
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl")  # as init_distributed does on CUDA; vLLM's external_launcher joins it
