@@ -43,7 +43,7 @@ VLLM_BUILD := $(if $(filter gpu,$(subst $(comma), ,$(EXTRAS))),cuda,cpu)
 TINY_HF := $(if $(filter $(TINY_DIR)/%,$(HF)),$(HF)/config.json)
 
 PHONY_PLANNER := calibrate validate-plan mutate-plan
-.PHONY: $(PHONY_PLANNER) help install run plan report compare sbatch sweep sweep-local test test-threads test-vllm test-gpu test-slow test-slurm lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout bench-train clean
+.PHONY: $(PHONY_PLANNER) help install run plan report compare sbatch sweep sweep-local test test-threads test-vllm test-gpu test-slow test-slurm lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout bench-train smoke clean
 
 help: ## list the targets
 	@echo "usage: make <target> [EXP=<experiment>] [ARGS=\"<hydra overrides>\"]"
@@ -138,13 +138,16 @@ parity: $(STAMP) $(TINY_HF) ## megatron (TP x PP [x VPP]) vs transformers log-pr
 	@$(PY) -m tools.parity --hf $(HF) --tp $(TP) --pp $(PP) $(if $(VPP),--vpp $(VPP))
 
 bench-entropy: $(STAMP) ## peak memory of chunked vs unchunked vocab entropy: one JSON line
-	@$(PY) -m tools.bench_entropy
+	@$(PY) -m tools.bench_entropy $(ARGS)
 
 bench-rollout: $(STAMP) ## native engine vs transformers generate tokens/s (batch 32, tiny model): one JSON line
 	@$(PY) -m tools.bench_rollout $(ARGS)
 
 bench-train: $(STAMP) ## train-phase levers (packing, token budgets, recompute, chunked log-prob) with/without, measured vs planned: one JSON line each
 	@$(PY) -m tools.bench_train $(ARGS)
+
+smoke: $(STAMP) ## every documented target that needs no GPU, once, at its smallest, as from a fresh clone (CI): one line each
+	@$(PY) -m tools.smoke $(ARGS)
 
 clean: ## remove caches and generated tiny checkpoints (keeps .venv and runs/)
 	rm -rf .pytest_cache .ruff_cache $(TINY_DIR)

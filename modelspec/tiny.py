@@ -17,10 +17,13 @@ them; ``resolve_model_path("tiny:<family>")`` builds one on demand.
 from __future__ import annotations
 
 import argparse
+import fcntl
+import filecmp
 import os
 import shutil
 import string
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from modelspec.families import FAMILIES
@@ -86,42 +89,89 @@ def randomize_norms_and_biases(model, seed: int) -> None:
 
 
 def write_tiny_model(family: str, out_dir: str | os.PathLike, seed: int = SEED, **overrides) -> Path:
-    """Write one tiny checkpoint to ``out_dir`` (atomically: a temp dir renamed into place). Another ``seed``
-    gives the same architecture with other weights (a "new checkpoint" for weight-update tests)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    out_dir = Path(out_dir)
-    config = tiny_hf_config(family, **overrides)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    randomize_norms_and_biases(model, seed)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=out_dir.parent))
-    tmp.chmod(0o755)
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # a progress bar on stderr would bury the one-line errors of the CLIs
-        model.save_pretrained(tmp)
-        build_tokenizer().save_pretrained(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+    """Write one tiny checkpoint to ``out_dir`` (built in a temp dir, renamed into place under the directory's
+    lock: :func:`publish_dir`). Another ``seed`` gives the same architecture with other weights (a "new
+    checkpoint" for weight-update tests)."""
+    return publish_dir(out_dir, lambda tmp: _save_tiny_model(family, tmp, seed, **overrides))
 
 
 def resolve_model_path(path: str, tiny_dir: str | os.PathLike = DEFAULT_TINY_DIR) -> str:
-    """``tiny:<family>`` -> a directory holding that checkpoint (built once); any other path as is."""
+    """``tiny:<family>`` -> a directory holding that checkpoint (built once); any other path as is.
+
+    Safe when several processes (the ranks of one run, or two runs) resolve the same checkpoint at once: the
+    first builds it under the directory's lock, the others wait for it and use it; a current checkpoint is
+    never rewritten, so a directory a process got from here stays as it was. Launchers still resolve before
+    their ranks start, so that ranks only read."""
     if not path.startswith(TINY_PREFIX):
         return path
     family = path[len(TINY_PREFIX) :]
     out_dir = Path(tiny_dir) / family
     if not _is_current(family, out_dir):
-        write_tiny_model(family, out_dir)
+        publish_dir(out_dir, lambda tmp: _save_tiny_model(family, tmp, SEED), keep=lambda d: _is_current(family, d))
     return str(out_dir)
+
+
+def _save_tiny_model(family: str, out_dir: Path, seed: int, **overrides) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    config = tiny_hf_config(family, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize_norms_and_biases(model, seed)
+    hf_logging.disable_progress_bar()  # a progress bar on stderr would bury the one-line errors of the CLIs
+    model.save_pretrained(out_dir)
+    build_tokenizer().save_pretrained(out_dir)
+
+
+def publish_dir(
+    out_dir: str | os.PathLike, write: Callable[[Path], None], keep: Callable[[Path], bool] | None = None
+) -> Path:
+    """Make ``out_dir`` what ``write(tmp)`` writes into an empty directory, safely beside other processes that
+    publish or read the same ``out_dir`` (the ranks of one run, two runs, ``make tiny-models`` during a run).
+
+    Everything happens under an exclusive ``flock`` on ``<parent>/.<name>.lock`` (beside ``out_dir``: the
+    directory itself is replaced whole; the kernel drops the lock when its process dies; the file stays, since
+    removing it would let a waiter and a newcomer lock two different files). Under the lock: ``keep(out_dir)``
+    true -> ``out_dir`` as it is (what a process that waited for the lock sees once another built it);
+    otherwise ``write`` fills a temp directory beside ``out_dir`` that then takes its name by a rename, so no
+    reader ever sees a half-written one. An ``out_dir`` that already holds the same files byte for byte is left
+    as it is (a reader may have it open); a different one is renamed aside first and deleted after."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_dir.parent / f".{out_dir.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if keep is not None and keep(out_dir):
+            return out_dir
+        for kind in ("new", "old"):  # what a process killed in here left
+            for leftover in out_dir.parent.glob(f".{out_dir.name}-{kind}-*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-new-", dir=out_dir.parent))
+        aside = None
+        try:
+            tmp.chmod(0o755)
+            write(tmp)
+            if out_dir.is_dir() and _same_files(tmp, out_dir):
+                return out_dir
+            if out_dir.exists():
+                aside = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-old-", dir=out_dir.parent))
+                out_dir.rename(aside / out_dir.name)
+            tmp.rename(out_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if aside is not None:
+                shutil.rmtree(aside, ignore_errors=True)
+    return out_dir
+
+
+def _same_files(a: Path, b: Path) -> bool:
+    """Both directories hold the same file names with the same bytes (flat: a checkpoint has no subdirs)."""
+    names = sorted(p.name for p in a.iterdir())
+    if names != sorted(p.name for p in b.iterdir()):
+        return False
+    _, mismatch, errors = filecmp.cmpfiles(a, b, names, shallow=False)
+    return not mismatch and not errors
 
 
 def _is_current(family: str, out_dir: Path) -> bool:

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from modelspec.families import FAMILIES
-from modelspec.tiny import TOKENIZER_VOCAB_SIZE, resolve_model_path, write_tiny_model
+from modelspec.tiny import SEED, TOKENIZER_VOCAB_SIZE, resolve_model_path, write_tiny_model
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -95,3 +95,120 @@ def test_resolve_model_path_rebuilds_a_checkpoint_of_older_sizes(tmp_path):
     path = resolve_model_path("tiny:qwen3", tiny_dir=tmp_path)
     config = json.loads((Path(path) / "config.json").read_text())
     assert (config["hidden_size"], config["head_dim"]) == (128, 32)
+
+
+NUM_CONCURRENT = 4  # as many ranks as `make bench-sync`'s 4-rank layouts
+
+
+def _wait_for(counter, target: int, deadline_s: float = 300.0) -> None:
+    import time
+
+    end = time.monotonic() + deadline_s
+    while counter.value < target and time.monotonic() < end:
+        time.sleep(0.01)
+
+
+def _checkpoint_problem(path: Path, family: str = "qwen2") -> str | None:
+    """What is missing or unreadable in the tiny checkpoint at ``path``, or None when it is complete."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            names = set(f.keys())
+        AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001 (any failure to read is the finding)
+        return f"{type(exc).__name__}: {exc}"
+    if config.get("model_type") != family or "model.norm.weight" not in names:
+        return f"incomplete: model_type={config.get('model_type')}, {len(names)} tensors"
+    return None
+
+
+def _resolve_in_child(tiny_dir, start, arrived, saves, finished, results) -> None:
+    """One process of the concurrency test: resolve tiny:qwen2 at the same moment as the others.
+
+    To make the race certain rather than likely, no process may write a checkpoint file before every process
+    has either reached the point of writing (``save_pretrained``) or is waiting for the lock (``flock``):
+    without a lock all of them build and replace the directory; with one, exactly one builds."""
+    import fcntl
+    import os
+
+    import transformers
+
+    real_save, real_flock = transformers.PreTrainedModel.save_pretrained, fcntl.flock
+    counted = []
+
+    def arrive() -> None:
+        if not counted:
+            counted.append(True)
+            with arrived.get_lock():
+                arrived.value += 1
+
+    def save_pretrained(self, *args, **kwargs):
+        with saves.get_lock():
+            saves.value += 1
+        arrive()
+        _wait_for(arrived, NUM_CONCURRENT)
+        return real_save(self, *args, **kwargs)
+
+    def flock(fd, operation):
+        if operation & fcntl.LOCK_EX:
+            arrive()
+        return real_flock(fd, operation)
+
+    transformers.PreTrainedModel.save_pretrained = save_pretrained
+    fcntl.flock = flock
+    outcome = {"pid": os.getpid()}
+    try:
+        start.wait(timeout=300)
+        path = Path(resolve_model_path("tiny:qwen2", tiny_dir=tiny_dir))
+        outcome.update(path=str(path), inode=path.stat().st_ino, problem=_checkpoint_problem(path))
+    except Exception as exc:  # noqa: BLE001
+        outcome["problem"] = f"resolve_model_path raised {type(exc).__name__}: {exc}"
+    with finished.get_lock():
+        finished.value += 1
+    _wait_for(finished, NUM_CONCURRENT)  # every process is done: what each one got must still be there
+    if outcome.get("problem") is None:
+        path = Path(outcome["path"])
+        if not path.exists() or path.stat().st_ino != outcome["inode"]:
+            outcome["problem"] = "the directory it returned was replaced by another process's copy"
+        else:
+            outcome["problem"] = _checkpoint_problem(path)
+    results.put(outcome)
+
+
+def test_resolve_model_path_is_safe_when_ranks_resolve_at_once(tmp_path):
+    """`make bench-sync` on a fresh clone: 4 ranks resolved the same tiny checkpoint at once and one rank's
+    rmtree met another's rename (FileNotFoundError: config.json). All succeed now, see a complete checkpoint
+    that stays in place, and it is written once."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    start = ctx.Barrier(NUM_CONCURRENT)
+    arrived, saves, finished = ctx.Value("i", 0), ctx.Value("i", 0), ctx.Value("i", 0)
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_resolve_in_child, args=(str(tmp_path), start, arrived, saves, finished, results))
+        for _ in range(NUM_CONCURRENT)
+    ]
+    for p in procs:
+        p.start()
+    outcomes = [results.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    problems = [f"pid {o['pid']}: {o['problem']}" for o in outcomes if o["problem"] is not None]
+    assert not problems, "\n".join(problems)
+    assert [p.exitcode for p in procs] == [0] * NUM_CONCURRENT
+    assert len({o["path"] for o in outcomes}) == 1
+    assert saves.value == 1, f"the checkpoint was written {saves.value} times, once per process"
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".") and not p.name.endswith(".lock")]
+
+
+def test_rewriting_the_same_checkpoint_leaves_the_directory_in_place(tmp_path):
+    """`make tiny-models` beside a run that reads tiny_models/: identical bytes replace nothing; other bytes
+    replace the directory whole; a temp directory a killed writer left is cleared."""
+    first = write_tiny_model("llama", tmp_path / "llama")
+    inode = first.stat().st_ino
+    (tmp_path / ".llama-new-killed").mkdir()
+    assert write_tiny_model("llama", tmp_path / "llama").stat().st_ino == inode
+    other = write_tiny_model("llama", tmp_path / "llama", seed=SEED + 1)
+    assert other.stat().st_ino != inode and not _checkpoint_problem(other, "llama")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".llama.lock", "llama"]

@@ -71,7 +71,6 @@ def _rank_main(args: argparse.Namespace, layout: str) -> None:
     from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
     from modelspec import ColocatedMesh
-    from modelspec.tiny import resolve_model_path
     from rl.memory import ProcessMemory
     from rl.setup import rollout_groups
     from rl.weight_sync import WeightSyncConfig
@@ -82,7 +81,7 @@ def _rank_main(args: argparse.Namespace, layout: str) -> None:
     from rollout import RolloutConfig, SamplingParams, make_engine
 
     train_tp, train_pp, rollout_tp, _ = LAYOUTS[layout]
-    model_path = resolve_model_path(args.hf)
+    model_path = args.model_path
     dims = initialize_model_parallel(train_tp, train_pp)
     rank, world = dims.rank, dims.world_size
     actor = Actor(model_path, ActorConfig(tp=train_tp, pp=train_pp), dims, train=False)
@@ -207,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
                 "bench-sync: ENGINE=vllm needs the vllm package (`make install` brings its CPU build)", file=sys.stderr
             )
             return 2
+    from modelspec.tiny import resolve_model_path
+
+    args.model_path = resolve_model_path(args.hf)  # built here, once: the ranks only read it
     for layout in layouts:
         code = spawn_local(_rank_main, LAYOUTS[layout][3], (args, layout))
         if code:

@@ -81,6 +81,8 @@ def write_model(out_dir: Path, args) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
+    from modelspec.tiny import publish_dir
+
     config = Qwen2Config(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
@@ -92,12 +94,13 @@ def write_model(out_dir: Path, args) -> Path:
         rope_theta=1_000_000.0,
         tie_word_embeddings=False,
     )
-    if (out_dir / "config.json").exists():
-        return out_dir
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(out_dir)
-    return out_dir
+
+    def save(tmp: Path) -> None:
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp)
+
+    # under the directory's lock, complete or absent (two bench-train runs may share the temp dir)
+    return publish_dir(out_dir, save, keep=lambda d: (d / "config.json").exists())
 
 
 def make_batch(args, vocab_size: int):

@@ -26,13 +26,12 @@ def _rank_main(args: argparse.Namespace) -> None:
     from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
     from modelspec import ColocatedMesh
-    from modelspec.tiny import resolve_model_path
     from rl.batching import Sample, pack_sequences
     from rl.metrics import gap_distribution
     from rl.weight_sync import WeightSyncConfig
     from rollout import RolloutConfig, SamplingParams, make_engine
 
-    model_path = resolve_model_path(args.hf)
+    model_path = args.model_path
     dims = initialize_model_parallel(1, 1)
     actor = Actor(model_path, ActorConfig(), dims, dtype=args.dtype, train=False)
     mesh = ColocatedMesh(world_size=1)
@@ -96,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-threshold", type=float, default=0.1)
     parser.add_argument("--corrupt", action="store_true")
     args = parser.parse_args(argv)
+    from modelspec.tiny import resolve_model_path
+
+    args.model_path = resolve_model_path(args.hf)  # built here, before the rank starts: it only reads it
     return spawn_local(_rank_main, 1, (args,))
 
 

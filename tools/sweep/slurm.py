@@ -14,7 +14,8 @@ from typing import Any
 
 import yaml
 
-from rl.compose import REPO_ROOT, compose
+from modelspec.tiny import resolve_model_path
+from rl.compose import REPO_ROOT, compose, resolve_path
 from rl.config import RunConfig
 from tools.sbatch import SHELL_SAFE_PATH, fill, gpus_per_node, resource_lines
 from tools.sweep.agent import EXP_ENV, RUN_DIR_ENV, wandb_sweep
@@ -88,6 +89,8 @@ def create(args: argparse.Namespace, sweep: dict, grid: list[dict[str, Any]]) ->
     except SweepError:
         shutil.rmtree(sweep_dir)  # nothing was created: leave nothing behind
         raise
+    for model_path in sorted({p.cfg.model.path for p in points if p.cfg is not None}):
+        resolve_model_path(resolve_path(model_path))  # tiny checkpoints exist before the array's tasks start
     text = render_array(
         base, args.sweep, sweep_id, len(points), sweep_dir, sys.executable, dict(os.environ), args.max_parallel
     )
