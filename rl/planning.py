@@ -78,6 +78,55 @@ def plan_inputs(cfg, prompt_tokens: int | None = None, calibration=None) -> Plan
     return dataclasses.replace(inputs, sync_staged_bytes=staged)
 
 
+@dataclass(frozen=True)
+class PromptLength:
+    """The prompt length a plan made before launch uses: the task's longest prompt in tokens (what the run's own
+    plan uses, rl/setup.py), or ``None`` where the data or the tokenizer is not on this machine; ``source`` says
+    which, for the plan's printout."""
+
+    tokens: int | None
+    source: str
+
+
+def data_prompt_length(cfg) -> PromptLength:
+    """The task's longest prompt, tokenized as the run does (rl.data.longest_prompt_tokens) from its data file or
+    generator with the model's tokenizer: ``make plan``, the sweep's and the launcher's checks plan with it. Where
+    the data or the tokenizer is absent: ``tokens=None`` (plan_inputs then plans the max_model_len bound)."""
+    data = cfg.data
+    return _data_prompt_length(cfg.model.path, data.task, data.path, data.max_operand, cfg.trainer.seed)
+
+
+@functools.lru_cache(maxsize=8)
+def _data_prompt_length(model_path: str, task: str, data_path: str | None, max_operand: int, seed: int) -> PromptLength:
+    from rl.compose import resolve_path
+    from rl.data import DataConfig, longest_prompt_tokens
+
+    path = resolve_path(model_path)
+    try:
+        built = DataConfig(task=task, path=resolve_path(data_path) if data_path else None, max_operand=max_operand)
+        source_task = built.build(seed)
+    except (OSError, ValueError) as exc:
+        return PromptLength(None, f"no data here ({exc})")
+    try:
+        tokenizer = _tokenizer(path)
+    except (OSError, ValueError) as exc:
+        return PromptLength(None, f"no tokenizer at model.path={model_path!r} ({type(exc).__name__})")
+    tokens = longest_prompt_tokens(source_task, tokenizer)
+    return PromptLength(tokens, f"data.task={task}'s longest prompt, {tokens} tokens")
+
+
+def _tokenizer(path: str):
+    """The tokenizer the run loads (rl/setup.py: AutoTokenizer at model.path); a ``tiny:`` checkpoint's without
+    building the checkpoint (modelspec.tiny saves ``build_tokenizer()`` beside every tiny model)."""
+    from modelspec.tiny import TINY_PREFIX, build_tokenizer
+
+    if path.startswith(TINY_PREFIX):
+        return build_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
 @functools.lru_cache(maxsize=32)
 def sync_staged_bytes(shape, mesh, bucket_bytes: int, element_bytes: int) -> tuple[int, ...]:
     """Per actor pipeline stage, the most bytes one of its ranks stages in one bucket of the weight sync: the
@@ -161,7 +210,7 @@ def check_auto_kv_cache(cfg) -> None:
     from planner.report import verdict
 
     try:
-        plan = make_plan(plan_inputs(cfg))
+        plan = make_plan(plan_inputs(cfg, data_prompt_length(cfg).tokens))
     except ValueError as exc:
         raise ValueError(f"rollout.gpu_memory_utilization=auto needs a memory plan: {exc}") from None
     if not plan.fits:

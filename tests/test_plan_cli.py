@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from planner import COMPONENTS, PHASES
+from planner import COMPONENTS, PHASES, make_plan
 from rl.compose import ConfigError, compose, list_experiments
 from tools.plan import main, plan_inputs
 
@@ -97,3 +97,44 @@ def test_run_config_maps_onto_the_planner_inputs():
     tiny = plan_inputs(compose("tiny_cpu"))
     assert tiny.device.kind == "cpu" and tiny.attention == "unfused" and tiny.engine == "native"
     assert tiny.engine_capacity_bytes == 2**30 and tiny.gpu_memory_utilization == 0.5
+
+
+def test_make_plan_uses_the_tasks_longest_prompt_as_the_run_does(tmp_path, tiny_model_dirs, capsys):
+    """make plan EXP=tiny_cpu plans what the run's own plan (rl/setup.py start_engine) does: the task's longest
+    prompt tokenized with the checkpoint's tokenizer (4 tokens for "4+4="), not the max_model_len bound."""
+    from transformers import AutoTokenizer
+
+    from rl.data import longest_prompt_tokens
+
+    cfg = compose("tiny_cpu")
+    # the run: its own tokenizer (the written checkpoint's) and task, through the same function
+    run_prompt = longest_prompt_tokens(
+        cfg.data.build(seed=cfg.trainer.seed), AutoTokenizer.from_pretrained(tiny_model_dirs["qwen2"])
+    )
+    run_plan = make_plan(plan_inputs(cfg, run_prompt))
+    out = tmp_path / "plan.json"
+    assert main(["--exp", "tiny_cpu", "--json", str(out)]) == 0
+    assert "prompts: data.task=digit_sum's longest prompt, 4 tokens (as the run plans)" in capsys.readouterr().out
+    written = json.loads(out.read_text())
+    assert written["prompt_tokens"] == run_prompt == 4 and written["prompt_from_data"]
+    assert written["peak_bytes"] == run_plan.peak_bytes
+    train = next(p for p in written["phases"] if p["name"] == "train")
+    assert train["predicted_bytes"] == run_plan.phase("train").predicted_bytes
+    bound = make_plan(plan_inputs(cfg))  # the max_model_len bound: what make plan said before
+    assert bound.phase("train").predicted_bytes > 4 * train["predicted_bytes"]
+
+
+def test_make_plan_says_when_the_data_is_absent(tmp_path, capsys):
+    """No tokenizer here (a cluster checkpoint path): the bound is used and the output says so."""
+    out = tmp_path / "plan.json"
+    assert (
+        main(["--exp", "tiny_cpu", "model.path=/nonexistent/ckpt", "model.architecture=tiny:qwen2", "--json", str(out)])
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert "no tokenizer at model.path='/nonexistent/ckpt'" in printed and "max_model_len bound" in printed
+    written = json.loads(out.read_text())
+    assert not written["prompt_from_data"] and written["prompt_tokens"] > 4
+    gsm8k = ["data.task=gsm8k", "data.path=/nonexistent/gsm8k.jsonl", "trainer.sft_warmup_steps=0"]
+    assert main(["--exp", "tiny_cpu", *gsm8k]) == 0
+    assert "no data here" in capsys.readouterr().out
