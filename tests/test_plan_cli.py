@@ -90,7 +90,8 @@ def test_run_config_maps_onto_the_planner_inputs():
     inputs = plan_inputs(compose("qwen32b_8xh100"))
     assert (inputs.actor_tp, inputs.actor_pp, inputs.actor_dp, inputs.rollout_tp) == (8, 1, 1, 4)
     assert inputs.device.name == "H100-80GB" and inputs.shape.source == "arch:Qwen2.5-32B-Instruct"
-    assert not inputs.distributed_optimizer  # DP=1
+    # DP=1, but megatron's optimizer CPU offload (actor.optimizer_offload_fraction) needs the distributed optimizer
+    assert inputs.distributed_optimizer and inputs.optimizer_offload_fraction == 0.3
     assert inputs.sequences_per_step == 128 * 8
     assert (inputs.prompt_tokens, inputs.response_tokens) == (768 - 512, 512)  # max_model_len bounds both
     assert inputs.gpu_memory_utilization is None  # auto
@@ -138,3 +139,19 @@ def test_make_plan_says_when_the_data_is_absent(tmp_path, capsys):
     gsm8k = ["data.task=gsm8k", "data.path=/nonexistent/gsm8k.jsonl", "trainer.sft_warmup_steps=0"]
     assert main(["--exp", "tiny_cpu", *gsm8k]) == 0
     assert "no data here" in capsys.readouterr().out
+
+
+def test_plan_json_has_the_headroom_beyond_uncertainty_and_the_nodes_host_memory(tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["--exp", "qwen32b_8xh100", "--json", str(out)]) == 0
+    written = json.loads(out.read_text())
+    assert written["headroom_beyond_uncertainty_bytes"] >= 4 * 2**30
+    assert written["headroom_beyond_uncertainty_bytes"] == written["headroom_bytes"] - sum(
+        written["uncertainty_bytes"].values()
+    )
+    host = written["host"]
+    assert {"peak_bytes_per_node", "node_memory_bytes", "peak_phase", "fits"} <= set(host)
+    assert host["node_memory_bytes"] == 2 * 2**40 and host["fits"] is True
+    assert host["peak_phase"] == "save_checkpoint" and host["peak_bytes_per_node"] > 2**40
+    assert {c["name"] for c in written["communicators"]} >= {"world", "megatron TP", "vLLM dp (PyNccl)"}
+    assert written["recommended_optimizer_offload_fraction"] <= 0.3

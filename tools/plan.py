@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from planner import make_plan, variants
-from planner.report import format_table, gib, plan_json, verdict
+from planner.report import format_table, gib, plan_json, recommend_optimizer_offload_fraction, verdict
 
 # plan_inputs lives in rl so rl.main can plan too
 from rl.planning import DEFAULT_PROMPT_TOKENS, PromptLength, data_prompt_length, plan_inputs
@@ -71,6 +71,16 @@ def main(argv: list[str] | None = None) -> int:
         )
     elif plan.kv_cache_source == "auto":
         print(f"auto: the KV cache fills the room {plan.kv_limiting_phase} leaves it")
+    if inputs.on_cuda:
+        fraction = recommend_optimizer_offload_fraction(inputs)
+        result["recommended_optimizer_offload_fraction"] = fraction
+        if fraction is None:
+            print("no actor.optimizer_offload_fraction leaves headroom beyond the uncertainty")
+        elif fraction != inputs.optimizer_offload_fraction:
+            print(
+                f"actor.optimizer_offload_fraction={fraction} is the smallest that leaves headroom beyond the "
+                f"uncertainty (configured: {inputs.optimizer_offload_fraction})"
+            )
     if base_inputs is not None:
         base = make_plan(base_inputs)
         same_kv = make_plan(replace(inputs, kv_cache_bytes=base.kv_cache_bytes, gpu_memory_utilization=None))
