@@ -166,3 +166,25 @@ def test_make_plan_recommends_the_smallest_fraction_and_qwen32b_uses_one_with_4_
     assert headroom_beyond_uncertainty_bytes(make_plan(below)) < 4 * GIB
     with pytest.raises(Exception, match="optimizer_offload_fraction=0.3 needs megatron's optimizer on CUDA"):
         compose("tiny_cpu", ["actor.optimizer_offload_fraction=0.3"])
+
+
+# ---------------------------------------------------------------- item 3: a CUDA validation set
+@pytest.mark.parametrize("device", ["H100-80GB", "A100-40GB"])
+def test_cuda_validation_set_plans_on_the_gpu_and_puts_each_communicator_under_the_plan(device):
+    """`make validate-plan` on a GPU node runs tools/plan_runs.py::cuda_validation_set (here only planned: no GPU):
+    every configuration fits its GPU, none is in the CUDA fit set, and together they use every kind of
+    communicator the planner counts for those layouts."""
+    from tools.plan_runs import cuda_fit_set, cuda_validation_set, spec_config
+    from tools.validate_plan import VALIDATION_SET, validation_set
+
+    specs = cuda_validation_set(device)
+    fit = {s.all_overrides for s in cuda_fit_set(device)}
+    used = set()
+    for spec in specs:
+        assert spec.all_overrides not in fit, spec.name
+        inp = plan_inputs(spec_config(spec), 4)  # "4+4=": memory_cpu's digit_sum prompt (no checkpoint built)
+        assert inp.device.name == device and make_plan(inp).fits, spec.name
+        used |= names(inp)
+    assert {"megatron TP", "megatron PP", "megatron DP", "vLLM tp (PyNccl)", "vLLM dp (PyNccl)"} <= used
+    assert "vLLM custom all-reduce" in used
+    assert validation_set() == VALIDATION_SET  # no GPU here: the CPU set
