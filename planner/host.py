@@ -116,10 +116,13 @@ def checkpoint_staging_bytes(plan: Plan) -> int:
     inp = plan.inputs
     e = inp.element_bytes
     shard = inp.actor_dp if inp.distributed_optimizer else 1
-    states = optimizer_bytes_per_param(e) // FP32_BYTES  # fp32 main param (16-bit models), exp_avg, exp_avg_sq
+    main = optimizer_bytes_per_param(e) // FP32_BYTES - 2  # fp32 main params of a 16-bit model
+    # exp_avg and exp_avg_sq; the hybrid optimizer's host fraction is already host tensors of their own: not
+    # views, so megatron's writer neither clones nor pins them (filesystem_async.py _clone_if_needed)
+    moments = 2 * (1 - inp.optimizer_offload_fraction)
     total = 0
     for n in actor_stage_tensor_elements(inp.shape, inp.actor_tp, inp.actor_pp, plan.pp_stage):
-        total += power_of_two_bytes(n * e) + states * power_of_two_bytes(-(-n * FP32_BYTES // shard))
+        total += power_of_two_bytes(n * e) + round((main + moments) * power_of_two_bytes(-(-n * FP32_BYTES // shard)))
     return total
 
 
