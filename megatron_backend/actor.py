@@ -111,7 +111,9 @@ class Actor:
         )
 
         use_megatron = self.optimizer_impl == "megatron"
-        use_dist_opt = use_megatron and self.dims.dp > 1
+        offload_fraction = self.config.optimizer_offload_fraction
+        # megatron wires its CPU offload (HybridDeviceOptimizer) into the distributed optimizer only
+        use_dist_opt = use_megatron and (self.dims.dp > 1 or offload_fraction > 0)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_dist_opt
         )
@@ -132,6 +134,8 @@ class Actor:
                 bf16=self.dtype == "bfloat16",
                 fp16=self.dtype == "float16",
                 params_dtype=config.params_dtype,
+                optimizer_cpu_offload=offload_fraction > 0,
+                optimizer_offload_fraction=offload_fraction,
             )
             self.optimizer = get_megatron_optimizer(opt_config, self.models)
             use_loss_scaling(self.chunks, self.optimizer)
@@ -394,6 +398,7 @@ class Actor:
         if self.optimizer is None:
             return []
         tensors, stack = [], [self.optimizer]
+        device = next(self.chunks[0].parameters()).device.type
         while stack:  # megatron: ChainedOptimizer -> MegatronOptimizer -> torch optimizer
             opt = stack.pop()
             if hasattr(opt, "chained_optimizers"):
@@ -401,7 +406,8 @@ class Actor:
                 continue
             torch_opt = opt if isinstance(opt, torch.optim.Optimizer) else opt.optimizer
             for state in torch_opt.state.values():
-                tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+                # the device's only: a HybridDeviceOptimizer's host part (actor.optimizer_offload_fraction) stays
+                tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and v.device.type == device]
             for attr in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups"):
                 for group in getattr(opt, attr, None) or []:
                     tensors += [p.data for p in group]

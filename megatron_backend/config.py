@@ -65,6 +65,10 @@ class ActorConfig:
     logprob_chunk_tokens: int | None = 1024
     # with an entropy term in the loss: recompute its softmax per chunk in backward instead of keeping it
     entropy_recompute: bool = True
+    # megatron-core's optimizer CPU offload (OptimizerConfig.optimizer_cpu_offload / optimizer_offload_fraction):
+    # this fraction of the distributed optimizer's parameters keep their Adam states on the host and step there
+    # (HybridDeviceOptimizer); 0: none. CUDA only (megatron's optimizer), the distributed optimizer at any DP
+    optimizer_offload_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "micro_batch_size"):
@@ -76,6 +80,10 @@ class ActorConfig:
                 raise ValueError(f"actor.vpp={self.vpp} must be >= 1, or null for no interleaving")
             if self.vpp > 1 and self.pp < 2:
                 raise ValueError(f"actor.vpp={self.vpp} needs actor.pp >= 2; set actor.vpp=null")
+        if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
+            raise ValueError(
+                f"actor.optimizer_offload_fraction={self.optimizer_offload_fraction} must be in [0, 1] (0: no offload)"
+            )
         if self.dp is not None and self.dp < 1:
             raise ValueError(f"actor.dp={self.dp} must be >= 1, or null to derive it from the world size")
         if self.lr <= 0:

@@ -70,6 +70,10 @@ class PlanInputs:
     actor_vpp: int | None = None
     actor_dp: int = 1
     distributed_optimizer: bool = False  # megatron's distributed optimizer shards optimizer states over DP
+    # megatron's optimizer CPU offload (HybridDeviceOptimizer, distributed optimizer only): this fraction of the
+    # parameters keep their Adam moments on the host (their fp32 main params stay on the device: the step copies
+    # the host's result back into them), beside a pinned fp32 copy and gradient there
+    optimizer_offload_fraction: float = 0.0
     offload_params: bool = True
     offload_grads: bool = True
     offload_optimizer: bool = True
@@ -113,7 +117,13 @@ class PlanInputs:
     vllm_max_batched_tokens: int | None = None  # rollout.max_num_batched_tokens; None: vLLM's per-device default
     native_max_batched_tokens: int | None = None  # the native engine's prefill cap (rollout.max_num_batched_tokens)
     cuda_graph_bytes: int | None = None  # None: the calibration's vllm_cuda_graph_bytes for vLLM on CUDA
+    sleep_level: int = 2  # rollout.sleep_level: 1 keeps a host copy of the engine's weights while asleep (vLLM)
+    # host memory (planner/host.py)
+    ranks_per_node: int = 1
+    checkpoint_saves: bool = False  # trainer.save_every > 0
+    data_host_bytes: int = 0  # the task's records in each rank (its data file's bytes)
     # weight sync and device
+    sync_peers: int | None = None  # the most ranks one rank exchanges weights with (rl/planning.py); None: bound
     sync_bucket_bytes: int = 512 * MIB
     # per actor pipeline stage, the most bytes one of its ranks stages in one bucket of the weight sync: the sync
     # plan's packed part (rl.weight_sync.plan.SyncPlan.max_staged_bytes, computed from both sides' layouts by
@@ -122,7 +132,8 @@ class PlanInputs:
     verify_sync: bool = False  # weight_sync.verify: int64 checksums of every slice after each sync
     margin_fraction: float | None = None  # None: the calibration's margin_fraction
     runtime_overhead_bytes: int | None = None  # None: the calibration's runtime_overhead_bytes
-    comm_bytes_per_communicator: int | None = None  # None: the calibration's nccl_bytes_per_communicator (CPU: 0)
+    # None: the calibration's nccl_bytes_per_communicator, per NCCL communicator beyond its counted buffers (CPU: 0)
+    comm_bytes_per_communicator: int | None = None
     calibration: Calibration | None = None  # None: planner/calibration/<device kind>.json
 
     def __post_init__(self) -> None:
@@ -133,6 +144,14 @@ class PlanInputs:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
+            raise ValueError(f"optimizer_offload_fraction={self.optimizer_offload_fraction} must be in [0, 1]")
+        if self.optimizer_offload_fraction and not (self.distributed_optimizer and self.on_cuda):
+            raise ValueError("optimizer_offload_fraction > 0 needs megatron's distributed optimizer on CUDA")
+        if self.sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level={self.sleep_level} must be 1 or 2")
+        if self.ranks_per_node < 1 or self.data_host_bytes < 0:
+            raise ValueError(f"ranks_per_node={self.ranks_per_node} must be >= 1, data_host_bytes >= 0")
         for name in ("prompt_tokens", "response_tokens", "max_num_seqs", "block_size", "vllm_max_batched_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -281,8 +300,11 @@ class PlanInputs:
 
     @property
     def activation_factor(self) -> float:
-        """What megatron's local (unfused, CPU) layer keeps per token over the fused count (calibrated)."""
-        return self.constants.value("local_spec_activation_factor") if self.attention == "unfused" else 1.0
+        """What a layer keeps per token over the fused count: megatron's local (unfused, CPU) spec's (calibrated);
+        Transformer Engine's on CUDA (``fused_activation_factor``: 1, never measured, with its uncertainty)."""
+        if self.attention == "unfused":
+            return self.constants.value("local_spec_activation_factor")
+        return self.constants.value("fused_activation_factor") if self.on_cuda else 1.0
 
     @property
     def engine_persistent_bytes(self) -> int:
@@ -300,17 +322,32 @@ class PlanInputs:
         return int(self.constants.value(constant))
 
     @property
+    def communicators(self) -> tuple:
+        """The communicators this rank's step uses, with their counted buffers (planner/comms.py)."""
+        from planner.comms import communicators
+
+        if not self.on_cuda:
+            return ()
+        channels = self.constants["nccl_channels"]
+        return communicators(self, channels.value, channels.uncertainty)
+
+    @property
     def num_communicators(self) -> int:
-        """Process groups of more than one rank that this rank joins: actor TP, PP, DP, engine TP, world."""
-        world = self.actor_tp * self.actor_pp * self.actor_dp
-        return sum(size > 1 for size in (self.actor_tp, self.actor_pp, self.actor_dp, self.rollout_tp, world))
+        """NCCL communicators this rank's step uses (planner/comms.py; vLLM's all-reduce buffers are not ones)."""
+        from planner.comms import NCCL_BUFFER_FREE
+
+        return sum(c.name not in NCCL_BUFFER_FREE for c in self.communicators)
 
     @property
     def comm_bytes(self) -> int:
+        """Every communicator's counted buffers, plus ``nccl_bytes_per_communicator`` (what a communicator holds
+        beyond them: an estimate until `make calibrate` fits it on a GPU) per NCCL communicator; CPU: 0 (gloo)."""
+        if not self.on_cuda:
+            return 0
         per = self.comm_bytes_per_communicator
         if per is None:
-            per = int(self.constants.value("nccl_bytes_per_communicator")) if self.on_cuda else 0
-        return per * self.num_communicators
+            per = int(self.constants.value("nccl_bytes_per_communicator"))
+        return sum(c.bytes for c in self.communicators) + per * self.num_communicators
 
     @property
     def utilization_capacity_bytes(self) -> int:

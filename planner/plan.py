@@ -196,7 +196,7 @@ def _stage(inp: PlanInputs, stage: int) -> _Stage:
     forward_logits = logprob_pass_bytes(inp, train=False) if last else 0
     forward_layer = _layer_bytes(inp, forward_mb, train=False)
     train_logits = logprob_pass_bytes(inp, train=True) if last else 0
-    optimizer = count * optimizer_bytes_per_param(e) // (inp.actor_dp if inp.distributed_optimizer else 1)
+    optimizer = optimizer_device_bytes(inp, count)
     return _Stage(
         stage=stage,
         actor_params=params,
@@ -209,6 +209,24 @@ def _stage(inp: PlanInputs, stage: int) -> _Stage:
         train_logits=train_logits,
         forward_logits=forward_logits,
     )
+
+
+def optimizer_device_bytes(inp: PlanInputs, count: int) -> int:
+    """The optimizer's bytes on one rank's device for ``count`` params: Adam's moments and (16-bit models) fp32
+    main params, sharded over DP by the distributed optimizer; with ``optimizer_offload_fraction`` f the moments
+    of a fraction f of them are on the host (megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py: the
+    offloaded params' fp32 main copies stay on the device, their moments go to the host's CPUAdam)."""
+    shard = inp.actor_dp if inp.distributed_optimizer else 1
+    moments = 2 * FP32_BYTES
+    main = optimizer_bytes_per_param(inp.element_bytes) - moments
+    return round(count * (main + moments * (1 - inp.optimizer_offload_fraction))) // shard
+
+
+def optimizer_host_bytes(inp: PlanInputs, count: int) -> int:
+    """What the hybrid optimizer holds on the host for ``count`` params (hybrid_optimizer.py): a fraction f of
+    the DP shard as a pinned fp32 param copy, a pinned fp32 gradient and CPUAdam's two fp32 moments."""
+    shard = inp.actor_dp if inp.distributed_optimizer else 1
+    return round(count * inp.optimizer_offload_fraction * 4 * FP32_BYTES) // shard
 
 
 def step_flags(inp: PlanInputs) -> StepFlags:

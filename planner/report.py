@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from planner.comms import NCCL_PROTOCOL_BUFFER_BYTES
+from planner.host import host_plan
 from planner.plan import COMPONENTS, Plan, engine_rollout_activation_bytes
 
 GIB = 2**30
@@ -93,7 +95,7 @@ def format_table(plan: Plan, side_by_side: list[tuple[str, Plan]] | None = None,
         f"recommended gpu_memory_utilization for {inp.engine}: {plan.recommended_gpu_memory_utilization} "
         f"(same KV cache as {same})"
     )
-    lines += ["", *constants_lines(plan)]
+    lines += ["", *host_lines(plan), "", *communicator_lines(plan), *constants_lines(plan)]
     if side_by_side:
         lines += ["", f"side by side (KV cache fixed at {gib(plan.kv_cache_bytes)} GiB):"]
         lines.append(
@@ -142,6 +144,11 @@ def plan_json(plan: Plan, side_by_side: list[tuple[str, Plan]] | None = None) ->
         },
         "pp_stage": plan.pp_stage,
         "constants": constants_used(plan),
+        "headroom_bytes": plan.headroom_bytes,
+        "uncertainty_bytes": uncertainty_bytes(plan),
+        "headroom_beyond_uncertainty_bytes": headroom_beyond_uncertainty_bytes(plan),
+        "communicators": [vars(c) for c in inp.communicators],
+        "host": host_plan(plan).to_json(),
         "wake_strategy": inp.wake_strategy,
         "engine": inp.engine,
         "variants": [
@@ -170,8 +177,15 @@ def constants_used(plan: Plan) -> list[dict]:
     reserve = inp.engine_profile.runtime_reserve_constant(inp.device.kind)
     if reserve is not None and not (inp.on_cuda and inp.cuda_graph_bytes is not None):
         used.append((reserve, cal.value(reserve), 1.0))
-    if inp.on_cuda and inp.comm_bytes_per_communicator is None and inp.num_communicators:
-        used.append(("nccl_bytes_per_communicator", cal.value("nccl_bytes_per_communicator"), inp.num_communicators))
+    if inp.on_cuda and inp.num_communicators:
+        if inp.comm_bytes_per_communicator is None:
+            per_comm = ("nccl_bytes_per_communicator", cal.value("nccl_bytes_per_communicator"), inp.num_communicators)
+            used.append(per_comm)
+        # each NCCL communicator holds one ring buffer set per channel (planner/comms.py)
+        used.append(("nccl_channels", cal.value("nccl_channels"), inp.num_communicators * NCCL_PROTOCOL_BUFFER_BYTES))
+    if inp.on_cuda and inp.attention == "flash":
+        factor = cal.value("fused_activation_factor")
+        used.append(("fused_activation_factor", factor, peak["activations"] / factor if factor else 0.0))
     if inp.attention == "unfused":
         factor = cal.value("local_spec_activation_factor")
         used.append(("local_spec_activation_factor", factor, peak["activations"] / factor if factor else 0.0))
@@ -210,9 +224,96 @@ def _value(c: dict) -> str:
         if c["value"] >= 2**30:
             return f"{gib(c['value'])} GiB +- {gib(c['uncertainty'])}"
         for unit, size in (("MiB", 2**20), ("KiB", 2**10)):
-            if c["value"] >= size or unit == "KiB":
+            if max(c["value"], c["uncertainty"]) >= size or unit == "KiB":
                 return f"{c['value'] / size:.1f} {unit} +- {c['uncertainty'] / size:.1f}"
     return f"{c['value']:g} +- {c['uncertainty']:g}"
+
+
+def uncertainty_bytes(plan: Plan) -> dict[str, int]:
+    """What can move the peak beyond the plan, by source: each non-policy constant's uncertainty at the peak,
+    the device total's (an estimated ``mem_get_info`` total), and what planner/comms.py counts in a
+    communicator's uncertainty beyond the channel count (a tree / NVLS buffer set per channel)."""
+    out = {c["name"]: c["uncertainty_bytes_at_peak"] for c in constants_used(plan) if c["source"] != "policy"}
+    inp = plan.inputs
+    if inp.device.total_uncertainty_bytes:
+        out["device_total_bytes"] = inp.device.total_uncertainty_bytes
+    if inp.on_cuda and inp.num_communicators:
+        channels = inp.constants["nccl_channels"]
+        per_unit = inp.num_communicators * NCCL_PROTOCOL_BUFFER_BYTES
+        structural = sum(c.uncertainty_bytes for c in inp.communicators) - round(channels.uncertainty * per_unit)
+        out["nccl_tree_or_nvls_buffers"] = max(0, structural)
+    return out
+
+
+def headroom_beyond_uncertainty_bytes(plan: Plan) -> int:
+    """Headroom at the peak less everything :func:`uncertainty_bytes` lists (negative: not safe)."""
+    return plan.headroom_bytes - sum(uncertainty_bytes(plan).values())
+
+
+OFFLOAD_FRACTION_STEP = 0.05
+
+
+def recommend_optimizer_offload_fraction(inp, min_beyond_bytes: int = 0) -> float | None:
+    """The smallest ``actor.optimizer_offload_fraction`` (in steps of 0.05) whose plan fits and keeps
+    ``min_beyond_bytes`` of headroom beyond the uncertainty (megatron's distributed optimizer on CUDA); None: none
+    does, or not CUDA."""
+    from dataclasses import replace
+
+    from planner.plan import make_plan
+
+    if not inp.on_cuda:
+        return None
+    steps = round(1 / OFFLOAD_FRACTION_STEP)
+    for i in range(steps + 1):
+        fraction = round(i * OFFLOAD_FRACTION_STEP, 2)
+        # megatron's optimizer on CUDA: distributed when DP > 1, and for its CPU offload
+        distributed = inp.actor_dp > 1 or fraction > 0
+        trial = replace(inp, optimizer_offload_fraction=fraction, distributed_optimizer=distributed)
+        plan = make_plan(trial)
+        if plan.fits and headroom_beyond_uncertainty_bytes(plan) >= min_beyond_bytes:
+            return fraction
+    return None
+
+
+def communicator_lines(plan: Plan) -> list[str]:
+    """Each communicator the step uses (planner/comms.py), its size and what it holds."""
+    inp = plan.inputs
+    comms = inp.communicators
+    if not comms:
+        return []
+    per = inp.comm_bytes_per_communicator
+    per = inp.constants.value("nccl_bytes_per_communicator") if per is None else per
+    lines = [
+        f"communicators ({len(comms)}, {inp.num_communicators} NCCL; {gib(inp.comm_bytes)} GiB with "
+        f"{_mib(per)} each beyond the counted buffers):"
+    ]
+    for c in comms:
+        lines.append(
+            f"  {c.name:<30}{c.ranks:>3} ranks {_mib(c.bytes):>10} +- {_mib(c.uncertainty_bytes):<10} {c.use} [{c.source}]"
+        )
+    return lines
+
+
+def host_lines(plan: Plan) -> list[str]:
+    """The node's host memory at its peak phase, per rank by component (planner/host.py), against its RAM."""
+    host = host_plan(plan)
+    peak = host.peak
+    parts = ", ".join(f"{name} {gib(value)}" for name, value in peak.components.items() if value)
+    if host.node_memory_bytes is None:
+        verdict_line = "node RAM unknown"
+    else:
+        verdict_line = (
+            f"{'fits' if host.fits else 'DOES NOT FIT'} the node's {gib(host.node_memory_bytes)} GiB "
+            f"({host.node_memory_source})"
+        )
+    return [
+        f"host memory per node: peak {gib(host.peak_bytes_per_node)} GiB in {host.peak_phase} = "
+        f"{host.ranks_per_node} ranks x {gib(peak.rank_bytes)} GiB ({parts}): {verdict_line}"
+    ]
+
+
+def _mib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**20:.1f} MiB"
 
 
 def constants_lines(plan: Plan) -> list[str]:
@@ -227,14 +328,21 @@ def constants_lines(plan: Plan) -> list[str]:
         if c["source"] == "policy":
             mark = "policy"
         lines.append(f"  {c['name']:<32}{_value(c):<24}{c['source']:<9}{mark}: {c['reference']}")
+    if inp.device.total_source:
+        lines.append(
+            f"  device total {gib(inp.device.total_bytes)} GiB +- {gib(inp.device.total_uncertainty_bytes)}: "
+            f"{inp.device.total_source}"
+        )
+    spread = uncertainty_bytes(plan)
     unmeasured = [c for c in constants if not c["measured_on_device_kind"] and c["source"] != "policy"]
-    spread = sum(c["uncertainty_bytes_at_peak"] for c in constants if c["source"] != "policy")
     unmeasured_spread = sum(c["uncertainty_bytes_at_peak"] for c in unmeasured)
-    beyond = plan.headroom_bytes - spread
+    beyond = headroom_beyond_uncertainty_bytes(plan)
     lines.append(
-        f"headroom {gib(plan.headroom_bytes)} GiB at the peak ({plan.peak_phase}); the constants' uncertainty moves "
-        f"the peak by up to {gib(spread)} GiB ({gib(unmeasured_spread)} GiB of it from {len(unmeasured)} never "
-        f"measured on {inp.device.name}): {gib(beyond)} GiB of headroom beyond it"
+        f"headroom {gib(plan.headroom_bytes)} GiB at the peak ({plan.peak_phase}); the uncertainty moves the peak by "
+        f"up to {gib(sum(spread.values()))} GiB ({gib(unmeasured_spread)} GiB of it from {len(unmeasured)} constants "
+        f"never measured on {inp.device.name}; "
+        + ", ".join(f"{name} {gib(value)}" for name, value in spread.items() if value)
+        + f"): {gib(beyond)} GiB of headroom beyond it"
         + ("" if beyond >= 0 or not plan.fits else f"; NOT SAFE until `make calibrate` runs on {inp.device.name}")
     )
     return lines

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from modelspec.family import layer_param_count, rank_sizes
+from modelspec.family import dims_size, layer_param_count, layer_parts, rank_sizes
 from modelspec.shape import ModelShape
 
 MEGATRON_VOCAB_DIVISOR = 128  # megatron_backend.layout.MAKE_VOCAB_SIZE_DIVISIBLE_BY
@@ -255,3 +255,43 @@ def largest_engine_tensor_elements(shape: ModelShape, rollout_tp: int) -> int:
 # weight_sync.verify checksums each slice as int64: its bits, the position weights and their product are
 # alive together (rl/weight_sync/verify.py::checksum), 3 x 8 bytes per element of the largest slice
 VERIFY_BYTES_PER_ELEMENT = 24
+
+
+def _layer_tensor_elements(shape: ModelShape, sizes: dict[str, int], module_of) -> list[int]:
+    """Elements of each parameter tensor of one decoder layer whose dims have ``sizes``, parts stacked into the
+    module ``module_of(part)`` names (megatron's linear_qkv / linear_fc1, vLLM's qkv_proj / gate_up_proj)."""
+    tensors: dict[str, int] = {}
+    for part, kind in layer_parts(shape):
+        key = f"{module_of(part)}.{kind}"
+        tensors[key] = tensors.get(key, 0) + math.prod(dims_size(part.kind_dims(kind), sizes))
+    return list(tensors.values())
+
+
+def actor_stage_tensor_elements(shape: ModelShape, tp: int, pp: int, stage: int) -> list[int]:
+    """Elements of each parameter tensor one actor rank of stage ``stage`` holds (megatron layout; sums to
+    :func:`actor_stage_param_count`): what a checkpoint save stages one host buffer for, each."""
+    sizes = rank_sizes(shape, shape.num_heads // tp, shape.num_kv_heads // tp, shape.intermediate_size // tp)
+    out = _layer_tensor_elements(shape, sizes, lambda part: part.megatron) * (shape.num_layers // pp)
+    vocab_rows = megatron_padded_vocab(shape.vocab_size, tp) // tp * shape.hidden_size
+    if stage == 0:
+        out.append(vocab_rows)
+    if stage == pp - 1:
+        out.append(shape.hidden_size)
+        if not shape.tie_word_embeddings or pp > 1:
+            out.append(vocab_rows)
+    return out
+
+
+def engine_tensor_elements(shape: ModelShape, rollout_tp: int) -> list[int]:
+    """Elements of each parameter tensor one engine rank holds (vLLM layout; sums to :func:`engine_param_count`)."""
+    t = rollout_tp
+    sizes = rank_sizes(shape, shape.num_heads // t, engine_kv_heads_per_rank(shape, t), shape.intermediate_size // t)
+    out = _layer_tensor_elements(shape, sizes, lambda part: part.vllm) * shape.num_layers
+    vocab_rows = vllm_padded_vocab(shape.vocab_size) // t * shape.hidden_size
+    out += [vocab_rows] * (1 if shape.tie_word_embeddings else 2) + [shape.hidden_size]
+    return out
+
+
+def power_of_two_bytes(num_bytes: int) -> int:
+    """torch's caching host allocator's block for a request (CachingHostAllocator rounds up to a power of two)."""
+    return 1 << max(0, num_bytes - 1).bit_length() if num_bytes > 0 else 0

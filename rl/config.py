@@ -171,6 +171,11 @@ class RunConfig:
             )
         if not self.resume:
             raise ValueError("resume='' is empty; use resume=auto, resume=never or resume=<checkpoint path>")
+        if self.actor.optimizer_offload_fraction > 0 and self.cluster.device == "cpu":
+            raise ValueError(
+                f"actor.optimizer_offload_fraction={self.actor.optimizer_offload_fraction} needs megatron's optimizer "
+                "on CUDA (its HybridDeviceOptimizer); on cluster.device=cpu the optimizer is on the host already: set 0"
+            )
 
     def _check_actor_dp(self) -> None:
         world, tp, pp = self.cluster.world_size, self.actor.tp, self.actor.pp

@@ -155,6 +155,12 @@ class Gsm8kTask(_SeededSampling):
 TASKS = ("digit_sum", "gsm8k")
 
 
+def longest_prompt_tokens(task: DigitSumTask | Gsm8kTask, tokenizer) -> int:
+    """The task's longest prompt in ``tokenizer``'s tokens, as the rollout feeds it (no chat template): what
+    the memory plan sizes sequences by, in the run (rl/setup.py) and before launch (rl/planning.py)."""
+    return max(len(tokenizer(p).input_ids) for p in task.longest_prompts())
+
+
 @dataclass(kw_only=True)
 class DataConfig:
     """Prompts and rewards (``data.*``): the shipped synthetic task, or GSM8K-style math from a local file."""

@@ -41,6 +41,8 @@ class ClusterConfig:
     num_nodes: int = 1
     procs_per_node: int = 2  # GPUs per node on a cluster, CPU processes on a laptop/CI
     device: str = "cpu"  # what one rank runs on, for the memory planner: one of planner.DEVICE_NAMES
+    # one node's RAM for the host plan (planner/host.py); None: the device preset's (its system's datasheet)
+    host_memory_gib: float | None = None
     # --- Slurm (`make sbatch`, tools/sbatch.py). Unset: SBATCH_TIMELIMIT / SBATCH_PARTITION / SBATCH_ACCOUNT
     # from the environment, else the cluster's defaults.
     slurm_time: str | None = None  # --time, e.g. "04:00:00" (checked by tools/sbatch.py, with the environment's)
@@ -57,6 +59,8 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.device not in DEVICE_NAMES:
             raise ValueError(f"cluster.device={self.device!r} is not one of {list(DEVICE_NAMES)}")
+        if self.host_memory_gib is not None and self.host_memory_gib <= 0:
+            raise ValueError(f"cluster.host_memory_gib={self.host_memory_gib} must be > 0, or null for the preset's")
         if self.num_nodes < 1:
             raise ValueError(f"cluster.num_nodes={self.num_nodes} must be >= 1")
         if self.procs_per_node < 1:

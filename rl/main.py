@@ -54,10 +54,10 @@ def needs_devices(cfg: RunConfig, overrides: list[str], problem: str) -> int:
     """No devices for this experiment here: print its memory plan, then one line saying what it needs; exit 2."""
     from planner import make_plan
     from planner.report import format_table
-    from rl.planning import plan_inputs
+    from rl.planning import data_prompt_length, plan_inputs
 
     try:
-        print(format_table(make_plan(plan_inputs(cfg)), title=" ".join([cfg.exp, *overrides])) + "\n", flush=True)
+        print(format_table(make_plan(plan_inputs(cfg, data_prompt_length(cfg).tokens)), title=" ".join([cfg.exp, *overrides])) + "\n", flush=True)
     except ValueError as exc:  # no shape to plan with: the line below still says what is needed
         print(f"(no memory plan: {exc})", flush=True)
     cluster = cfg.cluster

@@ -23,7 +23,10 @@ def plan_inputs(cfg, prompt_tokens: int | None = None, calibration=None) -> Plan
 
     ``calibration``: a :class:`planner.calibration.Calibration` (None: the device kind's file)."""
     rollout, actor = cfg.rollout, cfg.actor
-    device = device_preset(cfg.cluster.device, ranks_per_node=cfg.cluster.procs_per_node)
+    host_gib = cfg.cluster.host_memory_gib
+    device = device_preset(
+        cfg.cluster.device, cfg.cluster.procs_per_node, None if host_gib is None else int(host_gib * 2**30)
+    )
     on_cuda = device.kind == "cuda"
     shape = cfg.model.shape()  # model.path's config.json, else model.architecture
     if prompt_tokens is None:
@@ -41,7 +44,8 @@ def plan_inputs(cfg, prompt_tokens: int | None = None, calibration=None) -> Plan
         actor_vpp=actor.vpp,
         actor_dp=cfg.dp,
         # megatron_backend.actor: megatron's optimizer on CUDA, distributed when DP > 1; torch AdamW on CPU
-        distributed_optimizer=on_cuda and cfg.dp > 1,
+        distributed_optimizer=on_cuda and (cfg.dp > 1 or actor.optimizer_offload_fraction > 0),
+        optimizer_offload_fraction=actor.optimizer_offload_fraction,
         **asdict(cfg.step_flags()),  # the offload flags, a reference actor, the wake strategy (the step's table)
         micro_batch_size=actor.micro_batch_size,
         remove_padding=actor.remove_padding,
@@ -69,13 +73,78 @@ def plan_inputs(cfg, prompt_tokens: int | None = None, calibration=None) -> Plan
         max_model_len=rollout.max_model_len,
         block_size=rollout.block_size,
         native_activation_reserve_bytes=rollout.activation_reserve_mb * MIB,
+        sleep_level=rollout.sleep_level,
+        ranks_per_node=cfg.cluster.procs_per_node,
+        checkpoint_saves=cfg.trainer.save_every > 0,
+        data_host_bytes=_data_file_bytes(cfg.data.path),
         sync_bucket_bytes=cfg.weight_sync.bucket_mb * MIB,
         verify_sync=cfg.weight_sync.verify,
         calibration=calibration,
     )
     # after PlanInputs has checked the splits: the sync plan the run will execute, planned the same way
     staged = sync_staged_bytes(shape, cfg.mesh(), inputs.sync_bucket_bytes, inputs.element_bytes)
-    return dataclasses.replace(inputs, sync_staged_bytes=staged)
+    peers = sync_peers(shape, cfg.mesh(), inputs.sync_bucket_bytes, inputs.element_bytes)
+    return dataclasses.replace(inputs, sync_staged_bytes=staged, sync_peers=peers)
+
+
+def _data_file_bytes(path: str | None) -> int:
+    """The task's data file's bytes (each rank reads all its records; 0 for a generated task or no file here)."""
+    import os
+
+    from rl.compose import resolve_path
+
+    if not path or not os.path.isfile(resolve_path(path)):
+        return 0
+    return os.path.getsize(resolve_path(path))
+
+
+@dataclass(frozen=True)
+class PromptLength:
+    """The prompt length a plan made before launch uses: the task's longest prompt in tokens (what the run's own
+    plan uses, rl/setup.py), or ``None`` where the data or the tokenizer is not on this machine; ``source`` says
+    which, for the plan's printout."""
+
+    tokens: int | None
+    source: str
+
+
+def data_prompt_length(cfg) -> PromptLength:
+    """The task's longest prompt, tokenized as the run does (rl.data.longest_prompt_tokens) from its data file or
+    generator with the model's tokenizer: ``make plan``, the sweep's and the launcher's checks plan with it. Where
+    the data or the tokenizer is absent: ``tokens=None`` (plan_inputs then plans the max_model_len bound)."""
+    data = cfg.data
+    return _data_prompt_length(cfg.model.path, data.task, data.path, data.max_operand, cfg.trainer.seed)
+
+
+@functools.lru_cache(maxsize=8)
+def _data_prompt_length(model_path: str, task: str, data_path: str | None, max_operand: int, seed: int) -> PromptLength:
+    from rl.compose import resolve_path
+    from rl.data import DataConfig, longest_prompt_tokens
+
+    path = resolve_path(model_path)
+    try:
+        built = DataConfig(task=task, path=resolve_path(data_path) if data_path else None, max_operand=max_operand)
+        source_task = built.build(seed)
+    except (OSError, ValueError) as exc:
+        return PromptLength(None, f"no data here ({exc})")
+    try:
+        tokenizer = _tokenizer(path)
+    except (OSError, ValueError) as exc:
+        return PromptLength(None, f"no tokenizer at model.path={model_path!r} ({type(exc).__name__})")
+    tokens = longest_prompt_tokens(source_task, tokenizer)
+    return PromptLength(tokens, f"data.task={task}'s longest prompt, {tokens} tokens")
+
+
+def _tokenizer(path: str):
+    """The tokenizer the run loads (rl/setup.py: AutoTokenizer at model.path); a ``tiny:`` checkpoint's without
+    building the checkpoint (modelspec.tiny saves ``build_tokenizer()`` beside every tiny model)."""
+    from modelspec.tiny import TINY_PREFIX, build_tokenizer
+
+    if path.startswith(TINY_PREFIX):
+        return build_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 @functools.lru_cache(maxsize=32)
@@ -92,6 +161,22 @@ def sync_staged_bytes(shape, mesh, bucket_bytes: int, element_bytes: int) -> tup
         plan.max_staged_bytes([r for r in range(mesh.world_size) if stage_of[r] == stage])
         for stage in range(mesh.actor_pp)
     )
+
+
+@functools.lru_cache(maxsize=32)
+def sync_peers(shape, mesh, bucket_bytes: int, element_bytes: int) -> int:
+    """The most other ranks one rank sends to or receives from in the weight sync (the same plan as
+    :func:`sync_staged_bytes`): the point-to-point peers whose NCCL buffers planner/comms.py counts."""
+    from rl.weight_sync.layouts import actor_sources, engine_destinations
+    from rl.weight_sync.plan import plan_sync
+
+    plan = plan_sync(actor_sources(shape, mesh), engine_destinations(shape, mesh), bucket_bytes, element_bytes)
+    peers: dict[int, set[int]] = {}
+    for t in plan.transfers:
+        if not t.is_local:
+            peers.setdefault(t.src_rank, set()).add(t.dst_rank)
+            peers.setdefault(t.dst_rank, set()).add(t.src_rank)
+    return max((len(p) for p in peers.values()), default=0)
 
 
 # ---------------------------------------------------------------- the plan inside a run
@@ -161,7 +246,7 @@ def check_auto_kv_cache(cfg) -> None:
     from planner.report import verdict
 
     try:
-        plan = make_plan(plan_inputs(cfg))
+        plan = make_plan(plan_inputs(cfg, data_prompt_length(cfg).tokens))
     except ValueError as exc:
         raise ValueError(f"rollout.gpu_memory_utilization=auto needs a memory plan: {exc}") from None
     if not plan.fits:

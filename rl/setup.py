@@ -21,7 +21,7 @@ from modelspec.phases import ENGINE_STATE, PhaseOrder
 from rl.batching import Sample, make_batch
 from rl.checkpoint import ACTOR_DIR, Checkpointer, RLState, StopRequest, load_rank_state, resolve_resume
 from rl.config import RunConfig
-from rl.data import DigitSumTask, Gsm8kTask
+from rl.data import DigitSumTask, Gsm8kTask, longest_prompt_tokens
 from rl.losses import PolicyLoss
 from rl.memory import TAGS, MemoryProbe, MemoryTimeline, measured_free_bytes
 from rl.planning import KvCacheChoice
@@ -254,7 +254,7 @@ def start_engine(ctx: RankContext) -> RankContext:
     cfg, dims = ctx.cfg, ctx.dims
     auto = cfg.rollout.utilization is None
     # sequences as long as this task's longest prompt + max_new_tokens (not max_model_len: the data decides)
-    prompt_tokens = max(len(ctx.tokenizer(p).input_ids) for p in ctx.task.longest_prompts())
+    prompt_tokens = longest_prompt_tokens(ctx.task, ctx.tokenizer)
     try:
         plan = make_plan(plan_inputs(cfg, prompt_tokens))
     except ValueError as exc:  # e.g. a device the planner has no preset for: run unplanned unless asked to plan

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from planner import COMPONENTS, PHASES
+from planner import COMPONENTS, PHASES, make_plan
 from rl.compose import ConfigError, compose, list_experiments
 from tools.plan import main, plan_inputs
 
@@ -90,10 +90,68 @@ def test_run_config_maps_onto_the_planner_inputs():
     inputs = plan_inputs(compose("qwen32b_8xh100"))
     assert (inputs.actor_tp, inputs.actor_pp, inputs.actor_dp, inputs.rollout_tp) == (8, 1, 1, 4)
     assert inputs.device.name == "H100-80GB" and inputs.shape.source == "arch:Qwen2.5-32B-Instruct"
-    assert not inputs.distributed_optimizer  # DP=1
+    # DP=1, but megatron's optimizer CPU offload (actor.optimizer_offload_fraction) needs the distributed optimizer
+    assert inputs.distributed_optimizer and inputs.optimizer_offload_fraction == 0.3
     assert inputs.sequences_per_step == 128 * 8
     assert (inputs.prompt_tokens, inputs.response_tokens) == (768 - 512, 512)  # max_model_len bounds both
     assert inputs.gpu_memory_utilization is None  # auto
     tiny = plan_inputs(compose("tiny_cpu"))
     assert tiny.device.kind == "cpu" and tiny.attention == "unfused" and tiny.engine == "native"
     assert tiny.engine_capacity_bytes == 2**30 and tiny.gpu_memory_utilization == 0.5
+
+
+def test_make_plan_uses_the_tasks_longest_prompt_as_the_run_does(tmp_path, tiny_model_dirs, capsys):
+    """make plan EXP=tiny_cpu plans what the run's own plan (rl/setup.py start_engine) does: the task's longest
+    prompt tokenized with the checkpoint's tokenizer (4 tokens for "4+4="), not the max_model_len bound."""
+    from transformers import AutoTokenizer
+
+    from rl.data import longest_prompt_tokens
+
+    cfg = compose("tiny_cpu")
+    # the run: its own tokenizer (the written checkpoint's) and task, through the same function
+    run_prompt = longest_prompt_tokens(
+        cfg.data.build(seed=cfg.trainer.seed), AutoTokenizer.from_pretrained(tiny_model_dirs["qwen2"])
+    )
+    run_plan = make_plan(plan_inputs(cfg, run_prompt))
+    out = tmp_path / "plan.json"
+    assert main(["--exp", "tiny_cpu", "--json", str(out)]) == 0
+    assert "prompts: data.task=digit_sum's longest prompt, 4 tokens (as the run plans)" in capsys.readouterr().out
+    written = json.loads(out.read_text())
+    assert written["prompt_tokens"] == run_prompt == 4 and written["prompt_from_data"]
+    assert written["peak_bytes"] == run_plan.peak_bytes
+    train = next(p for p in written["phases"] if p["name"] == "train")
+    assert train["predicted_bytes"] == run_plan.phase("train").predicted_bytes
+    bound = make_plan(plan_inputs(cfg))  # the max_model_len bound: what make plan said before
+    assert bound.phase("train").predicted_bytes > 4 * train["predicted_bytes"]
+
+
+def test_make_plan_says_when_the_data_is_absent(tmp_path, capsys):
+    """No tokenizer here (a cluster checkpoint path): the bound is used and the output says so."""
+    out = tmp_path / "plan.json"
+    assert (
+        main(["--exp", "tiny_cpu", "model.path=/nonexistent/ckpt", "model.architecture=tiny:qwen2", "--json", str(out)])
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert "no tokenizer at model.path='/nonexistent/ckpt'" in printed and "max_model_len bound" in printed
+    written = json.loads(out.read_text())
+    assert not written["prompt_from_data"] and written["prompt_tokens"] > 4
+    gsm8k = ["data.task=gsm8k", "data.path=/nonexistent/gsm8k.jsonl", "trainer.sft_warmup_steps=0"]
+    assert main(["--exp", "tiny_cpu", *gsm8k]) == 0
+    assert "no data here" in capsys.readouterr().out
+
+
+def test_plan_json_has_the_headroom_beyond_uncertainty_and_the_nodes_host_memory(tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["--exp", "qwen32b_8xh100", "--json", str(out)]) == 0
+    written = json.loads(out.read_text())
+    assert written["headroom_beyond_uncertainty_bytes"] >= 4 * 2**30
+    assert written["headroom_beyond_uncertainty_bytes"] == written["headroom_bytes"] - sum(
+        written["uncertainty_bytes"].values()
+    )
+    host = written["host"]
+    assert {"peak_bytes_per_node", "node_memory_bytes", "peak_phase", "fits"} <= set(host)
+    assert host["node_memory_bytes"] == 2 * 2**40 and host["fits"] is True
+    assert host["peak_phase"] == "save_checkpoint" and host["peak_bytes_per_node"] > 2**40
+    assert {c["name"] for c in written["communicators"]} >= {"world", "megatron TP", "vLLM dp (PyNccl)"}
+    assert written["recommended_optimizer_offload_fraction"] <= 0.3

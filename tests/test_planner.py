@@ -359,7 +359,26 @@ def test_cpu_device_is_this_machines_memory_shared_by_its_ranks():
 
     assert device_preset("cpu", ranks_per_node=4).total_bytes == psutil.virtual_memory().total // 4
     assert device_preset("h100-80gb").name == "H100-80GB"
-    assert device_preset("H200-141GB").total_bytes == 143771 * 2**20
+    assert device_preset("cpu").host_memory_bytes == psutil.virtual_memory().total
+    assert device_preset("cpu", host_memory_bytes=2**30).host_memory_bytes == 2**30
+
+
+def test_cuda_totals_are_mem_get_info_s_sourced_or_marked_estimates():
+    """A preset's total is what torch.cuda.mem_get_info reports (less than NVML's), sourced or an estimate with an
+    uncertainty; each names its node's RAM and where that figure comes from."""
+    from planner.devices import CUDA_PRESETS
+
+    assert device_preset("A100-40GB").total_bytes == 42298834944  # deviceQuery's totalGlobalMem
+    assert device_preset("A100-40GB").total_uncertainty_bytes == 0
+    h200 = device_preset("H200-141GB")
+    assert h200.total_bytes < 143771 * 2**20 and h200.total_uncertainty_bytes > 0
+    assert h200.total_source.startswith("estimate")
+    for name, preset in CUDA_PRESETS.items():
+        spec = device_preset(name)
+        assert spec.total_bytes < preset.nvml_total_bytes, name
+        assert spec.total_source and spec.host_memory_source and spec.host_memory_bytes >= 2**40, name
+    assert device_preset("H100-80GB").host_memory_bytes == 2 * 2**40  # DGX H100: 2 TB
+    assert device_preset("H100-80GB", host_memory_bytes=2**39).host_memory_source == "cluster.host_memory_gib"
 
 
 # ---------------------------------------------------------------- train-phase levers (issue 15)
@@ -479,7 +498,7 @@ def test_a_forward_without_grad_holds_one_packed_sequences_attention_scores_at_a
         kept = unfused_attention_bytes(inp.shape, inp.actor_tp, inp.element_bytes, 4, mb.attention_span, kept=True)
         all_rows = unfused_attention_bytes(inp.shape, inp.actor_tp, inp.element_bytes, 4, mb.attention_span)
         assert all_rows > kept > all_rows / 2 > (scores if packed else 0)
-        assert _layer_bytes(inp, mb) - _layer_bytes(inp, mb, ('core_attn',)) == kept  # selective drops just them
+        assert _layer_bytes(inp, mb) - _layer_bytes(inp, mb, ("core_attn",)) == kept  # selective drops just them
 
 
 def test_a_forward_without_grad_counts_its_working_set_and_the_logprob_pass_one_after_the_other():
@@ -582,7 +601,11 @@ def test_train_holds_the_largest_weight_gradient_unless_the_logprob_pass_is_larg
     vocab_rows = megatron_padded_vocab(s.vocab_size, 4) // 4 * s.hidden_size
     fc1 = 2 * s.intermediate_size // 4 * s.hidden_size
     assert largest_actor_weight_elements(s, 4, 4, 0) == largest_actor_weight_elements(s, 4, 4, 3) == vocab_rows
-    assert largest_actor_weight_elements(s, 4, 4, 1) == fc1 > (s.num_heads + 2 * s.num_kv_heads) * s.head_dim // 4 * s.hidden_size
+    assert (
+        largest_actor_weight_elements(s, 4, 4, 1)
+        == fc1
+        > (s.num_heads + 2 * s.num_kv_heads) * s.head_dim // 4 * s.hidden_size
+    )
 
     inp = qwen7b_inputs(attention="flash", actor_pp=4, actor_dp=1, distributed_optimizer=False)
     workspace = int(inp.constants.value("train_workspace_bytes"))

@@ -75,7 +75,8 @@ def cuda_preset() -> str:
     from planner.devices import CUDA_PRESETS
 
     props = torch.cuda.get_device_properties(0)
-    for name, total in CUDA_PRESETS.items():
+    for name, preset in CUDA_PRESETS.items():
+        total = preset.total_bytes  # what torch (cudaMemGetInfo / totalGlobalMem) reports
         if name.split("-")[0] in props.name and abs(props.total_memory - total) <= 0.03 * total:
             return name
     raise ValueError(

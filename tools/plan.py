@@ -15,8 +15,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from planner import make_plan, variants
-from planner.report import format_table, gib, plan_json, verdict
-from rl.planning import DEFAULT_PROMPT_TOKENS, plan_inputs  # plan_inputs lives in rl so rl.main can plan too
+from planner.report import format_table, gib, plan_json, recommend_optimizer_offload_fraction, verdict
+
+# plan_inputs lives in rl so rl.main can plan too
+from rl.planning import DEFAULT_PROMPT_TOKENS, PromptLength, data_prompt_length, plan_inputs
 
 __all__ = ["main", "plan_inputs"]
 
@@ -29,8 +31,9 @@ def main(argv: list[str] | None = None) -> int:
         "--prompt-tokens",
         type=int,
         default=None,
-        help="prompt length to plan for (default: rollout.max_model_len - max_new_tokens, else "
-        f"{DEFAULT_PROMPT_TOKENS} or what max_position_embeddings leaves)",
+        help="prompt length to plan for (default: the task's longest prompt, tokenized; without the data or the "
+        f"tokenizer here: rollout.max_model_len - max_new_tokens, else {DEFAULT_PROMPT_TOKENS} or what "
+        "max_position_embeddings leaves)",
     )
     parser.add_argument("--check", action="store_true", help="exit 1 when the plan does not fit")
     parser.add_argument("overrides", nargs="*", help="hydra overrides, as for make run")
@@ -39,17 +42,28 @@ def main(argv: list[str] | None = None) -> int:
     from rl.compose import ConfigError, compose
 
     try:
-        inputs = plan_inputs(compose(args.exp, args.overrides), args.prompt_tokens)
-        base_inputs = plan_inputs(compose(args.exp), args.prompt_tokens) if args.overrides else None
+        cfg = compose(args.exp, args.overrides)
+        if args.prompt_tokens is not None:
+            prompt = PromptLength(args.prompt_tokens, f"--prompt-tokens {args.prompt_tokens}")
+        else:
+            prompt = data_prompt_length(cfg)  # the task's longest prompt, as the run's own plan (rl/setup.py)
+        inputs = plan_inputs(cfg, prompt.tokens)
+        base_inputs = plan_inputs(compose(args.exp), prompt.tokens) if args.overrides else None
     except (ConfigError, ValueError) as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    if prompt.tokens is None:
+        print(f"prompts: {prompt.source}: planned with the max_model_len bound, {inputs.prompt_tokens} prompt tokens\n")
+    else:
+        print(f"prompts: {prompt.source} (as the run plans)\n")
     plan = make_plan(inputs)
     side_by_side = variants(inputs)
     title = " ".join([args.exp, *args.overrides])
     print(format_table(plan, side_by_side, title=title))
     result = plan_json(plan, side_by_side)
     result["exp"], result["overrides"] = args.exp, list(args.overrides)
+    result["prompt_tokens"], result["prompt_source"] = inputs.prompt_tokens, prompt.source
+    result["prompt_from_data"] = prompt.tokens is not None and args.prompt_tokens is None
     if plan.kv_cache_source == "auto" and plan.kv_cache_bytes < plan.largest_safe_kv_cache_bytes:
         print(
             f"auto: the KV cache is what {inputs.max_num_seqs} sequences of max_model_len={inputs.engine_max_model_len} "
@@ -57,6 +71,16 @@ def main(argv: list[str] | None = None) -> int:
         )
     elif plan.kv_cache_source == "auto":
         print(f"auto: the KV cache fills the room {plan.kv_limiting_phase} leaves it")
+    if inputs.on_cuda:
+        fraction = recommend_optimizer_offload_fraction(inputs)
+        result["recommended_optimizer_offload_fraction"] = fraction
+        if fraction is None:
+            print("no actor.optimizer_offload_fraction leaves headroom beyond the uncertainty")
+        elif fraction != inputs.optimizer_offload_fraction:
+            print(
+                f"actor.optimizer_offload_fraction={fraction} is the smallest that leaves headroom beyond the "
+                f"uncertainty (configured: {inputs.optimizer_offload_fraction})"
+            )
     if base_inputs is not None:
         base = make_plan(base_inputs)
         same_kv = make_plan(replace(inputs, kv_cache_bytes=base.kv_cache_bytes, gpu_memory_utilization=None))

@@ -120,6 +120,47 @@ def cuda_fit_set(device: str) -> tuple[RunSpec, ...]:
     )
 
 
+def cuda_validation_set(device: str) -> tuple[RunSpec, ...]:
+    """What `make validate-plan` checks on a GPU node whose GPUs are the planner preset ``device`` (never fitted
+    on): memory_cpu's 122 MB model (built here, no download) on 1, 2 and 4 GPUs, each configuration putting a
+    different set of communicators (planner/comms.py) and engine reserves under the plan."""
+    on = (f"cluster.device={device}",)
+    return (
+        RunSpec(
+            "cuda_vllm_resident",
+            "memory_cpu",
+            (
+                *on,
+                "cluster.procs_per_node=1",
+                "rollout.engine=vllm",
+                "actor.offload.params=false",
+                "actor.offload.grads=false",
+                "actor.offload.optimizer=false",
+                "rollout.wake_strategy=all_at_once",
+            ),
+            "one GPU, nothing offloaded, vLLM (CUDA graphs) woken all at once: no communicator",
+        ),
+        RunSpec(
+            "cuda_tp2_vllm",
+            "memory_cpu",
+            (*on, "cluster.procs_per_node=2", "actor.tp=2", "rollout.engine=vllm", "rollout.tp=2"),
+            "two GPUs: megatron TP and MODEL_PARALLEL, vLLM's TP PyNccl, custom all-reduce and symmetric memory",
+        ),
+        RunSpec(
+            "cuda_dp2_vllm_replicas",
+            "memory_cpu",
+            (*on, "cluster.procs_per_node=2", "actor.tp=1", "rollout.engine=vllm", "rollout.tp=1"),
+            "two GPUs: megatron DP with the distributed optimizer, two vLLM replicas (its DP PyNccl), p2p-free sync",
+        ),
+        RunSpec(
+            "cuda_tp2_pp2_vllm",
+            "memory_cpu",
+            (*on, "cluster.procs_per_node=4", "actor.tp=2", "actor.pp=2", "rollout.engine=vllm", "rollout.tp=2"),
+            "four GPUs: megatron PP's send/recv, the weight sync's point-to-point between stages and replicas",
+        ),
+    )
+
+
 # Validation set: never fitted on.
 VALIDATION_SET = (
     RunSpec("tiny_cpu", "tiny_cpu", (), "the default experiment"),
@@ -249,10 +290,10 @@ def run_prompt_tokens(cfg) -> int:
 
     from modelspec.tiny import resolve_model_path
     from rl.compose import resolve_path
+    from rl.data import longest_prompt_tokens
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(resolve_path(cfg.model.path)))
-    task = cfg.data.build(seed=cfg.trainer.seed)
-    return max(len(tokenizer(p).input_ids) for p in task.longest_prompts())
+    return longest_prompt_tokens(cfg.data.build(seed=cfg.trainer.seed), tokenizer)
 
 
 @functools.cache

@@ -24,6 +24,7 @@ import time
 from tools.plan_runs import (
     VALIDATION_SET,
     check,
+    cuda_validation_set,
     ensure_run,
     measured_phases,
     plan_for,
@@ -34,10 +35,21 @@ from tools.plan_runs import (
 SET_NAME = "validation"
 
 
+def validation_set():
+    """The CPU set (VALIDATION_SET), or on a GPU node the CUDA set for its GPU's preset (cuda_validation_set)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return VALIDATION_SET
+    from tools.calibrate import cuda_preset
+
+    return cuda_validation_set(cuda_preset())
+
+
 def validate(names: list[str] | None = None, rerun: bool = False, calibration=None, mutate=None) -> list[dict]:
     """One result per validation configuration (runs what is missing)."""
     results = []
-    for spec in VALIDATION_SET:
+    for spec in validation_set():
         if names and spec.name not in names:
             continue
         run_dir = ensure_run(spec, run_dir_for(spec, SET_NAME), rerun=rerun)

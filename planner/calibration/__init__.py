@@ -30,7 +30,15 @@ _TRANSIENT_CONSTANTS = (
 # every constant the planner reads, per device kind (a calibration file must define all of its kind's)
 CONSTANTS: dict[str, tuple[str, ...]] = {
     "cpu": ("runtime_overhead_bytes", "vllm_runtime_bytes", *_TRANSIENT_CONSTANTS),
-    "cuda": ("runtime_overhead_bytes", "vllm_cuda_graph_bytes", "nccl_bytes_per_communicator", *_TRANSIENT_CONSTANTS),
+    "cuda": (
+        "runtime_overhead_bytes",
+        "vllm_cuda_graph_bytes",
+        "nccl_bytes_per_communicator",
+        "nccl_channels",
+        "fused_activation_factor",
+        "host_runtime_bytes",
+        *_TRANSIENT_CONSTANTS,
+    ),
 }
 
 

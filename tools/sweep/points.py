@@ -37,7 +37,7 @@ def validate(exp: str, fixed: list[str], grid: list[dict[str, Any]]) -> list[Poi
 
     from planner import make_plan
     from planner.report import verdict
-    from rl.planning import plan_inputs
+    from rl.planning import data_prompt_length, plan_inputs
 
     points = []
     for index, params in enumerate(
@@ -46,7 +46,7 @@ def validate(exp: str, fixed: list[str], grid: list[dict[str, Any]]) -> list[Poi
         point = Point(index, params, point_overrides(params))
         try:
             point.cfg = compose(exp, [*fixed, *point.overrides])
-            point.plan = make_plan(plan_inputs(point.cfg))
+            point.plan = make_plan(plan_inputs(point.cfg, data_prompt_length(point.cfg).tokens))
         except (ConfigError, ValueError) as exc:
             point.status, point.reason = "infeasible", f"config: {exc}"
         else:

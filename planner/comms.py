@@ -1,0 +1,141 @@
+"""Every communicator one rank's step uses on CUDA, and the device bytes each holds.
+
+Named from the libraries' sources for the run's layout (actor TP t, PP p, DP d; engine TP r; world W = t p d):
+
+- ``world``: torch's default process group (megatron_backend/parallel.py ``init_process_group``), NCCL. The step
+  uses it: the launcher's free-memory MIN (rl/setup.py), barriers, the weight sync's point-to-point
+  (rl/weight_sync/transport.py: ``batch_isend_irecv`` over the default group, coalesced, so the sends and receives
+  run on this communicator with per-peer point-to-point buffers), megatron's grad-norm reduce under the
+  distributed optimizer (megatron/core/optimizer/distrib_optimizer.py ``get_grad_stats_parallel_group``: the
+  distributed-optimizer instance, the world here).
+- megatron-core (megatron/core/parallel_state.py ``initialize_model_parallel``): ``TP`` (the layers'
+  all-reduces), ``PP`` (megatron/core/pipeline_parallel/p2p_communication.py ``batch_isend_irecv``: coalesced on
+  the PP group's communicator), ``DP`` (DDP's gradient all-reduce / reduce-scatter and the distributed
+  optimizer's all-gather, the DP-with-CP group), ``MODEL_PARALLEL`` (t p ranks; megatron/core/optimizer/optimizer.py
+  ``get_grad_stats_parallel_group``: the grad norm and zero count of the non-distributed optimizer), ``EMBEDDING``
+  (first and last stage, tied embeddings with PP > 1: the word embeddings' gradient all-reduce in
+  megatron/core/distributed/finalize_model_grads.py).
+- vLLM 0.32 (vllm/distributed/parallel_state.py ``initialize_model_parallel``): ``tp`` and ``dp``
+  ``GroupCoordinator`` s, each with a ``CudaCommunicator`` (device_communicators/cuda_communicator.py) whose
+  ``PyNcclCommunicator`` (device_communicators/pynccl.py) is an NCCL communicator of its own, created eagerly,
+  beside torch's ``device_group`` (lazily; the TP group's ``gather`` of the logits uses it). The TP group alone
+  also holds vLLM's custom all-reduce buffers (device_communicators/custom_all_reduce.py: a meta buffer of
+  ``meta_size + max_size``, an IPC buffer of max(max_size, 2 MiB all-gather, 16 MiB reduce-scatter) and 8 MiB of
+  ``rank_data``; max_size 8 MiB) and, on compute capability 9.0 / 10.0, torch symmetric memory
+  (device_communicators/symm_mem.py: ``SYMM_MEM_ALL_REDUCE_MAX_SIZES`` in all_reduce_utils.py).
+
+An NCCL communicator's device buffers (NCCL_BUFFSIZE, NVIDIA's NCCL user guide: 4 MiB for the Simple protocol;
+NCCL's src/include/device.h: DEFAULT_LL_BUFFSIZE 8 lines x 512 threads x 8 steps x 16 B = 512 KiB and
+DEFAULT_LL128_BUFFSIZE 120 x 640 threads x 8 steps x 8 B = 4800 KiB) are allocated per channel and per peer
+connection: ring collectives connect each rank to its ring neighbour on every channel (one receive buffer set
+per channel); point-to-point buffers are Simple only, per peer. The channel count is topology-dependent
+(NCCL picks it from the NVLink / NVSwitch graph; NCCL_MIN_NCHANNELS / NCCL_MAX_NCHANNELS bound it), so it
+is the calibration's ``nccl_channels`` estimate with its uncertainty, and a tree or NVLS connection per channel
+(what NCCL may add beside the ring) is counted in the uncertainty, not the value. Created lazily: a communicator
+is counted only where the step runs a collective on it (vLLM's PyNccl ones are eager).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.devices import MIB
+
+NCCL_SIMPLE_BUFFER_BYTES = 4 * MIB  # NCCL_BUFFSIZE default
+NCCL_LL_BUFFER_BYTES = 512 * 1024  # DEFAULT_LL_BUFFSIZE
+NCCL_LL128_BUFFER_BYTES = 4800 * 1024  # DEFAULT_LL128_BUFFSIZE
+NCCL_PROTOCOL_BUFFER_BYTES = NCCL_SIMPLE_BUFFER_BYTES + NCCL_LL_BUFFER_BYTES + NCCL_LL128_BUFFER_BYTES
+NCCL_P2P_CHANNELS_PER_PEER = 2  # NCCL_NCHANNELS_PER_PEER's default (point-to-point channels per peer)
+# vLLM's custom all-reduce (custom_all_reduce.py): max_size 8 MiB; the IPC buffer max(8, 2, 16) MiB; rank_data 8 MiB
+VLLM_CUSTOM_ALL_REDUCE_BYTES = 8 * MIB + 16 * MIB + 8 * MIB
+# torch symmetric memory of vLLM's TP all-reduce on capability 9.0 (H100 / H200), by TP size (all_reduce_utils.py)
+VLLM_SYMM_MEM_BYTES_SM90 = {2: 64 * MIB, 4: 32 * MIB, 6: 64 * MIB, 8: 64 * MIB}
+SM90_DEVICES = ("H100-80GB", "H200-141GB")
+NCCL_BUFFER_FREE = ("vLLM custom all-reduce", "vLLM symmetric memory")  # buffers, not NCCL communicators
+
+
+@dataclass(frozen=True)
+class Communicator:
+    """One communicator (or communication buffer) this rank holds on its device."""
+
+    name: str
+    ranks: int
+    source: str  # the library file that creates it
+    use: str  # what the step runs on it
+    bytes: int
+    uncertainty_bytes: int
+
+
+def nccl_collective_bytes(channels: float) -> int:
+    """One NCCL communicator's ring buffers: every channel's receive buffers of the three protocols."""
+    return round(channels * NCCL_PROTOCOL_BUFFER_BYTES)
+
+
+def nccl_p2p_bytes(peers: int) -> int:
+    """Point-to-point buffers for ``peers`` peers: Simple only, send and receive, per p2p channel per peer."""
+    return peers * NCCL_P2P_CHANNELS_PER_PEER * 2 * NCCL_SIMPLE_BUFFER_BYTES
+
+
+def communicators(inp, channels: float, channels_uncertainty: float) -> tuple[Communicator, ...]:
+    """The communicators one rank of ``inp``'s layout uses in the step (CUDA only; gloo on CPU holds no device
+    bytes), each with its buffers; ``channels`` (+- ``channels_uncertainty``) NCCL channels per communicator."""
+    if not inp.on_cuda:
+        return ()
+    t, p, d, r = inp.actor_tp, inp.actor_pp, inp.actor_dp, inp.rollout_tp
+    world = t * p * d
+    # the value: a ring set per channel; the uncertainty: the channel count's, plus a tree / NVLS set per channel
+    ring = nccl_collective_bytes(channels)
+    spread = round(channels_uncertainty * NCCL_PROTOCOL_BUFFER_BYTES) + ring
+    state = "megatron/core/parallel_state.py"
+    vllm = "vllm/distributed/parallel_state.py + device_communicators/pynccl.py"
+    out: list[Communicator] = []
+
+    def nccl(name: str, ranks: int, source: str, use: str, extra: int = 0) -> None:
+        if ranks > 1:
+            out.append(Communicator(name, ranks, source, use, ring + extra, spread))
+
+    peers = inp.sync_peers if inp.sync_peers is not None else (0 if t == r and p == 1 else world - 1)
+    nccl(
+        "world",
+        world,
+        "torch.distributed.init_process_group (megatron_backend/parallel.py)",
+        f"free-memory MIN, barriers, weight-sync point-to-point with {peers} peers (rl/weight_sync/transport.py)",
+        extra=nccl_p2p_bytes(peers),
+    )
+    nccl("megatron TP", t, state, "the layers' all-reduces")
+    nccl("megatron PP", p, state, "stage-to-stage send/recv (p2p_communication.py, coalesced)")
+    nccl("megatron DP", d, state, "gradient reduce, distributed optimizer all-gather")
+    if not inp.distributed_optimizer:
+        nccl("megatron MODEL_PARALLEL", t * p, state, "grad norm and zero count (optimizer.py)")
+    if p > 1 and inp.shape.tie_word_embeddings:
+        nccl("megatron EMBEDDING", 2, state, "tied word embeddings' gradient all-reduce (finalize_model_grads.py)")
+    if inp.engine == "vllm":
+        nccl("vLLM tp (PyNccl)", r, vllm, "the engine's TP all-reduces (eager)")
+        nccl("vLLM tp (torch device_group)", r, "vllm/distributed/parallel_state.py", "the logits' gather")
+        nccl("vLLM dp (PyNccl)", world // r, vllm, "the DP replicas' has-unfinished all-reduce (eager)")
+        if r > 1:
+            out.append(
+                Communicator(
+                    "vLLM custom all-reduce",
+                    r,
+                    "vllm/distributed/device_communicators/custom_all_reduce.py",
+                    "IPC buffers of the TP all-reduce",
+                    VLLM_CUSTOM_ALL_REDUCE_BYTES,
+                    0,
+                )
+            )
+        symm = VLLM_SYMM_MEM_BYTES_SM90.get(r, 0) if inp.device.name in SM90_DEVICES else 0
+        if symm:
+            out.append(
+                Communicator(
+                    "vLLM symmetric memory",
+                    r,
+                    "vllm/distributed/device_communicators/symm_mem.py",
+                    "torch symmetric memory of the TP all-reduce (VLLM_ALLREDUCE_USE_SYMM_MEM=1)",
+                    symm,
+                    0,
+                )
+            )
+    elif r > 1:  # the native engine: its replica's process group (rl/setup.py rollout_groups)
+        nccl("native engine TP", r, "rl/setup.py rollout_groups", "the engine's TP all-reduces")
+    return tuple(out)

@@ -1,0 +1,192 @@
+"""Host memory per node: what a node's ranks hold in RAM in every phase, against the node's RAM.
+
+Per rank, on CUDA:
+
+- ``offload_pinned``: the pinned buffers megatron_backend/memory.py registers at the first offload and keeps for
+  the run (``cudaHostRegister`` of exactly the storage's bytes: no rounding): params when ``offload.params``,
+  the optimizer's states when ``offload.optimizer``, the reference actor's params when it offloads them. Grads
+  are released without a host copy. Every phase: the buffers stay registered while the state is on the device.
+- ``hybrid_optimizer``: with ``actor.optimizer_offload_fraction`` f, megatron's HybridDeviceOptimizer
+  (megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py) keeps for a fraction f of the rank's
+  distributed-optimizer shard a pinned fp32 copy of the params, a pinned fp32 gradient and CPUAdam's moments on
+  the host: 16 bytes per offloaded parameter, every phase.
+- ``engine_sleep_copy``: vLLM's sleep level 1 backs every weight allocation up to host
+  (vllm/device_allocator/cumem.py ``sleep``: ``torch.empty(size, device="cpu", pin_memory=True)`` per cumem
+  allocation), i.e. torch's caching host allocator, which rounds each block up to a power of two and keeps it
+  after the wake frees it: every phase from the first sleep on. Counted per weight tensor (vLLM layout,
+  planner/sizes.py) rounded up to its 2 MiB segment, then to a power of two. Level 2 (the default) keeps none.
+- ``checkpoint_staging``: a megatron synchronous save (megatron_backend/dist_checkpoint.py ->
+  ``dist_checkpointing.save``) stages every tensor this rank writes in host memory first
+  (megatron/core/dist_checkpointing/strategies/filesystem_async.py ``FileSystemWriterAsync.preload_tensors``:
+  ``tensor.to("cpu", non_blocking=True)``, called from async_utils.py ``AsyncRequest.execute_sync``): pinned
+  blocks of the caching host allocator, a power of two each, kept after the save. The worst rank writes its
+  params (replica 0) and its optimizer shard: param, fp32 main param, exp_avg, exp_avg_sq per tensor. From the
+  first save on (``trainer.save_every`` > 0). Not the offloaded copies: the loop saves after ``train``, when
+  the state is on the device and the pinned buffers still hold the previous step's values; and megatron's writer
+  cannot write from them without a copy either: a CPU tensor that is a view of a larger storage is cloned
+  (filesystem_async.py ``_clone_if_needed``), and every offloaded parameter or state is a view of one flat
+  buffer per storage.
+- ``runtime``: the process besides those (Python, torch with CUDA, NCCL, megatron-core, vLLM in-process):
+  ``host_runtime_bytes``, an estimate until a GPU run's RSS is read.
+- ``data``: the task's records (the data file's bytes; ``PlanInputs.data_host_bytes``).
+
+On CPU the device is the host: a rank's RSS is its device plan (validated against measured RSS by ``make
+validate-plan``), so the host plan per rank is that phase's plan plus its runtime level, plus what the offloaded
+state holds in the page cache (megatron_backend/memory.py writes it to a temp file: outside the RSS, not
+validated) and, in ``save_checkpoint``, the clones megatron's writer makes of the params (views of the DDP
+buffer). The node holds ``ranks_per_node`` such ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.plan import PHASES, Plan, _stage, optimizer_host_bytes
+from planner.sizes import (
+    FP32_BYTES,
+    actor_stage_param_count,
+    actor_stage_tensor_elements,
+    engine_tensor_elements,
+    optimizer_bytes_per_param,
+    power_of_two_bytes,
+)
+
+HOST_COMPONENTS = (
+    "offload_pinned",
+    "hybrid_optimizer",
+    "engine_sleep_copy",
+    "checkpoint_staging",
+    "offload_page_cache",
+    "rank",
+    "data",
+)
+SAVE_PHASE = "save_checkpoint"
+CUDA_SEGMENT_BYTES = 2 * 2**20  # the caching allocator's large-segment rounding (vLLM's cumem pool allocations)
+
+
+@dataclass(frozen=True)
+class HostPhase:
+    name: str
+    components: dict[str, int]  # one rank's bytes
+
+    @property
+    def rank_bytes(self) -> int:
+        return sum(self.components.values())
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    phases: tuple[HostPhase, ...]
+    ranks_per_node: int
+    node_memory_bytes: int | None
+    node_memory_source: str
+
+    @property
+    def peak(self) -> HostPhase:
+        return max(self.phases, key=lambda p: (p.rank_bytes, p.name == SAVE_PHASE))  # a tie: where it starts
+
+    @property
+    def peak_phase(self) -> str:
+        return self.peak.name
+
+    @property
+    def peak_bytes_per_node(self) -> int:
+        return self.peak.rank_bytes * self.ranks_per_node
+
+    @property
+    def fits(self) -> bool | None:
+        """None: the node's RAM is unknown."""
+        return None if self.node_memory_bytes is None else self.peak_bytes_per_node <= self.node_memory_bytes
+
+    def to_json(self) -> dict:
+        return {
+            "peak_bytes_per_node": self.peak_bytes_per_node,
+            "node_memory_bytes": self.node_memory_bytes,
+            "node_memory_source": self.node_memory_source,
+            "peak_phase": self.peak_phase,
+            "fits": self.fits,
+            "ranks_per_node": self.ranks_per_node,
+            "peak_components_per_rank": dict(self.peak.components),
+            "phases": [{"name": p.name, "rank_bytes": p.rank_bytes, "components": p.components} for p in self.phases],
+        }
+
+
+def checkpoint_staging_bytes(plan: Plan) -> int:
+    """What a CUDA save stages on the worst rank: each tensor it writes as a power-of-two pinned block."""
+    inp = plan.inputs
+    e = inp.element_bytes
+    shard = inp.actor_dp if inp.distributed_optimizer else 1
+    main = optimizer_bytes_per_param(e) // FP32_BYTES - 2  # fp32 main params of a 16-bit model
+    # exp_avg and exp_avg_sq; the hybrid optimizer's host fraction is already host tensors of their own: not
+    # views, so megatron's writer neither clones nor pins them (filesystem_async.py _clone_if_needed)
+    moments = 2 * (1 - inp.optimizer_offload_fraction)
+    total = 0
+    for n in actor_stage_tensor_elements(inp.shape, inp.actor_tp, inp.actor_pp, plan.pp_stage):
+        total += power_of_two_bytes(n * e) + round((main + moments) * power_of_two_bytes(-(-n * FP32_BYTES // shard)))
+    return total
+
+
+def engine_sleep_copy_bytes(plan: Plan) -> int:
+    """vLLM's level-1 sleep copy of one engine rank's weights (CUDA): per tensor, its segment, a power of two."""
+    inp = plan.inputs
+    e = inp.element_bytes
+    total = 0
+    for n in engine_tensor_elements(inp.shape, inp.rollout_tp):
+        segment = -(-n * e // CUDA_SEGMENT_BYTES) * CUDA_SEGMENT_BYTES
+        total += power_of_two_bytes(segment)
+    return total
+
+
+def host_plan(plan: Plan) -> HostPlan:
+    """Every phase's host bytes per rank (and ``save_checkpoint``), the node's peak against its RAM."""
+    inp = plan.inputs
+    st = _stage(inp, plan.pp_stage)
+    phases = []
+    if inp.on_cuda:
+        pinned = (
+            (st.actor_params if inp.offload_params else 0)
+            + (st.optimizer if inp.offload_optimizer else 0)
+            + (st.ref_params if inp.reference_model and inp.offload_ref_params else 0)
+        )
+        sleep_copy = engine_sleep_copy_bytes(plan) if inp.engine == "vllm" and inp.sleep_level == 1 else 0
+        staging = checkpoint_staging_bytes(plan) if inp.checkpoint_saves else 0
+        runtime = int(inp.constants.value("host_runtime_bytes"))
+        base = dict.fromkeys(HOST_COMPONENTS, 0)
+        hybrid = optimizer_host_bytes(
+            inp, actor_stage_param_count(inp.shape, inp.actor_tp, inp.actor_pp, plan.pp_stage)
+        )
+        base.update(
+            offload_pinned=pinned,
+            hybrid_optimizer=hybrid,
+            engine_sleep_copy=sleep_copy,
+            rank=runtime,
+            data=inp.data_host_bytes,
+        )
+        for name in PHASES:  # every phase alike: the buffers are kept for the run, the staging after a save
+            phases.append(HostPhase(name, {**base, "checkpoint_staging": staging}))
+        if inp.checkpoint_saves:
+            phases.append(HostPhase(SAVE_PHASE, {**base, "checkpoint_staging": staging}))
+    else:
+        offloaded = {"actor_params": st.actor_params, "optimizer": st.optimizer, "ref_params": st.ref_params}
+        flags = {"actor_params": inp.offload_params, "optimizer": inp.offload_optimizer}
+        flags["ref_params"] = inp.reference_model and inp.offload_ref_params
+        for p in plan.phases:
+            page_cache = sum(b for c, b in offloaded.items() if flags[c] and not p.components[c])
+            components = dict.fromkeys(HOST_COMPONENTS, 0)
+            components.update(
+                offload_page_cache=page_cache,
+                rank=p.predicted_bytes + plan.runtime_overhead_bytes,
+                data=inp.data_host_bytes,
+            )
+            phases.append(HostPhase(p.name, components))
+        if inp.checkpoint_saves:  # after train, everything resident: the params' clones beside it
+            train = plan.phase("train")
+            resident = train.predicted_bytes - train.components["activations"] - train.components["logits"]
+            components = dict.fromkeys(HOST_COMPONENTS, 0)
+            components.update(
+                checkpoint_staging=st.actor_params,
+                rank=resident + plan.runtime_overhead_bytes,
+                data=inp.data_host_bytes,
+            )
+            phases.append(HostPhase(SAVE_PHASE, components))
+    return HostPlan(tuple(phases), inp.ranks_per_node, inp.device.host_memory_bytes, inp.device.host_memory_source)

@@ -1,0 +1,190 @@
+"""Issue 30's device and node accounting: every communicator the step uses, the host memory of a node per phase,
+the never-measured CUDA terms in the headroom, and megatron's optimizer CPU offload as a lever."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from modelspec.shape import ModelShape
+from planner import PlanInputs, device_preset, make_plan
+from planner.comms import NCCL_PROTOCOL_BUFFER_BYTES, VLLM_CUSTOM_ALL_REDUCE_BYTES, nccl_collective_bytes
+from planner.host import checkpoint_staging_bytes, engine_sleep_copy_bytes, host_plan
+from planner.plan import _stage
+from planner.report import headroom_beyond_uncertainty_bytes, recommend_optimizer_offload_fraction, uncertainty_bytes
+from planner.sizes import actor_stage_param_count, power_of_two_bytes
+from rl.compose import compose
+from rl.planning import plan_inputs
+
+QWEN32B = ModelShape.from_architecture("Qwen2.5-32B-Instruct")
+MIB, GIB = 2**20, 2**30
+
+
+def qwen32b(**overrides) -> PlanInputs:
+    """qwen32b_8xh100's layout: actor TP=8, vLLM TP=4 (2 replicas), one 8x H100 node."""
+    base = dict(
+        shape=QWEN32B,
+        device=device_preset("H100-80GB"),
+        actor_tp=8,
+        rollout_tp=4,
+        sequences_per_step=64,
+        prompt_tokens=256,
+        response_tokens=512,
+        max_model_len=768,
+        kv_cache_bytes=8 * GIB,
+        ranks_per_node=8,
+    )
+    return PlanInputs(**{**base, **overrides})
+
+
+def names(inp: PlanInputs) -> set[str]:
+    return {c.name for c in inp.communicators}
+
+
+# ---------------------------------------------------------------- item 3: communicators
+def test_each_communicator_the_layout_uses_is_counted_from_nccls_documented_buffers():
+    inp = qwen32b()
+    assert names(inp) == {
+        "world",
+        "megatron TP",
+        "megatron MODEL_PARALLEL",  # the non-distributed optimizer's grad norm
+        "vLLM tp (PyNccl)",
+        "vLLM tp (torch device_group)",
+        "vLLM dp (PyNccl)",
+        "vLLM custom all-reduce",
+        "vLLM symmetric memory",
+    }
+    ring = nccl_collective_bytes(24)  # cuda.json's nccl_channels estimate
+    assert ring == 24 * (4 * MIB + 512 * 1024 + 4800 * 1024) == 24 * NCCL_PROTOCOL_BUFFER_BYTES
+    by_name = {c.name: c for c in inp.communicators}
+    assert by_name["megatron TP"].bytes == ring and by_name["vLLM tp (PyNccl)"].ranks == 4
+    assert by_name["vLLM dp (PyNccl)"].ranks == 2
+    assert by_name["vLLM custom all-reduce"].bytes == VLLM_CUSTOM_ALL_REDUCE_BYTES == 32 * MIB
+    assert by_name["vLLM symmetric memory"].bytes == 32 * MIB  # capability 9.0, TP 4
+    # the weight sync's point-to-point buffers ride on the world communicator, per peer
+    peers = replace(inp, sync_peers=5).communicators[0]
+    assert peers.name == "world" and peers.bytes == ring + 5 * 2 * 2 * 4 * MIB
+    assert inp.num_communicators == 6
+    assert inp.comm_bytes == sum(c.bytes for c in inp.communicators)  # nccl_bytes_per_communicator: 0 +- 32 MiB
+    assert replace(inp, comm_bytes_per_communicator=MIB).comm_bytes == inp.comm_bytes + 6 * MIB
+
+
+def test_the_layout_decides_the_communicators():
+    pp_dp = qwen32b(actor_tp=4, actor_pp=2, actor_dp=1, rollout_tp=8, sequences_per_step=64)
+    assert {"megatron PP", "megatron TP", "megatron MODEL_PARALLEL"} <= names(pp_dp)
+    assert "vLLM dp (PyNccl)" not in names(pp_dp)  # one replica
+    assert "vLLM symmetric memory" in names(pp_dp)
+    dp = qwen32b(actor_tp=4, actor_dp=2, distributed_optimizer=True)
+    assert "megatron DP" in names(dp) and "megatron MODEL_PARALLEL" not in names(dp)  # grad norm: the world
+    assert "vLLM symmetric memory" not in names(qwen32b(device=device_preset("A100-80GB")))  # capability 8.0
+    cpu = qwen32b(device=device_preset("cpu"), engine="native", attention="unfused")
+    assert cpu.communicators == () and cpu.comm_bytes == 0  # gloo: no device buffers
+
+
+def test_never_measured_cuda_terms_and_the_device_total_count_in_the_headroom():
+    plan = make_plan(qwen32b())
+    spread = uncertainty_bytes(plan)
+    for name in ("fused_activation_factor", "train_workspace_bytes", "nccl_channels", "device_total_bytes"):
+        assert spread[name] > 0, name
+    assert spread["device_total_bytes"] == plan.inputs.device.total_uncertainty_bytes
+    assert headroom_beyond_uncertainty_bytes(plan) == plan.headroom_bytes - sum(spread.values())
+    # the activation factor's uncertainty is 0.37 x the peak's activations (train)
+    train = plan.phase("train").components["activations"]
+    assert plan.peak_phase == "train" and spread["fused_activation_factor"] == int(0.37 * train)
+
+
+# ---------------------------------------------------------------- item 4: host memory per node
+def test_cuda_host_plan_counts_pinned_buffers_staging_and_the_sleep_copy():
+    inp = qwen32b(checkpoint_saves=True)
+    plan = make_plan(inp)
+    st = _stage(inp, plan.pp_stage)
+    host = host_plan(plan)
+    peak = host.peak.components
+    assert peak["offload_pinned"] == st.actor_params + st.optimizer  # exact storages: params + Adam (grads: none)
+    assert peak["checkpoint_staging"] == checkpoint_staging_bytes(plan) > st.actor_params + st.optimizer
+    assert host.peak_phase == "save_checkpoint" and peak["engine_sleep_copy"] == 0  # sleep level 2 keeps none
+    assert host.peak_bytes_per_node == 8 * host.peak.rank_bytes and host.fits
+    # each staged tensor is one power-of-two pinned block: a 32B TP=8 rank's fc1 [2 x 27648 / 8, 5120] bf16
+    assert power_of_two_bytes(2 * 27648 // 8 * 5120 * 2) == 128 * MIB
+    no_saves = host_plan(make_plan(replace(inp, checkpoint_saves=False)))
+    assert no_saves.peak.components["checkpoint_staging"] == 0
+    level1 = host_plan(make_plan(replace(inp, sleep_level=1)))
+    assert level1.peak.components["engine_sleep_copy"] == engine_sleep_copy_bytes(plan) >= plan.engine_weight_bytes
+    small = replace(inp, device=device_preset("H100-80GB", host_memory_bytes=512 * GIB))
+    assert host_plan(make_plan(small)).fits is False
+
+
+def test_cpu_host_plan_is_the_device_plan_plus_the_offloaded_page_cache():
+    """On CPU the device is the host: each phase's rank bytes are its device plan (RSS, validated by make
+    validate-plan) plus the runtime level; the offloaded state sits in the page cache beside it."""
+    cfg = compose("tiny_cpu")
+    plan = make_plan(plan_inputs(cfg, 4))
+    host = host_plan(plan)
+    st = _stage(plan.inputs, plan.pp_stage)
+    for device_phase in plan.phases:
+        phase = next(p for p in host.phases if p.name == device_phase.name)
+        assert phase.components["rank"] == device_phase.predicted_bytes + plan.runtime_overhead_bytes
+    rollout = next(p for p in host.phases if p.name == "rollout")
+    assert rollout.components["offload_page_cache"] == st.actor_params + st.optimizer  # all offloaded there
+    assert host.ranks_per_node == 2 and host.node_memory_bytes > 0
+
+
+def test_cluster_host_memory_gib_overrides_the_presets_ram():
+    inp = plan_inputs(compose("qwen32b_8xh100", ["cluster.host_memory_gib=512"]))
+    assert inp.device.host_memory_bytes == 512 * GIB and inp.device.host_memory_source == "cluster.host_memory_gib"
+    assert host_plan(make_plan(inp)).fits is False  # ~1.3 TiB per node after the first save
+    with pytest.raises(Exception, match="cluster.host_memory_gib=-1"):
+        compose("qwen32b_8xh100", ["cluster.host_memory_gib=-1"])
+
+
+# ---------------------------------------------------------------- item 5: the optimizer offload lever
+def test_optimizer_offload_fraction_moves_adams_moments_to_the_host():
+    base = qwen32b(distributed_optimizer=True)
+    f = 0.25
+    half = replace(base, optimizer_offload_fraction=f)
+    count = actor_stage_param_count(QWEN32B, 8, 1, 0)
+    moved = (
+        make_plan(base).phase("train").components["optimizer"] - make_plan(half).phase("train").components["optimizer"]
+    )
+    assert abs(moved - f * count * 8) <= 1  # m and v, fp32; the fp32 main params stay
+    assert host_plan(make_plan(half)).peak.components["hybrid_optimizer"] == round(count * f * 16)
+    with pytest.raises(ValueError, match="distributed optimizer"):
+        qwen32b(optimizer_offload_fraction=0.1)
+
+
+def test_make_plan_recommends_the_smallest_fraction_and_qwen32b_uses_one_with_4_gib_beyond():
+    cfg = compose("qwen32b_8xh100")
+    inp = plan_inputs(cfg)
+    plan = make_plan(inp)
+    assert inp.optimizer_offload_fraction == cfg.actor.optimizer_offload_fraction > 0 and inp.distributed_optimizer
+    assert plan.fits and headroom_beyond_uncertainty_bytes(plan) >= 4 * GIB
+    assert host_plan(plan).fits
+    smallest = recommend_optimizer_offload_fraction(inp, 4 * GIB)
+    assert smallest == inp.optimizer_offload_fraction  # the yaml's is the search's
+    below = replace(inp, optimizer_offload_fraction=round(smallest - 0.05, 2))
+    assert headroom_beyond_uncertainty_bytes(make_plan(below)) < 4 * GIB
+    with pytest.raises(Exception, match="optimizer_offload_fraction=0.3 needs megatron's optimizer on CUDA"):
+        compose("tiny_cpu", ["actor.optimizer_offload_fraction=0.3"])
+
+
+# ---------------------------------------------------------------- item 3: a CUDA validation set
+@pytest.mark.parametrize("device", ["H100-80GB", "A100-40GB"])
+def test_cuda_validation_set_plans_on_the_gpu_and_puts_each_communicator_under_the_plan(device):
+    """`make validate-plan` on a GPU node runs tools/plan_runs.py::cuda_validation_set (here only planned: no GPU):
+    every configuration fits its GPU, none is in the CUDA fit set, and together they use every kind of
+    communicator the planner counts for those layouts."""
+    from tools.plan_runs import cuda_fit_set, cuda_validation_set, spec_config
+    from tools.validate_plan import VALIDATION_SET, validation_set
+
+    specs = cuda_validation_set(device)
+    fit = {s.all_overrides for s in cuda_fit_set(device)}
+    used = set()
+    for spec in specs:
+        assert spec.all_overrides not in fit, spec.name
+        inp = plan_inputs(spec_config(spec), 4)  # "4+4=": memory_cpu's digit_sum prompt (no checkpoint built)
+        assert inp.device.name == device and make_plan(inp).fits, spec.name
+        used |= names(inp)
+    assert {"megatron TP", "megatron PP", "megatron DP", "vLLM tp (PyNccl)", "vLLM dp (PyNccl)"} <= used
+    assert "vLLM custom all-reduce" in used
+    assert validation_set() == VALIDATION_SET  # no GPU here: the CPU set
