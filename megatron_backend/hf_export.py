@@ -136,12 +136,12 @@ def _region(piece: SlicePiece, hf: torch.Tensor, keys) -> tuple[str, list[int], 
 def _load_regions(reader, metadata, regions: list[tuple[str, list[int], torch.Tensor]]) -> None:
     """Fill each destination view with the block of the checkpoint key at ``offsets`` (of the view's shape);
     DCP reads each overlapping stored chunk and copies (casting) its overlap into the view."""
+    from torch.distributed._shard._utils import narrow_tensor_by_index  # what DefaultLoadPlanner uses
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
     from torch.distributed.checkpoint.planner import LoadPlan
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-    from torch.distributed._shard._utils import narrow_tensor_by_index  # what DefaultLoadPlanner uses
 
     by_key: dict[str, list[tuple[list[int], torch.Tensor]]] = {}
     for key, offsets, dest in regions:
@@ -315,4 +315,38 @@ def write_hf_dir(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     barrier()
+    return out_dir
+
+
+def save_live(
+    actor, out_dir: str | Path, dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> Path:
+    """A HF directory of a live actor's weights, by the same path as a run's export (collective: every rank
+    of the actor calls it): each rank saves its param shards as a params-only distributed checkpoint beside
+    ``out_dir`` (DP replicas write once), then each writes its share of the HF files from it; no rank
+    gathers the model. The params must be resident."""
+    import shutil
+
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from megatron_backend.dist_checkpoint import _in_process_results_queue, model_sharded_state_dict
+
+    out_dir = Path(out_dir)
+    params_dir = out_dir.with_name(f".params-{out_dir.name}")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        shutil.rmtree(params_dir, ignore_errors=True)
+        params_dir.mkdir(parents=True)
+    dist.barrier()
+    try:
+        _in_process_results_queue()
+        dist_checkpointing.save({"model": model_sharded_state_dict(actor.chunks)}, str(params_dir))
+        dtype = dtype or getattr(torch, actor.dtype)
+        plan = plan_export(actor.shape, dtype, max_shard_bytes, source_tensor_names(actor.hf_dir))
+        write_hf_dir(params_dir, actor.shape, actor.hf_dir, out_dir, plan, rank, world_size, dist.barrier)
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(params_dir, ignore_errors=True)
     return out_dir

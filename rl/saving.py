@@ -31,6 +31,13 @@ def save_actor(ctx: RankContext, completed_steps: int) -> Path:
     return tmp
 
 
+def export_actor(ctx: RankContext, completed_steps: int) -> Path:
+    """The actor's weights as ``<run dir>/hf/step_<n>`` (every rank writes its share; see Actor.save_hf)."""
+    from rl.checkpoint import step_dir_name
+
+    return ctx.actor.save_hf(ctx.checkpointer.root.parent / "hf" / step_dir_name(completed_steps))
+
+
 def finish_checkpoint(ctx: RankContext, tmp: Path, completed_steps: int, rank_state: dict, warmup_losses) -> Path:
     """Every rank's RNG/task state, then rank 0's RLState and the rename; then W&B gets the covered steps."""
     state = None

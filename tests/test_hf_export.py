@@ -51,8 +51,17 @@ def _train_save_all(rank, world_size, model_dirs, root):
             actor.save_checkpoint(ckpt / "actor")
             logprobs = actor.compute_logprobs(TokenBatch(input_ids=input_ids))
             if rank == 0:
-                rows.append(dict(family=family, layout=(tp, pp, vpp), checkpoint=str(ckpt), live=live,
-                                 logprobs=logprobs, input_ids=input_ids, hf_dir=hf_dir))
+                rows.append(
+                    dict(
+                        family=family,
+                        layout=(tp, pp, vpp),
+                        checkpoint=str(ckpt),
+                        live=live,
+                        logprobs=logprobs,
+                        input_ids=input_ids,
+                        hf_dir=hf_dir,
+                    )
+                )
             del actor
     return rows
 
@@ -153,9 +162,18 @@ def _run_dir(row: dict, tmp_path: Path, model: dict | None = None) -> Path:
     ckpt = run / "checkpoints" / "step_00000001"
     ckpt.mkdir(parents=True)
     (ckpt / "actor").symlink_to(Path(row["checkpoint"]) / "actor")
-    state = RLState(completed_steps=1, sampling_seed=0, next_sampling_seeds=[0], data_num_prompts_drawn=0,
-                    wandb_run_id=None, wandb_step=1, world_size=4, layout={}, exp="test",
-                    model=model or model_sizes(ModelShape.from_pretrained(row["hf_dir"])))
+    state = RLState(
+        completed_steps=1,
+        sampling_seed=0,
+        next_sampling_seeds=[0],
+        data_num_prompts_drawn=0,
+        wandb_run_id=None,
+        wandb_step=1,
+        world_size=4,
+        layout={},
+        exp="test",
+        model=model or model_sizes(ModelShape.from_pretrained(row["hf_dir"])),
+    )
     (ckpt / "rl_state.json").write_text(json.dumps(state.__dict__))
     (run / "config.yaml").write_text(yaml.safe_dump({"model": {"path": row["hf_dir"], "dtype": "float32"}}))
     return run
