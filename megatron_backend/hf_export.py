@@ -32,6 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index  # what DefaultLoadPlanner uses
+from torch.distributed.checkpoint import FileSystemReader, load
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megatron_backend.layout import RankLayout, SlicePiece, rank_pieces
 from modelspec import ModelShape
@@ -98,7 +104,6 @@ def plan_export(
 
 def checkpoint_metadata(actor_dir: str | Path):
     """torch.distributed.checkpoint's metadata of the actor's checkpoint (key -> global size, dtype)."""
-    from torch.distributed.checkpoint import FileSystemReader
 
     return FileSystemReader(str(actor_dir)).read_metadata()
 
@@ -136,12 +141,6 @@ def _region(piece: SlicePiece, hf: torch.Tensor, keys) -> tuple[str, list[int], 
 def _load_regions(reader, metadata, regions: list[tuple[str, list[int], torch.Tensor]]) -> None:
     """Fill each destination view with the block of the checkpoint key at ``offsets`` (of the view's shape);
     DCP reads each overlapping stored chunk and copies (casting) its overlap into the view."""
-    from torch.distributed._shard._utils import narrow_tensor_by_index  # what DefaultLoadPlanner uses
-    from torch.distributed.checkpoint import load
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-    from torch.distributed.checkpoint.planner import LoadPlan
-    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
     by_key: dict[str, list[tuple[list[int], torch.Tensor]]] = {}
     for key, offsets, dest in regions:
@@ -202,7 +201,6 @@ def write_files(
 ) -> list[str]:
     """Write this process's files of ``plan`` (index % world_size == rank) into ``out_dir``; returns their
     names. ``on_file(name, bytes)`` after each file (progress)."""
-    from torch.distributed.checkpoint import FileSystemReader
 
     reader = FileSystemReader(str(actor_dir))
     metadata = reader.read_metadata()

@@ -169,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     parser.add_argument("--max-shard-mb", type=float, default=2048.0, help="largest safetensors file (MiB)")
     args = parser.parse_args(argv)
+    from modelspec.host_memory import configure_host_allocator
+
+    configure_host_allocator()  # freed chunk buffers go back to the OS: the RSS stays at one tensor's reads
     try:
         if args.max_shard_mb <= 0:
             raise ExportError(f"SHARD_MB={args.max_shard_mb} must be > 0")
