@@ -276,3 +276,30 @@ def test_vllm_loads_the_export_and_matches_transformers(trained, tmp_path):
         for (hf_tokens, hf_lps), ((tokens, lps),) in zip(hf_greedy(str(out)), vllm_results):
             assert tokens == hf_tokens, family
             assert max_abs_diff(lps, hf_lps) <= 1e-4, family
+
+
+# ------------------------------------------------------------------------------------------------ in the loop
+def test_loop_exports_by_the_same_code_as_make_export(tmp_path, capsys):
+    """trainer.export_every=1 on tiny_cpu_pp (TP2 x PP2, 4 ranks, every rank writing its files): an export_hf
+    phase per step on the timeline; the last step's directory equals `make export` of its checkpoint."""
+    from rl.memory import EXPORT_PHASE, read_timeline_csv
+    from tests.test_run import run_loop
+
+    summary = run_loop(
+        tmp_path,
+        "trainer.steps=2",
+        "trainer.save_every=2",
+        "trainer.export_every=1",
+        "wandb.mode=disabled",
+        exp="tiny_cpu_pp",
+    )
+    run = Path(summary["run_dir"])
+    assert sorted(p.name for p in (run / "hf").iterdir()) == ["step_00000001", "step_00000002"]
+    rows = read_timeline_csv(run / "memory_timeline.csv")
+    assert {(r["step"], r["rank"]) for r in rows if r["phase"] == EXPORT_PHASE} == {
+        (s, k) for s in (0, 1) for k in range(4)
+    }
+    code, _, err = _main(capsys, run, "--out", tmp_path / "cli")
+    assert code == 0, err
+    in_loop, cli = _source_tensors(str(run / "hf" / "step_00000002")), _source_tensors(str(tmp_path / "cli"))
+    assert in_loop.keys() == cli.keys() and all(torch.equal(in_loop[n], cli[n]) for n in cli)
