@@ -475,7 +475,9 @@ class Actor:
         and parity checks that compare weights in memory. Exporting is :meth:`save_hf` / ``make export``."""
         return gather_hf_state_dict(self.chunks, self.shape, self.layout, self.dims.dp_rank, dst)
 
-    def save_hf(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+    def save_hf(
+        self, out_dir: str | Path, dtype: torch.dtype | None = None, extra_files: dict[str, Path] | None = None
+    ) -> Path:
         """Write a HF directory of the current weights (collective; no rank gathers the model): see
         :func:`megatron_backend.hf_export.save_live`."""
         from megatron_backend.hf_export import save_live
@@ -483,7 +485,7 @@ class Actor:
         if self._offloaders["params"].offloaded:
             raise RuntimeError("save_hf needs the params on the device; call actor.onload('params') first")
         with self.ledger.op("export_hf"):
-            return save_live(self, out_dir, dtype)
+            return save_live(self, out_dir, dtype, extra_files=extra_files)
 
 
 def use_loss_scaling(chunks, optimizer) -> None:

@@ -277,12 +277,14 @@ def write_hf_dir(
     world_size: int = 1,
     barrier: Callable[[], None] = lambda: None,
     on_file: Callable[[str, int], None] | None = None,
+    extra_files: dict[str, Path] | None = None,
 ) -> Path:
     """Write the HF directory ``out_dir`` from the actor checkpoint ``actor_dir`` (every process calls it).
 
     Everything is written into ``.tmp-<name>`` beside ``out_dir`` and renamed into place by rank 0 at the
     end (an existing ``out_dir`` is replaced then); a failure (a full disk) leaves nothing under the
-    name: the temporary directory is removed and the error raised.
+    name: the temporary directory is removed and the error raised. ``extra_files``: {name in OUT: file
+    to copy there} (the run's config).
     """
     import shutil
 
@@ -301,6 +303,8 @@ def write_hf_dir(
             for name in (*TOKENIZER_FILES, GENERATION_CONFIG):
                 if (source_dir / name).is_file():
                     shutil.copy(source_dir / name, tmp / name)
+            for name, path in (extra_files or {}).items():
+                shutil.copy(path, tmp / name)
             if out_dir.exists():
                 trash = out_dir.with_name(f".trash-{out_dir.name}")
                 shutil.rmtree(trash, ignore_errors=True)
@@ -317,7 +321,11 @@ def write_hf_dir(
 
 
 def save_live(
-    actor, out_dir: str | Path, dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    actor,
+    out_dir: str | Path,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    extra_files: dict[str, Path] | None = None,
 ) -> Path:
     """A HF directory of a live actor's weights, by the same path as a run's export (collective: every rank
     of the actor calls it): each rank saves its param shards as a params-only distributed checkpoint beside
@@ -342,7 +350,9 @@ def save_live(
         dist_checkpointing.save({"model": model_sharded_state_dict(actor.chunks)}, str(params_dir))
         dtype = dtype or getattr(torch, actor.dtype)
         plan = plan_export(actor.shape, dtype, max_shard_bytes, source_tensor_names(actor.hf_dir))
-        write_hf_dir(params_dir, actor.shape, actor.hf_dir, out_dir, plan, rank, world_size, dist.barrier)
+        write_hf_dir(
+            params_dir, actor.shape, actor.hf_dir, out_dir, plan, rank, world_size, dist.barrier, None, extra_files
+        )
     finally:
         dist.barrier()
         if rank == 0:

@@ -33,9 +33,11 @@ def save_actor(ctx: RankContext, completed_steps: int) -> Path:
 
 def export_actor(ctx: RankContext, completed_steps: int) -> Path:
     """The actor's weights as ``<run dir>/hf/step_<n>`` (every rank writes its share; see Actor.save_hf)."""
-    from rl.checkpoint import step_dir_name
+    from rl.checkpoint import HF_DIR, RUN_CONFIG_COPY, step_dir_name
 
-    return ctx.actor.save_hf(ctx.checkpointer.root.parent / "hf" / step_dir_name(completed_steps))
+    run_dir = ctx.checkpointer.root.parent
+    out_dir = run_dir / HF_DIR / step_dir_name(completed_steps)
+    return ctx.actor.save_hf(out_dir, extra_files={RUN_CONFIG_COPY: run_dir / "config.yaml"})
 
 
 def finish_checkpoint(ctx: RankContext, tmp: Path, completed_steps: int, rank_state: dict, warmup_losses) -> Path:

@@ -295,6 +295,7 @@ def test_loop_exports_by_the_same_code_as_make_export(tmp_path, capsys):
     )
     run = Path(summary["run_dir"])
     assert sorted(p.name for p in (run / "hf").iterdir()) == ["step_00000001", "step_00000002"]
+    assert (run / "hf" / "step_00000002" / "run_config.yaml").is_file()
     rows = read_timeline_csv(run / "memory_timeline.csv")
     assert {(r["step"], r["rank"]) for r in rows if r["phase"] == EXPORT_PHASE} == {
         (s, k) for s in (0, 1) for k in range(4)

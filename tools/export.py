@@ -26,7 +26,6 @@ from pathlib import Path
 
 RUN_CONFIG = "config.yaml"
 EXPORT_DTYPES = ("bfloat16", "float32")
-HF_DIR = "hf"
 
 
 class ExportError(ValueError):
@@ -58,7 +57,7 @@ def resolve(run: str, step: int | None, out: str | None, dtype: str | None, forc
     """Check the input (files and headers only) and pick the checkpoint, OUT and dtype; ExportError if bad."""
     import yaml
 
-    from rl.checkpoint import CHECKPOINT_DIR, RLState, complete_checkpoints, model_sizes, step_dir_name
+    from rl.checkpoint import CHECKPOINT_DIR, HF_DIR, RLState, complete_checkpoints, model_sizes, step_dir_name
 
     run_dir = Path(run)
     if not (run_dir / RUN_CONFIG).is_file():
@@ -107,7 +106,7 @@ def export(job: ExportJob, max_shard_bytes: int, rank: int = 0, world_size: int 
 
     from megatron_backend.hf_export import plan_export, source_tensor_names, write_hf_dir
     from modelspec import ModelShape
-    from rl.checkpoint import ACTOR_DIR
+    from rl.checkpoint import ACTOR_DIR, RUN_CONFIG_COPY
 
     start = time.perf_counter()
     shape = ModelShape.from_pretrained(job.source_dir)
@@ -135,7 +134,16 @@ def export(job: ExportJob, max_shard_bytes: int, rank: int = 0, world_size: int 
 
     try:
         write_hf_dir(
-            job.checkpoint / ACTOR_DIR, shape, job.source_dir, job.out_dir, plan, rank, world_size, barrier, on_file
+            job.checkpoint / ACTOR_DIR,
+            shape,
+            job.source_dir,
+            job.out_dir,
+            plan,
+            rank,
+            world_size,
+            barrier,
+            on_file,
+            {RUN_CONFIG_COPY: job.run_config},
         )
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
@@ -144,8 +152,6 @@ def export(job: ExportJob, max_shard_bytes: int, rank: int = 0, world_size: int 
                 f"{plan.total_bytes / 2**20:.0f} MiB or pick OUT on another disk"
             ) from None
         raise
-    if rank == 0:
-        shutil.copy(job.run_config, job.out_dir / "run_config.yaml")
     files = {p.name: p.stat().st_size for p in sorted(job.out_dir.iterdir())}
     return dict(
         out=str(job.out_dir),
