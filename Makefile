@@ -39,6 +39,7 @@ STEP        ?=
 DTYPE       ?=
 FORCE       ?=
 SHARD_MB    ?=
+NPROC       ?=
 
 STAMP := $(VENV)/.installed-$(EXTRAS)
 comma := ,
@@ -85,8 +86,8 @@ report: $(STAMP) ## RUN=<run dir>: stage chart + timeline PNGs into it and the p
 	@$(PY) -m tools.report $(RUN)
 
 # export: OUT, STEP, DTYPE only when given (OUT's file default above is compare's, never export's)
-export: $(STAMP) ## RUN=<run dir> [STEP=<n>] [OUT=<dir>] [DTYPE=bfloat16|float32] [FORCE=1] [SHARD_MB=<n>]: its checkpoint as a HF dir (default RUN/hf/step_<n>)
-	@$(PY) -m tools.export $(RUN) $(if $(STEP),--step $(STEP)) $(if $(filter-out file default undefined,$(origin OUT)),--out $(OUT)) $(if $(DTYPE),--dtype $(DTYPE)) $(if $(filter 1 yes true,$(FORCE)),--force) $(if $(SHARD_MB),--max-shard-mb $(SHARD_MB))
+export: $(STAMP) ## RUN=<run dir> [STEP=<n>] [OUT=<dir>] [DTYPE=bfloat16|float32] [FORCE=1] [SHARD_MB=<n>] [NPROC=<n>]: its checkpoint as a HF dir (default RUN/hf/step_<n>)
+	@$(PY) -m tools.export $(RUN) $(if $(STEP),--step $(STEP)) $(if $(filter-out file default undefined,$(origin OUT)),--out $(OUT)) $(if $(DTYPE),--dtype $(DTYPE)) $(if $(filter 1 yes true,$(FORCE)),--force) $(if $(SHARD_MB),--max-shard-mb $(SHARD_MB)) $(if $(NPROC),--procs $(NPROC))
 
 compare: $(STAMP) ## RUNS="<dir> <dir>": measured phase peaks side by side, stage charts one under the other (OUT=compare.png)
 	@$(PY) -m tools.report $(RUNS) --out $(OUT)

@@ -278,13 +278,15 @@ def write_hf_dir(
     barrier: Callable[[], None] = lambda: None,
     on_file: Callable[[str, int], None] | None = None,
     extra_files: dict[str, Path] | None = None,
+    write: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write the HF directory ``out_dir`` from the actor checkpoint ``actor_dir`` (every process calls it).
 
     Everything is written into ``.tmp-<name>`` beside ``out_dir`` and renamed into place by rank 0 at the
     end (an existing ``out_dir`` is replaced then); a failure (a full disk) leaves nothing under the
     name: the temporary directory is removed and the error raised. ``extra_files``: {name in OUT: file
-    to copy there} (the run's config).
+    to copy there} (the run's config). ``write(tmp)``: writes every safetensors file of ``plan`` into ``tmp``
+    instead of this process's share (``make export NPROC=<n>``: a pool of processes).
     """
     import shutil
 
@@ -295,7 +297,10 @@ def write_hf_dir(
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
-        write_files(actor_dir, shape, plan, tmp, rank, world_size, on_file)
+        if write is not None:
+            write(tmp)
+        else:
+            write_files(actor_dir, shape, plan, tmp, rank, world_size, on_file)
         barrier()
         if rank == 0:
             write_index(plan, tmp)

@@ -304,3 +304,17 @@ def test_loop_exports_by_the_same_code_as_make_export(tmp_path, capsys):
     assert code == 0, err
     in_loop, cli = _source_tensors(str(run / "hf" / "step_00000002")), _source_tensors(str(tmp_path / "cli"))
     assert in_loop.keys() == cli.keys() and all(torch.equal(in_loop[n], cli[n]) for n in cli)
+
+
+def test_cli_with_two_processes_writes_the_same_files(trained, tmp_path, capsys):
+    row = next(r for r in trained if r["family"] == "qwen2" and r["layout"] == (2, 2, None))
+    run = _run_dir(row, tmp_path)
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert _main(capsys, run, "--out", one, "--max-shard-mb", 0.4)[0] == 0
+    code, out, err = _main(capsys, run, "--out", two, "--max-shard-mb", 0.4, "--procs", 2)
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["num_procs"] == 2
+    files = sorted(p.name for p in one.iterdir())
+    assert files == sorted(p.name for p in two.iterdir()) and len([f for f in files if f.startswith("model-")]) > 1
+    for name in files:
+        assert (one / name).read_bytes() == (two / name).read_bytes(), name

@@ -100,8 +100,26 @@ def resolve(run: str, step: int | None, out: str | None, dtype: str | None, forc
     return ExportJob(checkpoint, step, source_dir, out_dir, dtype, run_dir / RUN_CONFIG)
 
 
-def export(job: ExportJob, max_shard_bytes: int, rank: int = 0, world_size: int = 1, barrier=lambda: None) -> dict:
-    """Write ``job.out_dir``; returns the summary (files, bytes, seconds, RSS)."""
+def _print_file(name: str, num_bytes: int) -> None:
+    print(
+        f"[export] {name}: {num_bytes / 2**20:.1f} MiB (peak RSS {_peak_rss_bytes() / 2**20:.0f} MiB)", file=sys.stderr
+    )
+
+
+def _write_share(actor_dir: str, source_dir: str, plan, out_dir: str, rank: int, num_procs: int) -> int:
+    """One process of ``--procs``: its files (index % num_procs == rank); returns its peak RSS."""
+    from megatron_backend.hf_export import write_files
+    from modelspec import ModelShape
+    from modelspec.host_memory import configure_host_allocator
+
+    configure_host_allocator()
+    write_files(actor_dir, ModelShape.from_pretrained(source_dir), plan, out_dir, rank, num_procs, _print_file)
+    return _peak_rss_bytes()
+
+
+def export(job: ExportJob, max_shard_bytes: int, num_procs: int = 1) -> dict:
+    """Write ``job.out_dir`` (``num_procs`` processes writing the files); returns the summary (files, bytes,
+    seconds, RSS: with several processes ``peak_rss_bytes`` is the largest of theirs and this one's)."""
     import torch
 
     from megatron_backend.hf_export import plan_export, source_tensor_names, write_hf_dir
@@ -132,18 +150,26 @@ def export(job: ExportJob, max_shard_bytes: int, rank: int = 0, world_size: int 
             flush=True,
         )
 
+    actor_dir = job.checkpoint / ACTOR_DIR
+    worker_peaks: list[int] = []
+
+    def write_in_pool(tmp: Path) -> None:
+        import multiprocessing
+
+        args = [(str(actor_dir), str(job.source_dir), plan, str(tmp), r, num_procs) for r in range(num_procs)]
+        with multiprocessing.get_context("spawn").Pool(num_procs) as pool:
+            worker_peaks.extend(pool.starmap(_write_share, args))
+
     try:
         write_hf_dir(
-            job.checkpoint / ACTOR_DIR,
+            actor_dir,
             shape,
             job.source_dir,
             job.out_dir,
             plan,
-            rank,
-            world_size,
-            barrier,
-            on_file,
-            {RUN_CONFIG_COPY: job.run_config},
+            on_file=on_file,
+            extra_files={RUN_CONFIG_COPY: job.run_config},
+            write=write_in_pool if num_procs > 1 else None,
         )
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
@@ -162,7 +188,8 @@ def export(job: ExportJob, max_shard_bytes: int, rank: int = 0, world_size: int 
         weight_bytes=plan.total_bytes,
         seconds=round(time.perf_counter() - start, 2),
         rss_before_bytes=rss_before,
-        peak_rss_bytes=_peak_rss_bytes(),
+        peak_rss_bytes=max([_peak_rss_bytes(), *worker_peaks]),
+        num_procs=num_procs,
     )
 
 
@@ -174,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None, choices=EXPORT_DTYPES, help="default: the run's model.dtype")
     parser.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     parser.add_argument("--max-shard-mb", type=float, default=2048.0, help="largest safetensors file (MiB)")
+    parser.add_argument("--procs", type=int, default=1, help="processes writing the files, each its share")
     args = parser.parse_args(argv)
     from modelspec.host_memory import configure_host_allocator
 
@@ -181,8 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.max_shard_mb <= 0:
             raise ExportError(f"SHARD_MB={args.max_shard_mb} must be > 0")
+        if args.procs < 1:
+            raise ExportError(f"NPROC={args.procs} must be >= 1")
         job = resolve(args.run, args.step, args.out, args.dtype, args.force)
-        summary = export(job, int(args.max_shard_mb * 2**20))
+        summary = export(job, int(args.max_shard_mb * 2**20), args.procs)
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
