@@ -102,12 +102,6 @@ def plan_export(
     return ExportPlan(files=files, shapes=shapes, tied_copies=tied_copies, dtype=dtype)
 
 
-def checkpoint_metadata(actor_dir: str | Path):
-    """torch.distributed.checkpoint's metadata of the actor's checkpoint (key -> global size, dtype)."""
-
-    return FileSystemReader(str(actor_dir)).read_metadata()
-
-
 def checkpoint_uses_te_norms(metadata) -> bool:
     return any(key.endswith("layer_norm_weight") for key in metadata.state_dict_metadata)
 
