@@ -35,6 +35,11 @@ SWEEP_PARALLEL ?=
 RUN         ?=
 RUNS        ?=
 OUT         ?= compare.png
+STEP        ?=
+DTYPE       ?=
+FORCE       ?=
+SHARD_MB    ?=
+NPROC       ?=
 
 STAMP := $(VENV)/.installed-$(EXTRAS)
 comma := ,
@@ -43,7 +48,7 @@ VLLM_BUILD := $(if $(filter gpu,$(subst $(comma), ,$(EXTRAS))),cuda,cpu)
 TINY_HF := $(if $(filter $(TINY_DIR)/%,$(HF)),$(HF)/config.json)
 
 PHONY_PLANNER := calibrate validate-plan mutate-plan
-.PHONY: $(PHONY_PLANNER) help install run plan report compare sbatch sweep sweep-local test test-threads test-vllm test-gpu test-slow test-slurm lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout bench-train smoke clean
+.PHONY: $(PHONY_PLANNER) help install run plan report export compare sbatch sweep sweep-local test test-threads test-vllm test-gpu test-slow test-slurm lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout bench-train smoke clean
 
 help: ## list the targets
 	@echo "usage: make <target> [EXP=<experiment>] [ARGS=\"<hydra overrides>\"]"
@@ -79,6 +84,10 @@ plan: $(STAMP) ## predicted memory of every phase of EXP on its device, KV cache
 	@$(PY) -m tools.plan --exp $(EXP) $(if $(JSON),--json $(JSON)) $(ARGS)
 report: $(STAMP) ## RUN=<run dir>: stage chart + timeline PNGs into it and the per-phase memory table, from its files
 	@$(PY) -m tools.report $(RUN)
+
+# export: OUT, STEP, DTYPE only when given (OUT's file default above is compare's, never export's)
+export: $(STAMP) ## RUN=<run dir> [STEP=<n>] [OUT=<dir>] [DTYPE=bfloat16|float32] [FORCE=1] [SHARD_MB=<n>] [NPROC=<n>]: its checkpoint as a HF dir (default RUN/hf/step_<n>)
+	@$(PY) -m tools.export $(RUN) $(if $(STEP),--step $(STEP)) $(if $(filter-out file default undefined,$(origin OUT)),--out $(OUT)) $(if $(DTYPE),--dtype $(DTYPE)) $(if $(filter 1 yes true,$(FORCE)),--force) $(if $(SHARD_MB),--max-shard-mb $(SHARD_MB)) $(if $(NPROC),--procs $(NPROC))
 
 compare: $(STAMP) ## RUNS="<dir> <dir>": measured phase peaks side by side, stage charts one under the other (OUT=compare.png)
 	@$(PY) -m tools.report $(RUNS) --out $(OUT)

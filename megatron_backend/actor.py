@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -478,20 +477,21 @@ class Actor:
         return {key: p.detach() for key, p in chunk_params(self.chunks).items()}
 
     def export_hf(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
-        """Full HF state dict on global rank ``dst`` (checkpoints, parity); None elsewhere."""
+        """Full HF state dict on global rank ``dst`` (None elsewhere): the whole model on one rank, for tests
+        and parity checks that compare weights in memory. Exporting is :meth:`save_hf` / ``make export``."""
         return gather_hf_state_dict(self.chunks, self.shape, self.layout, self.dims.dp_rank, dst)
 
-    def save_hf(self, out_dir: str | Path, dst: int = 0) -> None:
-        """Write a HF checkpoint (model.safetensors + config.json) from global rank ``dst``."""
-        from safetensors.torch import save_file
+    def save_hf(
+        self, out_dir: str | Path, dtype: torch.dtype | None = None, extra_files: dict[str, Path] | None = None
+    ) -> Path:
+        """Write a HF directory of the current weights (collective; no rank gathers the model): see
+        :func:`megatron_backend.hf_export.save_live`."""
+        from megatron_backend.hf_export import save_live
 
-        state = self.export_hf(dst)
-        if state is None:
-            return
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.contiguous() for k, v in state.items()}
-        save_file(tensors, str(Path(out_dir) / "model.safetensors"), metadata={"format": "pt"})
-        shutil.copy(self.hf_dir / "config.json", Path(out_dir) / "config.json")
+        if self._offloaders["params"].offloaded:
+            raise RuntimeError("save_hf needs the params on the device; call actor.onload('params') first")
+        with self.ledger.op("export_hf"):
+            return save_live(self, out_dir, dtype, extra_files=extra_files)
 
 
 def use_loss_scaling(chunks, optimizer) -> None:

@@ -1,8 +1,9 @@
 """HF safetensors <-> megatron TP x PP (x VPP) shards, driven by :mod:`megatron_backend.layout`.
 
 Loading streams: each rank opens only the safetensors files that hold its tensors and reads only its
-slices through ``safe_open(...).get_slice`` (never the whole model). Exporting gathers the primary
-pieces of every rank to one rank and assembles full HF tensors (checkpoints, parity, tests).
+slices through ``safe_open(...).get_slice`` (never the whole model). :func:`gather_hf_state_dict` gathers
+the primary pieces of every rank to one rank as full HF tensors, for in-memory comparisons (tests, parity);
+a HF directory is written streaming from the distributed checkpoint instead (:mod:`megatron_backend.hf_export`).
 """
 
 from __future__ import annotations

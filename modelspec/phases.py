@@ -14,7 +14,7 @@ planner sizes each kind (``planner/plan.py::_phases``).
 
 Which state a phase moves depends on the run's flags (:class:`StepFlags`: the offload flags, the wake
 strategy, a reference actor): an onload whose state is not offloaded still runs, and moves nothing, so
-every step enters the same phases; only ``save_checkpoint`` runs on some steps (``every_step=False``).
+every step enters the same phases; only ``save_checkpoint`` and ``export_hf`` run on some steps (``every_step=False``).
 
 Adding a phase: a :class:`Phase` here, in its place; a ``with phase("<name>", step):`` in ``rl_step``
 (or in ``run_rank`` after the step); its transients' bytes in ``planner/plan.py::_phases`` if it has any.
@@ -137,6 +137,12 @@ def step_phases(flags: StepFlags) -> tuple[Phase, ...]:
         Phase(
             name="save_checkpoint",
             what="the actor's shards into the checkpoint's temporary directory (save steps and stops only)",
+            every_step=False,
+        ),
+        Phase(
+            name="export_hf",
+            what="the actor's weights as a HF directory <run dir>/hf/step_<n> (trainer.export_every / export_at_end "
+            "steps only): a params-only distributed checkpoint, then each rank writes its share of the files",
             every_step=False,
         ),
         Phase(name="offload_optimizer", what="the optimizer's states to host", drops=moved("optimizer")),

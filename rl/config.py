@@ -99,6 +99,10 @@ class TrainerConfig:
     # a checkpoint (rl/checkpoint.py) after every save_every-th step and after the last one; 0: never
     save_every: int = 10
     keep_last: int = 2  # complete checkpoints kept; older ones are deleted once a newer one is complete
+    # a HF directory <run dir>/hf/step_<n> (megatron_backend/hf_export.py, as `make export` writes) after every
+    # export_every-th step; 0: none, except after the last step when export_at_end
+    export_every: int = 0
+    export_at_end: bool = False
     # the run stops when the engine's and the actor's log-probs of the step's sampled tokens (all ranks)
     # differ by more than max_logprob_gap_p99 at the 99th percentile or by more than max_logprob_gap on
     # any token; null: the model dtype's default (rl.metrics.LOGPROB_GAP_RULE)
@@ -120,9 +124,16 @@ class TrainerConfig:
             raise ValueError(f"trainer.save_every={self.save_every} must be >= 0 (0: no checkpoints)")
         if self.keep_last < 1:
             raise ValueError(f"trainer.keep_last={self.keep_last} must be >= 1")
+        if self.export_every < 0:
+            raise ValueError(f"trainer.export_every={self.export_every} must be >= 0 (0: only trainer.export_at_end)")
         for name in ("max_logprob_gap", "max_logprob_gap_p99"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"trainer.{name}={getattr(self, name)} must be > 0, or null for the dtype's default")
+
+    def exports_after(self, step: int) -> bool:
+        """Whether the weights are exported as a HF directory after ``step`` (0-based)."""
+        every = self.export_every > 0 and (step + 1) % self.export_every == 0
+        return every or (self.export_at_end and step + 1 == self.steps)
 
     def saves_after(self, step: int) -> bool:
         """Whether a checkpoint is written after ``step`` (0-based): every save_every-th and the last."""

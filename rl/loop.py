@@ -21,7 +21,7 @@ from tqdm import tqdm
 from modelspec.phases import ENGINE_STATE
 from rl.checkpoint import StopRequest, capture_rank_state, restore_rank_state
 from rl.config import RunConfig
-from rl.memory import SAVE_PHASE
+from rl.memory import EXPORT_PHASE, SAVE_PHASE
 from rl.metrics import (
     check_finite,
     check_logprob_gap,
@@ -34,7 +34,14 @@ from rl.metrics import (
     summarize,
 )
 from rl.sampling import generate_samples, sampling_seed
-from rl.saving import StopBeforeTrain, finish_checkpoint, save_actor, save_and_stop, stops_on_storage_faults
+from rl.saving import (
+    StopBeforeTrain,
+    export_actor,
+    finish_checkpoint,
+    save_actor,
+    save_and_stop,
+    stops_on_storage_faults,
+)
 from rl.setup import RankContext, setup, start_rollout
 from rl.warmup import StopDuringWarmup, exit_during_warmup, resume_or_warm_up
 from rl.weight_sync import SyncResult
@@ -100,6 +107,9 @@ def rl_step(ctx: RankContext, step: int) -> StepResult:
     if cfg.trainer.saves_after(step) or stop_after_step:
         with phase(SAVE_PHASE, step):  # everything resident, the engine asleep: no extra device memory
             pending_save = save_actor(ctx, completed_steps=step + 1)
+    if cfg.trainer.exports_after(step):
+        with phase(EXPORT_PHASE, step):  # the params resident (the optimizer's states are not read)
+            export_actor(ctx, completed_steps=step + 1)
     for what in ("optimizer", "grads"):
         with phase(f"offload_{what}", step):
             if ctx.offloaded(what):

@@ -58,6 +58,7 @@ from rollout.memory_saver import TAGS as ENGINE_TAGS
 # The step's phases (modelspec/phases.py, the one table): PHASES run every step; the timeline records every
 # phase a step may run, in order: PHASES and, after train on the steps that save, the checkpoint's shards.
 SAVE_PHASE = "save_checkpoint"
+EXPORT_PHASE = "export_hf"  # after train on the steps that export (trainer.export_every / export_at_end)
 TIMELINE_PHASES = ALL_PHASES
 
 # Memory tags: the engine's (rollout.memory_saver), the actor's (megatron_backend.memory) and the

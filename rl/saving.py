@@ -32,6 +32,15 @@ def save_actor(ctx: RankContext, completed_steps: int) -> Path:
     return tmp
 
 
+def export_actor(ctx: RankContext, completed_steps: int) -> Path:
+    """The actor's weights as ``<run dir>/hf/step_<n>`` (every rank writes its share; see Actor.save_hf)."""
+    from rl.checkpoint import HF_DIR, RUN_CONFIG_COPY, step_dir_name
+
+    run_dir = ctx.checkpointer.root.parent
+    out_dir = run_dir / HF_DIR / step_dir_name(completed_steps)
+    return ctx.actor.save_hf(out_dir, extra_files={RUN_CONFIG_COPY: run_dir / "config.yaml"})
+
+
 def finish_checkpoint(ctx: RankContext, tmp: Path, completed_steps: int, rank_state: dict, warmup_losses) -> Path:
     """Every rank's RNG/task state, then rank 0's RLState and the rename; then W&B gets the covered steps."""
     state = None

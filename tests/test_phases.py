@@ -59,11 +59,11 @@ def test_staged_wake_never_holds_the_actors_params_and_the_kv_cache_together():
 
 def test_the_table_derives_the_wake_tags_the_release_tags_and_the_planned_phases():
     from planner import PHASES as PLANNED
-    from rl.memory import RELEASE_TAGS, SAVE_PHASE, TAGS, TIMELINE_PHASES
+    from rl.memory import EXPORT_PHASE, RELEASE_TAGS, SAVE_PHASE, TAGS, TIMELINE_PHASES
     from rollout.config import WAKE_TAGS
 
     assert PLANNED == PHASES and "log" in PHASES and SAVE_PHASE not in PHASES
-    assert TIMELINE_PHASES == phase_names() and set(TIMELINE_PHASES) - set(PHASES) == {SAVE_PHASE}
+    assert TIMELINE_PHASES == phase_names() and set(TIMELINE_PHASES) - set(PHASES) == {SAVE_PHASE, EXPORT_PHASE}
     assert WAKE_TAGS == {
         "staged": {"wake_weights": ("weights",), "wake_kv_cache": ("kv_cache",)},
         "all_at_once": {"wake_weights": ("weights", "kv_cache"), "wake_kv_cache": ()},

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -91,16 +90,7 @@ def _rank_main(args: argparse.Namespace) -> None:
         chosen = [args.export_dir or (tempfile.mkdtemp(prefix="verify-sync-") if rank == 0 else None)]
         dist.broadcast_object_list(chosen, src=0)  # one directory for every rank
         export_dir = Path(chosen[0])
-        actor.save_hf(export_dir)  # collective: rank 0 writes
-        if rank == 0:
-            for name in (
-                "tokenizer.json",
-                "tokenizer_config.json",
-                "special_tokens_map.json",
-                "generation_config.json",
-            ):
-                if (Path(args.hf) / name).is_file():
-                    shutil.copy(Path(args.hf) / name, export_dir / name)
+        actor.save_hf(export_dir)  # collective: every rank writes its share (config, tokenizer included)
         dist.barrier()
         engine.shutdown()
         fresh = make_engine(rollout_cfg, str(export_dir), mesh=mesh, rank=rank, device=dims.device, dtype=actor.dtype)
