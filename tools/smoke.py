@@ -96,6 +96,12 @@ STEPS: tuple[Step, ...] = (
     Step("report", "RUN={run}", expect=r"^timeline: ", files=("{run}/memory_timeline.png",)),
     Step("compare", 'RUNS="{run} {run}" OUT={scratch}/compare.png', expect=r"^chart: ", files=("compare.png",)),
     Step(
+        "export",
+        "RUN={run}",
+        json_keys=("out", "files", "peak_rss_bytes"),
+        files=("{run}/hf/step_00000002/config.json", "{run}/hf/step_00000002/model.safetensors"),
+    ),
+    Step(
         "sbatch",
         'EXP=tiny_cpu ARGS="trainer.steps=3 output_dir={scratch}/runs"',
         expect=r"^submit with: sbatch (?P<script>\S+)",
