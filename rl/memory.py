@@ -52,12 +52,20 @@ import psutil
 import torch
 
 from megatron_backend.memory import TAGS as ACTOR_TAGS
-from modelspec.phases import ALL_PHASES, PHASES, WAKE_WINDOW, released_tags, wake_window_phases  # noqa: F401 (re-exported)
+from modelspec.phases import (  # noqa: F401 (re-exported)
+    ALL_PHASES,
+    EVAL_PHASE,
+    PHASES,
+    SAVE_PHASE,
+    WAKE_WINDOW,
+    released_tags,
+    wake_window_phases,
+)
 from rollout.memory_saver import TAGS as ENGINE_TAGS
 
 # The step's phases (modelspec/phases.py, the one table): PHASES run every step; the timeline records every
-# phase a step may run, in order: PHASES and, after train on the steps that save, the checkpoint's shards.
-SAVE_PHASE = "save_checkpoint"
+# phase a step may run, in order: PHASES and, at the step boundaries that evaluate, the eval before rollout,
+# after train on the steps that save, the checkpoint's shards.
 TIMELINE_PHASES = ALL_PHASES
 
 # Memory tags: the engine's (rollout.memory_saver), the actor's (megatron_backend.memory) and the

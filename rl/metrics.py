@@ -291,13 +291,17 @@ def summarize(
     logprob_gaps: list[float],
     warmup_losses: list[float],
 ) -> dict:
-    """summary.json: rewards first/last 5 steps, the measured memory (:func:`memory_summary`), weight-sync totals."""
+    """summary.json: rewards first/last 5 steps, the evals' first and last (rl.evaluation.eval_summary), the
+    measured memory (:func:`memory_summary`), weight-sync totals."""
+    from rl.evaluation import eval_summary
+
     plan = ctx.weight_sync.plan
     return {
         "exp": ctx.cfg.exp,
         "steps": len(rewards),
         "reward_first5": sum(rewards[:5]) / max(1, len(rewards[:5])),
         "reward_last5": sum(rewards[-5:]) / max(1, len(rewards[-5:])),
+        "eval": eval_summary(ctx.writer.read_metrics()),
         "memory": memory_summary(rows, ctx.mesh.world_size),
         "memory_peak_method": ctx.timeline.probe.peak_method,  # a key of rl.memory.PEAK_METHODS
         # the plan made before the engine started (rl.planning): what it predicted per phase, and the error
