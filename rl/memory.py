@@ -327,14 +327,17 @@ def window_peak(rows: Iterable[dict], first_phase: str, last_phase: str, metric:
 
 
 def steady_peak(rows: list[dict], phases: Iterable[str], rank: int) -> int:
-    """Median over the steady steps of one rank's measured peak over ``phases`` (one step each)."""
+    """Median over the steady steps that ran ``phases`` (eval, save_checkpoint: only some steps do) of one
+    rank's measured peak over them (one step each)."""
     phases = set(phases)
+    ran = {r["step"] for r in rows if r["rank"] == rank and r["phase"] in phases}
     per_step = [
         max(
             (int(r[PEAK_METRIC]) for r in rows if r["rank"] == rank and r["step"] == step and r["phase"] in phases),
             default=0,
         )
         for step in steady_steps(rows)
+        if step in ran
     ]
     return int(statistics.median(per_step)) if per_step else 0
 

@@ -94,7 +94,9 @@ def test_the_plan_has_the_eval_phase_when_the_run_evaluates_sized_by_its_batch()
         k: v for k, v in rollout.components.items() if k != "engine_reserve"
     }
     assert 0 < eval_phase.components["engine_reserve"] < rollout.components["engine_reserve"]  # 25 < 256 sequences
-    sampled = make_plan(plan_inputs(compose("tiny_cpu", ["eval.every=10", "eval.n_samples=16", "eval.temperature=1"]), 6))
+    sampled = make_plan(
+        plan_inputs(compose("tiny_cpu", ["eval.every=10", "eval.n_samples=16", "eval.temperature=1"]), 6)
+    )
     assert sampled.phase("eval").components["engine_reserve"] > eval_phase.components["engine_reserve"]
     assert sampled.inputs.eval_sequences == 25 * 16
 
@@ -187,6 +189,7 @@ def _eval(*args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # one run and four make evals: ~5 min on 2 shared cores
 def test_make_eval_of_a_run_checkpoint_and_of_the_same_weights_as_hf_agree(tmp_path, tiny_model_dirs):
     """A run whose one step cannot move an fp32 weight (lr 1e-30: Adam's step is ~lr) leaves a checkpoint
     equal to the HF checkpoint it started from: RUN and HF must print the same figures. Then the run's
@@ -196,7 +199,12 @@ def test_make_eval_of_a_run_checkpoint_and_of_the_same_weights_as_hf_agree(tmp_p
     run_dir = tmp_path / "run"
     common = ["eval.max_problems=12", "wandb.mode=disabled"]
     cmd = [sys.executable, "-m", "rl.main", "--exp", "tiny_cpu", "--run-dir", str(run_dir), f"model.path={hf}"]
-    cmd += ["trainer.steps=1", "trainer.sft_warmup_steps=0", "trainer.prompts_per_step=2", "rollout.n_samples_per_prompt=8"]
+    cmd += [
+        "trainer.steps=1",
+        "trainer.sft_warmup_steps=0",
+        "trainer.prompts_per_step=2",
+        "rollout.n_samples_per_prompt=8",
+    ]
     cmd += ["actor.micro_batch_size=8", "actor.lr=1e-30", "trainer.save_every=1", *common]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -220,3 +228,16 @@ def test_make_eval_of_a_run_checkpoint_and_of_the_same_weights_as_hf_agree(tmp_p
     assert abs(over_perturbed["reference_logprob_mean"] - from_run["reference_logprob_mean"]) <= 1e-6
     perturbed_hf = _eval("--hf", str(perturbed), *common, "trainer.prompts_per_step=2", "actor.micro_batch_size=8")
     assert abs(perturbed_hf["reference_logprob_mean"] - from_run["reference_logprob_mean"]) > 1e-3
+
+
+@pytest.mark.vllm
+def test_make_eval_with_vllm_matches_the_native_engine(tiny_model_dirs):
+    """The same HF checkpoint, problems and greedy sampling through both engines (the actor's reference
+    log-probs do not involve the engine: equal)."""
+    hf = tiny_model_dirs["qwen2"]
+    native = _eval("--hf", hf, "eval.max_problems=12", "wandb.mode=disabled")
+    vllm = _eval("--hf", hf, "eval.max_problems=12", "wandb.mode=disabled", "rollout.engine=vllm")
+    assert vllm["engine"] == "vllm" and vllm["num_problems"] == native["num_problems"] == 12
+    assert abs(vllm["accuracy"] - native["accuracy"]) <= 0.1
+    assert abs(vllm["reward_mean"] - native["reward_mean"]) <= 0.1
+    assert vllm["reference_logprob_mean"] == native["reference_logprob_mean"]
