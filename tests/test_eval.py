@@ -241,3 +241,43 @@ def test_make_eval_with_vllm_matches_the_native_engine(tiny_model_dirs):
     assert abs(vllm["accuracy"] - native["accuracy"]) <= 0.1
     assert abs(vllm["reward_mean"] - native["reward_mean"]) <= 0.1
     assert vllm["reference_logprob_mean"] == native["reference_logprob_mean"]
+
+
+def test_an_hf_dir_with_its_runs_config_is_evaluated_under_that_config(tmp_path, tiny_model_dirs):
+    """An export carries its run's config beside the weights (rlmem_run_config.yaml): make eval HF= takes the
+    task, problems, sampling and layout from it (model.path: the export), overrides on top; EXP is refused."""
+    from tools.eval import RUN_CONFIG_FILE, BadInput, _hf_config
+
+    export = tmp_path / "export"
+    shutil.copytree(tiny_model_dirs["qwen2"], export)
+    run_cfg = compose("tiny_cpu", ["eval.max_problems=7", "data.max_operand=3", "trainer.prompts_per_step=16"])
+    (export / RUN_CONFIG_FILE).write_text(yaml.safe_dump(asdict(run_cfg), sort_keys=False))
+    cfg = _hf_config(str(export), None, ["eval.n_samples=2", "eval.temperature=0.5"])
+    assert cfg.model.path == str(export.resolve()) and cfg.data.max_operand == 3 and cfg.trainer.prompts_per_step == 16
+    assert (cfg.eval.max_problems, cfg.eval.n_samples) == (7, 2)
+    with pytest.raises(BadInput, match="carries its run's config"):
+        _hf_config(str(export), "tiny_cpu", [])
+    plain = _hf_config(tiny_model_dirs["qwen2"], None, [])  # no run config: the experiment's (tiny_cpu)
+    assert plain.data.max_operand == 4 and plain.eval.max_problems is None
+
+
+def test_a_phase_of_some_steps_is_measured_over_the_steps_that_ran_it():
+    """eval.every=10 runs the eval phase on 5 of 41 steps: its steady peak is the median over those, not 0
+    (a median over every step would drop it from the plan's predicted-vs-measured)."""
+    from rl.memory import steady_peak
+    from rl.metrics import time_summary
+
+    rows = []
+    for step in range(41):
+        t = step * 10.0
+        if step % 10 == 0:
+            rows += [dict(t_s=t, step=step, phase="eval", rank=0, device_peak=100 + step)]
+            rows += [dict(t_s=t + 0.5, step=step, phase="eval", rank=0, device_peak=100 + step)]
+        if step < 40:  # the eval after the last step (40) is a boundary, not a step
+            rows += [dict(t_s=t + 1, step=step, phase="rollout", rank=0, device_peak=500)]
+            rows += [dict(t_s=t + 5, step=step, phase="rollout", rank=0, device_peak=500)]
+    assert steady_peak(rows, ("eval",), 0) == 125  # median of steps 10, 20, 30, 40 (step 0 is not steady)
+    assert steady_peak(rows, ("rollout",), 0) == 500
+    # a step's seconds: whole steps only (step 1 here, step 0 is not steady), not the boundary after the last (40)
+    few = [r for r in rows if r["step"] in (0, 1, 40)]
+    assert time_summary(few)["step_median_seconds"] == 4.0
