@@ -48,7 +48,7 @@ VLLM_BUILD := $(if $(filter gpu,$(subst $(comma), ,$(EXTRAS))),cuda,cpu)
 TINY_HF := $(if $(filter $(TINY_DIR)/%,$(HF)),$(HF)/config.json)
 
 PHONY_PLANNER := calibrate validate-plan mutate-plan
-.PHONY: $(PHONY_PLANNER) help install run plan report export compare sbatch sweep sweep-local test test-threads test-vllm test-gpu test-slow test-slurm lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout bench-train smoke clean
+.PHONY: $(PHONY_PLANNER) help install run eval plan report export compare sbatch sweep sweep-local test test-threads test-vllm test-gpu test-slow test-slurm lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout bench-train smoke clean
 
 help: ## list the targets
 	@echo "usage: make <target> [EXP=<experiment>] [ARGS=\"<hydra overrides>\"]"
@@ -79,6 +79,12 @@ endif
 
 run: $(STAMP) ## run experiment EXP (default tiny_cpu: the whole loop on 2 CPU processes) with ARGS overrides
 	$(PY) -m rl.main --exp $(EXP) $(ARGS)
+
+# eval passes HF and EXP only when the user gave them (command line or environment): the defaults above
+# (HF for parity / verify-sync, EXP for run) must not turn `make eval RUN=<dir>` into a second, HF evaluation
+given = $(filter command line environment environment override,$(origin $(1)))
+eval: $(STAMP) $(if $(call given,HF),$(TINY_HF)) ## HF=<dir> | RUN=<run dir> [STEP=<n>]: greedy accuracy + teacher-forced reference log-prob, one JSON line (config: the run's, else EXP + ARGS)
+	@$(PY) -m tools.eval $(if $(call given,HF),--hf '$(HF)') $(if $(RUN),--run '$(RUN)') $(if $(STEP),--step $(STEP)) $(if $(call given,EXP),--exp $(EXP)) $(ARGS)
 
 plan: $(STAMP) ## predicted memory of every phase of EXP on its device, KV cache sized to fit (no GPU); JSON=<path> writes it
 	@$(PY) -m tools.plan --exp $(EXP) $(if $(JSON),--json $(JSON)) $(ARGS)

@@ -116,7 +116,8 @@ def save(actor, directory: str | Path) -> None:
 
 @torch.no_grad()
 def load(actor, directory: str | Path) -> None:
-    """Fill params (and optimizer state) from ``directory``, resharding to this actor's layout (collective)."""
+    """Fill params (and optimizer state, when the actor has an optimizer) from ``directory``, resharding to this
+    actor's layout (collective)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
@@ -124,7 +125,10 @@ def load(actor, directory: str | Path) -> None:
     if actor.optimizer is not None and "optimizer" not in dist_checkpointing.load_common_state_dict(str(directory)):
         # a params-only checkpoint (e.g. from a reference actor) cannot restore a training actor
         raise ValueError(f"{directory} holds no optimizer state; it cannot resume training")
-    loaded = dist_checkpointing.load(template, str(directory), strict=StrictHandling.RAISE_ALL)
+    # an actor without an optimizer (make eval) reads the params of a full checkpoint: the optimizer's keys are
+    # left in the file, while a key the actor needs and the checkpoint lacks still raises
+    strict = StrictHandling.RAISE_ALL if actor.optimizer is not None else StrictHandling.RAISE_UNEXPECTED
+    loaded = dist_checkpointing.load(template, str(directory), strict=strict)
     for vp, chunk in enumerate(actor.chunks):
         chunk.load_state_dict(loaded["model"][vp], strict=True)
     if actor.optimizer is None:

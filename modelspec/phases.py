@@ -14,7 +14,9 @@ planner sizes each kind (``planner/plan.py::_phases``).
 
 Which state a phase moves depends on the run's flags (:class:`StepFlags`: the offload flags, the wake
 strategy, a reference actor): an onload whose state is not offloaded still runs, and moves nothing, so
-every step enters the same phases; only ``save_checkpoint`` and ``export_hf`` run on some steps (``every_step=False``).
+every step enters the same phases; only ``eval`` (``eval.every``, ``eval.before_train``),
+``save_checkpoint`` (``trainer.save_every``, a stop) and ``export_hf`` (``trainer.export_every``,
+``trainer.export_at_end``) run on some steps (``every_step=False``).
 
 Adding a phase: a :class:`Phase` here, in its place; a ``with phase("<name>", step):`` in ``rl_step``
 (or in ``run_rank`` after the step); its transients' bytes in ``planner/plan.py::_phases`` if it has any.
@@ -33,6 +35,7 @@ STATE = (*ACTOR_STATE, "ref_params", *ENGINE_STATE)
 # Memory a phase holds only while it runs (the planner sizes each; planner/plan.py::_phases).
 TRANSIENTS = (
     "engine_activations",  # the engine generating: its working set beyond weights and KV cache
+    "eval_activations",  # the same for the eval batch (every eval problem x eval.n_samples)
     "rollout_heap",  # CPU: what rollout's freed small allocations leave in the heap until the sleep trims it
     "forward_pass",  # a forward-only log-prob pass: one layer's activations, the logits' chunk
     "train_pass",  # micro-batches through forward and backward: kept activations, logits
@@ -77,6 +80,11 @@ class StepFlags:
         return frozenset(actor | set(ENGINE_STATE))
 
 
+# The phases only some steps run (every_step=False)
+EVAL_PHASE = "eval"
+SAVE_PHASE = "save_checkpoint"
+EXPORT_PHASE = "export_hf"
+
 # Every flag combination under which each hand-off phase moves its state (for flag-independent readers).
 EVERY_HANDOFF = StepFlags(reference_model=True)
 
@@ -90,7 +98,7 @@ class Phase:
     adds: tuple[str, ...] = ()  # state resident at the phase's end that was not at its start (a STATE tag)
     drops: tuple[str, ...] = ()  # state resident at its start and not at its end
     transients: tuple[str, ...] = ()  # TRANSIENTS held inside the phase
-    every_step: bool = True  # False: only on some steps (save_checkpoint: trainer.save_every, a stop)
+    every_step: bool = True  # False: only on some steps (EVAL_PHASE, SAVE_PHASE, EXPORT_PHASE)
 
     def __post_init__(self) -> None:
         for field_name, allowed in (("adds", STATE), ("drops", STATE), ("transients", TRANSIENTS)):
@@ -107,6 +115,13 @@ def step_phases(flags: StepFlags) -> tuple[Phase, ...]:
 
     staged = flags.wake_strategy == "staged"
     return (
+        Phase(
+            name=EVAL_PHASE,
+            what="at the step boundary, engine awake: the eval problems through the engine, greedy by default "
+            "(every eval.every steps, before the first with eval.before_train, and after the last)",
+            transients=("eval_activations",),
+            every_step=False,
+        ),
         Phase(
             name="rollout",
             what="the task draws the prompts; each engine replica generates its share; every rank gathers all samples",
@@ -135,12 +150,12 @@ def step_phases(flags: StepFlags) -> tuple[Phase, ...]:
         Phase(name="offload_ref", what="the reference actor's params to host", drops=moved("ref_params")),
         Phase(name="train", what="trainer.ppo_epochs x (micro-batches, optimizer step)", transients=("train_pass",)),
         Phase(
-            name="save_checkpoint",
+            name=SAVE_PHASE,
             what="the actor's shards into the checkpoint's temporary directory (save steps and stops only)",
             every_step=False,
         ),
         Phase(
-            name="export_hf",
+            name=EXPORT_PHASE,
             what="the actor's weights as a HF directory <run dir>/hf/step_<n> (trainer.export_every / export_at_end "
             "steps only): a params-only distributed checkpoint, then each rank writes its share of the files",
             every_step=False,
@@ -171,10 +186,19 @@ def step_phases(flags: StepFlags) -> tuple[Phase, ...]:
     )
 
 
-def phase_names(flags: StepFlags = EVERY_HANDOFF, *, saves: bool | None = None) -> tuple[str, ...]:
-    """The phases' names in order: all of them (``saves=None``), or those a step that does or does not
-    save runs."""
-    return tuple(p.name for p in step_phases(flags) if saves is None or p.every_step or saves)
+def phase_names(
+    flags: StepFlags = EVERY_HANDOFF,
+    *,
+    saves: bool | None = None,
+    evaluates: bool | None = None,
+    exports: bool | None = None,
+) -> tuple[str, ...]:
+    """The phases' names in order: all of them (all None), or those a step runs that does or does not
+    save, evaluate and export (a None beside a bool: does not)."""
+    if saves is None and evaluates is None and exports is None:
+        return tuple(p.name for p in step_phases(flags))
+    optional = {SAVE_PHASE: bool(saves), EVAL_PHASE: bool(evaluates), EXPORT_PHASE: bool(exports)}
+    return tuple(p.name for p in step_phases(flags) if p.every_step or optional[p.name])
 
 
 # The names every step runs, and every name a step may run (flag-independent: the phases are the same).

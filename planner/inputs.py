@@ -97,6 +97,8 @@ class PlanInputs:
     offload_ref_params: bool = True  # its params on host except around ref_logprob (actor.offload.ref_params)
     # batch: every rank sees sequences_per_step / actor_dp sequences of prompt + response tokens
     sequences_per_step: int = 1
+    # the eval batch at the step boundaries that evaluate: every eval problem x eval.n_samples (0: no eval)
+    eval_sequences: int = 0
     prompt_tokens: int = 512
     response_tokens: int = 1024
     # average lengths (None: prompt_tokens / response_tokens, every sequence as long as it may be: the
@@ -177,6 +179,8 @@ class PlanInputs:
         if self.actor_vpp is not None and self.actor_vpp > 1 and self.actor_pp < 2:
             raise ValueError(f"actor_vpp={self.actor_vpp} needs actor_pp >= 2; set actor_vpp=None")
         check_rollout_split(s, self.rollout_tp)
+        if self.eval_sequences < 0:
+            raise ValueError(f"eval_sequences={self.eval_sequences} must be >= 0 (0: the run does not evaluate)")
         if self.sequences_per_step % self.actor_dp:
             raise ValueError(
                 f"sequences_per_step={self.sequences_per_step} must split evenly over actor_dp={self.actor_dp}"

@@ -5,7 +5,9 @@ runs): the state each phase adds and drops, and its transients, whose bytes ``_p
 step starts in ``rollout`` with the engine awake (weights + KV cache) and the actor holding what its offload
 flags keep (params unless ``offload_params``, and so on). A phase holds the union of what is resident when
 it starts and when it ends (offloads peak at their start, onloads and wakes at their end), plus its
-transients. ``save_checkpoint``, which runs on save steps only, is not planned.
+transients. ``save_checkpoint``, which runs on save steps only, is not planned; ``eval``, at the step
+boundaries that evaluate, is when the run evaluates (``eval_sequences``): its transient is the engine's
+rollout working set for the eval batch.
 
 Always resident: communicator buffers and the engine's persistent reserve (vLLM's CUDA graphs); the
 reference actor's params too unless ``offload_ref_params``. The plan is for the worst rank: every pipeline stage is planned (the
@@ -19,7 +21,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 
 from modelspec.engines import ENGINE_PROFILES, EngineProfile, KvSizing
-from modelspec.phases import StepFlags, phase_names, step_phases, wake_window_phases
+from modelspec.phases import EVAL_PHASE, StepFlags, phase_names, step_phases, wake_window_phases
 from planner.inputs import PlanInputs
 from planner.sizes import (
     FP32_BYTES,
@@ -38,7 +40,8 @@ from planner.sizes import (
     unfused_attention_bytes,
 )
 
-# The step's phases in order (modelspec/phases.py: the one table the loop, the planner and the timeline read)
+# The step's phases in order (modelspec/phases.py: the one table the loop, the planner and the timeline read);
+# a plan of a run that evaluates has the eval phase first (Plan.names)
 PHASES = phase_names(saves=False)
 COMPONENTS = (
     "actor_params",
@@ -251,6 +254,7 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
     # unprocessed weights beside the repacked ones until it repacks them again (measured: the engine's weights)
     reload = weights if inp.engine_profile.repacks_weights(inp.device.kind) else 0
     rollout_activations = engine_rollout_activation_bytes(inp)
+    eval_activations = engine_rollout_activation_bytes(inp, inp.eval_sequences) if inp.eval_sequences else 0
     rollout_reserve = persistent_reserve + rollout_activations
     retained = 0 if inp.on_cuda else min(rollout_activations, int(inp.constants.value("heap_retention_bytes")))
     sleep_reserve = persistent_reserve + retained if retained else 0
@@ -258,6 +262,7 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
     # each kind of transient (modelspec.phases.TRANSIENTS) -> the components it raises, and to what
     transient_bytes = {
         "engine_activations": {"engine_reserve": rollout_reserve},
+        "eval_activations": {"engine_reserve": persistent_reserve + eval_activations},
         # on CPU the rollout's small freed allocations stay in the heap (RSS) until the sleep trims it (malloc_trim)
         "rollout_heap": {"engine_reserve": sleep_reserve} if sleep_reserve else {},
         "forward_pass": {"activations": st.forward_activations, "logits": st.forward_logits},
@@ -271,8 +276,8 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
     engine_state = set() if inp.engine_profile.sleeps else {"weights", "kv_cache"}
     out = []
     for phase in step_phases(flags):
-        if not phase.every_step:  # planned for the steps that run it all: save_checkpoint is not planned
-            continue
+        if not phase.every_step and not (phase.name == EVAL_PHASE and inp.eval_sequences):
+            continue  # save_checkpoint is not planned; eval is when the run evaluates
         after = (resident | set(phase.adds)) - (set(phase.drops) - engine_state)
         components = dict.fromkeys(COMPONENTS, 0)
         for state in resident | after:  # offloads peak at their start, onloads and wakes at their end
@@ -288,7 +293,7 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
         out.append(PhasePlan(phase.name, components, start_components))
         resident = after
     assert resident == start, "the step must end where it started"
-    assert tuple(p.name for p in out) == PHASES
+    assert tuple(p.name for p in out) == phase_names(saves=False, evaluates=bool(inp.eval_sequences))
     return tuple(out)
 
 
@@ -323,15 +328,17 @@ def sync_staging_bytes(inp: PlanInputs, st: _Stage, engine_weight_bytes: int) ->
     return max(staged, VERIFY_BYTES_PER_ELEMENT * largest_engine_tensor_elements(inp.shape, inp.rollout_tp))
 
 
-def engine_rollout_activation_bytes(inp: PlanInputs) -> int:
-    """What the engine takes beyond weights, KV cache and CUDA graphs while it generates. vLLM on CUDA: its
+def engine_rollout_activation_bytes(inp: PlanInputs, sequences: int | None = None) -> int:
+    """What the engine takes beyond weights, KV cache and CUDA graphs while it generates ``sequences`` over
+    all replicas (None: the step's rollout, ``sequences_per_step``). vLLM on CUDA: its
     profiled peak (max_num_batched_tokens, max_num_seqs). native, and vLLM on CPU: the same working set for
     the batch it really runs
     (its replica's sequences, all prompts prefilled at once unless max_num_batched_tokens caps them); its
     activation reserve is headroom kept out of the KV cache, not memory it allocates."""
     if not inp.engine_profile.profiles_activations(inp.device.kind):  # eager: the batch it really runs
         replicas = inp.actor_tp * inp.actor_pp * inp.actor_dp // inp.rollout_tp
-        seqs = min(inp.max_num_seqs, math.ceil(inp.sequences_per_step / replicas))
+        total = inp.sequences_per_step if sequences is None else sequences
+        seqs = min(inp.max_num_seqs, math.ceil(total / replicas))
         prefill = seqs * inp.prompt_tokens
         if inp.native_max_batched_tokens:
             prefill = min(prefill, max(inp.native_max_batched_tokens, inp.prompt_tokens))
@@ -404,11 +411,16 @@ class Plan:
         return self.capacity_bytes - self.runtime_overhead_bytes - self.margin_bytes
 
     # ------------------------------------------------------------ results
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The planned phases' names in order (PHASES, after the eval phase when the run evaluates)."""
+        return tuple(p.name for p in self.phases)
+
     def phase(self, name: str) -> PhasePlan:
         for p in self.phases:
             if p.name == name:
                 return p
-        raise KeyError(f"no phase {name!r}; phases are {PHASES}")
+        raise KeyError(f"no phase {name!r}; phases are {self.names}")
 
     @property
     def peak(self) -> PhasePlan:
@@ -514,9 +526,9 @@ def make_plan(inp: PlanInputs) -> Plan:
     # The KV cache is the one free variable: each phase that holds it leaves budget - (everything else)
     # for it; the smallest such room over phases and stages is the largest safe KV (a tie: the earlier phase)
     room, _, limiting_phase = min(
-        (budget - (p.predicted_bytes - p.components["kv_cache"]), PHASES.index(p.name), p.name)
+        (budget - (p.predicted_bytes - p.components["kv_cache"]), index, p.name)
         for st in stages
-        for p in _phases(inp, st, kv_cache_bytes=1)
+        for index, p in enumerate(_phases(inp, st, kv_cache_bytes=1))
         if p.components["kv_cache"]
     )
     largest_safe = max(0, room) // block * block
@@ -584,8 +596,8 @@ class FitCheck:
 
 def phase_growth_bytes(plan: Plan, name: str) -> dict[str, int]:
     """Bytes ``name`` allocates per component beyond what the phase before it held."""
-    index = PHASES.index(name)
-    before = plan.phases[index - 1].components  # the phase before rollout is the previous step's last
+    index = plan.names.index(name)
+    before = plan.phases[index - 1].components  # the phase before the first is the previous step's last
     return {k: v - before[k] for k, v in plan.phases[index].components.items() if v > before[k]}
 
 

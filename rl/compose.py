@@ -20,6 +20,7 @@ from megatron_backend.config import ActorConfig, OffloadConfig
 from modelspec.tiny import TINY_PREFIX
 from rl.config import ModelConfig, RunConfig, TrainerConfig
 from rl.data import DataConfig
+from rl.evaluation import EvalConfig, EvalDataConfig
 from rl.launch import ClusterConfig
 from rl.losses import PolicyLossConfig
 from rl.tracking import WandbConfig
@@ -46,6 +47,8 @@ def register_configs() -> None:
         ("weight_sync", WeightSyncConfig),
         ("trainer", TrainerConfig),
         ("data", DataConfig),
+        ("eval", EvalConfig),
+        ("eval/data", EvalDataConfig),
         ("algorithm", PolicyLossConfig),
         ("wandb", WandbConfig),
         ("cluster", ClusterConfig),
@@ -110,6 +113,27 @@ def compose(exp: str = "tiny_cpu", overrides: Sequence[str] = ()) -> RunConfig:
         run_config = OmegaConf.to_object(cfg)
     except (ValueError, OmegaConfBaseException) as exc:
         raise ConfigError(_one_line(exc)) from None
+    assert isinstance(run_config, RunConfig)
+    return run_config
+
+
+def compose_from_file(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RunConfig:
+    """A run's saved config (``<run dir>/config.yaml``, every key as the run resolved it) + dotted overrides ->
+    a validated :class:`RunConfig` (raises :class:`ConfigError` naming the file)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    register_configs()
+    try:
+        saved = OmegaConf.load(str(path))
+        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), saved, OmegaConf.from_dotlist(list(overrides)))
+        run_config = OmegaConf.to_object(merged)
+    except (ValueError, OmegaConfBaseException) as exc:
+        message = _one_line(exc)
+        match = re.search(r"Key '([^']+)' not in '", message) or re.search(r"Key '([^']+)' is not in struct", message)
+        if match:
+            message = _unknown_key_message(match.group(1))
+        raise ConfigError(f"{path}: {message}") from None
     assert isinstance(run_config, RunConfig)
     return run_config
 

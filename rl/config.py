@@ -3,7 +3,7 @@
 Each component owns its keyword-only config dataclass beside its code: ``ActorConfig``
 (megatron_backend/config.py), ``RolloutConfig`` (rollout/config.py), ``WeightSyncConfig``
 (rl/weight_sync/sync.py), ``DataConfig`` (rl/data.py), ``WandbConfig`` (rl/tracking.py),
-``ClusterConfig`` (rl/launch.py), ``PolicyLossConfig`` (rl/losses.py). This module holds the model and
+``ClusterConfig`` (rl/launch.py), ``PolicyLossConfig`` (rl/losses.py), ``EvalConfig`` (rl/evaluation.py). This module holds the model and
 trainer configs and :class:`RunConfig`, whose ``__post_init__`` checks parallel sizes against the model
 (its :class:`~modelspec.ModelShape`) and the world through :meth:`modelspec.ColocatedMesh.check`. Hydra composition lives in :mod:`rl.compose`.
 """
@@ -17,6 +17,7 @@ from modelspec import DTYPE_NAMES, ColocatedMesh, ModelShape
 from modelspec.phases import StepFlags
 from modelspec.tiny import TINY_FAMILIES, TINY_PREFIX
 from rl.data import DataConfig
+from rl.evaluation import EvalConfig
 from rl.launch import ClusterConfig
 from rl.losses import PolicyLossConfig
 from rl.tracking import WandbConfig
@@ -151,6 +152,7 @@ class RunConfig:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     algorithm: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -179,6 +181,11 @@ class RunConfig:
             raise ValueError(
                 f"trainer.sft_warmup_steps={self.trainer.sft_warmup_steps}: only data.task=digit_sum has format "
                 "examples; set trainer.sft_warmup_steps=0"
+            )
+        if self.eval.data.path is not None and self.data.task == "digit_sum":
+            raise ValueError(
+                f"eval.data.path={self.eval.data.path!r}: data.task=digit_sum evaluates on its own problems; "
+                "drop eval.data.path, or use data.task=gsm8k for a question/answer file"
             )
         if not self.resume:
             raise ValueError("resume='' is empty; use resume=auto, resume=never or resume=<checkpoint path>")

@@ -18,9 +18,10 @@ from pathlib import Path
 import torch.distributed as dist
 from tqdm import tqdm
 
-from modelspec.phases import ENGINE_STATE
+from modelspec.phases import ENGINE_STATE, EVAL_PHASE
 from rl.checkpoint import StopRequest, capture_rank_state, restore_rank_state
 from rl.config import RunConfig
+from rl.evaluation import eval_record, evaluate
 from rl.memory import EXPORT_PHASE, SAVE_PHASE
 from rl.metrics import (
     check_finite,
@@ -66,6 +67,10 @@ def rl_step(ctx: RankContext, step: int) -> StepResult:
     device = ctx.dims.device  # the default group's: a collective's tensors live there (CUDA under NCCL)
     stop_agreed = lambda: ctx.stop.agreed(device)  # noqa: E731 (a collective at a phase boundary)
     params = SamplingParams.from_config(cfg.rollout, seed=sampling_seed(ctx.sampling_base_seed, step, ctx.replica))
+    eval_metrics = {}
+    if cfg.eval.runs_at(step, cfg.trainer.steps):
+        with phase(EVAL_PHASE, step):  # the step boundary: the engine awake with the weights of `step` steps
+            eval_metrics = evaluate_at_boundary(ctx, step)
     with phase("rollout", step):  # every line of the step is inside a phase: the timeline sees all its memory
         problems = ctx.task.sample(cfg.trainer.prompts_per_step)  # the same prompts on every rank
         samples = generate_samples(engine, ctx.tokenizer, ctx.task, problems, params, ctx.mesh, ctx.rank)
@@ -129,11 +134,32 @@ def rl_step(ctx: RankContext, step: int) -> StepResult:
     num_train_tokens = int(batch.loss_mask.sum()) * ctx.dims.dp
     seconds = ctx.timeline.step_phase_seconds(step)
     metrics = step_metrics(samples, rewards, num_train_tokens, train_metrics, seconds, sync, gap)
+    metrics.update(eval_metrics)
     # the sampled tokens in one number: a resumed run must sample exactly what the uninterrupted one did
     metrics["rollout/response_tokens_crc32"] = float(zlib.crc32(repr([s.response_ids for s in samples]).encode()))
     return StepResult(
         metrics=metrics, sync=sync, logprob_gap=gap.value, pending_save=pending_save, stop_after_step=stop_after_step
     )
+
+
+def evaluate_at_boundary(ctx: RankContext, completed_steps: int) -> dict[str, float]:
+    """The eval phase's figures (rl/evaluation.py) with the engine's current weights: those after
+    ``completed_steps`` steps (collective)."""
+    figures = evaluate(ctx.engine, ctx.tokenizer, ctx.task, ctx.eval_problems, ctx.cfg, ctx.mesh, ctx.rank)
+    return {**eval_record(figures), "eval/completed_steps": float(completed_steps)}
+
+
+def evaluate_after_last_step(ctx: RankContext) -> None:
+    """The eval at the boundary no step follows (eval.every > 0): its own record (``trainer/step`` = the
+    number of steps), with the rows sampled since the last step's record."""
+    steps = ctx.cfg.trainer.steps
+    if not ctx.cfg.eval.runs_at(steps, steps):
+        log_rows_after_last_step(ctx)  # the end of the last step's log phase
+        return
+    with ctx.phase(EVAL_PHASE, steps):
+        metrics = evaluate_at_boundary(ctx, steps)
+    metrics.update({f"time/{k}": v for k, v in ctx.timeline.step_phase_seconds(steps).items()})
+    log_step(ctx, steps, metrics)
 
 
 @stops_on_storage_faults
@@ -187,7 +213,7 @@ def run_rank(cfg: RunConfig, run_dir: str) -> int:
             )
     progress.close()
     ctx.phase_order.finish()  # the last step ran every phase of the table
-    log_rows_after_last_step(ctx)  # the end of the last step's log phase
+    evaluate_after_last_step(ctx)
     if ctx.writer is not None:
         ctx.writer.finish(summarize(ctx, rewards, ctx.writer.read_rows(), syncs, logprob_gaps, warmup_losses))
     dist.barrier()

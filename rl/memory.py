@@ -52,13 +52,21 @@ import psutil
 import torch
 
 from megatron_backend.memory import TAGS as ACTOR_TAGS
-from modelspec.phases import ALL_PHASES, PHASES, WAKE_WINDOW, released_tags, wake_window_phases  # noqa: F401 (re-exported)
+from modelspec.phases import (  # noqa: F401 (re-exported)
+    ALL_PHASES,
+    EVAL_PHASE,
+    EXPORT_PHASE,
+    PHASES,
+    SAVE_PHASE,
+    WAKE_WINDOW,
+    released_tags,
+    wake_window_phases,
+)
 from rollout.memory_saver import TAGS as ENGINE_TAGS
 
 # The step's phases (modelspec/phases.py, the one table): PHASES run every step; the timeline records every
-# phase a step may run, in order: PHASES and, after train on the steps that save, the checkpoint's shards.
-SAVE_PHASE = "save_checkpoint"
-EXPORT_PHASE = "export_hf"  # after train on the steps that export (trainer.export_every / export_at_end)
+# phase a step may run, in order: PHASES and, at the step boundaries that evaluate, the eval before rollout,
+# after train on the steps that save, the checkpoint's shards, and on the steps that export, the HF export.
 TIMELINE_PHASES = ALL_PHASES
 
 # Memory tags: the engine's (rollout.memory_saver), the actor's (megatron_backend.memory) and the
@@ -320,14 +328,17 @@ def window_peak(rows: Iterable[dict], first_phase: str, last_phase: str, metric:
 
 
 def steady_peak(rows: list[dict], phases: Iterable[str], rank: int) -> int:
-    """Median over the steady steps of one rank's measured peak over ``phases`` (one step each)."""
+    """Median over the steady steps that ran ``phases`` (eval, save_checkpoint: only some steps do) of one
+    rank's measured peak over them (one step each)."""
     phases = set(phases)
+    ran = {r["step"] for r in rows if r["rank"] == rank and r["phase"] in phases}
     per_step = [
         max(
             (int(r[PEAK_METRIC]) for r in rows if r["rank"] == rank and r["step"] == step and r["phase"] in phases),
             default=0,
         )
         for step in steady_steps(rows)
+        if step in ran
     ]
     return int(statistics.median(per_step)) if per_step else 0
 

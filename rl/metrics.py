@@ -16,6 +16,7 @@ from modelspec import TokenBatch
 from rl.batching import Sample
 from rl.memory import (
     PEAK_METRIC,
+    PHASES,
     TAGS,
     phase_drift,
     phase_peaks,
@@ -272,6 +273,8 @@ def time_summary(rows: list[dict], rank: int = 0) -> dict:
     sample to its last: the work between phases included, and its ``log`` phase)."""
     samples = {k: v for k, v in phase_samples(rows).items() if k[0] == rank}
     steady = set(steady_steps({"step": k[1]} for k in samples))
+    # a whole step runs the table's first every-step phase; the eval after the last step is a boundary, no step
+    whole_steps = {step for (_, step, phase) in samples if phase == PHASES[0]}
     per_phase: dict[str, list[float]] = {}
     step_span: dict[int, tuple[float, float]] = {}
     for (_, step, phase), phase_rows in samples.items():
@@ -279,8 +282,9 @@ def time_summary(rows: list[dict], rank: int = 0) -> dict:
             continue
         first, last = phase_rows[0]["t_s"], phase_rows[-1]["t_s"]
         per_phase.setdefault(phase, []).append(last - first)
-        start, end = step_span.get(step, (first, last))
-        step_span[step] = (min(start, first), max(end, last))
+        if step in whole_steps:
+            start, end = step_span.get(step, (first, last))
+            step_span[step] = (min(start, first), max(end, last))
     return {
         "phase_median_seconds": {phase: statistics.median(v) for phase, v in per_phase.items()},
         "step_median_seconds": statistics.median(end - start for start, end in step_span.values()),
@@ -295,13 +299,17 @@ def summarize(
     logprob_gaps: list[float],
     warmup_losses: list[float],
 ) -> dict:
-    """summary.json: rewards first/last 5 steps, the measured memory (:func:`memory_summary`), weight-sync totals."""
+    """summary.json: rewards first/last 5 steps, the evals' first and last (rl.evaluation.eval_summary), the
+    measured memory (:func:`memory_summary`), weight-sync totals."""
+    from rl.evaluation import eval_summary
+
     plan = ctx.weight_sync.plan
     return {
         "exp": ctx.cfg.exp,
         "steps": len(rewards),
         "reward_first5": sum(rewards[:5]) / max(1, len(rewards[:5])),
         "reward_last5": sum(rewards[-5:]) / max(1, len(rewards[-5:])),
+        "eval": eval_summary(ctx.writer.read_metrics()),
         "memory": memory_summary(rows, ctx.mesh.world_size),
         "memory_peak_method": ctx.timeline.probe.peak_method,  # a key of rl.memory.PEAK_METHODS
         # the plan made before the engine started (rl.planning): what it predicted per phase, and the error

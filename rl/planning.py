@@ -60,6 +60,7 @@ def plan_inputs(cfg, prompt_tokens: int | None = None, calibration=None) -> Plan
         entropy_recompute=actor.entropy_recompute,
         attention="flash" if on_cuda else "unfused",  # Transformer Engine on CUDA, megatron's local spec on CPU
         sequences_per_step=cfg.trainer.prompts_per_step * rollout.n_samples_per_prompt,
+        eval_sequences=eval_sequences(cfg),
         prompt_tokens=max(1, prompt_tokens),
         response_tokens=rollout.max_new_tokens,
         engine=rollout.engine,
@@ -145,6 +146,21 @@ def _tokenizer(path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def eval_sequences(cfg) -> int:
+    """The eval batch (every eval problem x eval.n_samples; 0 when the run does not evaluate). An eval file not
+    on this machine (a cluster experiment planned on a laptop) counts as eval.max_problems problems, else as
+    one step's prompts."""
+    from rl.evaluation import eval_problems
+
+    if not cfg.eval.enabled:
+        return 0
+    try:
+        num_problems = len(eval_problems(cfg))
+    except (OSError, ValueError):
+        num_problems = cfg.eval.max_problems or cfg.trainer.prompts_per_step
+    return num_problems * cfg.eval.n_samples
 
 
 @functools.lru_cache(maxsize=32)

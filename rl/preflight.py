@@ -22,6 +22,7 @@ from planner import make_plan
 from rl.checkpoint import CHECKPOINT_DIR, RLState, checkpoint_from_path, complete_checkpoints, model_sizes
 from rl.compose import ConfigError
 from rl.config import RunConfig
+from rl.evaluation import eval_problems
 from rl.planning import plan_inputs
 from rl.sampling import sampling_seed
 
@@ -127,10 +128,19 @@ def check_data(cfg: RunConfig) -> None:
     """The task reads its whole file now, as every rank will: each line parses and has the task's fields."""
     if cfg.data.path is not None and not Path(cfg.data.path).is_file():
         raise ConfigError(f"data.path={cfg.data.path!r} does not exist; point it at a local .jsonl or .parquet file")
+    if cfg.eval.data.path is not None and not Path(cfg.eval.data.path).is_file():
+        raise ConfigError(
+            f"eval.data.path={cfg.eval.data.path!r} does not exist; point it at a local .jsonl or .parquet file"
+        )
     try:
         cfg.data.build(seed=cfg.trainer.seed)
     except (OSError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
+    if cfg.eval.enabled and cfg.eval.data.path is not None:
+        try:
+            eval_problems(cfg)
+        except (OSError, ValueError) as exc:  # the reader names data.path: here it is the eval's file
+            raise ConfigError(f"eval.data.path: {exc}") from None
 
 
 def check_resume(cfg: RunConfig, run_dir: Path | None, shape: ModelShape) -> None:

@@ -21,7 +21,8 @@ from modelspec.phases import ENGINE_STATE, PhaseOrder
 from rl.batching import Sample, make_batch
 from rl.checkpoint import ACTOR_DIR, Checkpointer, RLState, StopRequest, load_rank_state, resolve_resume
 from rl.config import RunConfig
-from rl.data import DigitSumTask, Gsm8kTask, longest_prompt_tokens
+from rl.data import DigitSumTask, Gsm8kTask, Problem, longest_prompt_tokens
+from rl.evaluation import eval_problems
 from rl.losses import PolicyLoss
 from rl.memory import TAGS, MemoryProbe, MemoryTimeline, measured_free_bytes
 from rl.planning import KvCacheChoice
@@ -58,6 +59,7 @@ class RankContext:
     checkpointer: Checkpointer
     stop: StopRequest
     phase_order: PhaseOrder  # the step's table for this run's flags: every phase entry is checked against it
+    eval_problems: list[Problem]  # the eval phase's problems (rl/evaluation.py; empty when the run does not evaluate)
     # resuming: the checkpoint, its RLState and this rank's saved RNG/task state (applied before the first step)
     resumed_from: Path | None = None
     resumed_state: RLState | None = None
@@ -131,10 +133,16 @@ class RankContext:
 
     def sync_weights(self) -> SyncResult:
         """Planned reshard of the actor's shards straight into the engine's (awake) weights."""
-        destinations = self.engine.begin_weight_update()
-        result = self.weight_sync(self.actor.local_params(), destinations)
-        self.engine.finish_weight_update()
-        return result
+        return sync_actor_into_engine(self.weight_sync, self.actor, self.engine)
+
+
+def sync_actor_into_engine(weight_sync: WeightSync, actor: Actor, engine: RolloutEngine) -> SyncResult:
+    """Planned reshard of the actor's shards straight into the engine's (awake) weights (the run's
+    weight_sync phase; ``make eval`` hands its weights to the engine the same way)."""
+    destinations = engine.begin_weight_update()
+    result = weight_sync(actor.local_params(), destinations)
+    engine.finish_weight_update()
+    return result
 
 
 class MemoryPlanError(RuntimeError):
@@ -230,6 +238,7 @@ def setup(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None) -> Ran
         checkpointer=checkpointer,
         stop=stop or StopRequest(dims.rank),
         phase_order=PhaseOrder(cfg.step_flags()),
+        eval_problems=eval_problems(cfg) if cfg.eval.enabled else [],
         resumed_from=checkpoint,
         resumed_state=resumed_state,
         resumed_rank_state=load_rank_state(checkpoint, dims.rank) if checkpoint else None,
@@ -247,14 +256,29 @@ def start_engine(ctx: RankContext) -> RankContext:
     recommendation (on CUDA bounded by the free memory measured now, the least over ranks), handed to the
     engine as bytes; a float utilization is the engine's to apply. The plan, made with that KV cache, is
     kept for the wake checks and the predicted-vs-measured calibration (``ctx.plan``, ``ctx.kv_choice``)."""
+    cfg, dims = ctx.cfg, ctx.dims
+    # sequences as long as the longest prompt (the task's, the eval's) + max_new_tokens (not max_model_len)
+    prompt_tokens = max(
+        longest_prompt_tokens(ctx.task, ctx.tokenizer),
+        *(len(ctx.tokenizer(p.prompt).input_ids) for p in ctx.eval_problems),
+    )
+    engine, plan, kv_choice = build_engine(cfg, dims, ctx.mesh, ctx.rollout_group, prompt_tokens)
+    ctx.timeline.probe.add_ledger(lambda: _tagged(engine.memory(), dims.device))
+    if ctx.writer is not None and plan is not None:
+        ctx.writer.predicted_bytes = {p.name: p.predicted_bytes + plan.runtime_overhead_bytes for p in plan.phases}
+    return dataclasses.replace(ctx, engine=engine, plan=plan, kv_choice=kv_choice)
+
+
+def build_engine(
+    cfg: RunConfig, dims: ParallelDims, mesh: ColocatedMesh, group: dist.ProcessGroup | None, prompt_tokens: int
+) -> tuple[RolloutEngine, Plan | None, KvCacheChoice | None]:
+    """The engine with empty weights, its KV cache as :func:`start_engine` says, and the plan made with it
+    (``prompt_tokens``: the longest prompt it will see)."""
     from planner import make_plan
     from rl.planning import choose_kv_cache, engine_config, plan_inputs
     from rollout import make_engine
 
-    cfg, dims = ctx.cfg, ctx.dims
     auto = cfg.rollout.utilization is None
-    # sequences as long as this task's longest prompt + max_new_tokens (not max_model_len: the data decides)
-    prompt_tokens = longest_prompt_tokens(ctx.task, ctx.tokenizer)
     try:
         plan = make_plan(plan_inputs(cfg, prompt_tokens))
     except ValueError as exc:  # e.g. a device the planner has no preset for: run unplanned unless asked to plan
@@ -278,18 +302,15 @@ def start_engine(ctx: RankContext) -> RankContext:
     engine = make_engine(
         rollout_cfg,
         cfg.model.path,
-        mesh=ctx.mesh,
+        mesh=mesh,
         rank=dims.rank,
-        group=ctx.rollout_group,
+        group=group,
         device=dims.device,
         dtype=cfg.model.dtype,
         load=False,
         shape=cfg.model.shape(),
     )
-    ctx.timeline.probe.add_ledger(lambda: _tagged(engine.memory(), dims.device))
-    if ctx.writer is not None and plan is not None:
-        ctx.writer.predicted_bytes = {p.name: p.predicted_bytes + plan.runtime_overhead_bytes for p in plan.phases}
-    return dataclasses.replace(ctx, engine=engine, plan=plan, kv_choice=kv_choice)
+    return engine, plan, kv_choice
 
 
 def start_rollout(ctx: RankContext) -> RankContext:

@@ -198,6 +198,12 @@ class RunWriter:
         self._csv_file.flush()
         return read_timeline_csv(self.run_dir / "memory_timeline.csv")
 
+    def read_metrics(self) -> list[dict]:
+        """Every record of metrics.jsonl so far (read back)."""
+        self._metrics_file.flush()
+        lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
+
     def log_step(self, step: int, metrics: dict[str, float], step_rows: list[dict]) -> dict[str, int]:
         """Per-step scalars, ``memory/peak/<phase>`` (measured, this step's rows) and ``memory/drift/<phase>``
         (all steps so far, once there are enough); returns the peaks."""

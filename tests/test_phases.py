@@ -59,11 +59,13 @@ def test_staged_wake_never_holds_the_actors_params_and_the_kv_cache_together():
 
 def test_the_table_derives_the_wake_tags_the_release_tags_and_the_planned_phases():
     from planner import PHASES as PLANNED
-    from rl.memory import EXPORT_PHASE, RELEASE_TAGS, SAVE_PHASE, TAGS, TIMELINE_PHASES
+    from rl.memory import EVAL_PHASE, EXPORT_PHASE, RELEASE_TAGS, SAVE_PHASE, TAGS, TIMELINE_PHASES
     from rollout.config import WAKE_TAGS
 
-    assert PLANNED == PHASES and "log" in PHASES and SAVE_PHASE not in PHASES
-    assert TIMELINE_PHASES == phase_names() and set(TIMELINE_PHASES) - set(PHASES) == {SAVE_PHASE, EXPORT_PHASE}
+    assert PLANNED == PHASES and "log" in PHASES and SAVE_PHASE not in PHASES and EVAL_PHASE not in PHASES and EXPORT_PHASE not in PHASES
+    assert TIMELINE_PHASES == phase_names() and set(TIMELINE_PHASES) - set(PHASES) == {SAVE_PHASE, EVAL_PHASE, EXPORT_PHASE}
+    # the eval runs at the step boundary, before the step's rollout: the engine awake, the actor as a step leaves it
+    assert phase_names(evaluates=True)[:2] == (EVAL_PHASE, "rollout")
     assert WAKE_TAGS == {
         "staged": {"wake_weights": ("weights",), "wake_kv_cache": ("kv_cache",)},
         "all_at_once": {"wake_weights": ("weights", "kv_cache"), "wake_kv_cache": ()},
@@ -74,10 +76,11 @@ def test_the_table_derives_the_wake_tags_the_release_tags_and_the_planned_phases
 
 def test_phase_order_accepts_the_tables_steps_and_refuses_any_other():
     order = PhaseOrder(StepFlags())
-    for step, saves in ((0, False), (1, True), (2, False)):
-        for name in phase_names(saves=saves):
+    for step, saves, evaluates in ((0, False, True), (1, True, False), (2, False, False), (3, True, True)):
+        for name in phase_names(saves=saves, evaluates=evaluates):
             order.enter(name, step)
     order.finish()
+    order.enter("eval", 4)  # the eval after the last step: the boundary no step follows
 
     with pytest.raises(PhaseOrderError, match="'warmup' is not in the step's table"):
         PhaseOrder(StepFlags()).enter("warmup", 0)

@@ -12,7 +12,7 @@ import pytest
 from modelspec.phases import phase_names
 from rl.checkpoint import complete_checkpoints
 from rl.main import main
-from rl.memory import PHASES, SAVE_PHASE, read_timeline_csv
+from rl.memory import EVAL_PHASE, PHASES, SAVE_PHASE, read_timeline_csv
 from tests.wandb_records import find_run_file, history_rows
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,6 +58,8 @@ def test_short_run_writes_every_output_and_a_readable_wandb_run(tmp_path):
         "actor.micro_batch_size=16",
         "algorithm.kl_coef=0.01",  # also builds the reference actor
         "rollout.gpu_memory_utilization=auto",  # the planner picks the KV cache and hands it over in bytes
+        "eval.every=1",  # the eval phase at every step boundary: before step 1 and after the last step
+        "eval.before_train=true",  # and before step 0
     )
     run_dir = Path(summary["run_dir"])
     assert summary["steps"] == 2 and summary["weight_sync"]["verified"] is True
@@ -67,14 +69,17 @@ def test_short_run_writes_every_output_and_a_readable_wandb_run(tmp_path):
     assert "chosen by the planner" in kv["source"] and kv["kv_cache_bytes"] >= 2**20 and kv["tokens"] > 0
     assert 0 < kv["gpu_memory_utilization"] <= 1
     # every phase the run measured has the plan's prediction beside it
-    assert set(plan["phases"]) == set(PHASES) and all(p["predicted_bytes"] > 0 for p in plan["phases"].values())
-    # every phase, and the checkpoint saved after the last step (trainer.save_every > 0)
-    assert set(summary["memory"]["phase_peak_bytes"]) == {*PHASES, SAVE_PHASE}
+    planned = set(plan["phases"])
+    assert planned == {EVAL_PHASE, *PHASES} and all(p["predicted_bytes"] > 0 for p in plan["phases"].values())
+    # every phase, the eval at the step boundaries, and the checkpoint saved after the last step (save_every > 0)
+    assert set(summary["memory"]["phase_peak_bytes"]) == {EVAL_PHASE, *PHASES, SAVE_PHASE}
     rows = read_timeline_csv(run_dir / "memory_timeline.csv")
-    assert {r["phase"] for r in rows} == {*PHASES, SAVE_PHASE} and {r["rank"] for r in rows} == {0, 1}
-    # every rank ran the step's table (modelspec/phases.py) in its order, the checkpoint's shards on the saving step
+    assert {r["phase"] for r in rows} == {EVAL_PHASE, *PHASES, SAVE_PHASE} and {r["rank"] for r in rows} == {0, 1}
+    # every rank ran the step's table (modelspec/phases.py) in its order, the checkpoint's shards on the saving
+    # step, the eval first; after the last step (2) the eval alone
     for (rank, step), entered in phases_entered(rows).items():
-        assert entered == phase_names(saves=step == 1), (rank, step)
+        expected = (EVAL_PHASE,) if step == 2 else phase_names(saves=step == 1, evaluates=True)
+        assert entered == expected, (rank, step)
     assert [p.name for p in complete_checkpoints(run_dir / "checkpoints")] == ["step_00000002"]
     for png in ("memory_timeline.png", "memory_stages.png"):
         assert (run_dir / png).stat().st_size > 10_000, png
@@ -83,7 +88,16 @@ def test_short_run_writes_every_output_and_a_readable_wandb_run(tmp_path):
     ref_phases = {r["phase"] for r in rows if r["tag/ref_params"] > 0}
     assert "ref_logprob" in ref_phases and ref_phases <= {"onload_ref", "ref_logprob", "offload_ref"}
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["trainer/step"] for m in metrics] == [0, 1]
+    assert [m["trainer/step"] for m in metrics] == [0, 1, 2]  # 2: the eval after the last step, its own record
+    evals, metrics = metrics, metrics[:2]
+    assert [m["eval/completed_steps"] for m in evals] == [0, 1, 2]
+    for m in evals:  # greedy over the 25 digit problems (each once), spread over the 2 engine replicas
+        assert m["eval/num_problems"] == m["eval/num_samples"] == 25 and m["time/eval"] > 0
+        assert 0 <= m["eval/accuracy"] <= m["eval/reward_mean"] + 1e-9 <= 1 and 1 <= m["eval/response_length"] <= 4
+    assert summary["eval"]["num_evals"] == 3 and summary["eval"]["seconds_total"] > 0
+    first, last = summary["eval"]["first"], summary["eval"]["last"]
+    assert (first["completed_steps"], last["completed_steps"]) == (0, 2)
+    assert (first["accuracy"], last["accuracy"]) == (evals[0]["eval/accuracy"], evals[2]["eval/accuracy"])
     assert all(m["train/kl"] > 0 and m["time/ref_logprob"] > 0 for m in metrics)  # 2nd PPO epoch moved off the ref
     # the engine and the actor agree on the sampled tokens' log-probs on every rank: the weights really flowed
     assert all(m["rollout/engine_actor_logprob_diff_max"] < 1e-4 for m in metrics)
@@ -97,12 +111,15 @@ def test_short_run_writes_every_output_and_a_readable_wandb_run(tmp_path):
     assert summary["engine_actor_logprob_diff_max"] == max(m["rollout/engine_actor_logprob_diff_max"] for m in metrics)
     # where the step's time went: every phase's median seconds (one steady step here: step 1), inside the step's
     phase_seconds = summary["time"]["phase_median_seconds"]
-    assert set(PHASES) <= set(phase_seconds) <= {*PHASES, SAVE_PHASE} and all(v > 0 for v in phase_seconds.values())
+    assert set(PHASES) <= set(phase_seconds) <= {EVAL_PHASE, *PHASES, SAVE_PHASE}
+    assert all(v > 0 for v in phase_seconds.values())
     assert summary["time"]["step_median_seconds"] >= sum(phase_seconds.values())
     # the offline W&B run, read back through wandb's own protobuf records
     history = history_rows(find_run_file(summary["wandb_dir"]))
     per_step = [h for h in history if "trainer/step" in h]
-    assert [h["trainer/step"] for h in per_step] == [0, 1]
+    assert [h["trainer/step"] for h in per_step] == [0, 1, 2]
+    assert [h["eval/accuracy"] for h in per_step] == [m["eval/accuracy"] for m in evals]
+    per_step = per_step[:2]
     for phase in PHASES:
         assert all(f"memory/peak/{phase}" in h and f"memory/prediction_error/{phase}" in h for h in per_step), phase
     timeline = [h for h in history if "timeline/step" in h]
@@ -155,10 +172,12 @@ def test_loop_with_vllm_engine_keeps_engine_and_actor_logprobs_together(tmp_path
         "trainer.prompts_per_step=8",
         "actor.micro_batch_size=32",
         "wandb.mode=disabled",
+        "eval.before_train=true",  # the eval phase through vLLM too
     )
     run_dir = Path(summary["run_dir"])
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["trainer/step"] for m in metrics] == [0, 1]
+    assert metrics[0]["eval/num_samples"] == 25 and "eval/accuracy" not in metrics[1]
     assert all(m["rollout/engine_actor_logprob_diff_max"] < 1e-4 for m in metrics)
     assert summary["weight_sync"]["verified"] is True
     rows = read_timeline_csv(run_dir / "memory_timeline.csv")
