@@ -258,10 +258,8 @@ def start_engine(ctx: RankContext) -> RankContext:
     kept for the wake checks and the predicted-vs-measured calibration (``ctx.plan``, ``ctx.kv_choice``)."""
     cfg, dims = ctx.cfg, ctx.dims
     # sequences as long as the longest prompt (the task's, the eval's) + max_new_tokens (not max_model_len)
-    prompt_tokens = max(
-        longest_prompt_tokens(ctx.task, ctx.tokenizer),
-        *(len(ctx.tokenizer(p.prompt).input_ids) for p in ctx.eval_problems),
-    )
+    eval_tokens = [len(ctx.tokenizer(p.prompt).input_ids) for p in ctx.eval_problems]
+    prompt_tokens = max([longest_prompt_tokens(ctx.task, ctx.tokenizer), *eval_tokens])
     engine, plan, kv_choice = build_engine(cfg, dims, ctx.mesh, ctx.rollout_group, prompt_tokens)
     ctx.timeline.probe.add_ledger(lambda: _tagged(engine.memory(), dims.device))
     if ctx.writer is not None and plan is not None:

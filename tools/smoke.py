@@ -102,6 +102,18 @@ STEPS: tuple[Step, ...] = (
         files=("{run}/hf/step_00000002/config.json", "{run}/hf/step_00000002/model.safetensors"),
     ),
     Step(
+        "eval",
+        "RUN={run}",
+        json_keys=("accuracy", "reward_mean", "num_problems", "reference_logprob_mean"),
+        label="eval (a run's checkpoint)",
+    ),
+    Step(
+        "eval",
+        "HF={run}/hf/step_00000002",
+        json_keys=("accuracy", "reward_mean", "num_problems", "reference_logprob_mean"),
+        label="eval (its export)",
+    ),
+    Step(
         "sbatch",
         'EXP=tiny_cpu ARGS="trainer.steps=3 output_dir={scratch}/runs"',
         expect=r"^submit with: sbatch (?P<script>\S+)",
