@@ -152,7 +152,9 @@ def sharded_state_dict(actor, is_loading: bool) -> tuple[dict, list]:
     if actor.optimizer is None:
         return state, []
     tensors, routes = _optimizer_tensors(actor, model_sd, is_loading)
-    state["optimizer"] = {"state": {_TENSORS: tensors}}
+    # none on a DP rank > 0 of the DistributedOptimizer when saving (DP rank 0 writes the gathered state);
+    # an empty list would be a "common" item that differs between ranks
+    state["optimizer"] = {"state": {_TENSORS: tensors} if tensors else {}}
     if not is_loading:
         state["optimizer"]["state"][COMMON_STEP] = torch.tensor(_common_step(actor))
         scaler = actor.optimizer.chained_optimizers[0].grad_scaler if actor.dtype == "float16" else None
