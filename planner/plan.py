@@ -196,6 +196,10 @@ def _stage(inp: PlanInputs, stage: int) -> _Stage:
     forward_logits = logprob_pass_bytes(inp, train=False) if last else 0
     forward_layer = _layer_bytes(inp, forward_mb, train=False)
     train_logits = logprob_pass_bytes(inp, train=True) if last else 0
+    # megatron's DistributedOptimizer (DP > 1, any device): a DP rank holds 1/DP of Adam's m, v and of the fp32
+    # main params of 16-bit params (fp32 params are their own, viewed); its DDP buffers also pad each param to
+    # 64 elements and a bucket to lcm(DP, 128) (distributed/param_and_grad_buffer.py): < 64 x (e + 4) bytes a
+    # tensor, not counted
     optimizer = count * optimizer_bytes_per_param(e) // (inp.actor_dp if inp.distributed_optimizer else 1)
     return _Stage(
         stage=stage,

@@ -311,6 +311,7 @@ def summarize(
             "phases": prediction_errors(ctx.plan, rows),
         },
         "wake_strategy": ctx.cfg.rollout.wake_strategy,
+        "actor_optimizer": ctx.actor.optimizer_name,  # the megatron-core optimizer class that stepped
         "engine_actor_logprob_diff_max": max(logprob_gaps, default=0.0),
         "weight_sync": {
             "bytes": plan.bytes_moved,  # all ranks, per sync
