@@ -102,7 +102,6 @@ class Actor:
             DistributedDataParallelConfig,
             finalize_model_grads,
         )
-
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         use_dist_opt = self.dims.dp > 1

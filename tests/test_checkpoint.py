@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import psutil
-
 import pytest
 import torch
 import torch.distributed as dist
