@@ -148,17 +148,16 @@ def test_bad_gap_bounds_fail_naming_the_key():
             TrainerConfig(**{key: 0})
 
 
-@pytest.mark.parametrize("engine", ["native"])
-def test_the_bf16_rule_passes_the_synced_engine_and_trips_on_a_swapped_shard(engine, tiny_model_dirs, capfd):
-    """The real pair in bf16 (``tools.logprob_gap --corrupt``: a megatron actor, an engine filled by the weight
-    sync, then one layer's down_proj column halves swapped, a TP shard in the other rank's slot): the rule
-    passes what the sync gives and stops the layout error."""
+def test_the_bf16_rule_passes_the_synced_engine_and_trips_on_a_swapped_shard(capfd):
+    """The real pair in bf16 (``tools.logprob_gap --corrupt`` on memory_cpu's model: a megatron actor, the native
+    engine filled by the weight sync, then one layer's down_proj column halves swapped, a TP shard in the
+    other rank's slot): the rule passes what the sync gives and stops the layout error. (On the 128-wide
+    tests' tiny qwen2 the same swap moves the p99 to only 0.09: too small a model to show a layout error.)"""
     import json
 
     from tools.logprob_gap import main
 
-    args = ["--engine", engine, "--dtype", "bfloat16", "--hf", tiny_model_dirs["qwen2"], "--num-prompts", "32"]
-    assert main([*args, "--corrupt"]) == 0
+    assert main(["--engine", "native", "--dtype", "bfloat16", "--num-prompts", "16", "--corrupt"]) == 0
     out = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
     rule = LOGPROB_GAP_RULE["bfloat16"]
 
@@ -166,6 +165,5 @@ def test_the_bf16_rule_passes_the_synced_engine_and_trips_on_a_swapped_shard(eng
         return LogprobGap(value=stats["max"], mean=stats["mean"], p99=stats["p99"], num_tokens=stats["num_tokens"])
 
     check_logprob_gap(gap(out["synced"]), step=0, rule=rule, dtype="bfloat16")
-    with pytest.raises(LogprobGapError, match="trainer.max_logprob_gap"):
+    with pytest.raises(LogprobGapError, match="p99 .* > trainer.max_logprob_gap_p99"):
         check_logprob_gap(gap(out["corrupt"]), step=0, rule=rule, dtype="bfloat16")
-    print(out)
