@@ -201,14 +201,21 @@ def _stage(inp: PlanInputs, stage: int) -> _Stage:
     # 64 elements and a bucket to lcm(DP, 128) (distributed/param_and_grad_buffer.py): < 64 x (e + 4) bytes a
     # tensor, not counted
     optimizer = count * optimizer_bytes_per_param(e) // (inp.actor_dp if inp.distributed_optimizer else 1)
+    train_activations = train_activation_bytes(inp, layers, layers_per_chunk, micro_batches_in_flight)
+    train_activations += train_backward_bytes(inp, stage, layers, train_logits)
+    # the DistributedOptimizer's grad sync (DDP finish_grad_sync, after the last backward: activations and
+    # logits freed) is a reduce_scatter_tensor of the fp32 grad buffer; gloo runs it as an all-reduce of a
+    # copy of the whole input (measured: +100 MB RSS for a 100 MB buffer; all_gather_into_tensor: none).
+    # NCCL reduces in place.
+    if inp.distributed_optimizer and not inp.on_cuda:
+        train_activations = max(train_activations, count * FP32_BYTES - train_logits)
     return _Stage(
         stage=stage,
         actor_params=params,
         actor_grads=count * FP32_BYTES,  # megatron DDP main_grad buffers, fp32 (grad_reduce_in_fp32)
         optimizer=optimizer,
         ref_params=params if inp.reference_model else 0,
-        train_activations=train_activation_bytes(inp, layers, layers_per_chunk, micro_batches_in_flight)
-        + train_backward_bytes(inp, stage, layers, train_logits),
+        train_activations=train_activations,
         forward_activations=forward_input + max(0, forward_layer - forward_logits),
         train_logits=train_logits,
         forward_logits=forward_logits,
