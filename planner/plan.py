@@ -206,9 +206,10 @@ def _stage(inp: PlanInputs, stage: int) -> _Stage:
     # the DistributedOptimizer's grad sync (DDP finish_grad_sync, after the last backward: activations and
     # logits freed) is a reduce_scatter_tensor of the fp32 grad buffer; gloo runs it as an all-reduce of a
     # copy of the whole input (measured: +100 MB RSS for a 100 MB buffer; all_gather_into_tensor: none).
-    # NCCL reduces in place.
+    # NCCL reduces in place. The fixed train workspace is held beside either.
     if inp.distributed_optimizer and not inp.on_cuda:
-        train_activations = max(train_activations, count * FP32_BYTES - train_logits)
+        workspace = int(inp.constants.value("train_workspace_bytes"))
+        train_activations = workspace + max(train_activations - workspace, count * FP32_BYTES - train_logits)
     return _Stage(
         stage=stage,
         actor_params=params,
