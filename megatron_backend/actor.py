@@ -15,10 +15,11 @@ The model runs on micro-batches from :mod:`megatron_backend.packing` (padded [b,
 chunked :func:`~megatron_backend.logprobs.fused_logprobs_entropy` at the response targets only.
 The loss function comes from ``rl`` (``rl.losses.PolicyLoss``); this package never imports ``rl``.
 
-Optimizer: on CUDA megatron-core's (``get_megatron_optimizer``; distributed optimizer when DP > 1);
-on CPU megatron-core's ``DistributedDataParallel`` grad buffers with ``torch.optim.AdamW`` stepping
-on ``main_grad`` and a TP/PP-aware grad-norm clip (megatron 0.16's optimizers need CUDA, see
-LIBRARY-APIS.md). Both exclude biases and norms from weight decay, like megatron.
+Optimizer: megatron-core's own on every device (``get_megatron_optimizer``, fp32 main params and grads):
+the ``DistributedOptimizer`` when DP > 1, else ``Float16OptimizerWithFloat16Params`` (bf16/fp16 params)
+or ``FP32Optimizer``; its CUDA assumptions are handled on CPU by :mod:`megatron_backend.cpu_compat`.
+``train_step`` runs megatron's step in its parts (``prepare_grads``, the norm, clip, ``step_with_ready_grads``)
+so that the non-finite check reads the gradient the step applies.
 """
 
 from __future__ import annotations
@@ -57,17 +58,9 @@ class Actor:
         dims: ParallelDims,
         dtype: str = "float32",
         train: bool = True,
-        optimizer_impl: str = "auto",
         shape: ModelShape | None = None,
     ):
-        """``optimizer_impl``: ``auto`` (megatron-core's on CUDA, torch AdamW on CPU), ``megatron`` or
-        ``torch`` (the CPU path, also on CUDA: the two are pinned to the same update by a gpu test).
-        ``shape``: the run's model shape (None: read from ``hf_dir``)."""
-        if optimizer_impl not in ("auto", "megatron", "torch"):
-            raise ValueError(f"optimizer_impl={optimizer_impl!r} must be auto, megatron or torch")
-        if optimizer_impl == "auto":
-            optimizer_impl = "megatron" if dims.device.type == "cuda" else "torch"
-        self.optimizer_impl = optimizer_impl
+        """``shape``: the run's model shape (None: read from ``hf_dir``)."""
         if (config.tp, config.pp, config.vpp) != (dims.tp, dims.pp, dims.vpp):
             raise ValueError(
                 f"actor.tp/pp/vpp = {config.tp}/{config.pp}/{config.vpp} but the process groups are "
@@ -108,11 +101,11 @@ class Actor:
             DistributedDataParallelConfig,
             finalize_model_grads,
         )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        use_megatron = self.optimizer_impl == "megatron"
         offload_fraction = self.config.optimizer_offload_fraction
         # megatron wires its CPU offload (HybridDeviceOptimizer) into the distributed optimizer only
-        use_dist_opt = use_megatron and (self.dims.dp > 1 or offload_fraction > 0)
+        use_dist_opt = self.dims.dp > 1 or offload_fraction > 0
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_dist_opt
         )
@@ -121,40 +114,20 @@ class Actor:
         ]
         config = self.chunks[0].config
         config.finalize_model_grads_func = finalize_model_grads  # DP all-reduce + tied-embedding grads
-        if use_megatron:
-            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-            opt_config = OptimizerConfig(
-                optimizer="adam",
-                lr=self.config.lr,
-                weight_decay=self.config.weight_decay,
-                clip_grad=self.config.grad_clip,
-                use_distributed_optimizer=use_dist_opt,
-                bf16=self.dtype == "bfloat16",
-                fp16=self.dtype == "float16",
-                params_dtype=config.params_dtype,
-                optimizer_cpu_offload=offload_fraction > 0,
-                optimizer_offload_fraction=offload_fraction,
-            )
-            self.optimizer = get_megatron_optimizer(opt_config, self.models)
-            use_loss_scaling(self.chunks, self.optimizer)
-        else:
-            if self.dtype != "float32":
-                raise ValueError(f"model.dtype={self.dtype!r}: the torch AdamW path needs float32 params")
-            decay, no_decay = [], []
-            for model in self.models:
-                for name, p in model.named_parameters():
-                    if p.requires_grad:
-                        (no_decay if p.dim() == 1 or name.endswith(".bias") else decay).append(p)
-            self.optimizer = torch.optim.AdamW(
-                [
-                    {"params": decay, "weight_decay": self.config.weight_decay},
-                    {"params": no_decay, "weight_decay": 0.0},
-                ],
-                lr=self.config.lr,
-                betas=(0.9, 0.999),
-                eps=1e-8,
-            )
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=self.config.lr,
+            weight_decay=self.config.weight_decay,
+            clip_grad=self.config.grad_clip,
+            use_distributed_optimizer=use_dist_opt,
+            bf16=self.dtype == "bfloat16",
+            fp16=self.dtype == "float16",
+            params_dtype=config.params_dtype,
+            optimizer_cpu_offload=offload_fraction > 0,
+            optimizer_offload_fraction=offload_fraction,
+        )
+        self.optimizer = get_megatron_optimizer(opt_config, self.models)
+        use_loss_scaling(self.chunks, self.optimizer)
         self.ledger.set("actor_grads", resident_bytes=storage_bytes(self._grad_tensors()))
 
     # ---------------------------------------------------------------- forward passes
@@ -313,13 +286,7 @@ class Actor:
         self._require_onloaded("train_step")
         with self.ledger.op("train"):
             metrics = self.compute_grads(batch, loss_fn)
-            # before any update: a non-finite loss or gradient must never reach the weights or Adam's moments
-            grad_norm = self.optimizer.get_grad_norm() if self.optimizer_impl == "megatron" else self._cpu_grad_norm()
-            self._stop_if_not_finite({**{k: v for k, v in metrics.items() if "loss" in k}, "grad_norm": grad_norm})
-            if self.optimizer_impl == "megatron":
-                _, grad_norm, _ = self.optimizer.step()
-            else:
-                self._cpu_clip_and_step(grad_norm)
+            grad_norm = self._checked_step({k: v for k, v in metrics.items() if "loss" in k})
             metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
             self.ledger.set("optimizer", resident_bytes=storage_bytes(self._optimizer_tensors()))
         self._release_freed_host_memory()
@@ -332,20 +299,6 @@ class Actor:
         if self.dims.device.type == "cpu":
             release_freed_host_memory()
 
-    def _grad_norm_params(self) -> list[torch.nn.Parameter]:
-        """Each gradient counted once across TP (replicated params on TP rank 0) and the tied copy skipped."""
-        out = []
-        for model in self.models:
-            for p in model.parameters():
-                if not p.requires_grad:
-                    continue
-                if getattr(p, "shared", False):  # tied output_layer copy on the last stage
-                    continue
-                if not getattr(p, "tensor_model_parallel", False) and self.dims.tp_rank != 0:
-                    continue
-                out.append(p)
-        return out
-
     def _stop_if_not_finite(self, values: dict[str, float]) -> None:
         """Every rank raises together (one all-reduce) when any rank's loss or the grad norm is NaN/inf."""
         local = [name for name, value in values.items() if not math.isfinite(float(value))]
@@ -357,26 +310,33 @@ class Actor:
             raise FloatingPointError(f"{where} is not finite; the optimizer step was not applied")
 
     @torch.no_grad()
-    def _cpu_grad_norm(self) -> float:
-        norm_sq = torch.zeros((), dtype=torch.float32, device=self.dims.device)
-        for p in self._grad_norm_params():
-            norm_sq += p.main_grad.float().pow(2).sum()
-        for group in (self.dims.tp_group, self.dims.pp_group):  # sum over the model-parallel grid
-            dist.all_reduce(norm_sq, group=group)
-        return float(norm_sq.sqrt())
+    def _checked_step(self, losses: dict[str, float]) -> float | None:
+        """megatron's ``ChainedOptimizer.step`` with the non-finite check between its parts: ``prepare_grads``
+        copies the reduced grads to the fp32 main params (before it their ``.grad`` is None and the norm
+        reads 0), the norm is taken over exactly those, and only a finite norm and loss reach the clip and
+        ``step_with_ready_grads``. Returns the grad norm (None: fp16's loss scaler found an overflow and
+        skipped the step, as megatron does)."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-    @torch.no_grad()
-    def _cpu_clip_and_step(self, grad_norm: float) -> None:
-        params = [p for model in self.models for p in model.parameters() if p.requires_grad]
-        clip = self.config.grad_clip
-        coef = clip / (grad_norm + 1e-6) if clip > 0 else 1.0
-        for p in params:
-            p.grad = p.main_grad
-            if coef < 1.0:
-                p.grad.mul_(coef)
-        self.optimizer.step()
-        for p in params:
-            p.grad = None
+        if self.optimizer.prepare_grads():  # fp16 only: the scaler backed off, nothing is applied
+            self._stop_if_not_finite(losses)
+            return None
+        grad_norm = self.optimizer.get_grad_norm()
+        self._stop_if_not_finite({**losses, "grad_norm": grad_norm})
+        for opt in self.optimizer.chained_optimizers:
+            params = opt.get_parameters()
+            if opt.config.clip_grad > 0.0 and params and not getattr(opt, "is_stub_optimizer", False):
+                clip_grad_by_total_norm_fp32(params, max_norm=opt.config.clip_grad, total_norm=grad_norm)
+        self.optimizer.step_with_ready_grads()
+        return grad_norm
+
+    @property
+    def optimizer_name(self) -> str:
+        """The megatron-core optimizer class that steps (summary.json ``actor_optimizer``)."""
+        if self.optimizer is None:
+            return "none"
+        inner = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        return "megatron-core " + "+".join(sorted({type(opt).__name__ for opt in inner}))
 
     # ---------------------------------------------------------------- offload / onload
     def _param_tensors(self) -> list[torch.Tensor]:

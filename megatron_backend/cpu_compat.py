@@ -20,10 +20,21 @@ changes inside a fork, which on CPU is exactly what a fork is for, so that one m
 ``LanguageModule.setup_embeddings_and_output_layer`` (tied embeddings with PP > 1) moves the shared
 weight with ``weight.data.cuda()`` before its first-stage/last-stage all-reduce; that method is
 wrapped to skip the ``.cuda()`` and run the same all-reduce on the CPU tensor.
+
+megatron's optimizers (``get_megatron_optimizer``: ``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``,
+``DistributedOptimizer``) sort parameters by comparing ``param.type()`` with CUDA type names
+(``'torch.cuda.FloatTensor'``, ...) and raise ``TypeError`` for anything else; ``clip_grad_by_total_norm_fp32``
+asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``. The three functions that compare are wrapped
+(:func:`_answer_cuda_type_names`): during the call, and on the tensors they are handed only, ``.type()``
+answers the CUDA name of the tensor's dtype (an instance attribute that shadows the method, removed when
+the call returns); ``torch.Tensor`` itself is never patched. Their scalars (``found_inf``, the loss scale,
+the norm buffers) come from the modules' ``torch`` proxy like the others.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import logging
 import types
@@ -41,6 +52,17 @@ PATCHED_MODULES = {
     "megatron.core.distributed.param_and_grad_buffer": "DDP grad buffers on torch.cuda.current_device()",
     "megatron.core.dist_checkpointing.strategies.filesystem_async": "torch.cuda.synchronize() after the D2H preload",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver": 'save status flags on device="cuda"',
+    "megatron.core.optimizer.optimizer": 'found_inf, loss-scale and overflow scalars on device="cuda"',
+    "megatron.core.optimizer.clip_grads": 'grad-norm and overflow buffers on device="cuda"',
+    "megatron.core.optimizer.distrib_optimizer": "state shards allocated on torch.cuda.current_device()",
+    "megatron.core.optimizer.grad_scaler": 'fp16 loss scale on device="cuda"',
+}
+
+# dtype -> the name ``Tensor.type()`` gives on CUDA, which megatron's optimizers compare with
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
 }
 
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint")
@@ -137,6 +159,63 @@ def _patch_tied_embedding_setup() -> None:
     LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
 
 
+@contextlib.contextmanager
+def _cuda_type_names(tensors):
+    """Inside the block, each of ``tensors`` answers ``.type()`` (no arguments) with its dtype's CUDA type
+    name; ``.type(dtype)`` still converts. An instance attribute on these tensor objects only."""
+    marked = []
+    for tensor in tensors:
+        if tensor is None or tensor.dtype not in _CUDA_TYPE_NAMES or "type" in vars(tensor):
+            continue
+        tensor.type = functools.partial(_type_as_on_cuda, tensor.type, _CUDA_TYPE_NAMES[tensor.dtype])
+        marked.append(tensor)
+    try:
+        yield
+    finally:
+        for tensor in marked:
+            del tensor.type
+
+
+def _type_as_on_cuda(original, cuda_name, *args, **kwargs):
+    return original(*args, **kwargs) if args or kwargs else cuda_name
+
+
+def _answer_cuda_type_names(owner, name: str, tensors_of) -> None:
+    """Wrap ``owner.<name>`` so that the tensors ``tensors_of(*args, **kwargs)`` answer CUDA type names
+    while it runs (see the module doc)."""
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        with _cuda_type_names(list(tensors_of(*args, **kwargs))):
+            return original(*args, **kwargs)
+
+    setattr(owner, name, wrapper)
+
+
+def _optimizer_params(self, optimizer, *args, **kwargs):
+    """The params of ``optimizer.param_groups`` (the Float16/Distributed optimizers' ``__init__``)."""
+    return [p for group in (optimizer.param_groups if optimizer is not None else []) for p in group["params"]]
+
+
+def _param_grads(parameters, *args, **kwargs):
+    """``clip_grad_by_total_norm_fp32(parameters, ...)``: the grads of ``parameters``."""
+    parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    return [p.grad for p in parameters if p.grad is not None]
+
+
+def _patch_optimizer_type_checks() -> None:
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import optimizer as optimizer_module
+
+    _answer_cuda_type_names(optimizer_module.Float16OptimizerWithFloat16Params, "__init__", _optimizer_params)
+    # __init__ compares, then builds the shards in _build_model_and_main_param_groups, which compares again
+    _answer_cuda_type_names(distrib_optimizer.DistributedOptimizer, "__init__", _optimizer_params)
+    # bound by name where it is called (ChainedOptimizer.step, MegatronOptimizer.clip_grad_norm)
+    for module in (clip_grads, optimizer_module):
+        _answer_cuda_type_names(module, "clip_grad_by_total_norm_fp32", _param_grads)
+
+
 def is_active() -> bool:
     return _applied
 
@@ -155,5 +234,6 @@ def apply() -> bool:
     random_module._set_cuda_rng_state = _set_cpu_rng_state
     logging.getLogger(random_module.__name__).addFilter(_DropForkWarning())
     _patch_tied_embedding_setup()
+    _patch_optimizer_type_checks()
     _applied = True
     return True

@@ -6,14 +6,15 @@ the layer axis and the TP split as metadata), so a checkpoint saved at actor TP 
 any other layout: each rank reads the pieces that overlap its own shards. Vocab-padded tensors are
 marked ``allow_shape_mismatch`` by megatron (padding differs with TP) and are cut or padded on load.
 
-The optimizer state is keyed the same way, so it reshards with the params:
-
-- CPU (torch ``AdamW`` stepping on DDP ``main_grad``, see ``actor.py``): ``exp_avg`` / ``exp_avg_sq`` of
-  each parameter become ``optimizer.state.<key>.<param key>`` ShardedTensors with the param's sharding
-  (megatron's ``optim_state_to_sharding_state``, the helper its own FP32 optimizer uses); the step
-  count, equal for every parameter, is saved once as ``common_step``; group hyper-parameters from rank 0.
-- CUDA (megatron's optimizer): its own ``sharded_state_dict`` with the distributed optimizer's
-  ``fully_sharded_model_space`` format (one ShardedTensor per parameter, reshardable across TP/PP/DP).
+The optimizer state is keyed the same way, in model space, whatever megatron optimizer class wrote it:
+``optimizer.state.exp_avg.<param key>`` / ``optimizer.state.exp_avg_sq.<param key>`` per parameter, plus
+``optimizer.state.fp32_param.<param key>`` (the fp32 main param) for 16-bit params, each a ShardedTensor
+with the param's sharding (``FP32Optimizer`` / ``Float16OptimizerWithFloat16Params``: megatron's
+``sharded_state_dict``; ``DistributedOptimizer``: its ``fully_sharded_model_space`` tensors, each DP rank
+its flat slice), and the step count, equal for every parameter, once as ``common_step``. So a checkpoint
+reshards across TP, PP, VPP and DP and across the three classes (DP = 1 <-> DP > 1), and the checkpoints
+of the torch AdamW path CPU runs used before megatron's optimizer (the same keys and ``common_step``,
+float32 only) resume with their moments. Group hyper-parameters come from the run's config, not the file.
 
 Saving and loading need the params, grads and optimizer states resident (``Actor.onload`` first); the
 loop saves inside the step, after ``train``, when they are.
@@ -34,6 +35,9 @@ import torch
 # megatron-core's distributed-optimizer format that reshards across TP, PP and DP (see the module doc)
 MEGATRON_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_sharded_model_space"}
 COMMON_STEP = "common_step"
+_TENSORS = "model_space_tensors"
+_STATE_PREFIX = "optimizer.state."
+_FP32_PARAM = _STATE_PREFIX + "fp32_param."
 
 
 def model_sharded_state_dict(chunks) -> dict:
@@ -41,58 +45,122 @@ def model_sharded_state_dict(chunks) -> dict:
     return {vp: chunk.sharded_state_dict() for vp, chunk in enumerate(chunks)}
 
 
-def _init_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """Zero moments for every parameter that has none yet (a load template needs them allocated)."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state[p]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+def _inner_optimizers(actor) -> list:
+    return [opt for opt in actor.optimizer.chained_optimizers if not getattr(opt, "is_stub_optimizer", False)]
 
 
-def _torch_optimizer_sharded_state_dict(optimizer: torch.optim.Optimizer, model_sd: dict, is_loading: bool) -> dict:
-    from megatron.core.dist_checkpointing.optimizer import (
-        get_param_id_to_sharded_param_map,
-        optim_state_to_sharding_state,
-    )
+# the DistributedOptimizer's model-space exchange: gathered on DP rank 0 over its gloo DP group (also on CUDA)
+_FULLY_RESHARDABLE = {"distrib_optim_fully_reshardable_mem_efficient": True}
 
-    if is_loading:
-        _init_adam_state(optimizer)
-    state = optimizer.state_dict()  # {"state": {index: {step, exp_avg, exp_avg_sq}}, "param_groups": [...]}
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    steps = {float(s["step"]) for s in state["state"].values() if "step" in s}
+
+def _canonical(t, fp32_model_keys: set):
+    """A megatron optimizer-state ShardedTensor under its model-space key, or None when not saved (fp32
+    params are their own main params: their ``fp32_param`` is the model weight, saved under "model")."""
+    from dataclasses import replace
+
+    key = t.key.replace(_STATE_PREFIX + "param.", _FP32_PARAM, 1)  # the DistributedOptimizer's name for it
+    if key.startswith(_FP32_PARAM) and key[len(_FP32_PARAM) :] in fp32_model_keys:
+        return None
+    return replace(t, key=key) if key != t.key else t
+
+
+def _optimizer_tensors(actor, model_sd: dict, is_loading: bool) -> tuple[list, list]:
+    """The optimizer state in model space (module doc) as ShardedTensors (the layers of a stage share a key and
+    differ in offset), and per tensor where a loaded value goes: (None, target) copies into the optimizer's
+    own tensor; (DistributedOptimizer, (param index, state key)) is sliced to this DP rank by megatron."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.optimizer import DistributedOptimizer
+
+    sharded = (ShardedTensor, ShardedTensorFactory)  # factories: e.g. the SwiGLU fc1 split in two halves
+    fp32_model_keys = {
+        t.key for t in nested_values(model_sd) if isinstance(t, sharded) and t.data.dtype == torch.float32
+    }
+    tensors, routes = [], []
+    for opt in _inner_optimizers(actor):
+        if is_loading:
+            opt.init_state_fn(opt.optimizer, opt.config)  # zero moments to load into (megatron's own allocator)
+        if isinstance(opt, DistributedOptimizer):
+            # model-param-shaped (TP shard) tensors gathered over DP: on DP rank 0 when saving (None elsewhere),
+            # on every rank (empty, to be filled) when loading
+            by_param = opt.sharded_param_state_fully_reshardable(model_sd, is_loading, _FULLY_RESHARDABLE) or {}
+            for index, states in by_param.items():
+                for name, t in states.items():
+                    t = _canonical(t, fp32_model_keys)
+                    if t is not None:
+                        tensors.append(t)
+                        routes.append((opt, (index, "fp32_param" if name == "param" else name)))
+            continue
+        for t in nested_values(opt.sharded_state_dict(model_sd, is_loading=is_loading)):
+            if isinstance(t, sharded) and t.key.startswith(_STATE_PREFIX):
+                t = _canonical(t, fp32_model_keys)
+                if t is not None:
+                    tensors.append(t)
+                    routes.append((None, t.data))
+    return tensors, routes
+
+
+def _load_optimizer_tensors(actor, routes: list, values: list) -> None:
+    """Put the loaded model-space tensors where :func:`_optimizer_tensors` said they go."""
+    per_dist_opt = {}
+    for (opt, where), value in zip(routes, values, strict=True):
+        if opt is None:
+            if value is not where:
+                where.copy_(value)
+        else:
+            index, name = where
+            per_dist_opt.setdefault(opt, {}).setdefault(index, {})[name] = value
+    for opt, by_param in per_dist_opt.items():
+        for state in opt.optimizer.state.values():
+            state.pop("step", None)  # megatron copies every state it holds; the step is set after
+        # the order megatron numbers them in (sharded_param_state_fully_reshardable): buffer by buffer
+        model_params = [p for buffer in opt.buffers for p in buffer.param_index_map]
+        for index, model_param in enumerate(model_params):
+            by_param.setdefault(index, {}).setdefault("fp32_param", model_param.detach())  # fp32: itself
+        opt.load_parameter_state_from_fully_reshardable(by_param)
+
+
+def _common_step(actor) -> float:
+    """The step count every parameter shares (torch Adam keeps it per parameter, TE's FusedAdam per group)."""
+    steps = set()
+    for opt in _inner_optimizers(actor):
+        inner = opt.optimizer
+        if isinstance(inner, torch.optim.Optimizer) and inner.state:
+            steps |= {float(s["step"]) for s in inner.state.values() if "step" in s}
+        steps |= {float(g["step"]) for g in inner.param_groups if "step" in g}
     if len(steps) > 1:
         raise RuntimeError(f"optimizer step counts differ between parameters ({sorted(steps)}); cannot save one")
-    id_to_sharded = get_param_id_to_sharded_param_map(model_sd, params)
-    if len(id_to_sharded) != len(params):
-        raise RuntimeError(f"{len(params) - len(id_to_sharded)} optimizer parameters have no sharded model tensor")
-    optim_state_to_sharding_state(state, id_to_sharded, exclude_keys=("step",))
-    state["state"][COMMON_STEP] = torch.tensor(steps.pop() if steps else 0.0)
-    return state
+    return steps.pop() if steps else 0.0
 
 
-def _load_torch_optimizer(optimizer: torch.optim.Optimizer, loaded: dict) -> None:
-    step = loaded["state"].pop(COMMON_STEP)
-    for param_state in loaded["state"].values():
-        param_state["step"] = torch.as_tensor(step, dtype=torch.float32).clone()
-    optimizer.load_state_dict(loaded)
+def _set_common_step(actor, step: float) -> None:
+    for opt in _inner_optimizers(actor):
+        inner = opt.optimizer
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            for state in inner.state.values():
+                state["step"] = torch.tensor(float(step), dtype=torch.float32)
+        else:  # TE / Apex FusedAdam: one step per group
+            for group in inner.param_groups:
+                group["step"] = int(step)
 
 
-def sharded_state_dict(actor, is_loading: bool) -> dict:
-    """What one rank saves (or, ``is_loading``, the template it loads into): model and optimizer."""
+def sharded_state_dict(actor, is_loading: bool) -> tuple[dict, list]:
+    """What one rank saves (or, ``is_loading``, the template it loads into): model and optimizer; and where
+    the optimizer's loaded tensors go (:func:`_optimizer_tensors`)."""
     model_sd = model_sharded_state_dict(actor.chunks)
     state = {"model": model_sd}
     if actor.optimizer is None:
-        return state
-    if actor.optimizer_impl == "megatron":
-        state["optimizer"] = actor.optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata=MEGATRON_OPTIMIZER_METADATA
-        )
-    else:
-        state["optimizer"] = _torch_optimizer_sharded_state_dict(actor.optimizer, model_sd, is_loading)
-    return state
+        return state, []
+    tensors, routes = _optimizer_tensors(actor, model_sd, is_loading)
+    # none on a DP rank > 0 of the DistributedOptimizer when saving (DP rank 0 writes the gathered state);
+    # an empty list would be a "common" item that differs between ranks
+    state["optimizer"] = {"state": {_TENSORS: tensors} if tensors else {}}
+    if not is_loading:
+        state["optimizer"]["state"][COMMON_STEP] = torch.tensor(_common_step(actor))
+        scaler = actor.optimizer.chained_optimizers[0].grad_scaler if actor.dtype == "float16" else None
+        if scaler is not None:
+            state["optimizer"]["grad_scaler"] = scaler.state_dict()
+    return state, routes
 
 
 def _in_process_results_queue() -> None:
@@ -111,7 +179,7 @@ def save(actor, directory: str | Path) -> None:
 
     _in_process_results_queue()
     Path(directory).mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save(sharded_state_dict(actor, is_loading=False), str(directory))
+    dist_checkpointing.save(sharded_state_dict(actor, is_loading=False)[0], str(directory))
 
 
 @torch.no_grad()
@@ -121,7 +189,7 @@ def load(actor, directory: str | Path) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    template = sharded_state_dict(actor, is_loading=True)
+    template, routes = sharded_state_dict(actor, is_loading=True)
     if actor.optimizer is not None and "optimizer" not in dist_checkpointing.load_common_state_dict(str(directory)):
         # a params-only checkpoint (e.g. from a reference actor) cannot restore a training actor
         raise ValueError(f"{directory} holds no optimizer state; it cannot resume training")
@@ -133,7 +201,8 @@ def load(actor, directory: str | Path) -> None:
         chunk.load_state_dict(loaded["model"][vp], strict=True)
     if actor.optimizer is None:
         return
-    if actor.optimizer_impl == "megatron":
-        actor.optimizer.load_state_dict(loaded["optimizer"])
-    else:
-        _load_torch_optimizer(actor.optimizer, loaded["optimizer"])
+    state = loaded["optimizer"]["state"]
+    _load_optimizer_tensors(actor, routes, state[_TENSORS])
+    _set_common_step(actor, float(state[COMMON_STEP]))
+    if "grad_scaler" in loaded["optimizer"] and actor.dtype == "float16":
+        actor.optimizer.chained_optimizers[0].grad_scaler.load_state_dict(loaded["optimizer"]["grad_scaler"])

@@ -200,5 +200,7 @@ def build_gpt_chunks(
             parallel_output=True,
             vp_stage=vp,
         )
-        chunks.append(model.to(dims.device))
+        # every param in the model's dtype, as megatron's Float16Module casts it (``module.bfloat16()``): the local
+        # spec's torch-norm fallback (no TE, CPU) creates its weights in fp32 whatever params_dtype says
+        chunks.append(model.to(device=dims.device, dtype=config.params_dtype))
     return chunks

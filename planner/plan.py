@@ -199,15 +199,28 @@ def _stage(inp: PlanInputs, stage: int) -> _Stage:
     forward_logits = logprob_pass_bytes(inp, train=False) if last else 0
     forward_layer = _layer_bytes(inp, forward_mb, train=False)
     train_logits = logprob_pass_bytes(inp, train=True) if last else 0
+    # megatron's DistributedOptimizer (DP > 1 or an optimizer offload, any device): a DP rank holds 1/DP of Adam's
+    # m, v and of the fp32 main params of 16-bit params (fp32 params are their own, viewed; optimizer_device_bytes);
+    # its DDP buffers also pad each param to
+    # 64 elements and a bucket to lcm(DP, 128) (distributed/param_and_grad_buffer.py): < 64 x (e + 4) bytes a
+    # tensor, not counted
     optimizer = optimizer_device_bytes(inp, count)
+    train_activations = train_activation_bytes(inp, layers, layers_per_chunk, micro_batches_in_flight)
+    train_activations += train_backward_bytes(inp, stage, layers, train_logits)
+    # the DistributedOptimizer's grad sync (DDP finish_grad_sync, after the last backward: activations and
+    # logits freed) is a reduce_scatter_tensor of the fp32 grad buffer; gloo runs it as an all-reduce of a
+    # copy of the whole input (measured: +100 MB RSS for a 100 MB buffer; all_gather_into_tensor: none).
+    # NCCL reduces in place. The fixed train workspace is held beside either.
+    if inp.distributed_optimizer and not inp.on_cuda:
+        workspace = int(inp.constants.value("train_workspace_bytes"))
+        train_activations = workspace + max(train_activations - workspace, count * FP32_BYTES - train_logits)
     return _Stage(
         stage=stage,
         actor_params=params,
         actor_grads=count * FP32_BYTES,  # megatron DDP main_grad buffers, fp32 (grad_reduce_in_fp32)
         optimizer=optimizer,
         ref_params=params if inp.reference_model else 0,
-        train_activations=train_activation_bytes(inp, layers, layers_per_chunk, micro_batches_in_flight)
-        + train_backward_bytes(inp, stage, layers, train_logits),
+        train_activations=train_activations,
         forward_activations=forward_input + max(0, forward_layer - forward_logits),
         train_logits=train_logits,
         forward_logits=forward_logits,

@@ -43,8 +43,9 @@ def plan_inputs(cfg, prompt_tokens: int | None = None, calibration=None) -> Plan
         actor_pp=actor.pp,
         actor_vpp=actor.vpp,
         actor_dp=cfg.dp,
-        # megatron_backend.actor: megatron's optimizer on CUDA, distributed when DP > 1; torch AdamW on CPU
-        distributed_optimizer=on_cuda and (cfg.dp > 1 or actor.optimizer_offload_fraction > 0),
+        # megatron_backend.actor: megatron-core's optimizer on every device, its DistributedOptimizer when DP > 1
+        # or when it offloads (megatron wires its HybridDeviceOptimizer into the distributed optimizer only)
+        distributed_optimizer=cfg.dp > 1 or actor.optimizer_offload_fraction > 0,
         optimizer_offload_fraction=actor.optimizer_offload_fraction,
         **asdict(cfg.step_flags()),  # the offload flags, a reference actor, the wake strategy (the step's table)
         micro_batch_size=actor.micro_batch_size,

@@ -6,6 +6,8 @@ way): the next training step from the loaded state equals the next step of the r
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -126,6 +128,8 @@ SCENARIOS = {  # name -> (family, save layout (tp, pp, vpp), load layout)
     "tp2_to_tp1": ("qwen2", (2, 1, None), (1, 1, None)),
     # Llama has tied embeddings: at PP=2 the last stage's output layer is a copy of the first's embedding
     "pp2vpp2_to_pp1": ("llama", (1, 2, 2), (1, 1, None)),
+    # DP=2 (megatron's DistributedOptimizer) -> TP=2, DP=1 (its FP32Optimizer): the one model-space format
+    "dp2_to_tp2": ("qwen2", (1, 1, None), (2, 1, None)),
 }
 
 
@@ -145,7 +149,7 @@ def test_checkpoint_reloads_bit_exact_and_reshards_tp_and_pp(tiny_model_dirs, tm
 
 @pytest.mark.gpu
 def test_megatron_optimizer_checkpoint_round_trip(tiny_model_dirs, tmp_path):
-    """CUDA: megatron-core's own optimizer (``optimizer_impl=auto`` picks it) through the same save/load."""
+    """CUDA: megatron-core's optimizer with TE's FusedAdam (step per group) through the same save/load."""
     result = run_ranks(
         _save_then_load_elsewhere, 1, tiny_model_dirs["qwen2"], str(tmp_path / "gpu"), (1, 1, None), (1, 1, None)
     )[0]
@@ -154,3 +158,78 @@ def test_megatron_optimizer_checkpoint_round_trip(tiny_model_dirs, tmp_path):
         for k, v in result.items()
     }
     _check(result, same_layout=True)
+
+
+def _old_torch_adamw_checkpoint(actor, directory: str, step: float) -> None:
+    """A checkpoint as the torch AdamW path CPU runs used before megatron's optimizer wrote it (its code, kept
+    here as the format's definition): AdamW over the model params, moments as ShardedTensors of each param
+    (megatron's ``optim_state_to_sharding_state``), ``common_step`` once, the groups in the common part."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        optim_state_to_sharding_state,
+    )
+
+    from megatron_backend.dist_checkpoint import _in_process_results_queue, model_sharded_state_dict
+
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    _in_process_results_queue()
+    params = [p for chunk in actor.chunks for p in chunk.parameters()]
+    optimizer = torch.optim.AdamW([{"params": params, "weight_decay": 0.0}], lr=1e-3)
+    gen = torch.Generator().manual_seed(7)
+    for p in params:  # moments of a run that trained: nonzero, the same on every rank holding the param
+        optimizer.state[p] = {
+            "step": torch.tensor(step),
+            "exp_avg": torch.randn(p.shape, generator=gen) * 1e-3,
+            "exp_avg_sq": torch.rand(p.shape, generator=gen) * 1e-6,
+        }
+    model_sd = model_sharded_state_dict(actor.chunks)
+    state = optimizer.state_dict()
+    optim_state_to_sharding_state(state, get_param_id_to_sharded_param_map(model_sd, params), exclude_keys=("step",))
+    state["state"]["common_step"] = torch.tensor(step)
+    dist_checkpointing.save({"model": model_sd, "optimizer": state}, directory)
+
+
+def _resume_old_format(rank, world_size, hf_dir, root):
+    """Write the old format at TP=2 (DP=1); load it at TP=2 (FP32Optimizer) and TP=1 x DP=2
+    (DistributedOptimizer), save again in today's format: rank 0 returns both checkpoints' full tensors."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_backend.actor import Actor
+    from megatron_backend.config import ActorConfig
+    from megatron_backend.parallel import initialize_model_parallel
+
+    old_dir = f"{root}/old"
+    dims = initialize_model_parallel(tp=2, pp=1)
+    _old_torch_adamw_checkpoint(Actor(hf_dir, ActorConfig(tp=2), dims, train=False), old_dir, step=3.0)
+    out = {}
+    for tp in (2, 1):
+        dims = initialize_model_parallel(tp=tp, pp=1)
+        actor = Actor(hf_dir, ActorConfig(tp=tp, lr=1e-3), dims)
+        actor.load_checkpoint(old_dir)
+        actor.save_checkpoint(f"{root}/tp{tp}")
+        out[actor.optimizer_name] = f"{root}/tp{tp}"
+    plain = {name: dist_checkpointing.load_plain_tensors(d) for name, d in out.items()}  # collective
+    common = {name: dist_checkpointing.load_common_state_dict(d) for name, d in out.items()}
+    old = dist_checkpointing.load_plain_tensors(old_dir)
+    if rank != 0:
+        return None
+    return dict(
+        old=old,
+        new=plain,
+        steps={name: float(c["optimizer"]["state"]["common_step"]) for name, c in common.items()},
+    )
+
+
+def test_a_torch_adamw_checkpoint_resumes_with_its_moments_in_megatrons_optimizer(tiny_model_dirs, tmp_path):
+    result = run_ranks(_resume_old_format, 2, tiny_model_dirs["qwen2"], str(tmp_path))[0]
+    old = {k: v for k, v in result["old"].items() if k.startswith("optimizer.state.exp_avg")}
+    assert len(old) > 10 and all(v.abs().max() > 0 for v in old.values())
+    assert set(result["new"]) == {"megatron-core FP32Optimizer", "megatron-core DistributedOptimizer"}
+    for name, tensors in result["new"].items():
+        assert result["steps"][name] == 3.0, name
+        new = {k: v for k, v in tensors.items() if k.startswith("optimizer.state.exp_avg")}
+        assert set(new) == set(old), name
+        for k in old:  # carried over bit for bit (vocab-padded rows: as many as TP pads to, cut on load)
+            rows = min(len(old[k]), len(new[k]))
+            assert torch.equal(new[k][:rows], old[k][:rows]), (name, k)

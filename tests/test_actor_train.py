@@ -127,3 +127,63 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_before_the_optimizer_step(tiny_
     assert "loss=nan" in results[1]["error"] and "the optimizer step was not applied" in results[1]["error"]
     assert "grad_norm=nan" in results[0]["error"]  # the DP all-reduce carried the NaN into rank 0's gradient
     assert all(r["params_unchanged"] and r["moments_unchanged"] for r in results), results
+
+
+def _nan_gradient_is_not_applied(rank, world_size, model_dir):
+    """A finite loss whose backward puts a NaN into one gradient element on rank 0 (a hook on one weight),
+    with each of megatron's optimizers: TP=2 x DP=1 (FP32Optimizer; bf16: Float16OptimizerWithFloat16Params)
+    and TP=1 x DP=2 (DistributedOptimizer). One good step first, so Adam's moments exist."""
+    from megatron_backend.actor import Actor
+    from megatron_backend.config import ActorConfig
+    from megatron_backend.parallel import initialize_model_parallel
+    from rl.advantages import grpo_advantages
+    from rl.losses import PolicyLoss, PolicyLossConfig
+
+    out = {}
+    for tp, dtype in ((2, "float32"), (2, "bfloat16"), (1, "float32")):
+        dims = initialize_model_parallel(tp=tp, pp=1)
+        actor = Actor(model_dir, ActorConfig(tp=tp, micro_batch_size=2, lr=1e-3), dims, dtype=dtype)
+        loss_fn = PolicyLoss(PolicyLossConfig())
+        batch = _batch(actor.shape.vocab_size)
+        batch.old_logprobs = actor.compute_logprobs(batch)
+        batch.advantages = grpo_advantages(torch.tensor([1.0, 0.0, 0.5, 0.0]), group_size=2)
+        actor.train_step(batch, loss_fn)
+        before = actor.export_hf(dst=0)
+        moments = [t.clone() for t in actor._optimizer_tensors()]
+        if rank == 0:
+            weight = actor.chunks[0].decoder.layers[0].mlp.linear_fc2.weight
+
+            def poison(grad):
+                grad = grad.clone()
+                grad.view(-1)[0] = float("nan")
+                return grad
+
+            weight.register_hook(poison)
+        try:
+            metrics = actor.train_step(batch, loss_fn)
+            error = None
+        except FloatingPointError as exc:
+            metrics, error = None, str(exc)
+        after = actor.export_hf(dst=0)
+        out[actor.optimizer_name] = dict(
+            error=error,
+            grad_norm=None if metrics is None else metrics["grad_norm"],
+            moments_unchanged=all(torch.equal(a, b) for a, b in zip(moments, actor._optimizer_tensors())),
+            params_unchanged=before is None or all(torch.equal(before[k], after[k]) for k in before),
+        )
+    return out
+
+
+def test_a_nan_gradient_with_a_finite_loss_stops_the_step_with_every_megatron_optimizer(tiny_model_dirs):
+    results = run_ranks(_nan_gradient_is_not_applied, 2, tiny_model_dirs["qwen2"])
+    names = {
+        "megatron-core FP32Optimizer",
+        "megatron-core Float16OptimizerWithFloat16Params",
+        "megatron-core DistributedOptimizer",
+    }
+    for result in results:
+        assert set(result) == names
+        for name, r in result.items():
+            assert r["error"] is not None, (name, r)  # the step was stopped, not applied with NaN weights
+            assert "grad_norm=nan" in r["error"] and "loss" not in r["error"], (name, r["error"])
+            assert r["params_unchanged"] and r["moments_unchanged"], (name, r)

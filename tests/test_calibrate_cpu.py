@@ -42,8 +42,12 @@ def test_cpu_fit_recovers_the_train_terms_the_timelines_were_made_with(tmp_path,
     )
     assert values["runtime_overhead_bytes"][0] == pytest.approx(want["runtime_overhead_bytes"], abs=1)
     assert values["vllm_runtime_bytes"][0] == pytest.approx(want["vllm_runtime_bytes"], abs=1)
-    # every transient-fitting run's train rise carries sequence-layers: the per-sequence term is counted, not guessed
-    assert all(evidence[s.name]["train_rise"]["sequence_layers"] > 0 for s in FIT_SET if s.fits_transients)
+    # every transient-fitting run's train rise carries sequence-layers: the per-sequence term is counted, not
+    # guessed; except where the DistributedOptimizer's gloo grad-sync copy sets train's peak (memory_cpu, DP=2:
+    # the whole fp32 grad buffer, more than its activations), which hides the per-sequence term
+    rises = {s.name: evidence[s.name]["train_rise"] for s in FIT_SET if s.fits_transients}
+    assert rises["memory_cpu"]["planned_activations"] == 0 and rises["memory_cpu"]["sequence_layers"] == 0
+    assert all(r["sequence_layers"] > 0 for name, r in rises.items() if name != "memory_cpu")
 
 
 def test_runtime_is_the_middle_of_the_levels_and_a_level_only_run_leaves_the_transients_alone(tmp_path):

@@ -11,6 +11,7 @@ from modelspec import TokenBatch
 from rl.config import TrainerConfig
 from rl.metrics import (
     LOGPROB_GAP_RULE,
+    LogprobGap,
     LogprobGapError,
     LogprobGapRule,
     check_logprob_gap,
@@ -152,3 +153,24 @@ def test_bad_gap_bounds_fail_naming_the_key():
     for key in ("max_logprob_gap", "max_logprob_gap_p99"):
         with pytest.raises(ValueError, match=rf"trainer.{key}=0 must be > 0"):
             TrainerConfig(**{key: 0})
+
+
+def test_the_bf16_rule_passes_the_synced_engine_and_trips_on_a_swapped_shard(capfd):
+    """The real pair in bf16 (``tools.logprob_gap --corrupt`` on memory_cpu's model: a megatron actor, the native
+    engine filled by the weight sync, then one layer's down_proj column halves swapped, a TP shard in the
+    other rank's slot): the rule passes what the sync gives and stops the layout error. (On the 128-wide
+    tests' tiny qwen2 the same swap moves the p99 to only 0.09: too small a model to show a layout error.)"""
+    import json
+
+    from tools.logprob_gap import main
+
+    assert main(["--engine", "native", "--dtype", "bfloat16", "--num-prompts", "16", "--corrupt"]) == 0
+    out = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
+    rule = LOGPROB_GAP_RULE["bfloat16"]
+
+    def gap(stats: dict) -> LogprobGap:
+        return LogprobGap(value=stats["max"], mean=stats["mean"], p99=stats["p99"], num_tokens=stats["num_tokens"])
+
+    check_logprob_gap(gap(out["synced"]), step=0, rule=rule, dtype="bfloat16")
+    with pytest.raises(LogprobGapError, match="p99 .* > trainer.max_logprob_gap_p99"):
+        check_logprob_gap(gap(out["corrupt"]), step=0, rule=rule, dtype="bfloat16")

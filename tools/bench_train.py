@@ -226,10 +226,7 @@ def worker(args) -> dict:
     # Adam's states, allocated by a step on zero gradients (no weight moves), so train measures a steady step
     for model in actor.models:
         model.zero_grad_buffer()
-    if actor.optimizer_impl == "torch":
-        actor._cpu_clip_and_step(actor._cpu_grad_norm())
-    else:
-        actor.optimizer.step()
+    actor.optimizer.step()
     metrics = {}
 
     def train():

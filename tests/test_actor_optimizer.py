@@ -1,0 +1,96 @@
+"""megatron-core's optimizer, as the actor builds it on every device, makes torch AdamW's update of the
+gradient it is handed (the DP-reduced ``main_grad``, clipped by its global norm); on CPU in CI, on the GPU
+where there is one (then TE's FusedAdam steps inside megatron's optimizer)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from modelspec import TokenBatch
+from tests.dist import run_ranks
+
+
+def _one_step(rank, world_size, hf_dir):
+    from megatron_backend.actor import Actor
+    from megatron_backend.config import ActorConfig
+    from megatron_backend.parallel import initialize_model_parallel
+    from rl.losses import PolicyLoss, PolicyLossConfig
+
+    dims = initialize_model_parallel(tp=1, pp=1)
+    loss_fn = PolicyLoss(PolicyLossConfig())
+    actor = Actor(hf_dir, ActorConfig(micro_batch_size=2, lr=1e-4, grad_clip=1.0), dims)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, actor.shape.vocab_size, (4, 16), generator=gen)
+    batch = TokenBatch(input_ids=ids, loss_mask=torch.ones(4, 15), advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    batch.old_logprobs = actor.compute_logprobs(batch)
+    params = dict(actor.models[0].named_parameters())
+    before = {name: p.detach().clone() for name, p in params.items()}
+    grads = {}
+    compute_grads = actor.compute_grads
+
+    def capture(*args):  # the reduced gradient the optimizer is handed
+        metrics = compute_grads(*args)
+        grads.update({name: p.main_grad.detach().clone() for name, p in params.items()})
+        return metrics
+
+    actor.compute_grads = capture
+    metrics = actor.train_step(batch, loss_fn)
+    # the reference: torch AdamW (megatron's defaults: betas 0.9/0.999, eps 1e-8, no weight decay here)
+    norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
+    coef = min(1.0, 1.0 / (norm + 1e-6))
+    reference = {name: t.clone().requires_grad_(True) for name, t in before.items()}
+    for name, p in reference.items():
+        p.grad = grads[name] * coef
+    torch.optim.AdamW(list(reference.values()), lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0).step()
+    return dict(
+        optimizer=actor.optimizer_name,
+        grad_norm=metrics["grad_norm"],
+        reference_norm=norm,
+        max_diff=max((params[n].detach() - reference[n].detach()).abs().max().item() for n in params),
+        max_update=max((params[n].detach() - before[n]).abs().max().item() for n in params),
+    )
+
+
+def test_megatron_optimizer_makes_torch_adamws_update_of_the_clipped_gradient(tiny_model_dirs):
+    result = run_ranks(_one_step, 1, tiny_model_dirs["qwen2"])[0]
+    assert result["optimizer"] == "megatron-core FP32Optimizer"
+    assert abs(result["grad_norm"] - result["reference_norm"]) < 1e-4 * max(1.0, result["reference_norm"])
+    assert result["max_update"] > 1e-5  # the step moved the weights (Adam's first step: ~lr)
+    assert result["max_diff"] < 1e-6, result
+
+
+def _offloaded_optimizer_step(rank, world_size, hf_dir):
+    from megatron_backend.actor import Actor
+    from megatron_backend.config import ActorConfig
+    from megatron_backend.parallel import initialize_model_parallel
+    from rl.losses import PolicyLoss, PolicyLossConfig
+
+    dims = initialize_model_parallel(tp=1, pp=1)
+    loss_fn = PolicyLoss(PolicyLossConfig())
+    out = {}
+    for fraction in (0.0, 0.5):
+        config = ActorConfig(micro_batch_size=2, lr=1e-4, grad_clip=1.0, optimizer_offload_fraction=fraction)
+        actor = Actor(hf_dir, config, dims)
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, actor.shape.vocab_size, (4, 16), generator=gen)
+        batch = TokenBatch(input_ids=ids, loss_mask=torch.ones(4, 15), advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
+        batch.old_logprobs = actor.compute_logprobs(batch).cpu()
+        actor.train_step(batch, loss_fn)
+        devices = {t.device.type for t in actor._optimizer_tensors()}
+        actor.offload("optimizer")  # the device's states only: the hybrid optimizer's host part stays
+        actor.onload("optimizer")
+        out[fraction] = ({k: v.cpu() for k, v in actor.export_hf().items()}, devices)
+    return out
+
+
+@pytest.mark.gpu
+def test_optimizer_offload_fraction_steps_part_of_adam_on_the_host(tiny_model_dirs):
+    """actor.optimizer_offload_fraction: megatron's HybridDeviceOptimizer (distributed optimizer, DP=1) makes the
+    same update as the all-GPU optimizer, and the actor's offload moves only its device tensors."""
+    out = run_ranks(_offloaded_optimizer_step, 1, tiny_model_dirs["qwen2"])[0]
+    (gpu_state, gpu_devices), (hybrid_state, hybrid_devices) = out[0.0], out[0.5]
+    assert gpu_devices == {"cuda"} and hybrid_devices == {"cuda"}
+    assert max((gpu_state[k] - hybrid_state[k]).abs().max().item() for k in gpu_state) < 1e-5
