@@ -40,6 +40,7 @@ TRANSIENTS = (
     "forward_pass",  # a forward-only log-prob pass: one layer's activations, the logits' chunk
     "train_pass",  # micro-batches through forward and backward: kept activations, logits
     "sync_bucket",  # the weight sync's staging bucket (and the engine's reload copy where it has one)
+    "hf_export",  # the export: the params-only save's staged copies, then one HF tensor and the chunks it reads
 )
 
 WAKE_STRATEGIES = ("staged", "all_at_once")
@@ -158,6 +159,7 @@ def step_phases(flags: StepFlags) -> tuple[Phase, ...]:
             name=EXPORT_PHASE,
             what="the actor's weights as a HF directory <run dir>/hf/step_<n> (trainer.export_every / export_at_end "
             "steps only): a params-only distributed checkpoint, then each rank writes its share of the files",
+            transients=("hf_export",),
             every_step=False,
         ),
         Phase(name="offload_optimizer", what="the optimizer's states to host", drops=moved("optimizer")),

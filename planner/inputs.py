@@ -99,6 +99,8 @@ class PlanInputs:
     sequences_per_step: int = 1
     # the eval batch at the step boundaries that evaluate: every eval problem x eval.n_samples (0: no eval)
     eval_sequences: int = 0
+    # the run writes HF exports (trainer.export_every > 0 or trainer.export_at_end): the export_hf phase is planned
+    hf_exports: bool = False
     prompt_tokens: int = 512
     response_tokens: int = 1024
     # average lengths (None: prompt_tokens / response_tokens, every sequence as long as it may be: the

@@ -7,7 +7,8 @@ flags keep (params unless ``offload_params``, and so on). A phase holds the unio
 it starts and when it ends (offloads peak at their start, onloads and wakes at their end), plus its
 transients. ``save_checkpoint``, which runs on save steps only, is not planned; ``eval``, at the step
 boundaries that evaluate, is when the run evaluates (``eval_sequences``): its transient is the engine's
-rollout working set for the eval batch.
+rollout working set for the eval batch; ``export_hf`` is when the run exports (``hf_exports``): its
+transient is what the export holds beside the resident state (:func:`export_staging_bytes`).
 
 Always resident: communicator buffers and the engine's persistent reserve (vLLM's CUDA graphs); the
 reference actor's params too unless ``offload_ref_params``. The plan is for the worst rank: every pipeline stage is planned (the
@@ -21,11 +22,12 @@ import math
 from dataclasses import dataclass, field, fields, replace
 
 from modelspec.engines import ENGINE_PROFILES, EngineProfile, KvSizing
-from modelspec.phases import EVAL_PHASE, StepFlags, phase_names, step_phases, wake_window_phases
+from modelspec.phases import EVAL_PHASE, EXPORT_PHASE, StepFlags, phase_names, step_phases, wake_window_phases
 from planner.inputs import PlanInputs
 from planner.sizes import (
     FP32_BYTES,
     VERIFY_BYTES_PER_ELEMENT,
+    actor_stage_fc1_elements,
     actor_stage_param_count,
     engine_activation_bytes,
     engine_param_count,
@@ -33,6 +35,7 @@ from planner.sizes import (
     kv_bytes_per_token,
     largest_actor_weight_elements,
     largest_engine_tensor_elements,
+    largest_hf_tensor_elements,
     layer_activation_bytes_per_token,
     layer_forward_bytes_per_token,
     logits_bytes,
@@ -41,7 +44,7 @@ from planner.sizes import (
 )
 
 # The step's phases in order (modelspec/phases.py: the one table the loop, the planner and the timeline read);
-# a plan of a run that evaluates has the eval phase first (Plan.names)
+# a plan of a run that evaluates has the eval phase first, of one that exports export_hf after train (Plan.names)
 PHASES = phase_names(saves=False)
 COMPONENTS = (
     "actor_params",
@@ -55,6 +58,7 @@ COMPONENTS = (
     "engine_reserve",
     "comm_buffers",
     "sync_bucket",
+    "export_staging",
 )
 # state that comes and goes between phases (modelspec.phases.STATE, memory tags) -> its component
 _COMPONENT = {
@@ -281,16 +285,18 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
         "forward_pass": {"activations": st.forward_activations, "logits": st.forward_logits},
         "train_pass": {"activations": st.train_activations, "logits": st.train_logits},
         "sync_bucket": {"sync_bucket": bucket, "engine_reserve": persistent_reserve + reload},
+        "hf_export": {"export_staging": export_staging_bytes(inp, st)},
     }
     flags = step_flags(inp)
     resident = set(flags.resident_at_step_start())
     start = set(resident)
     # an engine that cannot sleep keeps its weights and KV cache through engine_sleep (its profile says)
     engine_state = set() if inp.engine_profile.sleeps else {"weights", "kv_cache"}
+    planned = {EVAL_PHASE: bool(inp.eval_sequences), EXPORT_PHASE: inp.hf_exports}  # save_checkpoint: never
     out = []
     for phase in step_phases(flags):
-        if not phase.every_step and not (phase.name == EVAL_PHASE and inp.eval_sequences):
-            continue  # save_checkpoint is not planned; eval is when the run evaluates
+        if not phase.every_step and not planned.get(phase.name, False):
+            continue
         after = (resident | set(phase.adds)) - (set(phase.drops) - engine_state)
         components = dict.fromkeys(COMPONENTS, 0)
         for state in resident | after:  # offloads peak at their start, onloads and wakes at their end
@@ -306,8 +312,35 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
         out.append(PhasePlan(phase.name, components, start_components))
         resident = after
     assert resident == start, "the step must end where it started"
-    assert tuple(p.name for p in out) == phase_names(saves=False, evaluates=bool(inp.eval_sequences))
+    assert tuple(p.name for p in out) == phase_names(
+        saves=False, evaluates=bool(inp.eval_sequences), exports=inp.hf_exports
+    )
     return tuple(out)
+
+
+def export_staging_bytes(inp: PlanInputs, st: _Stage) -> int:
+    """What ``export_hf`` (megatron_backend/hf_export.py::save_live) holds on a rank of stage ``st`` beside the
+    resident state, in its two steps, one after the other (the larger counts):
+
+    1. the params-only torch_dist save (``dist_checkpointing.save``): megatron's writer
+       (filesystem_async.py, ``prepare_write_data``) clones every tensor it writes that is a view of a larger
+       storage, all of them at once before writing: with the distributed optimizer every param (views of DDP's
+       param buffer), else the gated MLP's fc1 halves. On CUDA it copies to the host (not device memory);
+    2. the HF files, tensor by tensor (``write_files``): one HF tensor in the export's dtype (the run's) and the
+       stored chunks DCP reads into it (FileSystemReader.read_data: each ``torch.load`` ed chunk stays
+       referenced until the next one is loaded, so two; a chunk is one saving rank's shard of one parameter,
+       at most the largest weight at the actor's TP, fc1 counted whole). Host memory: on CUDA, nothing on
+       the device.
+    """
+    if inp.on_cuda:
+        return 0
+    e = inp.element_bytes
+    if inp.distributed_optimizer:
+        staged = st.actor_params
+    else:
+        staged = actor_stage_fc1_elements(inp.shape, inp.actor_tp, inp.actor_pp) * e
+    chunk = largest_actor_weight_elements(inp.shape, inp.actor_tp, 1, 0)  # pp=1: every weight, the vocab tables
+    return max(staged, (largest_hf_tensor_elements(inp.shape) + 2 * chunk) * e)
 
 
 def sync_staging_bytes(inp: PlanInputs, st: _Stage, engine_weight_bytes: int) -> int:

@@ -20,6 +20,7 @@ SHORT = {
     "engine_reserve": "eng_res",
     "comm_buffers": "comm",
     "sync_bucket": "bucket",
+    "export_staging": "export",
 }
 
 

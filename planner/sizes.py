@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from modelspec.family import dims_size, layer_param_count, layer_parts, rank_sizes
+from modelspec.family import dims_size, hf_tensor_shapes, layer_param_count, layer_parts, rank_sizes
 from modelspec.shape import ModelShape
 
 MEGATRON_VOCAB_DIVISOR = 128  # megatron_backend.layout.MAKE_VOCAB_SIZE_DIVISIBLE_BY
@@ -194,6 +194,25 @@ def largest_actor_weight_elements(shape: ModelShape, tp: int, pp: int, stage: in
     if stage == 0 or stage == pp - 1:
         largest = max(largest, megatron_padded_vocab(shape.vocab_size, tp) // tp * h)
     return largest
+
+
+def largest_hf_tensor_elements(shape: ModelShape) -> int:
+    """Elements of the largest tensor of the HF checkpoint (full, unsharded: a vocab table, or a fused
+    qkv_proj / gate_up_proj where the family stores one)."""
+    return max(math.prod(dims) for dims in hf_tensor_shapes(shape).values())
+
+
+def actor_stage_fc1_elements(shape: ModelShape, tp: int, pp: int) -> int:
+    """Elements of the gated MLP's ``linear_fc1`` weights ([2I / t, h], gate and up stacked) one actor rank of a
+    stage holds (every stage has L / pp layers). megatron's checkpoint saves each as its two halves
+    (``apply_swiglu_sharded_factory``: ``torch.chunk`` views of the weight); 0 without a gated MLP."""
+    sizes = rank_sizes(shape, shape.num_heads // tp, shape.num_kv_heads // tp, shape.intermediate_size // tp)
+    fc1 = [
+        math.prod(dims_size(part.kind_dims(kind), sizes))
+        for part, kind in layer_parts(shape)
+        if part.megatron == "mlp.linear_fc1"
+    ]
+    return sum(fc1) * (shape.num_layers // pp) if len(fc1) > 1 else 0
 
 
 def in_flight_layers(num_layers: int, pp: int, vpp: int | None, stage: int, num_micro_batches: int) -> int:

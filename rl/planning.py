@@ -62,6 +62,7 @@ def plan_inputs(cfg, prompt_tokens: int | None = None, calibration=None) -> Plan
         attention="flash" if on_cuda else "unfused",  # Transformer Engine on CUDA, megatron's local spec on CPU
         sequences_per_step=cfg.trainer.prompts_per_step * rollout.n_samples_per_prompt,
         eval_sequences=eval_sequences(cfg),
+        hf_exports=cfg.trainer.export_every > 0 or cfg.trainer.export_at_end,
         prompt_tokens=max(1, prompt_tokens),
         response_tokens=rollout.max_new_tokens,
         engine=rollout.engine,

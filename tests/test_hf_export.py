@@ -253,6 +253,10 @@ def test_full_disk_leaves_nothing_under_out(trained, tmp_path, capsys, monkeypat
 
 # ------------------------------------------------------------------------------------------------ vLLM
 def _vllm_greedy(rank, world_size, path):
+    """vLLM's greedy answers to PROMPTS (tokens, log-probs), and its prompt log-probs of each prompt followed by
+    its answer (every token after the first: log p(token | the tokens before it))."""
+    from vllm import SamplingParams as VllmSamplingParams
+
     from modelspec.mesh import ColocatedMesh
     from rollout.config import RolloutConfig
     from rollout.engine import SamplingParams
@@ -262,20 +266,37 @@ def _vllm_greedy(rank, world_size, path):
     cfg = RolloutConfig(engine="vllm", tp=1, kv_cache_bytes=32 << 20, max_model_len=128)
     engine = VllmEngine(cfg, path, ColocatedMesh(world_size=1, rollout_tp=1), rank, dtype="float32")
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
-    return [[(c.token_ids, c.logprobs) for c in samples] for samples in engine.generate(PROMPTS, greedy)]
+    answers = [[(c.token_ids, c.logprobs) for c in samples] for samples in engine.generate(PROMPTS, greedy)]
+    sequences = [list(prompt) + list(samples[0][0]) for prompt, samples in zip(PROMPTS, answers)]
+    # prompt_logprobs=0: each prompt position's dict holds the prompt's own token; position 0 has none (None)
+    scoring = VllmSamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    outputs = engine.llm.generate([{"prompt_token_ids": s} for s in sequences], scoring, use_tqdm=False)
+    prompt_logprobs = [
+        [float(step[t].logprob) for t, step in zip(seq[1:], out.prompt_logprobs[1:], strict=True)]
+        for seq, out in zip(sequences, outputs, strict=True)
+    ]
+    return answers, sequences, prompt_logprobs
 
 
 @pytest.mark.vllm
 def test_vllm_loads_the_export_and_matches_transformers(trained, tmp_path):
-    from tests.rollout_helpers import hf_greedy, max_abs_diff
+    """vLLM's CPU build loads the export: its greedy answers and their log-probs, and its prompt log-probs of
+    each prompt with its answer, equal transformers' on the same files (<= 1e-4)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.rollout_helpers import hf_greedy, hf_logprobs, max_abs_diff
 
     for family in ("llama", "phi3"):  # tied + TP2 x PP2; fused qkv / gate_up
         row = next(r for r in trained if r["family"] == family and r["layout"] == (2, 2, None))
         out = _export(row, tmp_path / family, SMALL_SHARD_BYTES)
-        vllm_results = run_ranks(_vllm_greedy, 1, str(out), timeout_s=600)[0]
-        for (hf_tokens, hf_lps), ((tokens, lps),) in zip(hf_greedy(str(out)), vllm_results):
+        answers, sequences, prompt_logprobs = run_ranks(_vllm_greedy, 1, str(out), timeout_s=600)[0]
+        for (hf_tokens, hf_lps), ((tokens, lps),) in zip(hf_greedy(str(out)), answers, strict=True):
             assert tokens == hf_tokens, family
             assert max_abs_diff(lps, hf_lps) <= 1e-4, family
+        model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+        for seq, lps in zip(sequences, prompt_logprobs, strict=True):
+            assert len(lps) == len(seq) - 1 > 1, family
+            assert max_abs_diff(lps, hf_logprobs(model, seq[:1], seq[1:])) <= 1e-4, family
 
 
 # ------------------------------------------------------------------------------------------------ in the loop

@@ -627,3 +627,39 @@ def test_the_local_attention_loop_costs_per_packed_sequence_and_in_flight_layer(
     assert train_backward_bytes(packed, 0, 28) - base == 4 * 28 * per_sequence
     assert train_backward_bytes(packed, 0, 14) - base == 4 * 14 * per_sequence
     assert train_backward_bytes(replace(packed, remove_padding=False), 0, 28) == base
+
+
+def test_a_run_that_exports_plans_the_export_hf_phase_with_what_the_export_holds():
+    """trainer.export_every / export_at_end plan ``export_hf`` after train: the state train leaves resident plus
+    the export's transient on CPU (megatron_backend/hf_export.py::save_live): the larger of what megatron's
+    params-only save clones (every param with the distributed optimizer, else the fc1 halves) and one HF tensor
+    plus two stored chunks; nothing on a GPU (the save stages to the host, the files are written from there)."""
+    from modelspec.phases import EVERY_HANDOFF, EXPORT_PHASE, phase_names, step_phases
+    from planner.sizes import actor_stage_fc1_elements, largest_actor_weight_elements, largest_hf_tensor_elements
+    from rl.compose import compose
+    from rl.planning import plan_inputs
+
+    table = {p.name: p for p in step_phases(EVERY_HANDOFF)}
+    assert table[EXPORT_PHASE].transients == ("hf_export",)
+    off = make_plan(plan_inputs(compose("tiny_cpu"), 6))
+    assert not off.inputs.hf_exports and EXPORT_PHASE not in off.names and off.names == PHASES
+    for overrides in (["trainer.export_every=1"], ["trainer.export_at_end=true"]):
+        plan = make_plan(plan_inputs(compose("tiny_cpu", overrides), 6))
+        assert plan.inputs.hf_exports and plan.names == phase_names(exports=True, saves=False)
+        export, train = plan.phase(EXPORT_PHASE), plan.phase("train")
+        inp = plan.inputs
+        e = inp.element_bytes
+        hf_write = (largest_hf_tensor_elements(inp.shape) + 2 * largest_actor_weight_elements(inp.shape, inp.actor_tp, 1, 0)) * e
+        fc1 = actor_stage_fc1_elements(inp.shape, inp.actor_tp, 1) * e
+        assert 0 < fc1 and export.components["export_staging"] == max(fc1, hf_write) > 0
+        # after train: its resident state (params, grads, optimizer), none of its activations
+        transient = ("export_staging", "activations", "logits")
+        resident = {k: v for k, v in export.components.items() if k not in transient}
+        assert resident == {k: v for k, v in train.components.items() if k not in transient}
+        assert sum(p.components["export_staging"] for p in plan.phases) == export.components["export_staging"]
+    # the distributed optimizer: the save clones every param (views of DDP's param buffer)
+    dist = make_plan(qwen7b_inputs(device=device_preset("cpu"), hf_exports=True, kv_cache_bytes=2**30))
+    stage_params = dist.phase("train").components["actor_params"]
+    assert dist.phase(EXPORT_PHASE).components["export_staging"] == stage_params
+    gpu = make_plan(qwen7b_inputs(hf_exports=True))
+    assert EXPORT_PHASE in gpu.names and gpu.phase(EXPORT_PHASE).components["export_staging"] == 0
