@@ -161,22 +161,29 @@ def _checkpoint_to_resume(cfg: RunConfig, run_dir: Path, rank: int) -> Path | No
     return box[0]
 
 
-def setup(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None) -> RankContext:
-    from transformers import AutoTokenizer
-
-    from megatron_backend.actor import Actor
+def init_rank(cfg: RunConfig) -> ParallelDims:
+    """A rank's process as the run and the tools need it: the host allocator on CPU, then megatron's process
+    groups for the actor's layout."""
     from megatron_backend.parallel import default_device, initialize_model_parallel
     from modelspec.host_memory import configure_host_allocator
 
     # megatron-core warns at import about missing Apex / Transformer Engine / CUDA env vars; on CPU that is expected
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
-    mesh = cfg.mesh()
     if default_device().type == "cpu":
         # the process's memory is the device's here: keep it from creeping with allocator fragmentation
         configure_host_allocator()
-    dims = initialize_model_parallel(
+    return initialize_model_parallel(
         cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp, seed=cfg.actor.seed, timeout_s=cfg.cluster.timeout_s
     )
+
+
+def setup(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None) -> RankContext:
+    from transformers import AutoTokenizer
+
+    from megatron_backend.actor import Actor
+
+    mesh = cfg.mesh()
+    dims = init_rank(cfg)
     coords = mesh.actor_coords(dims.rank)
     if (coords.tp_rank, coords.pp_rank, coords.dp_rank) != (dims.tp_rank, dims.pp_rank, dims.dp_rank):
         raise RuntimeError("megatron's rank order is not tp-dp-pp; the weight-sync plan would be wrong")

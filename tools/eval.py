@@ -125,21 +125,14 @@ def _rank_main(cfg, checkpoint: Path | None, step: int | None) -> None:
     from transformers import AutoTokenizer
 
     from megatron_backend.actor import Actor
-    from megatron_backend.parallel import default_device, initialize_model_parallel
-    from modelspec.host_memory import configure_host_allocator
     from rl.checkpoint import ACTOR_DIR
     from rl.evaluation import eval_problems, evaluate, reference_logprob_mean
-    from rl.setup import build_engine, rollout_groups, sync_actor_into_engine
+    from rl.setup import build_engine, init_rank, rollout_groups, sync_actor_into_engine
 
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
     # reading a checkpoint: torch's deprecation notices for what megatron-core 0.16 calls, once per rank
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(megatron\.core|torch\.distributed\.checkpoint)")
     start = time.monotonic()
-    if default_device().type == "cpu":
-        configure_host_allocator()
-    dims = initialize_model_parallel(
-        cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp, seed=cfg.actor.seed, timeout_s=cfg.cluster.timeout_s
-    )
+    dims = init_rank(cfg)
     mesh = cfg.mesh()
     groups = rollout_groups(mesh)
 
