@@ -90,22 +90,29 @@ def test_train_step_tp_pp_equal_and_loss_decreases(tiny_model_dirs):
     print({name: [round(x, 5) for x in r["losses"]] for name, r in results.items()})
 
 
-def _nan_step_is_not_applied(rank, world_size, model_dir):
-    """DP=2: one good step, then a step whose advantages on DP rank 1 hold a NaN (a reward went NaN there)."""
+def _one_good_step(model_dir, config, dims, dtype="float32"):
+    """An actor after one good step (Adam's moments exist), the batch and loss of that step, the weights
+    gathered on rank 0 (None elsewhere) and a copy of the optimizer's tensors."""
     from megatron_backend.actor import Actor
-    from megatron_backend.config import ActorConfig
-    from megatron_backend.parallel import initialize_model_parallel
     from rl.advantages import grpo_advantages
     from rl.losses import PolicyLoss, PolicyLossConfig
 
-    actor = Actor(model_dir, ActorConfig(micro_batch_size=2, lr=1e-3), initialize_model_parallel(tp=1, pp=1))
+    actor = Actor(model_dir, config, dims, dtype=dtype)
     loss_fn = PolicyLoss(PolicyLossConfig())
     batch = _batch(actor.shape.vocab_size)
     batch.old_logprobs = actor.compute_logprobs(batch)
     batch.advantages = grpo_advantages(torch.tensor([1.0, 0.0, 0.5, 0.0]), group_size=2)
     actor.train_step(batch, loss_fn)
-    before = actor.export_hf(dst=0)
-    moments = [t.clone() for t in actor._optimizer_tensors()]
+    return actor, batch, loss_fn, actor.export_hf(dst=0), [t.clone() for t in actor._optimizer_tensors()]
+
+
+def _nan_step_is_not_applied(rank, world_size, model_dir):
+    """DP=2: one good step, then a step whose advantages on DP rank 1 hold a NaN (a reward went NaN there)."""
+    from megatron_backend.config import ActorConfig
+    from megatron_backend.parallel import initialize_model_parallel
+
+    dims = initialize_model_parallel(tp=1, pp=1)
+    actor, batch, loss_fn, before, moments = _one_good_step(model_dir, ActorConfig(micro_batch_size=2, lr=1e-3), dims)
     if rank == 1:
         batch.advantages[2] = float("nan")
     try:
@@ -133,23 +140,14 @@ def _nan_gradient_is_not_applied(rank, world_size, model_dir):
     """A finite loss whose backward puts a NaN into one gradient element on rank 0 (a hook on one weight),
     with each of megatron's optimizers: TP=2 x DP=1 (FP32Optimizer; bf16: Float16OptimizerWithFloat16Params)
     and TP=1 x DP=2 (DistributedOptimizer). One good step first, so Adam's moments exist."""
-    from megatron_backend.actor import Actor
     from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
-    from rl.advantages import grpo_advantages
-    from rl.losses import PolicyLoss, PolicyLossConfig
 
     out = {}
     for tp, dtype in ((2, "float32"), (2, "bfloat16"), (1, "float32")):
         dims = initialize_model_parallel(tp=tp, pp=1)
-        actor = Actor(model_dir, ActorConfig(tp=tp, micro_batch_size=2, lr=1e-3), dims, dtype=dtype)
-        loss_fn = PolicyLoss(PolicyLossConfig())
-        batch = _batch(actor.shape.vocab_size)
-        batch.old_logprobs = actor.compute_logprobs(batch)
-        batch.advantages = grpo_advantages(torch.tensor([1.0, 0.0, 0.5, 0.0]), group_size=2)
-        actor.train_step(batch, loss_fn)
-        before = actor.export_hf(dst=0)
-        moments = [t.clone() for t in actor._optimizer_tensors()]
+        config = ActorConfig(tp=tp, micro_batch_size=2, lr=1e-3)
+        actor, batch, loss_fn, before, moments = _one_good_step(model_dir, config, dims, dtype)
         if rank == 0:
             weight = actor.chunks[0].decoder.layers[0].mlp.linear_fc2.weight
 
