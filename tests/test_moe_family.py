@@ -101,14 +101,14 @@ def test_engine_parameter_names():
         gate.megatron_param("weight", te_norms=False)
     assert (router.vllm_param("weight"), gate.vllm_param("weight"), down.vllm_param("weight")) == (
         "mlp.gate.weight",
-        "mlp.experts.w13_weight",
-        "mlp.experts.w2_weight",
+        "mlp.experts.routed_experts.w13_weight",
+        "mlp.experts.routed_experts.w2_weight",
     )
     mixtral = ModelShape.from_hf_config(tiny_hf_config("mixtral"))
     names = {p.name: p.local_shape for p in vllm_param_layouts(mixtral, tp=2, tp_rank=1)}
     assert names["model.layers.3.block_sparse_moe.gate.weight"] == (4, 128)
-    assert names["model.layers.3.block_sparse_moe.experts.w13_weight"] == (4, 2 * 64, 128)  # [E, 2 I/T, h]
-    assert names["model.layers.3.block_sparse_moe.experts.w2_weight"] == (4, 128, 64)  # [E, h, I/T]
+    assert names["model.layers.3.block_sparse_moe.experts.routed_experts.w13_weight"] == (4, 2 * 64, 128)  # [E, 2 I/T, h]
+    assert names["model.layers.3.block_sparse_moe.experts.routed_experts.w2_weight"] == (4, 128, 64)  # [E, h, I/T]
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
