@@ -19,7 +19,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from checkpointing.checkpoint import StopRequest, capture_rank_state, restore_rank_state
-from colocation.phases import ENGINE_STATE, EVAL_PHASE
+from colocation.phases import EVAL_PHASE
 from rl.evaluation import eval_record, evaluate
 from rl.generation import generate_samples, sampling_seed
 from rollout import SamplingParams
@@ -63,7 +63,8 @@ class StepResult:
 def rl_step(ctx: RankContext, step: int) -> StepResult:
     """One RL step, per rank, in the table's phase order (colocation/phases.py; the step's log phase follows it
     in :func:`run_rank`)."""
-    cfg, actor, engine, phase = ctx.cfg, ctx.actor, ctx.engine, ctx.phase
+    cfg, shared = ctx.cfg, ctx.device
+    actor, ref_actor, engine, phase = shared.actor, shared.ref_actor, shared.engine, shared.phase
     device = ctx.dims.device  # the default group's: a collective's tensors live there (CUDA under NCCL)
     stop_agreed = lambda: ctx.stop.agreed(device)  # noqa: E731 (a collective at a phase boundary)
     params = SamplingParams.from_config(cfg.rollout, seed=sampling_seed(ctx.sampling_base_seed, step, ctx.replica))
@@ -74,12 +75,9 @@ def rl_step(ctx: RankContext, step: int) -> StepResult:
     with phase("rollout", step):  # every line of the step is inside a phase: the timeline sees all its memory
         problems = ctx.task.sample(cfg.trainer.prompts_per_step)  # the same prompts on every rank
         samples = generate_samples(engine, ctx.tokenizer, ctx.task, problems, params, ctx.mesh, ctx.rank)
-    with phase("engine_sleep", step):
-        engine.sleep(list(ENGINE_STATE))
-    for what in ("params", "grads", "optimizer"):
-        with phase(f"onload_{what}", step):
-            if ctx.offloaded(what):
-                actor.onload(what)
+    # the table's hand-offs between the phases named here enter by themselves: phase() enters each before
+    # the next named phase, hand_offs() up to one (engine_sleep, the onloads here)
+    shared.hand_offs(step, until="old_logprob")
     if stop_agreed():
         raise StopBeforeTrain
     with phase("old_logprob", step):  # the batch, the actor's pass, then the engine-vs-actor check
@@ -93,16 +91,11 @@ def rl_step(ctx: RankContext, step: int) -> StepResult:
         # the engine-vs-actor gap over all ranks (p99, max); too large: stop before training on wrong log-probs
         gap = engine_actor_logprob_gap(batch)
         check_logprob_gap(gap, step, logprob_gap_rule(cfg.trainer, cfg.model.dtype), cfg.model.dtype)
-    with phase("onload_ref", step):
-        if ctx.offloaded("ref_params"):
-            ctx.ref_actor.onload("params")
     with phase("ref_logprob", step):
-        if ctx.ref_actor is not None:
-            batch.ref_logprobs = ctx.ref_actor.compute_logprobs(batch, phase="ref_logprob", response_only=True)
+        if ref_actor is not None:
+            batch.ref_logprobs = ref_actor.compute_logprobs(batch, phase="ref_logprob", response_only=True)
             check_finite(step, "ref_logprob", {"ref log-prob": batch.ref_logprobs}, response, device=device)
-    with phase("offload_ref", step):
-        if ctx.offloaded("ref_params"):
-            ctx.ref_actor.offload("params")
+    shared.hand_offs(step, until="train")
     if stop_agreed():
         raise StopBeforeTrain
     with phase("train", step), non_finite_stops(step, "train"):
@@ -115,22 +108,9 @@ def rl_step(ctx: RankContext, step: int) -> StepResult:
     if cfg.trainer.exports_after(step):
         with phase(EXPORT_PHASE, step):  # the params resident (the optimizer's states are not read)
             export_actor(ctx, completed_steps=step + 1)
-    for what in ("optimizer", "grads"):
-        with phase(f"offload_{what}", step):
-            if ctx.offloaded(what):
-                actor.offload(what)
-    with phase("wake_weights", step):
-        ctx.check_wake("wake_weights")
-        engine.wake_up(cfg.rollout.wake_tags("wake_weights"))
-    with phase("weight_sync", step):
-        sync = ctx.sync_weights()
-    with phase("offload_params", step):
-        if ctx.offloaded("params"):
-            actor.offload("params")
-    with phase("wake_kv_cache", step):
-        if tags := cfg.rollout.wake_tags("wake_kv_cache"):
-            ctx.check_wake("wake_kv_cache")
-            engine.wake_up(tags)
+    with phase("weight_sync", step):  # after the offloads and the engine's weights' wake
+        sync = shared.sync_weights()
+    shared.hand_offs(step, until="log")  # the params' offload, the KV cache's wake
     num_train_tokens = int(batch.loss_mask.sum()) * ctx.dims.dp
     seconds = ctx.timeline.step_phase_seconds(step)
     metrics = step_metrics(samples, rewards, num_train_tokens, train_metrics, seconds, sync, gap)
@@ -156,7 +136,7 @@ def evaluate_after_last_step(ctx: RankContext) -> None:
     if not ctx.cfg.eval.runs_at(steps, steps):
         log_rows_after_last_step(ctx)  # the end of the last step's log phase
         return
-    with ctx.phase(EVAL_PHASE, steps):
+    with ctx.device.phase(EVAL_PHASE, steps):
         metrics = evaluate_at_boundary(ctx, steps)
     metrics.update({f"time/{k}": v for k, v in ctx.timeline.step_phase_seconds(steps).items()})
     log_step(ctx, steps, metrics)
@@ -177,10 +157,10 @@ def run_rank(cfg: RunConfig, run_dir: str) -> int:
     if isinstance(warmup_losses, StopDuringWarmup):  # no checkpoint holds part of a warm-up: exit at once
         return exit_during_warmup(ctx, warmup_losses)
     if ctx.resumed_state is None and ctx.stop.agreed(ctx.dims.device):  # signalled during setup or warm-up
-        return save_and_stop(ctx, 0, capture_rank_state(ctx.task), warmup_losses, engine_awake=False)
+        return save_and_stop(ctx, 0, capture_rank_state(ctx.task), warmup_losses)
     ctx = start_rollout(ctx)  # the engine starts, sized with the actor offloaded, and takes the actor's weights
     if ctx.stop.agreed(ctx.dims.device):  # signalled while the engine started (vLLM's start can take minutes)
-        return save_and_stop(ctx, ctx.start_step, capture_rank_state(ctx.task), warmup_losses, engine_awake=True)
+        return save_and_stop(ctx, ctx.start_step, capture_rank_state(ctx.task), warmup_losses)
     if ctx.resumed_rank_state is not None:  # every RNG and the data cursor exactly as when the checkpoint was taken
         restore_rank_state(ctx.resumed_rank_state, ctx.task)
     rewards = [m["reward/mean"] for m in ctx.writer.previous_metrics] if ctx.writer is not None else []
@@ -192,10 +172,10 @@ def run_rank(cfg: RunConfig, run_dir: str) -> int:
             result = rl_step(ctx, step)
         except StopBeforeTrain:
             progress.close()
-            return save_and_stop(ctx, step, rank_state, warmup_losses, engine_awake=False)
+            return save_and_stop(ctx, step, rank_state, warmup_losses)
         syncs.append(result.sync)
         logprob_gaps.append(result.logprob_gap)
-        with ctx.phase("log", step):  # the step's record, then its checkpoint completed (after the record is on disk)
+        with ctx.device.phase("log", step):  # the step's record, then its checkpoint completed (after the record is on disk)
             peak_bytes = log_step(ctx, step, result.metrics)
             # after train (the step saved itself) or at the step's end (the engine is awake again)
             stopping = result.stop_after_step or ctx.stop.agreed(ctx.dims.device)
@@ -209,10 +189,10 @@ def run_rank(cfg: RunConfig, run_dir: str) -> int:
             progress.close()
             rank_state = capture_rank_state(ctx.task)
             return save_and_stop(
-                ctx, step + 1, rank_state, warmup_losses, engine_awake=True, pending=result.pending_save
+                ctx, step + 1, rank_state, warmup_losses, pending=result.pending_save
             )
     progress.close()
-    ctx.phase_order.finish()  # the last step ran every phase of the table
+    ctx.device.order.finish()  # the last step ran every phase of the table
     evaluate_after_last_step(ctx)
     if ctx.writer is not None:
         ctx.writer.finish(summarize(ctx, rewards, ctx.writer.read_rows(), syncs, logprob_gaps, warmup_losses))

@@ -77,7 +77,6 @@ def save_and_stop(
     completed_steps: int,
     rank_state: dict,
     warmup_losses,
-    engine_awake: bool,
     pending: Path | None = None,
 ) -> int:
     """A stop was agreed: save the state after ``completed_steps`` steps (completing ``pending``, the
@@ -88,11 +87,7 @@ def save_and_stop(
     elif ctx.checkpointer.exists(completed_steps):  # resumed from exactly this state and trained nothing since
         path = ctx.checkpointer.root / f"step_{completed_steps:08d}"
     else:
-        if engine_awake:
-            ctx.engine.sleep(["weights", "kv_cache"])  # the run ends: room for the actor's state on the device
-        for what in ("params", "grads", "optimizer"):
-            if ctx.offloaded(what):
-                ctx.actor.onload(what)  # a no-op for what is resident already
+        ctx.device.hold_the_actor()  # the run ends: the engine released, room for the actor's state on the device
         path = finish_checkpoint(ctx, save_actor(ctx, completed_steps), completed_steps, rank_state, warmup_losses)
     if ctx.writer is not None:
         ctx.writer.close()

@@ -304,7 +304,7 @@ def summarize(
     measured memory (:func:`memory_summary`), weight-sync totals."""
     from rl.evaluation import eval_summary
 
-    plan = ctx.weight_sync.plan
+    plan = ctx.device.weight_sync.plan
     return {
         "exp": ctx.cfg.exp,
         "steps": len(rewards),
