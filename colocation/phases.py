@@ -1,7 +1,7 @@
 """The RL step as data: its phases in order, and for each the memory it adds, drops and holds transiently.
 
 One table that everything reads: ``run/loop.py::rl_step`` runs these phases and nothing else, in this
-order (``run.setup.RankContext.phase`` checks every entry against :class:`PhaseOrder`); the planner
+order (``run.shared_device.SharedDevice.phase`` checks every entry against :class:`PhaseOrder`); the planner
 (``planner/plan.py``) predicts each phase's bytes by walking :func:`step_phases`; the memory timeline
 (``telemetry/memory_timeline.py``) takes its phase order and what each hand-off releases (``RELEASE_TAGS``) from here;
 the engine's wake strategies (``rollout/config.py::WAKE_TAGS``) are the wake phases' ``adds``.

@@ -14,13 +14,22 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from checkpointing.checkpoint import ACTOR_DIR, Checkpointer, RLState, StopRequest, load_rank_state, resolve_resume
+from checkpointing.checkpoint import (
+    ACTOR_DIR,
+    Checkpointer,
+    RLState,
+    StopRequest,
+    load_rank_state,
+    model_sizes,
+    resolve_resume,
+)
 from colocation.host_memory import freeze_long_lived_objects
 from colocation.phases import HOLDERS
 from modelspec import ColocatedMesh, TokenBatch
 from rl.batching import Sample, make_batch
 from rl.data import DigitSumTask, Gsm8kTask, Problem, longest_prompt_tokens
 from rl.evaluation import eval_problems
+from rl.generation import sampling_seed
 from rl.losses import PolicyLoss
 from run.config import RunConfig
 from run.memory_plan import KvCacheChoice
@@ -93,6 +102,27 @@ class RankContext:
     @property
     def replica(self) -> int:
         return self.mesh.replica(self.rank)
+
+    def rl_state(self, completed_steps: int, rank_state: dict, warmup_losses: list[float]) -> RLState | None:
+        """Rank 0's RLState for the checkpoint after ``completed_steps`` steps (None on the other ranks)."""
+        if self.writer is None:
+            return None
+        dims, mesh, base_seed = self.dims, self.mesh, self.sampling_base_seed
+        return RLState(
+            completed_steps=completed_steps,
+            sampling_seed=base_seed,
+            next_sampling_seeds=[sampling_seed(base_seed, completed_steps, r) for r in range(mesh.num_replicas)],
+            data_num_prompts_drawn=rank_state["task"]["num_drawn"],
+            wandb_run_id=self.writer.wandb_run_id,
+            wandb_step=self.writer.wandb_step_after_deferred,
+            world_size=mesh.world_size,
+            layout=dict(
+                actor_tp=dims.tp, actor_pp=dims.pp, actor_vpp=dims.vpp, actor_dp=dims.dp, rollout_tp=mesh.rollout_tp
+            ),
+            model=model_sizes(self.actor.shape),
+            exp=self.cfg.exp,
+            warmup_losses=list(warmup_losses),
+        )
 
     def make_batch(self, samples: list[Sample]) -> tuple[TokenBatch, torch.Tensor]:
         """This DP rank's share of the step's samples (on its device), and every sample's reward [N]."""

@@ -226,6 +226,11 @@ class MemoryTimeline:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @property
+    def peak_method(self) -> str:
+        """How its peaks are measured (a key of PEAK_METHODS; summary.json's memory_peak_method)."""
+        return self.probe.peak_method
+
     def sample(self, step: int, phase: str) -> dict:
         row = dict(t_s=time.monotonic() - self.t0, step=step, phase=phase, rank=self.rank, **self.probe.read())
         with self._rows_lock:
