@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.checkpoint import complete_checkpoints, is_complete
+from checkpointing.checkpoint import complete_checkpoints, is_complete
 from tests.test_resume import deterministic
 from tests.test_slurm import FINAL_STATES, slurm_answers, submit, wait_for
 from tests.wandb_records import find_run_file, history_rows
@@ -77,7 +77,7 @@ def namespace_processes(node: str) -> list[str]:
 
 
 def rank_processes(node: str) -> list[str]:
-    return [p for p in namespace_processes(node) if " -m rl.main " in p and "torch.distributed.run" not in p]
+    return [p for p in namespace_processes(node) if " -m run.main " in p and "torch.distributed.run" not in p]
 
 
 def test_two_node_job_preempted_and_requeued_equals_four_ranks_on_one_node(tmp_path):
