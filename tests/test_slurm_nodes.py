@@ -92,8 +92,9 @@ def test_two_node_job_preempted_and_requeued_equals_four_ranks_on_one_node(tmp_p
         wait_for(job_id, lambda f: metrics.exists() and metrics.read_text().strip(), 900, log)  # step 0 logged
         subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
         wait_for(job_id, lambda f: f.get("Restarts") == "1" and f.get("JobState") == "PENDING", 300, log)
-        # Slurm holds a requeued job back for a while (BeginTime); start it now
-        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+        # Slurm holds a requeued job back until the killed run's job credential expires (BeginTime = requeue
+        # + cred_expire, 120 s by default); forcing StartTime=now races that: slurmd refuses the relaunch
+        # ("Job credential revoked") and the job ends FAILED. So wait, as a user's requeued job does.
         fields = wait_for(job_id, lambda f: f.get("JobState") in FINAL_STATES, 900, log)
         out, _ = reference.communicate(timeout=900)
     finally:
