@@ -6,6 +6,7 @@ outside ``megatron_backend`` reads ``parallel_state``.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,7 +19,12 @@ from megatron_backend import cpu_compat
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """This rank's place in the actor's TP x PP x DP grid, and its groups."""
+    """This rank's place in the actor's TP x PP x DP grid, and its groups.
+
+    MoE layers have a second grid over the same ranks (megatron's expert rank generator, order
+    tp-ep-dp-pp): expert TP (``etp``, each expert's intermediate dim) x EP (``ep``, whole experts) x
+    expert DP x PP. A dense model has ep = 1 and etp = tp.
+    """
 
     rank: int
     world_size: int
@@ -33,6 +39,13 @@ class ParallelDims:
     pp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
     device: torch.device
+    ep: int = 1
+    etp: int = 1
+    ep_rank: int = 0
+    etp_rank: int = 0
+    expert_dp: int = 1
+    ep_group: dist.ProcessGroup | None = None
+    etp_group: dist.ProcessGroup | None = None
 
     @property
     def is_last_stage(self) -> bool:
@@ -60,24 +73,52 @@ def init_distributed(timeout_s: float = 600.0) -> None:
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
 
 
+def check_world(world_size: int, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
+    """megatron's two grids over one world: tp x dp x pp (attention, dense MLP) and etp x ep x expert-dp x pp
+    (experts); both must tile it. ValueError naming the fields."""
+    etp = tp if etp is None else etp
+    if world_size % (tp * pp):
+        raise ValueError(f"world size {world_size} is not divisible by actor.tp x actor.pp = {tp} x {pp}")
+    if world_size % (etp * ep * pp):
+        raise ValueError(
+            f"world size {world_size} is not divisible by actor.etp x actor.ep x actor.pp = {etp} x {ep} x {pp} "
+            f"(actor.etp null follows actor.tp); use a world that is a multiple of it, or smaller actor.ep / actor.etp"
+        )
+
+
+def min_world_size(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> int:
+    """The fewest ranks that hold both grids: pp x lcm(tp, etp x ep) (TP2 x EP2 with etp = tp: 4)."""
+    etp = tp if etp is None else etp
+    return pp * math.lcm(tp, etp * ep)
+
+
 def initialize_model_parallel(
-    tp: int, pp: int, vpp: int | None = None, seed: int = 1234, timeout_s: float = 600.0
+    tp: int,
+    pp: int,
+    vpp: int | None = None,
+    seed: int = 1234,
+    timeout_s: float = 600.0,
+    ep: int = 1,
+    etp: int | None = None,
 ) -> ParallelDims:
-    """Set up megatron-core's TP/PP/DP groups (order tp-dp-pp as in megatron) and the RNG tracker."""
+    """Set up megatron-core's TP/PP/DP groups (order tp-dp-pp as in megatron), its expert groups
+    (etp x ep x expert-dp x pp; ``etp`` None follows ``tp``) and the RNG tracker."""
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
     init_distributed(timeout_s)
     cpu_compat.apply()
     world_size = dist.get_world_size()
-    if world_size % (tp * pp) != 0:
-        raise ValueError(f"world size {world_size} is not divisible by actor.tp x actor.pp = {tp} x {pp}")
+    etp = tp if etp is None else etp
+    check_world(world_size, tp, pp, ep, etp)
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return ParallelDims(
@@ -94,6 +135,13 @@ def initialize_model_parallel(
         pp_group=mpu.get_pipeline_model_parallel_group(),
         dp_group=mpu.get_data_parallel_group(),
         device=default_device(),
+        ep=ep,
+        etp=etp,
+        ep_rank=mpu.get_expert_model_parallel_rank(),
+        etp_rank=mpu.get_expert_tensor_parallel_rank(),
+        expert_dp=world_size // (etp * ep * pp),
+        ep_group=mpu.get_expert_model_parallel_group(),
+        etp_group=mpu.get_expert_tensor_parallel_group(),
     )
 
 
