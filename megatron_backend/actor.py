@@ -37,7 +37,15 @@ from megatron_backend.config import ActorConfig
 from megatron_backend.layout import RankLayout, padded_vocab_size
 from megatron_backend.logprobs import fused_logprobs_entropy
 from megatron_backend.memory import MemoryLedger, StorageOffloader, storage_bytes
-from megatron_backend.model import build_gpt_chunks, recompute_kwargs, te_available
+from megatron_backend.model import (
+    ROUTER_LOSSES,
+    build_gpt_chunks,
+    clear_router_losses,
+    moe_kwargs,
+    recompute_kwargs,
+    router_losses,
+    te_available,
+)
 from megatron_backend.packing import MicroBatch, build_micro_batch, partition, sequence_lengths
 from megatron_backend.parallel import ParallelDims
 from modelspec import BatchTotals, LossFn, ModelShape, TokenBatch
@@ -61,10 +69,12 @@ class Actor:
         shape: ModelShape | None = None,
     ):
         """``shape``: the run's model shape (None: read from ``hf_dir``)."""
-        if (config.tp, config.pp, config.vpp) != (dims.tp, dims.pp, dims.vpp):
+        sizes = (config.tp, config.pp, config.vpp, config.ep, config.expert_tp)
+        if sizes != (dims.tp, dims.pp, dims.vpp, dims.ep, dims.etp):
             raise ValueError(
-                f"actor.tp/pp/vpp = {config.tp}/{config.pp}/{config.vpp} but the process groups are "
-                f"{dims.tp}/{dims.pp}/{dims.vpp}; initialize_model_parallel with the actor config's sizes"
+                f"actor.tp/pp/vpp/ep/etp = {'/'.join(map(str, sizes))} but the process groups are "
+                f"{dims.tp}/{dims.pp}/{dims.vpp}/{dims.ep}/{dims.etp}; initialize_model_parallel with the actor "
+                "config's sizes"
             )
         self.config, self.dims, self.dtype = config, dims, dtype
         self.hf_dir = Path(hf_dir)
@@ -85,7 +95,12 @@ class Actor:
             variable = config.remove_padding or config.max_tokens_per_micro_batch is not None
             variable = variable or config.forward_max_tokens is not None
             # raw GPTModel per VPP stage
-            self.chunks = build_gpt_chunks(self.shape, dims, dtype, recompute=recompute, variable_seq_lengths=variable)
+            moe = moe_kwargs(
+                self.shape, dims, config.moe_aux_loss_coef, config.moe_z_loss_coef, config.moe_token_dispatcher
+            )
+            self.chunks = build_gpt_chunks(
+                self.shape, dims, dtype, recompute=recompute, variable_seq_lengths=variable, moe=moe
+            )
             self.num_bytes_loaded = load_hf_into_chunks(self.chunks, hf_dir, self.shape, self.layout)
             self.ledger.set("actor_params", resident_bytes=storage_bytes(self._param_tensors()))
         self.models = self.chunks  # DDP-wrapped when training
@@ -251,6 +266,7 @@ class Actor:
         for model in self.models:
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
+        clear_router_losses()
 
         def factory(mb):
             def loss_func(logits):
@@ -277,6 +293,8 @@ class Actor:
             metrics = box[0]
         metrics["num_micro_batches"] = float(num_micro)
         metrics["num_tokens"] = totals.num_tokens
+        logged = [name for name, coef in ROUTER_LOSSES.items() if getattr(self.config, coef) > 0]
+        metrics.update(router_losses(self.dims, logged, len(getattr(self.shape, "moe_layers", ())), num_micro))
         return metrics
 
     def train_step(self, batch: TokenBatch, loss_fn: LossFn) -> dict[str, float]:

@@ -82,7 +82,7 @@ def moe_kwargs(
         return {}
     return dict(
         num_moe_experts=shape.num_experts,
-        moe_router_topk=shape.num_experts_per_tok,
+        moe_router_topk=shape.moe_top_k,
         moe_ffn_hidden_size=shape.moe_intermediate_size,
         moe_layer_freq=[1 if layer in shape.moe_layers else 0 for layer in range(shape.num_layers)],
         moe_router_score_function="softmax",
@@ -96,6 +96,41 @@ def moe_kwargs(
         expert_model_parallel_size=dims.ep,
         expert_tensor_parallel_size=dims.etp,
     )
+
+
+# megatron's router losses as its tracker names them, and the actor.* coefficient that turns each on
+ROUTER_LOSSES = {"load_balancing_loss": "moe_aux_loss_coef", "z_loss": "moe_z_loss_coef"}
+
+
+def clear_router_losses() -> None:
+    """Empty megatron's router-loss tracker (before a pass whose losses :func:`router_losses` reads)."""
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+    clear_aux_losses_tracker()
+
+
+def router_losses(dims: ParallelDims, names: list[str], num_moe_layers: int, num_micro_batches: int) -> dict:
+    """The router losses of the last pass as ``moe/<name>``: megatron's tracker holds, per MoE layer on the
+    stage that has it, the loss before its coefficient summed over micro-batches; this is its mean over MoE
+    layers, micro-batches and DP ranks. Collective over the PP and DP groups: every rank calls it."""
+    if not names or not num_moe_layers:
+        return {}
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    # [len(names)]: this stage's layers (a stage without MoE layers has no tracker entry)
+    values = (
+        torch.stack(
+            [tracker[n]["values"].sum() if n in tracker else torch.zeros((), device=dims.device) for n in names]
+        ).to(torch.float32)
+        / num_micro_batches
+    )
+    if dims.pp > 1:
+        torch.distributed.all_reduce(values, group=dims.pp_group)
+    if dims.dp > 1:
+        torch.distributed.all_reduce(values, group=dims.dp_group)
+    values /= num_moe_layers * dims.dp
+    return {f"moe/{name}": float(v) for name, v in zip(names, values.tolist())}
 
 
 def transformer_config(

@@ -18,7 +18,7 @@ def _moe_shape():
     from modelspec import ModelShape
 
     shape = ModelShape.from_pretrained("tiny:qwen3")
-    moe = dict(num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=64, norm_topk_prob=True)
+    moe = dict(num_experts=NUM_EXPERTS, moe_top_k=TOP_K, moe_intermediate_size=64, norm_topk_prob=True)
     moe["moe_layers"] = (1, 2, 3)
     for name, value in moe.items():  # a stand-in for the family contract's MoE fields
         object.__setattr__(shape, name, value)
@@ -29,9 +29,15 @@ def _train_moe(rank: int, world_size: int, tp: int, ep: int, dispatcher: str):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
-    from megatron_backend.model import build_gpt_chunks, moe_kwargs, padded_vocab_size
+    from megatron_backend.model import (
+        ROUTER_LOSSES,
+        build_gpt_chunks,
+        clear_router_losses,
+        moe_kwargs,
+        padded_vocab_size,
+        router_losses,
+    )
     from megatron_backend.parallel import initialize_model_parallel
 
     dims = initialize_model_parallel(tp=tp, pp=1, ep=ep)
@@ -63,20 +69,20 @@ def _train_moe(rank: int, world_size: int, tp: int, ep: int, dispatcher: str):
         )
         return sum(o["loss"].item() for o in outputs) / NUM_MICROBATCHES
 
-    clear_aux_losses_tracker()
+    clear_router_losses()
     loss_before = run(forward_only=False)
-    router_losses = {name: float(entry["values"].sum()) for name, entry in get_moe_layer_wise_logging_tracker().items()}
+    losses = router_losses(dims, list(ROUTER_LOSSES), num_moe_layers=3, num_micro_batches=NUM_MICROBATCHES)
     expert_grads = {
         n: float(p.main_grad.abs().sum()) for n, p in model.module.named_parameters() if ".local_experts." in n
     }
     update_successful, grad_norm, _ = optimizer.step()
-    clear_aux_losses_tracker()
+    clear_router_losses()
     loss_after = run(forward_only=True)
     return dict(
         ep_rank=dims.ep_rank,
         tp_rank=dims.tp_rank,
         local_experts=sorted(local_experts),
-        router_losses=router_losses,
+        router_losses=losses,
         expert_grads=expert_grads,
         update_successful=update_successful,
         grad_norm=float(grad_norm),
@@ -94,11 +100,15 @@ def test_moe_gpt_model_expert_parallel_train_step(dispatcher):
         # 3 MoE layers x 2 local experts (of 4) x fc1 / fc2, named 0..1 on each EP rank
         assert len(r["local_experts"]) == 3 * (NUM_EXPERTS // 2) * 2, r["local_experts"]
         assert all(g > 0 for g in r["expert_grads"].values()), r["expert_grads"]
-        assert set(r["router_losses"]) == {"load_balancing_loss", "z_loss"}, r["router_losses"]
+        assert set(r["router_losses"]) == {"moe/load_balancing_loss", "moe/z_loss"}, r["router_losses"]
         assert all(v > 0 and math.isfinite(v) for v in r["router_losses"].values()), r["router_losses"]
         assert r["update_successful"] and r["grad_norm"] > 0
         assert abs(r["loss_before"] - math.log(r["vocab"])) < 0.5, r  # random init: about ln(padded V)
         assert r["loss_after"] < r["loss_before"] - 1e-3, r  # megatron's optimizer step went downhill
+    # the losses are means over layers, micro-batches and DP ranks: every rank logs the same; the balance loss
+    # is E x sum_e f_e p_e, 1 when the routing is uniform
+    assert results[0]["router_losses"] == results[1]["router_losses"]
+    assert 0.9 < results[0]["router_losses"]["moe/load_balancing_loss"] < 2.0
     # the two EP ranks hold different experts: their grads differ
     assert results[0]["expert_grads"] != results[1]["expert_grads"]
 
