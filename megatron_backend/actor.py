@@ -50,7 +50,7 @@ from megatron_backend.packing import MicroBatch, build_micro_batch, partition, s
 from megatron_backend.parallel import ParallelDims
 from modelspec import BatchTotals, LossFn, ModelShape, TokenBatch
 from modelspec.host_memory import release_freed_host_memory
-from modelspec.mesh import check_actor_split
+from modelspec.mesh import check_actor_split, check_expert_split
 
 OFFLOADABLE = ("params", "grads", "optimizer")
 _TAG = {"params": "actor_params", "grads": "actor_grads", "optimizer": "optimizer"}
@@ -80,6 +80,7 @@ class Actor:
         self.hf_dir = Path(hf_dir)
         self.shape = shape if shape is not None else ModelShape.from_pretrained(hf_dir)
         check_actor_split(self.shape, dims.tp, dims.pp, dims.vpp)
+        check_expert_split(self.shape, dims.ep, dims.etp)
         self.layout = RankLayout(dims.tp, dims.pp, dims.vpp, dims.tp_rank, dims.pp_rank, te_norms=te_available())
         self.vocab_start = dims.tp_rank * padded_vocab_size(self.shape.vocab_size, dims.tp) // dims.tp
         self.ledger = MemoryLedger()

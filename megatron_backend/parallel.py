@@ -6,7 +6,6 @@ outside ``megatron_backend`` reads ``parallel_state``.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -15,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_backend import cpu_compat
+from modelspec.mesh import check_world
 
 
 @dataclass(frozen=True)
@@ -71,25 +71,6 @@ def init_distributed(timeout_s: float = 600.0) -> None:
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-
-
-def check_world(world_size: int, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
-    """megatron's two grids over one world: tp x dp x pp (attention, dense MLP) and etp x ep x expert-dp x pp
-    (experts); both must tile it. ValueError naming the fields."""
-    etp = tp if etp is None else etp
-    if world_size % (tp * pp):
-        raise ValueError(f"world size {world_size} is not divisible by actor.tp x actor.pp = {tp} x {pp}")
-    if world_size % (etp * ep * pp):
-        raise ValueError(
-            f"world size {world_size} is not divisible by actor.etp x actor.ep x actor.pp = {etp} x {ep} x {pp} "
-            f"(actor.etp null follows actor.tp); use a world that is a multiple of it, or smaller actor.ep / actor.etp"
-        )
-
-
-def min_world_size(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> int:
-    """The fewest ranks that hold both grids: pp x lcm(tp, etp x ep) (TP2 x EP2 with etp = tp: 4)."""
-    etp = tp if etp is None else etp
-    return pp * math.lcm(tp, etp * ep)
 
 
 def initialize_model_parallel(

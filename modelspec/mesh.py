@@ -11,6 +11,7 @@ Built once in setup from the config and passed explicitly (in the spirit of torc
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,6 +52,41 @@ def check_rollout_split(shape: ModelShape, tp: int) -> None:
     if shape.intermediate_size % tp:
         raise ValueError(
             f"rollout.tp={tp} must divide the intermediate size ({shape.intermediate_size}){_of(shape)}; pick a divisor"
+        )
+
+
+def check_world(world_size: int, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
+    """megatron's two grids over one world: tp x dp x pp (attention, dense MLP) and etp x ep x expert-dp x pp
+    (experts); both must tile it. ValueError naming the fields."""
+    etp = tp if etp is None else etp
+    if world_size % (tp * pp):
+        raise ValueError(f"world size {world_size} is not divisible by actor.tp x actor.pp = {tp} x {pp}")
+    if world_size % (etp * ep * pp):
+        raise ValueError(
+            f"world size {world_size} is not divisible by actor.etp x actor.ep x actor.pp = {etp} x {ep} x {pp} "
+            f"(actor.etp null follows actor.tp); use a world that is a multiple of it, or smaller actor.ep / actor.etp"
+        )
+
+
+def min_world_size(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> int:
+    """The fewest ranks that hold both grids: pp x lcm(tp, etp x ep) (TP2 x EP2 with etp = tp: 4)."""
+    etp = tp if etp is None else etp
+    return pp * math.lcm(tp, etp * ep)
+
+
+def check_expert_split(shape: ModelShape, ep: int, etp: int) -> None:
+    """The one check that actor EP x expert TP can split this MoE model's experts (nothing to check for a
+    dense model); ValueError naming the key and the fix."""
+    if not getattr(shape, "num_experts", 0):
+        if ep > 1:
+            raise ValueError(f"actor.ep={ep} needs a mixture-of-experts model{_of(shape)} (it has no experts); set 1")
+        return
+    if shape.num_experts % ep:
+        raise ValueError(f"actor.ep={ep} must divide the {shape.num_experts} experts{_of(shape)}; pick a divisor")
+    if shape.moe_intermediate_size % etp:
+        raise ValueError(
+            f"actor.etp={etp} (null: actor.tp) must divide the experts' intermediate size "
+            f"({shape.moe_intermediate_size}){_of(shape)}; pick a divisor"
         )
 
 

@@ -173,7 +173,13 @@ def init_rank(cfg: RunConfig) -> ParallelDims:
         # the process's memory is the device's here: keep it from creeping with allocator fragmentation
         configure_host_allocator()
     return initialize_model_parallel(
-        cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp, seed=cfg.actor.seed, timeout_s=cfg.cluster.timeout_s
+        cfg.actor.tp,
+        cfg.actor.pp,
+        cfg.actor.vpp,
+        seed=cfg.actor.seed,
+        timeout_s=cfg.cluster.timeout_s,
+        ep=cfg.actor.ep,
+        etp=cfg.actor.expert_tp,
     )
 
 

@@ -115,7 +115,7 @@ def test_moe_gpt_model_expert_parallel_train_step(dispatcher):
 
 def test_expert_layout_bad_input_names_the_field():
     from megatron_backend.config import ActorConfig
-    from megatron_backend.parallel import check_world, min_world_size
+    from modelspec.mesh import check_world, min_world_size
 
     for bad, field in [(dict(ep=0), "actor.ep"), (dict(etp=0), "actor.etp"), (dict(moe_aux_loss_coef=-1), "aux")]:
         with pytest.raises(ValueError, match=field):
