@@ -81,6 +81,12 @@ class Actor:
         self.shape = shape if shape is not None else ModelShape.from_pretrained(hf_dir)
         check_actor_split(self.shape, dims.tp, dims.pp, dims.vpp)
         check_expert_split(self.shape, dims.ep, dims.etp)
+        if train and dims.tp > 1 and getattr(self.shape, "num_experts", 0):
+            raise ValueError(
+                f"actor.tp={dims.tp} with an MoE model ({self.shape.source}): megatron-core trains MoE layers at "
+                "TP > 1 only with sequence parallelism, which the actor does not enable; use actor.tp=1 and split "
+                "the experts with actor.ep (forward-only passes, e.g. make parity, run at any TP)"
+            )
         self.layout = RankLayout(dims.tp, dims.pp, dims.vpp, dims.tp_rank, dims.pp_rank, te_norms=te_available())
         self.vocab_start = dims.tp_rank * padded_vocab_size(self.shape.vocab_size, dims.tp) // dims.tp
         self.ledger = MemoryLedger()
@@ -181,6 +187,10 @@ class Actor:
             return output, loss_func_factory(mb)
 
         many = len(self.models) > 1
+        # forward-only passes in eval mode: megatron's MoE router then neither computes nor tracks its aux
+        # losses (no backward to carry them), and its TP > 1 MoE layers run without sequence parallelism
+        for chunk in self.chunks:
+            chunk.train(not forward_only)
         # fixed-shape pipelines size their p2p buffers from these; variable ones send shapes first
         seq_len = max(mb.input_ids.shape[1] for mb in micro_batches)
         return get_forward_backward_func()(

@@ -44,6 +44,7 @@ class ParallelDims:
     ep_rank: int = 0
     etp_rank: int = 0
     expert_dp: int = 1
+    expert_dp_rank: int = 0
     ep_group: dist.ProcessGroup | None = None
     etp_group: dist.ProcessGroup | None = None
 
@@ -121,6 +122,7 @@ def initialize_model_parallel(
         ep_rank=mpu.get_expert_model_parallel_rank(),
         etp_rank=mpu.get_expert_tensor_parallel_rank(),
         expert_dp=world_size // (etp * ep * pp),
+        expert_dp_rank=mpu.get_expert_data_parallel_rank(),
         ep_group=mpu.get_expert_model_parallel_group(),
         etp_group=mpu.get_expert_tensor_parallel_group(),
     )
