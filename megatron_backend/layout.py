@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass
 
 from modelspec import ModelShape
-from modelspec.family import Part, dims_size, full_sizes, layer_parts, rank_sizes
+from modelspec.family import Part, dims_size, even_split_sizes, full_sizes, layer_parts
 from modelspec.mesh import check_actor_split
 
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # megatron pads the vocab to a multiple of this x TP
@@ -105,17 +105,21 @@ class SlicePiece:
 
 def _megatron_rank_sizes(shape: ModelShape, tp: int) -> dict[str, int]:
     """Dim symbol -> its size on one actor TP rank (megatron splits heads and rows evenly, no replication)."""
-    return rank_sizes(shape, shape.num_heads // tp, shape.num_kv_heads // tp, shape.intermediate_size // tp)
+    return even_split_sizes(shape, tp)
 
 
 def _part_pieces(shape: ModelShape, layout: RankLayout, part: Part, kind: str, layer: int, local: int, vp_stage: int):
     """The pieces of one part of one layer: ``part.megatron_split`` applied to its rows in the HF tensor."""
     tp, r, d = layout.tp, layout.tp_rank, shape.head_dim
+    if part.expert:
+        raise ValueError(
+            f"{shape.source or shape.model_type}: the actor's layout of MoE experts is not implemented yet"
+        )
     hf_name, offset = shape.family.hf_slot(part, kind, layer, full_sizes(shape))
     mg = f"decoder.layers.{local}." + part.megatron_param(kind, layout.te_norms)
     local_sizes = _megatron_rank_sizes(shape, tp)
     # parts before this one in its megatron parameter (stacked along rows there)
-    before = [p for p, k in layer_parts(shape) if k == kind and p.megatron == part.megatron]
+    before = [p for p, k in layer_parts(shape, layer) if k == kind and p.megatron == part.megatron]
     before = before[: before.index(part)]
     if part.megatron_split == "replicate":
         (size,) = dims_size(part.kind_dims(kind), local_sizes)
@@ -145,7 +149,7 @@ def _part_pieces(shape: ModelShape, layout: RankLayout, part: Part, kind: str, l
 def _megatron_layer_pieces(shape: ModelShape, layout: RankLayout, vp_stage: int) -> list[SlicePiece]:
     pieces: list[SlicePiece] = []
     for local, layer in enumerate(chunk_layers(shape, layout, vp_stage)):
-        for part, kind in layer_parts(shape):
+        for part, kind in layer_parts(shape, layer):
             pieces += _part_pieces(shape, layout, part, kind, layer, local, vp_stage)
     return pieces
 
@@ -201,8 +205,8 @@ def local_param_shapes(shape: ModelShape, layout: RankLayout) -> dict[tuple[int,
         first, last = layout.is_first_chunk(vp), layout.is_last_chunk(vp)
         if first:
             out[(vp, "embedding.word_embeddings.weight")] = (vocab_rows, h)
-        for local in range(len(chunk_layers(shape, layout, vp))):
-            for part, kind in layer_parts(shape):  # stacked parts add their rows to one parameter
+        for local, layer in enumerate(chunk_layers(shape, layout, vp)):
+            for part, kind in layer_parts(shape, layer):  # stacked parts add their rows to one parameter
                 key = (vp, f"decoder.layers.{local}." + part.megatron_param(kind, layout.te_norms))
                 rows, *rest = dims_size(part.kind_dims(kind), local_sizes)
                 out[key] = (out.get(key, (0,))[0] + rows, *rest)

@@ -35,6 +35,11 @@ def check_actor_split(shape: ModelShape, tp: int, pp: int, vpp: int | None) -> N
         raise ValueError(
             f"actor.tp={tp} must divide the intermediate size ({shape.intermediate_size}){_of(shape)}; pick a divisor"
         )
+    if shape.moe_intermediate_size % tp:  # expert TP follows TP
+        raise ValueError(
+            f"actor.tp={tp} must divide the experts' intermediate size ({shape.moe_intermediate_size}){_of(shape)}; "
+            "pick a divisor"
+        )
     if shape.num_layers % (pp * (vpp or 1)):
         raise ValueError(
             f"actor.pp x actor.vpp = {pp}x{vpp or 1} must divide the {shape.num_layers} layers{_of(shape)}"
@@ -52,6 +57,11 @@ def check_rollout_split(shape: ModelShape, tp: int) -> None:
     if shape.intermediate_size % tp:
         raise ValueError(
             f"rollout.tp={tp} must divide the intermediate size ({shape.intermediate_size}){_of(shape)}; pick a divisor"
+        )
+    if shape.moe_intermediate_size % tp:  # vLLM's TP splits every expert by its intermediate dim
+        raise ValueError(
+            f"rollout.tp={tp} must divide the experts' intermediate size ({shape.moe_intermediate_size}){_of(shape)}; "
+            "pick a divisor"
         )
 
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from modelspec import ColocatedMesh, ModelShape
-from modelspec.families import FAMILIES
 from modelspec.family import DOWN, GATE, O_PROJ, UP, K, Q, V
 from rl.weight_sync.layouts import actor_sources, engine_destinations
 from rl.weight_sync.plan import plan_sync
+from tests.family_helpers import DENSE_FAMILIES as FAMILIES
 from tests.family_helpers import hf_part
 
 WORLD = 4
