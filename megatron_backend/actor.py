@@ -81,13 +81,25 @@ class Actor:
         self.shape = shape if shape is not None else ModelShape.from_pretrained(hf_dir)
         check_actor_split(self.shape, dims.tp, dims.pp, dims.vpp)
         check_expert_split(self.shape, dims.ep, dims.etp)
-        if train and dims.tp > 1 and getattr(self.shape, "num_experts", 0):
+        if train and dims.tp > 1 and self.shape.is_moe:
             raise ValueError(
                 f"actor.tp={dims.tp} with an MoE model ({self.shape.source}): megatron-core trains MoE layers at "
                 "TP > 1 only with sequence parallelism, which the actor does not enable; use actor.tp=1 and split "
                 "the experts with actor.ep (forward-only passes, e.g. make parity, run at any TP)"
             )
-        self.layout = RankLayout(dims.tp, dims.pp, dims.vpp, dims.tp_rank, dims.pp_rank, te_norms=te_available())
+        self.layout = RankLayout(
+            dims.tp,
+            dims.pp,
+            dims.vpp,
+            dims.tp_rank,
+            dims.pp_rank,
+            te_norms=te_available(),
+            ep=dims.ep,
+            etp=dims.etp,
+            ep_rank=dims.ep_rank,
+            etp_rank=dims.etp_rank,
+            grouped_experts=te_available(),
+        )
         self.vocab_start = dims.tp_rank * padded_vocab_size(self.shape.vocab_size, dims.tp) // dims.tp
         self.ledger = MemoryLedger()
         # grads: released and handed back zeroed, never copied (compute_grads zeroes them before use)
@@ -305,7 +317,7 @@ class Actor:
         metrics["num_micro_batches"] = float(num_micro)
         metrics["num_tokens"] = totals.num_tokens
         logged = [name for name, coef in ROUTER_LOSSES.items() if getattr(self.config, coef) > 0]
-        metrics.update(router_losses(self.dims, logged, len(getattr(self.shape, "moe_layers", ())), num_micro))
+        metrics.update(router_losses(self.dims, logged, len(self.shape.moe_layers), num_micro))
         return metrics
 
     def train_step(self, batch: TokenBatch, loss_fn: LossFn) -> dict[str, float]:
@@ -468,7 +480,9 @@ class Actor:
     def export_hf(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
         """Full HF state dict on global rank ``dst`` (None elsewhere): the whole model on one rank, for tests
         and parity checks that compare weights in memory. Exporting is :meth:`save_hf` / ``make export``."""
-        return gather_hf_state_dict(self.chunks, self.shape, self.layout, self.dims.dp_rank, dst)
+        return gather_hf_state_dict(
+            self.chunks, self.shape, self.layout, self.dims.dp_rank, dst, self.dims.expert_dp_rank
+        )
 
     def save_hf(
         self, out_dir: str | Path, dtype: torch.dtype | None = None, extra_files: dict[str, Path] | None = None

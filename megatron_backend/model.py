@@ -78,7 +78,7 @@ def moe_kwargs(
     are MoE: ``moe_layer_freq`` as a 0/1 list per layer (Qwen3-MoE's ``mlp_only_layers`` /
     ``decoder_sparse_step``).
     """
-    if not getattr(shape, "num_experts", 0):
+    if not shape.is_moe:
         return {}
     return dict(
         num_moe_experts=shape.num_experts,

@@ -87,7 +87,7 @@ def min_world_size(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> int
 def check_expert_split(shape: ModelShape, ep: int, etp: int) -> None:
     """The one check that actor EP x expert TP can split this MoE model's experts (nothing to check for a
     dense model); ValueError naming the key and the fix."""
-    if not getattr(shape, "num_experts", 0):
+    if not shape.is_moe:
         if ep > 1:
             raise ValueError(f"actor.ep={ep} needs a mixture-of-experts model{_of(shape)} (it has no experts); set 1")
         return
