@@ -51,8 +51,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from megatron_backend.memory import TAGS as ACTOR_TAGS
-from modelspec.phases import (  # noqa: F401 (re-exported)
+from colocation.phases import (  # noqa: F401 (re-exported)
     ALL_PHASES,
     EVAL_PHASE,
     EXPORT_PHASE,
@@ -62,15 +61,17 @@ from modelspec.phases import (  # noqa: F401 (re-exported)
     released_tags,
     wake_window_phases,
 )
+from megatron_backend.memory import TAGS as ACTOR_TAGS
+from planner import Plan
 from rollout.memory_saver import TAGS as ENGINE_TAGS
 
-# The step's phases (modelspec/phases.py, the one table): PHASES run every step; the timeline records every
+# The step's phases (colocation/phases.py, the one table): PHASES run every step; the timeline records every
 # phase a step may run, in order: PHASES and, at the step boundaries that evaluate, the eval before rollout,
 # after train on the steps that save, the checkpoint's shards, and on the steps that export, the HF export.
 TIMELINE_PHASES = ALL_PHASES
 
 # Memory tags: the engine's (rollout.memory_saver), the actor's (megatron_backend.memory) and the
-# reference actor's params (its ledger's actor_params, renamed in rl.setup).
+# reference actor's params (its ledger's actor_params, renamed in run.setup).
 REF_TAGS = ("ref_params",)
 TAGS = ENGINE_TAGS + ACTOR_TAGS + REF_TAGS
 BASE_METRICS = ("device_used", "device_peak", "device_allocated", "device_reserved", "host_rss", "host_pinned")
@@ -424,3 +425,23 @@ def measured_free_bytes(device: torch.device, ranks_per_node: int = 1) -> int:
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     return int(psutil.virtual_memory().available) // max(1, ranks_per_node)
+
+
+def prediction_errors(plan: Plan, rows: list[dict], min_bytes: int = 0) -> dict[str, dict[str, float]]:
+    """phase -> predicted (the plan's worst rank, plus its runtime overhead: the measurement includes the
+    CUDA context or, on CPU, what the process allocates beside the tensors), measured (max over ranks of
+    the median over the steady steps of the phase's measured peak) and their relative error (predicted /
+    measured - 1), for the phases the run measured at or above ``min_bytes``."""
+    ranks = sorted({int(r["rank"]) for r in rows})
+    out = {}
+    for phase in plan.phases:
+        measured = max((steady_peak(rows, (phase.name,), rank) for rank in ranks), default=0)
+        if measured <= 0 or measured < min_bytes:
+            continue
+        predicted = phase.predicted_bytes + plan.runtime_overhead_bytes
+        out[phase.name] = {
+            "predicted_bytes": predicted,
+            "measured_bytes": measured,
+            "relative_error": predicted / measured - 1.0,
+        }
+    return out
