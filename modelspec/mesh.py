@@ -105,6 +105,10 @@ class ActorCoords:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    # megatron's expert grid (MoE): expert TP, EP and expert-DP ranks (0, 0, dp_rank-like for a dense model)
+    ep_rank: int = 0
+    etp_rank: int = 0
+    expert_dp_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,8 @@ class ColocatedMesh:
     actor_pp: int = 1
     actor_vpp: int | None = None
     rollout_tp: int = 1
+    actor_ep: int = 1  # MoE: expert parallel; experts grid etp x ep x expert-dp x pp over the same ranks
+    actor_etp: int | None = None  # expert tensor parallel; None = actor_tp
 
     def __post_init__(self) -> None:
         for name in ("world_size", "actor_tp", "actor_pp", "rollout_tp"):
@@ -128,6 +134,7 @@ class ColocatedMesh:
                 f"cluster.procs_per_node); pick actor.tp and actor.pp whose product divides {world}, or change "
                 "cluster.procs_per_node"
             )
+        check_world(world, tp, pp, self.actor_ep, self.actor_expert_tp)
         if world % self.rollout_tp:
             raise ValueError(
                 f"rollout.tp={self.rollout_tp} does not divide the world size {world}; pick a divisor of {world}"
@@ -136,6 +143,7 @@ class ColocatedMesh:
     def check(self, shape: ModelShape) -> None:
         """Whether both sides' layouts can split ``shape`` (:func:`check_actor_split`, :func:`check_rollout_split`)."""
         check_actor_split(shape, self.actor_tp, self.actor_pp, self.actor_vpp)
+        check_expert_split(shape, self.actor_ep, self.actor_expert_tp)
         check_rollout_split(shape, self.rollout_tp)
 
     # ------------------------------------------------------------------ actor
@@ -143,9 +151,22 @@ class ColocatedMesh:
     def actor_dp(self) -> int:
         return self.world_size // (self.actor_tp * self.actor_pp)
 
+    @property
+    def actor_expert_tp(self) -> int:
+        return self.actor_etp if self.actor_etp is not None else self.actor_tp
+
     def actor_coords(self, rank: int) -> ActorCoords:
-        tp, dp = self.actor_tp, self.actor_dp
-        return ActorCoords(tp_rank=rank % tp, pp_rank=rank // (tp * dp), dp_rank=(rank // tp) % dp)
+        """megatron's rank orders: tp-dp-pp for the dense grid, tp-ep-dp-pp (etp fastest) for the expert grid."""
+        tp, dp, etp, ep = self.actor_tp, self.actor_dp, self.actor_expert_tp, self.actor_ep
+        in_stage = rank % (tp * dp)  # the same ranks form a PP stage in both grids
+        return ActorCoords(
+            tp_rank=rank % tp,
+            pp_rank=rank // (tp * dp),
+            dp_rank=(rank // tp) % dp,
+            ep_rank=(in_stage // etp) % ep,
+            etp_rank=in_stage % etp,
+            expert_dp_rank=in_stage // (etp * ep),
+        )
 
     def actor_ranks(self, tp_rank: int | None = None, pp_rank: int | None = None, dp_rank: int | None = None):
         """Global ranks whose actor coordinates match the given ones (None: any)."""

@@ -229,4 +229,6 @@ class RunConfig:
             actor_pp=self.actor.pp,
             actor_vpp=self.actor.vpp,
             rollout_tp=self.rollout.tp,
+            actor_ep=self.actor.ep,
+            actor_etp=self.actor.etp,
         )

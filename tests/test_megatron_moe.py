@@ -203,3 +203,33 @@ def test_actor_loads_hf_moe_at_ep2_matches_transformers_and_trains(tiny_model_di
         assert math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0, metrics
         # megatron's ChainedOptimizer: one optimizer for the dense params (DP=2), one for the experts (expert DP=1)
         assert "DistributedOptimizer" in first["optimizer"], first["optimizer"]
+
+
+@pytest.mark.parametrize(
+    "world,tp,pp,ep,etp", [(4, 2, 1, 2, None), (4, 1, 2, 2, None), (8, 2, 2, 2, 1), (8, 1, 1, 4, 2)]
+)
+def test_mesh_expert_coords_are_megatrons(world, tp, pp, ep, etp):
+    """The mesh's expert coordinates (what the weight sync plans with) group the ranks as megatron's
+    expert RankGenerator (order tp-ep-dp-pp) does."""
+    from megatron.core.parallel_state import RankGenerator
+
+    from modelspec.mesh import ColocatedMesh
+
+    mesh = ColocatedMesh(world_size=world, actor_tp=tp, actor_pp=pp, actor_ep=ep, actor_etp=etp)
+    expert_tp = etp or tp
+    generator = RankGenerator(tp=expert_tp, ep=ep, dp=world // (expert_tp * ep * pp), pp=pp, cp=1, order="tp-ep-dp-pp")
+    for group, field in (("tp", "etp_rank"), ("ep", "ep_rank"), ("dp", "expert_dp_rank")):
+        for ranks in generator.get_ranks(group):
+            # a megatron group: ranks differing only in this coordinate, which runs 0.. in group order
+            assert [getattr(mesh.actor_coords(r), field) for r in ranks] == list(range(len(ranks))), (group, ranks)
+            others = {
+                tuple(
+                    getattr(mesh.actor_coords(r), f)
+                    for f in ("etp_rank", "ep_rank", "expert_dp_rank", "pp_rank")
+                    if f != field
+                )
+                for r in ranks
+            }
+            assert len(others) == 1, (group, ranks)
+    with pytest.raises(ValueError, match="actor.etp x actor.ep x actor.pp"):
+        ColocatedMesh(world_size=2, actor_tp=2, actor_ep=2)
