@@ -8,16 +8,16 @@ import os
 import pytest
 import torch
 
+from modelspec.families import FAMILIES as MODEL_FAMILIES
 from rollout import make_engine
 from rollout.config import RolloutConfig
 from rollout.engine import RolloutEngine, SamplingParams
 from rollout.layout import assemble_local, vllm_param_layouts
 from rollout.native import NativeEngine, iter_safetensors
 from tests.dist import run_ranks
-from tests.family_helpers import DENSE_FAMILIES as MODEL_FAMILIES
 from tests.rollout_helpers import MAX_NEW_TOKENS, PROMPTS, hf_greedy, hf_logprobs, max_abs_diff
 
-FAMILIES = tuple(MODEL_FAMILIES)  # every dense family (the MoE ones: until the engine runs them)
+FAMILIES = tuple(MODEL_FAMILIES)  # every family of modelspec.families
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
 SMALL = dict(cpu_capacity_gb=0.25, activation_reserve_mb=16)  # a 64 MiB KV budget is plenty here
 
