@@ -19,6 +19,8 @@ HF          ?= $(TINY_DIR)/qwen2
 TP          ?= 1
 PP          ?= 1
 VPP         ?=
+EP          ?=
+ETP         ?=
 TRAIN_TP    ?= 1
 TRAIN_PP    ?= 1
 ROLLOUT_TP  ?= 1
@@ -149,8 +151,8 @@ bench-sync: $(STAMP) ## planned reshard vs the peers' gather + load_weights into
 $(TINY_DIR)/%/config.json: modelspec/tiny.py | $(STAMP)
 	$(PY) -m modelspec.tiny --out $(TINY_DIR) --families $*
 
-parity: $(STAMP) $(TINY_HF) ## megatron (TP x PP [x VPP]) vs transformers log-probs on HF=<dir>: one JSON line
-	@$(PY) -m tools.parity --hf $(HF) --tp $(TP) --pp $(PP) $(if $(VPP),--vpp $(VPP))
+parity: $(STAMP) $(TINY_HF) ## megatron (TP x PP [x VPP] [x EP [x ETP]]) vs transformers log-probs on HF=<dir>: one JSON line
+	@$(PY) -m tools.parity --hf $(HF) --tp $(TP) --pp $(PP) $(if $(VPP),--vpp $(VPP)) $(if $(EP),--ep $(EP)) $(if $(ETP),--etp $(ETP))
 
 bench-entropy: $(STAMP) ## peak memory of chunked vs unchunked vocab entropy: one JSON line
 	@$(PY) -m tools.bench_entropy $(ARGS)
