@@ -146,3 +146,14 @@ def test_tiny_routers_are_sharp_and_used(tiny_model_dirs, family):
         assert logits.std() > 2.0  # HF's init (std 0.02) gives ~0.2
         used = torch.bincount(logits.topk(top_k, dim=-1).indices.flatten(), minlength=logits.shape[-1])
         assert (used > 0).all()
+
+
+@pytest.mark.parametrize("engine", ["native", "vllm"])
+def test_rollout_ep_is_refused_in_one_line(engine):
+    from rollout.config import RolloutConfig
+
+    with pytest.raises(ValueError, match=r"rollout.ep=2: .*use rollout.ep=1") as info:
+        RolloutConfig(engine=engine, ep=2)
+    assert "\n" not in str(info.value)
+    if engine == "vllm":
+        assert "vLLM's CPU build has no expert parallelism" in str(info.value)
