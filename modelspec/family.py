@@ -59,7 +59,7 @@ class Part:
     megatron_te_name: str | None = None  # a norm's parameter under Transformer Engine's spec (fused into a linear)
     bias_when_qkv_bias: bool = False  # has a bias [dims[0]] when the shape's ``qkv_bias`` is set
     # one tensor per routed expert: the HF name holds ``{expert}``; ``vllm`` is a FusedMoE parameter stem
-    # (``<block>.experts.w13`` -> ``w13_weight`` [E, 2m, h]) whose dim 0 is the expert; splits apply per expert
+    # (``<block>.experts.routed_experts.w13`` -> ``w13_weight`` [E, 2m, h]) whose dim 0 is the expert; splits apply per expert
     expert: bool = False
 
     def __post_init__(self) -> None:
@@ -139,7 +139,7 @@ def moe_parts(vllm_block: str) -> tuple[Part, Part, Part, Part]:
     """The router and expert parts of a sparse layer whose MoE block vLLM calls ``vllm_block`` (``mlp`` in
     Qwen3-MoE, ``block_sparse_moe`` in Mixtral). megatron-core: the router ``mlp.router.weight`` [E, h]
     (replicated over TP and EP) and the experts (:meth:`Part.megatron_expert_param`, split by expert TP).
-    vLLM: the gate ``<block>.gate.weight`` [E, h] (replicated) and FusedMoE's ``<block>.experts.w13_weight``
+    vLLM: the gate ``<block>.gate.weight`` [E, h] (replicated) and FusedMoE's ``<block>.experts.routed_experts.w13_weight``
     [E, 2m/T, h] (per expert rows [w1 = gate shard; w3 = up shard]) and ``w2_weight`` [E, h, m/T]: vLLM's TP
     splits every expert by its intermediate dim (its EP, where it has one, splits dim 0)."""
     return (
@@ -149,19 +149,25 @@ def moe_parts(vllm_block: str) -> tuple[Part, Part, Part, Part]:
             ("m", "h"),
             "mlp.experts.linear_fc1",
             "rows",
-            f"{vllm_block}.experts.w13",
+            f"{vllm_block}.experts.routed_experts.w13",
             "rows",
             expert=True,
         ),
         Part(
-            "expert_up", ("m", "h"), "mlp.experts.linear_fc1", "rows", f"{vllm_block}.experts.w13", "rows", expert=True
+            "expert_up",
+            ("m", "h"),
+            "mlp.experts.linear_fc1",
+            "rows",
+            f"{vllm_block}.experts.routed_experts.w13",
+            "rows",
+            expert=True,
         ),
         Part(
             "expert_down",
             ("h", "m"),
             "mlp.experts.linear_fc2",
             "columns",
-            f"{vllm_block}.experts.w2",
+            f"{vllm_block}.experts.routed_experts.w2",
             "columns",
             expert=True,
         ),

@@ -22,7 +22,7 @@ Layout (h = hidden, d = head_dim, Hq / Hkv = q / KV heads, I = intermediate, V =
 - ``mlp.down_proj.weight`` [h, I/T]: columns.
 - ``input_layernorm.weight``, ``post_attention_layernorm.weight``, ``model.norm.weight`` [h]: replicated.
 - MoE layers (E experts of intermediate m; ``<block>`` is ``mlp`` or Mixtral's ``block_sparse_moe``):
-  ``<block>.gate.weight`` [E, h] replicated; FusedMoE's ``<block>.experts.w13_weight`` [E, 2*m/T, h], per
+  ``<block>.gate.weight`` [E, h] replicated; FusedMoE's ``<block>.experts.routed_experts.w13_weight`` [E, 2*m/T, h], per
   expert rows [w1 = gate shard; w3 = up shard], and ``w2_weight`` [E, h, m/T], per expert the columns of its
   down_proj: TP splits every expert by its intermediate dim. A slice of an expert part lands in
   ``local[expert]`` (``SliceSpec.expert``). These are the shapes vLLM loads into; its CPU experts then repack

@@ -101,14 +101,14 @@ def test_engine_parameter_names():
         gate.megatron_param("weight", te_norms=False)
     assert (router.vllm_param("weight"), gate.vllm_param("weight"), down.vllm_param("weight")) == (
         "mlp.gate.weight",
-        "mlp.experts.w13_weight",
-        "mlp.experts.w2_weight",
+        "mlp.experts.routed_experts.w13_weight",
+        "mlp.experts.routed_experts.w2_weight",
     )
     mixtral = ModelShape.from_hf_config(tiny_hf_config("mixtral"))
     names = {p.name: p.local_shape for p in vllm_param_layouts(mixtral, tp=2, tp_rank=1)}
     assert names["model.layers.3.block_sparse_moe.gate.weight"] == (4, 128)
-    assert names["model.layers.3.block_sparse_moe.experts.w13_weight"] == (4, 2 * 64, 128)  # [E, 2 I/T, h]
-    assert names["model.layers.3.block_sparse_moe.experts.w2_weight"] == (4, 128, 64)  # [E, h, I/T]
+    assert names["model.layers.3.block_sparse_moe.experts.routed_experts.w13_weight"] == (4, 2 * 64, 128)  # [E, 2 I/T, h]
+    assert names["model.layers.3.block_sparse_moe.experts.routed_experts.w2_weight"] == (4, 128, 64)  # [E, h, I/T]
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -146,3 +146,14 @@ def test_tiny_routers_are_sharp_and_used(tiny_model_dirs, family):
         assert logits.std() > 2.0  # HF's init (std 0.02) gives ~0.2
         used = torch.bincount(logits.topk(top_k, dim=-1).indices.flatten(), minlength=logits.shape[-1])
         assert (used > 0).all()
+
+
+@pytest.mark.parametrize("engine", ["native", "vllm"])
+def test_rollout_ep_is_refused_in_one_line(engine):
+    from rollout.config import RolloutConfig
+
+    with pytest.raises(ValueError, match=r"rollout.ep=2: .*use rollout.ep=1") as info:
+        RolloutConfig(engine=engine, ep=2)
+    assert "\n" not in str(info.value)
+    if engine == "vllm":
+        assert "vLLM's CPU build has no expert parallelism" in str(info.value)

@@ -4,7 +4,7 @@
   ``block_sparse_moe.experts.<e>.{w1,w3,w2}.weight`` (gate [I, h], up [I, h], down [h, I]; I =
   ``intermediate_size``, E = ``num_local_experts``, top-k = ``num_experts_per_tok``).
 - Routing: softmax over E, top-k, always renormalised to sum to 1.
-- vLLM (``mixtral.py``): ``block_sparse_moe.gate`` and FusedMoE ``block_sparse_moe.experts.w13_weight`` /
+- vLLM (``mixtral.py``): ``block_sparse_moe.gate`` and FusedMoE ``block_sparse_moe.experts.routed_experts.w13_weight`` /
   ``w2_weight``; transformers 5 renames the block to ``mlp`` in memory only (its files keep these names).
 
 Refused (``check_config``): a training-time ``router_jitter_noise`` (transformers multiplies the router's input

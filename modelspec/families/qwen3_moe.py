@@ -7,7 +7,7 @@ with MoE layers.
 - Routing: softmax over E, top-k, renormalised only when ``norm_topk_prob`` (Qwen3-30B-A3B: true).
 - Layer n is sparse when n is not in ``mlp_only_layers`` and (n + 1) % ``decoder_sparse_step`` == 0; a dense
   layer has Llama's ``mlp.{gate,up,down}_proj`` of ``intermediate_size``.
-- vLLM (``qwen3_moe.py``): ``mlp.gate`` and FusedMoE ``mlp.experts.w13_weight`` / ``w2_weight``.
+- vLLM (``qwen3_moe.py``): ``mlp.gate`` and FusedMoE ``mlp.experts.routed_experts.w13_weight`` / ``w2_weight``.
 
 Refused (``check_config``): shared experts and grouped top-k routing (:data:`modelspec.family.UNSUPPORTED_MOE_FIELDS`),
 sliding-window attention.
