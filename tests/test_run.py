@@ -113,7 +113,9 @@ def test_short_run_writes_every_output_and_a_readable_wandb_run(tmp_path):
     phase_seconds = summary["time"]["phase_median_seconds"]
     assert set(PHASES) <= set(phase_seconds) <= {EVAL_PHASE, *PHASES, SAVE_PHASE}
     assert all(v > 0 for v in phase_seconds.values())
-    assert summary["time"]["step_median_seconds"] >= sum(phase_seconds.values())
+    # step 1's every-step phases lie inside its span (the eval after the last step is a boundary of no step, so
+    # it is in the phase medians but in no step's span)
+    assert summary["time"]["step_median_seconds"] >= sum(phase_seconds[phase] for phase in PHASES)
     # the offline W&B run, read back through wandb's own protobuf records
     history = history_rows(find_run_file(summary["wandb_dir"]))
     per_step = [h for h in history if "trainer/step" in h]
