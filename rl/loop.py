@@ -34,6 +34,7 @@ from rl.metrics import (
     step_metrics,
     summarize,
 )
+from rl.preflight import nothing_left
 from rl.sampling import generate_samples, sampling_seed
 from rl.saving import (
     StopBeforeTrain,
@@ -44,6 +45,7 @@ from rl.saving import (
     stops_on_storage_faults,
 )
 from rl.setup import RankContext, setup, start_rollout
+from rl.tracking import SUMMARY_FILE
 from rl.warmup import StopDuringWarmup, exit_during_warmup, resume_or_warm_up
 from rl.weight_sync import SyncResult
 from rollout import SamplingParams
@@ -162,6 +164,26 @@ def evaluate_after_last_step(ctx: RankContext) -> None:
     log_step(ctx, steps, metrics)
 
 
+def report_end_of_finished_steps(ctx: RankContext, run_dir: Path) -> None:
+    """A run resumed with every step done (stopped after its last checkpoint, before its final eval and
+    summary): say what follows. The final export was written inside the last step, before its checkpoint was
+    complete, unless trainer.export_* changed since: then it is missing and ``make export`` writes it from the
+    checkpoint (the loop exports only inside a step)."""
+    from rl.checkpoint import HF_DIR, step_dir_name
+
+    steps = ctx.cfg.trainer.steps
+    if ctx.rank != 0:
+        return
+    print(
+        f"{ctx.resumed_from}: all {steps} steps done; the run's end follows: its final eval (eval.every) and {SUMMARY_FILE}"
+    )
+    export = run_dir / HF_DIR / step_dir_name(steps)
+    if ctx.cfg.trainer.exports_after(steps - 1) and not export.is_dir():
+        print(
+            f"warning: {export} (trainer.export_*) is missing: `make export RUN={run_dir}` writes it from the checkpoint"
+        )
+
+
 @stops_on_storage_faults
 def run_rank(cfg: RunConfig, run_dir: str) -> int:
     """Everything one rank does for a run: set up (resuming if there is a checkpoint), warm up, hand the
@@ -169,10 +191,13 @@ def run_rank(cfg: RunConfig, run_dir: str) -> int:
     stop = StopRequest(int(os.environ.get("RANK", "0"))).install()  # before the slow setup: a signal then still counts
     ctx = setup(cfg, Path(run_dir), stop)
     steps = cfg.trainer.steps
-    if ctx.start_step >= steps:
+    done = nothing_left(ctx.start_step, steps, Path(run_dir)) if ctx.resumed_from is not None else None
+    if done is not None:  # the launcher said so before starting the ranks; a rank started otherwise says it too
         if ctx.rank == 0:
-            print(f"{ctx.resumed_from} already has {ctx.start_step} >= trainer.steps={steps} steps; nothing to do")
+            print(done)
         return 0
+    if ctx.start_step == steps:  # stopped after its last checkpoint, before its end: the end of the run follows
+        report_end_of_finished_steps(ctx, Path(run_dir))
     warmup_losses = resume_or_warm_up(ctx)
     if isinstance(warmup_losses, StopDuringWarmup):  # no checkpoint holds part of a warm-up: exit at once
         return exit_during_warmup(ctx, warmup_losses)

@@ -124,8 +124,10 @@ class ProcessMemory:
 
 # how device_peak is measured (summary.json["memory_peak_method"]); only the last misses short peaks
 PEAK_METHODS = {
-    "cuda_allocator_peak": "CUDA: device used + the allocator's max_memory_reserved since the phase began",
-    "rss_high_water_mark": "CPU: the kernel's RSS high-water mark (VmHWM), reset at each phase through /proc/self/clear_refs",
+    "cuda_allocator_peak": "CUDA: used per torch.cuda.mem_get_info + the allocator's max_memory_reserved since the "
+    "phase began",
+    "rss_high_water_mark": "CPU: the process's RSS high-water mark (VmHWM) above its start, reset at each phase "
+    "through /proc/self/clear_refs",
     "rss_sampled": "CPU: RSS sampled at phase boundaries and every trainer.memory_sample_interval_s "
     "(/proc/self/clear_refs not writable): a peak between two samples is missed",
 }
@@ -297,10 +299,15 @@ def read_timeline_csv(path: str | Path, skip_broken: bool = False) -> list[dict]
 
 
 def steady_steps(rows: Iterable[dict]) -> list[int]:
-    """The steps to judge steady state on: all but step 0 when there are more (step 0 creates the
-    optimizer's states and warms the allocators)."""
-    steps = sorted({int(r["step"]) for r in rows})
-    return steps[1:] if len(steps) > 1 else steps
+    """The steps to judge steady state on: the whole steps (those that ran ``PHASES[0]``) but the first when
+    there are more (step 0 creates the optimizer's states and warms the allocators), and a boundary that is no
+    step (the eval after the last step). Rows without phases: all steps but the first when there are more."""
+    rows = list(rows)
+    steps = {int(r["step"]) for r in rows}
+    whole = sorted({int(r["step"]) for r in rows if r.get("phase") == PHASES[0]})
+    if not whole:
+        whole = sorted(steps)
+    return sorted(set(whole[1:] if len(whole) > 1 else whole) | (steps - set(whole)))
 
 
 def phase_samples(rows: Iterable[dict]) -> dict[tuple[int, int, str], list[dict]]:
@@ -341,6 +348,12 @@ def steady_peak(rows: list[dict], phases: Iterable[str], rank: int) -> int:
         if step in ran
     ]
     return int(statistics.median(per_step)) if per_step else 0
+
+
+def steady_peak_over_ranks(rows: list[dict], phases: Iterable[str]) -> int:
+    """Max over the ranks in ``rows`` of :func:`steady_peak` (0: none of ``phases`` measured)."""
+    phases = tuple(phases)
+    return max((steady_peak(rows, phases, rank) for rank in sorted({int(r["rank"]) for r in rows})), default=0)
 
 
 def phase_after(rows: list[dict], rank: int, step: int) -> dict[str, dict]:

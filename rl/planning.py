@@ -10,6 +10,7 @@ import dataclasses
 import functools
 from dataclasses import asdict, dataclass
 
+from modelspec.phases import wake_window_phases
 from planner import Plan, PlanInputs, device_preset
 from planner.devices import MIB
 
@@ -279,18 +280,41 @@ def prediction_errors(plan: Plan, rows: list[dict], min_bytes: int = 0) -> dict[
     CUDA context or, on CPU, what the process allocates beside the tensors), measured (max over ranks of
     the median over the steady steps of the phase's measured peak) and their relative error (predicted /
     measured - 1), for the phases the run measured at or above ``min_bytes``."""
-    from rl.memory import steady_peak
+    from rl.memory import steady_peak_over_ranks
 
-    ranks = sorted({int(r["rank"]) for r in rows})
     out = {}
     for phase in plan.phases:
-        measured = max((steady_peak(rows, (phase.name,), rank) for rank in ranks), default=0)
+        measured = steady_peak_over_ranks(rows, (phase.name,))
         if measured <= 0 or measured < min_bytes:
             continue
-        predicted = phase.predicted_bytes + plan.runtime_overhead_bytes
+        predicted = plan.measurable_bytes(phase.name)
         out[phase.name] = {
             "predicted_bytes": predicted,
             "measured_bytes": measured,
             "relative_error": predicted / measured - 1.0,
         }
+    return out
+
+
+# What a sweep compares point by point (summary.json's "memory_figures", a W&B run's summary, tools/sweep's
+# table and chart), each planned and measured alike: a peak as prediction_errors compares a phase (the plan's
+# worst rank plus its runtime overhead; max over ranks of the median over the steady steps), over these phases
+FIGURE_PHASES = {"wake_window_peak": wake_window_phases(), "rollout_peak": ("rollout",), "train_peak": ("train",)}
+# ... and the KV cache: the plan's against what the engine's ledger says it allocated (tag kv_cache)
+FIGURES = (*FIGURE_PHASES, "kv_cache")
+FIGURES_KEY = "memory_figures"
+
+
+def memory_figures(plan: Plan | None, rows: list[dict]) -> dict[str, int | None]:
+    """``planned_<figure>_bytes`` and ``measured_<figure>_bytes`` for each of :data:`FIGURES` (None: no plan,
+    the plan has none of the figure's phases, or nothing measured). ``rows``: the run's timeline, all ranks."""
+    from rl.memory import steady_peak_over_ranks
+
+    out: dict[str, int | None] = {}
+    for figure, phases in FIGURE_PHASES.items():
+        planned = [plan.measurable_bytes(name) for name in plan.names if name in phases] if plan is not None else []
+        out[f"planned_{figure}_bytes"] = max(planned, default=None)
+        out[f"measured_{figure}_bytes"] = steady_peak_over_ranks(rows, phases) or None
+    out["planned_kv_cache_bytes"] = plan.kv_cache_bytes if plan is not None else None
+    out["measured_kv_cache_bytes"] = max((int(r.get("tag/kv_cache") or 0) for r in rows), default=0) or None
     return out
