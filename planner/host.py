@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from modelspec.phases import EXPORT_PHASE
+from colocation.phases import EXPORT_PHASE
 from planner.plan import PHASES, Plan, _stage, hf_file_writing_bytes, optimizer_host_bytes
 from planner.sizes import (
     FP32_BYTES,

@@ -10,7 +10,7 @@ Backends:
 - ``portable`` (CPU and CUDA): ``pause`` shrinks each tracked tensor's storage to 0 bytes
   (``untyped_storage().resize_(0)``) and ``resume`` re-allocates it (same tensor objects, new address,
   contents zero unless ``cpu_backup``). Large host allocations are mmapped by glibc, so freeing them
-  returns pages to the OS; :func:`modelspec.host_memory.release_freed_host_memory` returns what the heap
+  returns pages to the OS; :func:`colocation.host_memory.release_freed_host_memory` returns what the heap
   can.
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 import torch
 
-from modelspec.host_memory import release_freed_host_memory
+from colocation.host_memory import release_freed_host_memory
 
 TAGS = ("weights", "kv_cache")
 BACKENDS = ("auto", "portable", "torch_memory_saver")

@@ -1,4 +1,4 @@
-"""The step's table (modelspec/phases.py) is what the loop runs, the planner plans, the timeline reads and the
+"""The step's table (colocation/phases.py) is what the loop runs, the planner plans, the timeline reads and the
 wake strategies take back; a phase out of the table's order stops the step."""
 
 from __future__ import annotations
@@ -7,8 +7,7 @@ import itertools
 
 import pytest
 
-from megatron_backend.memory import TAGS as ACTOR_TAGS
-from modelspec.phases import (
+from colocation.phases import (
     ACTOR_STATE,
     ENGINE_STATE,
     PHASES,
@@ -18,6 +17,7 @@ from modelspec.phases import (
     phase_names,
     step_phases,
 )
+from megatron_backend.memory import TAGS as ACTOR_TAGS
 from rollout.memory_saver import TAGS as ENGINE_TAGS
 
 ALL_FLAGS = [
@@ -59,8 +59,8 @@ def test_staged_wake_never_holds_the_actors_params_and_the_kv_cache_together():
 
 def test_the_table_derives_the_wake_tags_the_release_tags_and_the_planned_phases():
     from planner import PHASES as PLANNED
-    from rl.memory import EVAL_PHASE, EXPORT_PHASE, RELEASE_TAGS, SAVE_PHASE, TAGS, TIMELINE_PHASES
     from rollout.config import WAKE_TAGS
+    from telemetry.memory_timeline import EVAL_PHASE, EXPORT_PHASE, RELEASE_TAGS, SAVE_PHASE, TAGS, TIMELINE_PHASES
 
     assert PLANNED == PHASES and "log" in PHASES and SAVE_PHASE not in PHASES and EVAL_PHASE not in PHASES and EXPORT_PHASE not in PHASES
     assert TIMELINE_PHASES == phase_names() and set(TIMELINE_PHASES) - set(PHASES) == {SAVE_PHASE, EVAL_PHASE, EXPORT_PHASE}

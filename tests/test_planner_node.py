@@ -14,8 +14,8 @@ from planner.host import checkpoint_staging_bytes, engine_sleep_copy_bytes, host
 from planner.plan import _stage
 from planner.report import headroom_beyond_uncertainty_bytes, recommend_optimizer_offload_fraction, uncertainty_bytes
 from planner.sizes import actor_stage_param_count, power_of_two_bytes
-from rl.compose import compose
-from rl.planning import plan_inputs
+from run.compose import compose
+from run.memory_plan import plan_inputs
 
 QWEN32B = ModelShape.from_architecture("Qwen2.5-32B-Instruct")
 MIB, GIB = 2**20, 2**30
@@ -119,7 +119,7 @@ def test_cuda_host_plan_has_the_export_hf_phase_where_the_device_plan_has_it():
     """A run that exports HF weights plans export_hf on the device (nothing there on CUDA) and on the host: the
     files written tensor by tensor beside the kept staging; without saves the export's params-only save stages
     the params (power-of-two pinned blocks, kept), with saves it reuses the save's blocks."""
-    from modelspec.phases import EXPORT_PHASE
+    from colocation.phases import EXPORT_PHASE
     from planner.plan import hf_file_writing_bytes
 
     for saves in (True, False):

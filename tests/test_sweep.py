@@ -97,7 +97,7 @@ def test_local_command_is_what_w_and_bs_agent_runs(tmp_path, monkeypatch):
     agent._command_run({"run_id": "r1", "program": None, "args": {k: {"value": v} for k, v in point.items()}})
     assert started == [ours]
     assert ours == [
-        "/usr/bin/env", "python", "-m", "rl.main", "--exp", "tiny_cpu", "--run-dir", str(tmp_path / "run"),
+        "/usr/bin/env", "python", "-m", "run.main", "--exp", "tiny_cpu", "--run-dir", str(tmp_path / "run"),
         "trainer.steps=2", "actor.offload.params=True", "rollout.gpu_memory_utilization=0.5",
         "rollout.wake_strategy=all_at_once",
     ]  # fmt: skip
@@ -133,7 +133,7 @@ def fake_run(
     reward: float,
     summary: dict | None = None,
 ) -> None:
-    """A run directory as rl.main leaves it: timeline rows per rank, step and phase (step 0 twice the peaks of
+    """A run directory as run.main leaves it: timeline rows per rank, step and phase (step 0 twice the peaks of
     step 1: the warm-up step a steady figure leaves out), metrics per step, summary.json."""
     run_dir.mkdir(parents=True)
     with open(run_dir / "memory_timeline.csv", "w", newline="") as f:
@@ -158,8 +158,7 @@ def fake_run(
 
 
 def test_table_and_chart_compare_each_figure_planned_and_measured(tmp_path):
-    from rl.memory import PEAK_METHODS, wake_window_phases
-    from rl.planning import FIGURES, FIGURES_KEY
+    from telemetry.memory_timeline import FIGURES, FIGURES_KEY, PEAK_METHODS, wake_window_phases
 
     grid = [{"rollout.gpu_memory_utilization": u} for u in (0.02, 0.5, 0.6, 0.7)]
     points = sweep_points.validate("tiny_cpu", SMOKE_ARGS, grid)
@@ -331,7 +330,7 @@ def test_sweep_local_runs_its_points_and_skips_the_infeasible_ones(tmp_path):
     with open(sweep_dir / "summary.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [r["status"] for r in rows] == ["infeasible", "infeasible", "ok", "ok"]
-    from rl.planning import FIGURES
+    from telemetry.memory_timeline import FIGURES
 
     for row in rows[2:]:
         assert all(int(row[f"{kind}_{f}_bytes"]) > 0 for f in FIGURES for kind in ("planned", "measured"))

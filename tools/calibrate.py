@@ -298,7 +298,7 @@ def _with_measured_kv_cache(spec, run_dir: Path):
     ``tag/kv_cache``, largest over ranks and steps)."""
     from dataclasses import replace
 
-    from rl.memory import read_timeline_csv
+    from telemetry.memory_timeline import read_timeline_csv
 
     kv = max((int(r.get("tag/kv_cache", 0)) for r in read_timeline_csv(run_dir / "memory_timeline.csv")), default=0)
     if kv <= 0:

@@ -2,7 +2,7 @@
 (tools/calibrate.py), ``make validate-plan`` (tools/validate_plan.py) and tools/mutate_plan.py.
 
 A :class:`RunSpec` is an experiment plus overrides, run short (:data:`SHORT_RUN`: a few steps, no warm-up,
-no checkpoints, W&B off) into ``runs/<set>/<name>/`` by ``python -m rl.main --run-dir``; an existing run
+no checkpoints, W&B off) into ``runs/<set>/<name>/`` by ``python -m run.main --run-dir``; an existing run
 directory whose ``spec.json`` matches is read instead (``--rerun`` runs it again). The fit set and the
 validation set share no configuration (``tests/test_plan_runs.py``).
 
@@ -224,7 +224,7 @@ def ensure_run(spec: RunSpec, run_dir: Path, rerun: bool = False, timeout_s: flo
 
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "rl.main", "--exp", spec.exp, "--run-dir", str(run_dir), *spec.all_overrides]
+    cmd = [sys.executable, "-m", "run.main", "--exp", spec.exp, "--run-dir", str(run_dir), *spec.all_overrides]
     print(f"{spec.name}: running {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
     start = time.monotonic()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -247,7 +247,7 @@ class Measured:
 
 
 def measured_phases(run_dir: Path) -> dict[str, Measured]:
-    from rl.memory import PEAK_METRIC, phase_samples, read_timeline_csv, steady_steps
+    from telemetry.memory_timeline import PEAK_METRIC, phase_samples, read_timeline_csv, steady_steps
 
     rows = read_timeline_csv(run_dir / "memory_timeline.csv")
     steps = set(steady_steps(rows))
@@ -279,18 +279,18 @@ class Predicted:
 
 @functools.cache
 def spec_config(spec: RunSpec):
-    from rl.compose import compose
+    from run.compose import compose
 
     return compose(spec.exp, list(spec.all_overrides))
 
 
 def run_prompt_tokens(cfg) -> int:
-    """The task's longest prompt in tokens, as rl/setup.py::start_engine plans with."""
+    """The task's longest prompt in tokens, as run/setup.py::plan_and_build_engine plans with."""
     from transformers import AutoTokenizer
 
     from modelspec.tiny import resolve_model_path
-    from rl.compose import resolve_path
     from rl.data import longest_prompt_tokens
+    from run.compose import resolve_path
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(resolve_path(cfg.model.path)))
     return longest_prompt_tokens(cfg.data.build(seed=cfg.trainer.seed), tokenizer)
@@ -303,7 +303,7 @@ def spec_prompt_tokens(spec: RunSpec) -> int:
 
 def inputs_for(spec: RunSpec, calibration=None):
     """The planner inputs the run planned with, optionally under another calibration."""
-    from rl.planning import plan_inputs
+    from run.memory_plan import plan_inputs
 
     return plan_inputs(spec_config(spec), spec_prompt_tokens(spec), calibration=calibration)
 

@@ -7,7 +7,7 @@
 The sweep is ``experiments/sweeps/<NAME>.yaml`` in W&B's sweep format (``method: grid``, ``parameters`` of
 ``values`` / ``value``, a ``command`` with ``${args_no_hyphens}``). ``key=value`` overrides (make's ARGS) go to
 every point, before the point's own. Before anything launches, every point is composed and validated
-(:func:`rl.compose.compose`) and planned on the experiment's device (:func:`planner.make_plan`); points that
+(:func:`run.compose.compose`) and planned on the experiment's device (:func:`planner.make_plan`); points that
 fail either are listed with the reason instead of run.
 
 ``create`` uploads the sweep with ``wandb sweep`` (online; ``--sweep-id`` skips that and renders for an
@@ -16,7 +16,7 @@ from ``experiments/slurm/sweep.sbatch`` with :mod:`tools.sbatch`'s pieces. ``loc
 one point after the other, each as the very command W&B's agent would run (the agent's own macro expansion,
 ``wandb.sdk.launch.sweeps.utils``) into ``<sweep dir>/<point>/``, then writes ``summary.csv``, ``summary.md``
 and ``peak_memory.png`` there: per point the wake-window, rollout and train peaks and the KV cache, each
-planned and measured alike (:func:`rl.planning.memory_figures`), the step time and the reward.
+planned and measured alike (:func:`telemetry.memory_timeline.memory_figures`), the step time and the reward.
 
 By concern: :mod:`tools.sweep.grid` (the sweep file, its grid, the sweep directory), :mod:`tools.sweep.points`
 (every point composed and planned before launch), :mod:`tools.sweep.agent` (W&B glue: the agent's command

@@ -1,6 +1,6 @@
 """The sweep's summary: one row per point (CSV), the markdown table, the printed table and the chart.
 
-Every point shows the same figures, planned and measured alike (:func:`rl.planning.memory_figures`): the
+Every point shows the same figures, planned and measured alike (:func:`telemetry.memory_timeline.memory_figures`): the
 wake-window, rollout and train peaks and the KV cache. A point that ran has its own plan (made before its
 engine started) and its measurements (summary.json); a point that did not run has the launch-time check's
 plan only, and an infeasible point is drawn as such, with its reason.
@@ -26,7 +26,7 @@ FIGURE_TITLES = {
 
 def table_rows(points: list[Point]) -> list[dict[str, Any]]:
     """One flat row per point (the CSV's columns); byte figures are ints, missing ones None."""
-    from rl.planning import FIGURES, memory_figures
+    from telemetry.memory_timeline import FIGURES, memory_figures
 
     rows = []
     for p in points:
@@ -51,7 +51,7 @@ def table_rows(points: list[Point]) -> list[dict[str, Any]]:
 
 
 def _device_peak_method(point: Point) -> str:
-    """How a run of ``point`` measures its peaks (rl.memory.PEAK_METHODS), from the device it is planned on."""
+    """How a run of ``point`` measures its peaks (telemetry.memory_timeline.PEAK_METHODS), from the device it is planned on."""
     if point.plan is None:
         return ""
     return "cuda_allocator_peak" if point.plan.inputs.device.kind == "cuda" else "rss_high_water_mark"
@@ -86,7 +86,7 @@ def _table(header: list[str], body: list[list[str]]) -> str:
 
 def format_table(rows: list[dict[str, Any]], params: list[str]) -> str:
     """The table printed and written: per point each figure as ``planned / measured``, step time, reward."""
-    from rl.planning import FIGURES
+    from telemetry.memory_timeline import FIGURES
 
     unit, scale = _unit(rows)
     header = [
@@ -112,8 +112,8 @@ def format_table(rows: list[dict[str, Any]], params: list[str]) -> str:
 
 
 def measured_legend(rows: list[dict[str, Any]]) -> str:
-    """What "measured" is in this sweep: the peak method(s) its runs used (rl.memory.PEAK_METHODS)."""
-    from rl.memory import PEAK_METHODS
+    """What "measured" is in this sweep: the peak method(s) its runs used (telemetry.memory_timeline.PEAK_METHODS)."""
+    from telemetry.memory_timeline import PEAK_METHODS
 
     methods = sorted({r["peak_method"] for r in rows if r["peak_method"]})
     return "; ".join(PEAK_METHODS[m] for m in methods) or "nothing measured"
@@ -126,7 +126,7 @@ def write_markdown(rows: list[dict[str, Any]], params: list[str], path: Path, ti
     text = [
         f"# Sweep {title}",
         "",
-        f"Each figure in {unit}, planned / measured (rl.planning.memory_figures). Planned: the plan the run made "
+        f"Each figure in {unit}, planned / measured (telemetry.memory_timeline.memory_figures). Planned: the plan the run made "
         "before its engine started (points not run: the launch-time check on the experiment's device), plus its "
         "runtime overhead. Measured peaks: the max over ranks of the median over the steady steps of the phases' "
         f"peak ({measured_legend(rows)}); the wake window is wake_weights..wake_kv_cache. KV cache: the plan's "
@@ -149,7 +149,7 @@ def plot_figures(rows: list[dict[str, Any]], params: list[str], path: Path, titl
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    from rl.planning import FIGURES
+    from telemetry.memory_timeline import FIGURES
 
     unit, scale = _unit(rows)
     # tick labels: the index, then each swept value by its last key part (params=True, util=0.5, wake=staged)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rl.compose import REPO_ROOT
+from run.compose import REPO_ROOT
 from tools.sweep.points import Point
 
 
@@ -40,7 +40,7 @@ def run_point(point: Point, command: list[str], run_dir: Path, progress) -> None
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=5.0)
         except KeyboardInterrupt:
-            os.killpg(proc.pid, signal.SIGTERM)  # the point's own session: rl.main and its ranks
+            os.killpg(proc.pid, signal.SIGTERM)  # the point's own session: run.main and its ranks
             proc.wait()
             raise
     point.result = collect_result(run_dir)
@@ -60,11 +60,10 @@ def last_error_line(log_path: Path) -> str:
 
 
 def collect_result(run_dir: Path) -> dict:
-    """What a run directory holds: the memory figures (rl.planning.memory_figures: the run's own plan and
+    """What a run directory holds: the memory figures (telemetry.memory_timeline.memory_figures: the run's own plan and
     measurements from summary.json; a run that stopped early: what its timeline measured, ``planned_by``
     empty), how the peaks were measured, step time and reward."""
-    from rl.memory import read_timeline_csv
-    from rl.planning import FIGURES_KEY, memory_figures
+    from telemetry.memory_timeline import FIGURES_KEY, memory_figures, read_timeline_csv
 
     out: dict[str, Any] = {"run_dir": str(run_dir)}
     timeline = run_dir / "memory_timeline.csv"

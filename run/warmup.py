@@ -7,9 +7,9 @@ import sys
 import torch.distributed as dist
 
 from rl.batching import Sample, pack_sequences
-from rl.launch import PREEMPTED_EXIT_CODE
 from rl.losses import sft_loss
-from rl.setup import RankContext
+from run.launch import PREEMPTED_EXIT_CODE
+from run.setup import RankContext
 
 
 class StopDuringWarmup(Exception):

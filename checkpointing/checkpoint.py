@@ -45,7 +45,7 @@ STATE_FILE = "rl_state.json"
 HF_DIR = "hf"  # <run dir>/hf/step_<n>: the HF exports (make export, trainer.export_every)
 RUN_CONFIG_COPY = "run_config.yaml"  # an export's copy of the run's config.yaml
 FORMAT_VERSION = 1
-SAMPLING_SEED_SCHEDULE = "rl.sampling.sampling_seed(seed, step, replica) v1"
+SAMPLING_SEED_SCHEDULE = "rl.sampling.sampling_seed(seed, step, replica) v1"  # a format tag in rl_state.json, kept verbatim: old checkpoints resume
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _LEFTOVER = re.compile(r"^\.(tmp|trash)-step_\d{8}$")
 
@@ -213,7 +213,7 @@ def collective_timeout(timeout_s: float, restore_s: float) -> Iterator[None]:
 
     For one-sided file work inside a collective window (a rank writing its shards while the others wait in the
     checkpoint's final gather; rank 0 renaming and deleting while the others wait in a barrier): on NCCL the
-    watchdog would otherwise end the waiting ranks at ``cluster.timeout_s`` (rl/launch.py, NCCL_RANK_ENVIRON).
+    watchdog would otherwise end the waiting ranks at ``cluster.timeout_s`` (run/launch.py, NCCL_RANK_ENVIRON).
     torch's own ``dist.breakpoint`` lengthens the timeout the same way (``_set_pg_timeout``, for gloo and NCCL);
     collectives begun inside the block keep the long timeout. Chosen over moving the work out of the window
     (the next collective would then wait on it instead) and over a gloo side group (megatron's checkpoint

@@ -14,20 +14,22 @@ import torch.distributed as dist
 
 from modelspec import TokenBatch
 from rl.batching import Sample
-from rl.memory import (
+from telemetry.memory_timeline import (
+    FIGURES_KEY,
     PEAK_METRIC,
     PHASES,
     TAGS,
+    memory_figures,
     phase_drift,
     phase_peaks,
     phase_samples,
+    prediction_errors,
     released_bytes,
     steady_peak,
     steady_steps,
     wake_window_phases,
 )
-from rl.planning import FIGURES_KEY, memory_figures, prediction_errors
-from rl.weight_sync import SyncResult
+from weight_sync import SyncResult
 
 
 @dataclass(frozen=True)
@@ -184,7 +186,7 @@ def check_logprob_gap(gap: LogprobGap, step: int, rule: LogprobGapRule, dtype: s
 
 
 def logprob_gap_rule(trainer, dtype: str) -> LogprobGapRule:
-    """``trainer`` (rl.config.TrainerConfig): its max_logprob_gap / max_logprob_gap_p99, each null: the
+    """``trainer`` (run.config.TrainerConfig): its max_logprob_gap / max_logprob_gap_p99, each null: the
     default for the model's dtype."""
     default = LOGPROB_GAP_RULE[dtype]
     return LogprobGapRule(
@@ -249,7 +251,7 @@ def log_rows_after_last_step(ctx) -> None:
 def memory_summary(rows: list[dict], world_size: int) -> dict:
     """The measured memory of a run (summary.json, ``make report``): peaks, hand-offs, drift.
 
-    Steady-state figures are medians over the steps after the first (rl.memory.steady_steps), per rank.
+    Steady-state figures are medians over the steps after the first (telemetry.memory_timeline.steady_steps), per rank.
     ``tag_bytes`` is each ledger tag's largest value per rank: what the memory is expected to be made of.
     """
     ranks = range(world_size)
@@ -269,7 +271,7 @@ def memory_summary(rows: list[dict], world_size: int) -> dict:
 
 
 def time_summary(rows: list[dict], rank: int = 0) -> dict:
-    """Where a step's time goes, on ``rank``'s clock, over the steady steps (rl.memory.steady_steps): the
+    """Where a step's time goes, on ``rank``'s clock, over the steady steps (telemetry.memory_timeline.steady_steps): the
     median seconds of each phase (its entry sample to its exit sample) and of a whole step (its first
     sample to its last: the work between phases included, and its ``log`` phase)."""
     samples = {k: v for k, v in phase_samples(rows).items() if k[0] == rank}
@@ -311,8 +313,8 @@ def summarize(
         "reward_last5": sum(rewards[-5:]) / max(1, len(rewards[-5:])),
         "eval": eval_summary(ctx.writer.read_metrics()),
         "memory": memory_summary(rows, ctx.mesh.world_size),
-        "memory_peak_method": ctx.timeline.probe.peak_method,  # a key of rl.memory.PEAK_METHODS
-        # the plan made before the engine started (rl.planning): what it predicted per phase, and the error
+        "memory_peak_method": ctx.timeline.probe.peak_method,  # a key of telemetry.memory_timeline.PEAK_METHODS
+        # the plan made before the engine started (run.memory_plan): what it predicted per phase, and the error
         "memory_plan": None
         if ctx.plan is None
         else {

@@ -1,7 +1,7 @@
-"""A composed :class:`~rl.config.RunConfig` as the memory planner's inputs: the one place that knows both.
+"""A composed :class:`~run.config.RunConfig` as the memory planner's inputs: the one place that knows both.
 
 ``make plan`` (tools/plan.py) prints the plan; ``make run`` prints it too when this machine lacks the
-experiment's devices (rl/main.py); ``make sweep`` / ``make sweep-local`` check every grid point with it.
+experiment's devices (run/main.py); ``make sweep`` / ``make sweep-local`` check every grid point with it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import dataclasses
 import functools
 from dataclasses import asdict, dataclass
 
-from modelspec.phases import wake_window_phases
 from planner import Plan, PlanInputs, device_preset
 from planner.devices import MIB
 
@@ -20,7 +19,7 @@ DEFAULT_PROMPT_TOKENS = 512
 
 
 def plan_inputs(cfg, prompt_tokens: int | None = None, calibration=None) -> PlanInputs:
-    """A composed RunConfig -> the planner's inputs for one rank (adapt here when rl/config.py changes).
+    """A composed RunConfig -> the planner's inputs for one rank (adapt here when run/config.py changes).
 
     ``calibration``: a :class:`planner.calibration.Calibration` (None: the device kind's file)."""
     rollout, actor = cfg.rollout, cfg.actor
@@ -95,7 +94,7 @@ def _data_file_bytes(path: str | None) -> int:
     """The task's data file's bytes (each rank reads all its records; 0 for a generated task or no file here)."""
     import os
 
-    from rl.compose import resolve_path
+    from run.compose import resolve_path
 
     if not path or not os.path.isfile(resolve_path(path)):
         return 0
@@ -105,7 +104,7 @@ def _data_file_bytes(path: str | None) -> int:
 @dataclass(frozen=True)
 class PromptLength:
     """The prompt length a plan made before launch uses: the task's longest prompt in tokens (what the run's own
-    plan uses, rl/setup.py), or ``None`` where the data or the tokenizer is not on this machine; ``source`` says
+    plan uses, run/setup.py), or ``None`` where the data or the tokenizer is not on this machine; ``source`` says
     which, for the plan's printout."""
 
     tokens: int | None
@@ -122,8 +121,8 @@ def data_prompt_length(cfg) -> PromptLength:
 
 @functools.lru_cache(maxsize=8)
 def _data_prompt_length(model_path: str, task: str, data_path: str | None, max_operand: int, seed: int) -> PromptLength:
-    from rl.compose import resolve_path
     from rl.data import DataConfig, longest_prompt_tokens
+    from run.compose import resolve_path
 
     path = resolve_path(model_path)
     try:
@@ -140,7 +139,7 @@ def _data_prompt_length(model_path: str, task: str, data_path: str | None, max_o
 
 
 def _tokenizer(path: str):
-    """The tokenizer the run loads (rl/setup.py: AutoTokenizer at model.path); a ``tiny:`` checkpoint's without
+    """The tokenizer the run loads (run/setup.py: AutoTokenizer at model.path); a ``tiny:`` checkpoint's without
     building the checkpoint (modelspec.tiny saves ``build_tokenizer()`` beside every tiny model)."""
     from modelspec.tiny import TINY_PREFIX, build_tokenizer
 
@@ -169,10 +168,10 @@ def eval_sequences(cfg) -> int:
 @functools.lru_cache(maxsize=32)
 def sync_staged_bytes(shape, mesh, bucket_bytes: int, element_bytes: int) -> tuple[int, ...]:
     """Per actor pipeline stage, the most bytes one of its ranks stages in one bucket of the weight sync: the
-    plan rl/setup.py builds (``WeightSyncConfig.build``: both sides' layouts, no communication) and its
+    plan run/setup.py builds (``WeightSyncConfig.build``: both sides' layouts, no communication) and its
     packed part (``SyncPlan.max_staged_bytes``). The actor's norm naming (``te_norms``) changes no size."""
-    from rl.weight_sync.layouts import actor_sources, engine_destinations
-    from rl.weight_sync.plan import plan_sync
+    from weight_sync.layouts import actor_sources, engine_destinations
+    from weight_sync.transfers import plan_sync
 
     plan = plan_sync(actor_sources(shape, mesh), engine_destinations(shape, mesh), bucket_bytes, element_bytes)
     stage_of = [mesh.actor_coords(rank).pp_rank for rank in range(mesh.world_size)]
@@ -186,8 +185,8 @@ def sync_staged_bytes(shape, mesh, bucket_bytes: int, element_bytes: int) -> tup
 def sync_peers(shape, mesh, bucket_bytes: int, element_bytes: int) -> int:
     """The most other ranks one rank sends to or receives from in the weight sync (the same plan as
     :func:`sync_staged_bytes`): the point-to-point peers whose NCCL buffers planner/comms.py counts."""
-    from rl.weight_sync.layouts import actor_sources, engine_destinations
-    from rl.weight_sync.plan import plan_sync
+    from weight_sync.layouts import actor_sources, engine_destinations
+    from weight_sync.transfers import plan_sync
 
     plan = plan_sync(actor_sources(shape, mesh), engine_destinations(shape, mesh), bucket_bytes, element_bytes)
     peers: dict[int, set[int]] = {}
@@ -273,48 +272,3 @@ def check_auto_kv_cache(cfg) -> None:
             f"rollout.gpu_memory_utilization=auto: {verdict(plan)} (`make plan EXP={cfg.exp}` shows every phase)"
         )
     choose_kv_cache(cfg, plan)
-
-
-def prediction_errors(plan: Plan, rows: list[dict], min_bytes: int = 0) -> dict[str, dict[str, float]]:
-    """phase -> predicted (the plan's worst rank, plus its runtime overhead: the measurement includes the
-    CUDA context or, on CPU, what the process allocates beside the tensors), measured (max over ranks of
-    the median over the steady steps of the phase's measured peak) and their relative error (predicted /
-    measured - 1), for the phases the run measured at or above ``min_bytes``."""
-    from rl.memory import steady_peak_over_ranks
-
-    out = {}
-    for phase in plan.phases:
-        measured = steady_peak_over_ranks(rows, (phase.name,))
-        if measured <= 0 or measured < min_bytes:
-            continue
-        predicted = plan.measurable_bytes(phase.name)
-        out[phase.name] = {
-            "predicted_bytes": predicted,
-            "measured_bytes": measured,
-            "relative_error": predicted / measured - 1.0,
-        }
-    return out
-
-
-# What a sweep compares point by point (summary.json's "memory_figures", a W&B run's summary, tools/sweep's
-# table and chart), each planned and measured alike: a peak as prediction_errors compares a phase (the plan's
-# worst rank plus its runtime overhead; max over ranks of the median over the steady steps), over these phases
-FIGURE_PHASES = {"wake_window_peak": wake_window_phases(), "rollout_peak": ("rollout",), "train_peak": ("train",)}
-# ... and the KV cache: the plan's against what the engine's ledger says it allocated (tag kv_cache)
-FIGURES = (*FIGURE_PHASES, "kv_cache")
-FIGURES_KEY = "memory_figures"
-
-
-def memory_figures(plan: Plan | None, rows: list[dict]) -> dict[str, int | None]:
-    """``planned_<figure>_bytes`` and ``measured_<figure>_bytes`` for each of :data:`FIGURES` (None: no plan,
-    the plan has none of the figure's phases, or nothing measured). ``rows``: the run's timeline, all ranks."""
-    from rl.memory import steady_peak_over_ranks
-
-    out: dict[str, int | None] = {}
-    for figure, phases in FIGURE_PHASES.items():
-        planned = [plan.measurable_bytes(name) for name in plan.names if name in phases] if plan is not None else []
-        out[f"planned_{figure}_bytes"] = max(planned, default=None)
-        out[f"measured_{figure}_bytes"] = steady_peak_over_ranks(rows, phases) or None
-    out["planned_kv_cache_bytes"] = plan.kv_cache_bytes if plan is not None else None
-    out["measured_kv_cache_bytes"] = max((int(r.get("tag/kv_cache") or 0) for r in rows), default=0) or None
-    return out

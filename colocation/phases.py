@@ -1,12 +1,12 @@
 """The RL step as data: its phases in order, and for each the memory it adds, drops and holds transiently.
 
-One table that everything reads: ``rl/loop.py::rl_step`` runs these phases and nothing else, in this
-order (``rl.setup.RankContext.phase`` checks every entry against :class:`PhaseOrder`); the planner
+One table that everything reads: ``run/loop.py::rl_step`` runs these phases and nothing else, in this
+order (``run.setup.RankContext.phase`` checks every entry against :class:`PhaseOrder`); the planner
 (``planner/plan.py``) predicts each phase's bytes by walking :func:`step_phases`; the memory timeline
-(``rl/memory.py``) takes its phase order and what each hand-off releases (``RELEASE_TAGS``) from here;
+(``telemetry/memory_timeline.py``) takes its phase order and what each hand-off releases (``RELEASE_TAGS``) from here;
 the engine's wake strategies (``rollout/config.py::WAKE_TAGS``) are the wake phases' ``adds``.
 
-State that stays resident between phases is named by its memory-ledger tag (``rl/memory.py`` TAGS):
+State that stays resident between phases is named by its memory-ledger tag (``telemetry/memory_timeline.py`` TAGS):
 the engine's ``weights`` and ``kv_cache`` (``rollout/memory_saver.py``), the actor's ``actor_params``,
 ``actor_grads``, ``optimizer`` (``megatron_backend/memory.py``) and the reference actor's ``ref_params``.
 A transient is memory a phase takes and gives back before it ends (activations, a sync bucket); the

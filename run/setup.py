@@ -15,19 +15,19 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from checkpointing.checkpoint import ACTOR_DIR, Checkpointer, RLState, StopRequest, load_rank_state, resolve_resume
+from colocation.host_memory import freeze_long_lived_objects
+from colocation.phases import ENGINE_STATE, PhaseOrder
 from modelspec import ColocatedMesh, TokenBatch
-from modelspec.host_memory import freeze_long_lived_objects
-from modelspec.phases import ENGINE_STATE, PhaseOrder
 from rl.batching import Sample, make_batch
-from rl.checkpoint import ACTOR_DIR, Checkpointer, RLState, StopRequest, load_rank_state, resolve_resume
-from rl.config import RunConfig
 from rl.data import DigitSumTask, Gsm8kTask, Problem, longest_prompt_tokens
 from rl.evaluation import eval_problems
 from rl.losses import PolicyLoss
-from rl.memory import TAGS, MemoryProbe, MemoryTimeline, measured_free_bytes
-from rl.planning import KvCacheChoice
-from rl.tracking import RunWriter
-from rl.weight_sync import SyncResult, WeightSync
+from run.config import RunConfig
+from run.memory_plan import KvCacheChoice
+from telemetry.memory_timeline import TAGS, MemoryProbe, MemoryTimeline, measured_free_bytes
+from telemetry.tracking import RunWriter
+from weight_sync import SyncResult, WeightSync
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, kw_only=True)
 class RankContext:
     """What one rank builds once for the run: :func:`setup` builds it, :func:`start_rollout` returns it with
-    the engine. Never reassigned: what a step changes comes back from ``rl_step`` (:class:`rl.loop.StepResult`).
+    the engine. Never reassigned: what a step changes comes back from ``rl_step`` (:class:`run.loop.StepResult`).
     The objects it holds (the actor, the engine, the timeline, the writer) keep their own state."""
 
     cfg: RunConfig
@@ -89,7 +89,7 @@ class RankContext:
 
     @contextlib.contextmanager
     def phase(self, name: str, step: int):
-        """Time and sample memory around one phase of the step; a phase the step's table (modelspec/phases.py)
+        """Time and sample memory around one phase of the step; a phase the step's table (colocation/phases.py)
         does not list, or out of its order, is a PhaseOrderError."""
         self.phase_order.enter(name, step)
         with self.timeline.phase(name, step):  # its seconds: timeline.step_phase_seconds(step)
@@ -164,8 +164,8 @@ def _checkpoint_to_resume(cfg: RunConfig, run_dir: Path, rank: int) -> Path | No
 def init_rank(cfg: RunConfig) -> ParallelDims:
     """A rank's process as the run and the tools need it: the host allocator on CPU, then megatron's process
     groups for the actor's layout."""
+    from colocation.host_memory import configure_host_allocator
     from megatron_backend.parallel import default_device, initialize_model_parallel
-    from modelspec.host_memory import configure_host_allocator
 
     # megatron-core warns at import about missing Apex / Transformer Engine / CUDA env vars; on CPU that is expected
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
@@ -254,7 +254,7 @@ def setup(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None) -> Ran
     return ctx
 
 
-def start_engine(ctx: RankContext) -> RankContext:
+def plan_and_build_engine(ctx: RankContext) -> RankContext:
     """``ctx`` with its engine, built with empty weights (the first weight sync writes them). Called once the actor has
     offloaded what its flags say, so that what the engine sees at start-up (vLLM checks free memory against
     its utilization and sizes the KV cache from it) is what the step leaves it at the KV-cache wake.
@@ -277,11 +277,11 @@ def start_engine(ctx: RankContext) -> RankContext:
 def build_engine(
     cfg: RunConfig, dims: ParallelDims, mesh: ColocatedMesh, group: dist.ProcessGroup | None, prompt_tokens: int
 ) -> tuple[RolloutEngine, Plan | None, KvCacheChoice | None]:
-    """The engine with empty weights, its KV cache as :func:`start_engine` says, and the plan made with it
+    """The engine with empty weights, its KV cache as :func:`plan_and_build_engine` says, and the plan made with it
     (``prompt_tokens``: the longest prompt it will see)."""
     from planner import make_plan
-    from rl.planning import choose_kv_cache, engine_config, plan_inputs
     from rollout import make_engine
+    from run.memory_plan import choose_kv_cache, engine_config, plan_inputs
 
     auto = cfg.rollout.utilization is None
     try:
@@ -320,8 +320,8 @@ def build_engine(
 
 def start_rollout(ctx: RankContext) -> RankContext:
     """Before the first step: the actor offloads what its flags say, the engine starts sized for that
-    (:func:`start_engine`, which leaves it fully awake), then the first weight sync follows the step's own wake
-    order (rl/loop.py, ``wake_weights`` .. ``wake_kv_cache``): the engine sleeps, the actor's params come back,
+    (:func:`plan_and_build_engine`, which leaves it fully awake), then the first weight sync follows the step's own wake
+    order (run/loop.py, ``wake_weights`` .. ``wake_kv_cache``): the engine sleeps, the actor's params come back,
     the engine wakes what ``wake_weights`` wakes (checked against the plan), takes the weights, the params go
     back to host, then the KV cache wakes (checked). So the start-up never holds more than a step does (a
     fully awake engine beside the actor's params would hold params and KV cache together, which the staged
@@ -330,7 +330,7 @@ def start_rollout(ctx: RankContext) -> RankContext:
     for what in ("optimizer", "grads", "params"):
         if ctx.offloaded(what):
             ctx.actor.offload(what)
-    ctx = start_engine(ctx)
+    ctx = plan_and_build_engine(ctx)
     rollout = ctx.cfg.rollout
     ctx.engine.sleep(list(ENGINE_STATE))
     if ctx.offloaded("params"):

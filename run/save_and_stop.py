@@ -1,5 +1,5 @@
 """Saving the run at a step boundary: the actor's shards (inside the step, right after ``train``), every
-rank's RNG/task state and rank 0's :class:`~rl.checkpoint.RLState`, and the stop a signal asks for.
+rank's RNG/task state and rank 0's :class:`~checkpointing.checkpoint.RLState`, and the stop a signal asks for.
 See docs/DESIGN.md, "Checkpoints, resume, preemption"."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from rl.checkpoint import ACTOR_DIR, CHECKPOINT_DIR, RLState, complete_checkpoints, model_sizes
-from rl.launch import PREEMPTED_EXIT_CODE
-from rl.metrics import NonFiniteError
-from rl.sampling import sampling_seed
-from rl.setup import RankContext
+from checkpointing.checkpoint import ACTOR_DIR, CHECKPOINT_DIR, RLState, complete_checkpoints, model_sizes
+from rl.generation import sampling_seed
+from run.launch import PREEMPTED_EXIT_CODE
+from run.setup import RankContext
+from telemetry.metrics import NonFiniteError
 
 
 class StopBeforeTrain(Exception):
@@ -34,7 +34,7 @@ def save_actor(ctx: RankContext, completed_steps: int) -> Path:
 
 def export_actor(ctx: RankContext, completed_steps: int) -> Path:
     """The actor's weights as ``<run dir>/hf/step_<n>`` (every rank writes its share; see Actor.save_hf)."""
-    from rl.checkpoint import HF_DIR, RUN_CONFIG_COPY, step_dir_name
+    from checkpointing.checkpoint import HF_DIR, RUN_CONFIG_COPY, step_dir_name
 
     run_dir = ctx.checkpointer.root.parent
     out_dir = run_dir / HF_DIR / step_dir_name(completed_steps)
@@ -153,7 +153,7 @@ def _bytes_under(path: Path) -> int:
 
 
 def numeric_fault_line(exc: BaseException, run_dir: Path) -> str | None:
-    """One line for a non-finite reward, log-prob, loss or grad norm (:class:`rl.metrics.NonFiniteError`): the
+    """One line for a non-finite reward, log-prob, loss or grad norm (:class:`telemetry.metrics.NonFiniteError`): the
     step, the phase, the quantity, and the checkpoint a resume starts from; None for any other failure."""
     if not isinstance(exc, NonFiniteError):
         return None

@@ -51,8 +51,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from megatron_backend.memory import TAGS as ACTOR_TAGS
-from modelspec.phases import (  # noqa: F401 (re-exported)
+from colocation.phases import (  # noqa: F401 (re-exported)
     ALL_PHASES,
     EVAL_PHASE,
     EXPORT_PHASE,
@@ -62,15 +61,17 @@ from modelspec.phases import (  # noqa: F401 (re-exported)
     released_tags,
     wake_window_phases,
 )
+from megatron_backend.memory import TAGS as ACTOR_TAGS
+from planner import Plan
 from rollout.memory_saver import TAGS as ENGINE_TAGS
 
-# The step's phases (modelspec/phases.py, the one table): PHASES run every step; the timeline records every
+# The step's phases (colocation/phases.py, the one table): PHASES run every step; the timeline records every
 # phase a step may run, in order: PHASES and, at the step boundaries that evaluate, the eval before rollout,
 # after train on the steps that save, the checkpoint's shards, and on the steps that export, the HF export.
 TIMELINE_PHASES = ALL_PHASES
 
 # Memory tags: the engine's (rollout.memory_saver), the actor's (megatron_backend.memory) and the
-# reference actor's params (its ledger's actor_params, renamed in rl.setup).
+# reference actor's params (its ledger's actor_params, renamed in run.setup).
 REF_TAGS = ("ref_params",)
 TAGS = ENGINE_TAGS + ACTOR_TAGS + REF_TAGS
 BASE_METRICS = ("device_used", "device_peak", "device_allocated", "device_reserved", "host_rss", "host_pinned")
@@ -437,3 +438,44 @@ def measured_free_bytes(device: torch.device, ranks_per_node: int = 1) -> int:
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     return int(psutil.virtual_memory().available) // max(1, ranks_per_node)
+
+
+def prediction_errors(plan: Plan, rows: list[dict], min_bytes: int = 0) -> dict[str, dict[str, float]]:
+    """phase -> predicted (the plan's worst rank, plus its runtime overhead: the measurement includes the
+    CUDA context or, on CPU, what the process allocates beside the tensors), measured (max over ranks of
+    the median over the steady steps of the phase's measured peak) and their relative error (predicted /
+    measured - 1), for the phases the run measured at or above ``min_bytes``."""
+    out = {}
+    for phase in plan.phases:
+        measured = steady_peak_over_ranks(rows, (phase.name,))
+        if measured <= 0 or measured < min_bytes:
+            continue
+        predicted = plan.measurable_bytes(phase.name)
+        out[phase.name] = {
+            "predicted_bytes": predicted,
+            "measured_bytes": measured,
+            "relative_error": predicted / measured - 1.0,
+        }
+    return out
+
+
+# What a sweep compares point by point (summary.json's "memory_figures", a W&B run's summary, tools/sweep's
+# table and chart), each planned and measured alike: a peak as prediction_errors compares a phase (the plan's
+# worst rank plus its runtime overhead; max over ranks of the median over the steady steps), over these phases
+FIGURE_PHASES = {"wake_window_peak": wake_window_phases(), "rollout_peak": ("rollout",), "train_peak": ("train",)}
+# ... and the KV cache: the plan's against what the engine's ledger says it allocated (tag kv_cache)
+FIGURES = (*FIGURE_PHASES, "kv_cache")
+FIGURES_KEY = "memory_figures"
+
+
+def memory_figures(plan: Plan | None, rows: list[dict]) -> dict[str, int | None]:
+    """``planned_<figure>_bytes`` and ``measured_<figure>_bytes`` for each of :data:`FIGURES` (None: no plan,
+    the plan has none of the figure's phases, or nothing measured). ``rows``: the run's timeline, all ranks."""
+    out: dict[str, int | None] = {}
+    for figure, phases in FIGURE_PHASES.items():
+        planned = [plan.measurable_bytes(name) for name in plan.names if name in phases] if plan is not None else []
+        out[f"planned_{figure}_bytes"] = max(planned, default=None)
+        out[f"measured_{figure}_bytes"] = steady_peak_over_ranks(rows, phases) or None
+    out["planned_kv_cache_bytes"] = plan.kv_cache_bytes if plan is not None else None
+    out["measured_kv_cache_bytes"] = max((int(r.get("tag/kv_cache") or 0) for r in rows), default=0) or None
+    return out

@@ -2,8 +2,8 @@
 
 Every rank runs :func:`run_rank`; :func:`rl_step` is the paper-level view of a step. The actor
 (megatron-core, TP x PP x DP) and the engine (rollout TP x replicas) share each rank's device. Building
-the rank (:mod:`rl.setup`), batching, the rollout across replicas (:mod:`rl.sampling`), metrics and
-checkpoints (:mod:`rl.saving`) live beside it. A checkpoint is written right after ``train``, when the
+the rank (:mod:`run.setup`), batching, the rollout across replicas (:mod:`rl.generation`), metrics and
+checkpoints (:mod:`run.save_and_stop`) live beside it. A checkpoint is written right after ``train``, when the
 actor is resident and the engine asleep (no extra device memory), and completed after the step is logged;
 SIGUSR1 / SIGTERM act at the next boundary every rank agrees on (docs/DESIGN.md, "Checkpoints, resume,
 preemption")."""
@@ -18,12 +18,25 @@ from pathlib import Path
 import torch.distributed as dist
 from tqdm import tqdm
 
-from modelspec.phases import ENGINE_STATE, EVAL_PHASE
-from rl.checkpoint import StopRequest, capture_rank_state, restore_rank_state
-from rl.config import RunConfig
+from checkpointing.checkpoint import StopRequest, capture_rank_state, restore_rank_state
+from colocation.phases import ENGINE_STATE, EVAL_PHASE
 from rl.evaluation import eval_record, evaluate
-from rl.memory import EXPORT_PHASE, SAVE_PHASE
-from rl.metrics import (
+from rl.generation import generate_samples, sampling_seed
+from rollout import SamplingParams
+from run.config import RunConfig
+from run.preflight import nothing_left
+from run.save_and_stop import (
+    StopBeforeTrain,
+    export_actor,
+    finish_checkpoint,
+    save_actor,
+    save_and_stop,
+    stops_on_storage_faults,
+)
+from run.setup import RankContext, setup, start_rollout
+from run.warmup import StopDuringWarmup, exit_during_warmup, resume_or_warm_up
+from telemetry.memory_timeline import EXPORT_PHASE, SAVE_PHASE
+from telemetry.metrics import (
     check_finite,
     check_logprob_gap,
     engine_actor_logprob_gap,
@@ -34,21 +47,8 @@ from rl.metrics import (
     step_metrics,
     summarize,
 )
-from rl.preflight import nothing_left
-from rl.sampling import generate_samples, sampling_seed
-from rl.saving import (
-    StopBeforeTrain,
-    export_actor,
-    finish_checkpoint,
-    save_actor,
-    save_and_stop,
-    stops_on_storage_faults,
-)
-from rl.setup import RankContext, setup, start_rollout
-from rl.tracking import SUMMARY_FILE
-from rl.warmup import StopDuringWarmup, exit_during_warmup, resume_or_warm_up
-from rl.weight_sync import SyncResult
-from rollout import SamplingParams
+from telemetry.tracking import SUMMARY_FILE
+from weight_sync import SyncResult
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +63,7 @@ class StepResult:
 
 
 def rl_step(ctx: RankContext, step: int) -> StepResult:
-    """One RL step, per rank, in the table's phase order (modelspec/phases.py; the step's log phase follows it
+    """One RL step, per rank, in the table's phase order (colocation/phases.py; the step's log phase follows it
     in :func:`run_rank`)."""
     cfg, actor, engine, phase = ctx.cfg, ctx.actor, ctx.engine, ctx.phase
     device = ctx.dims.device  # the default group's: a collective's tensors live there (CUDA under NCCL)
@@ -169,7 +169,7 @@ def report_end_of_finished_steps(ctx: RankContext, run_dir: Path) -> None:
     summary): say what follows. The final export was written inside the last step, before its checkpoint was
     complete, unless trainer.export_* changed since: then it is missing and ``make export`` writes it from the
     checkpoint (the loop exports only inside a step)."""
-    from rl.checkpoint import HF_DIR, step_dir_name
+    from checkpointing.checkpoint import HF_DIR, step_dir_name
 
     steps = ctx.cfg.trainer.steps
     if ctx.rank != 0:
