@@ -301,14 +301,13 @@ def read_timeline_csv(path: str | Path, skip_broken: bool = False) -> list[dict]
 
 def steady_steps(rows: Iterable[dict]) -> list[int]:
     """The steps to judge steady state on: the whole steps (those that ran ``PHASES[0]``) but the first when
-    there are more (step 0 creates the optimizer's states and warms the allocators), and a boundary that is no
-    step (the eval after the last step). Rows without phases: all steps but the first when there are more."""
+    there are more (step 0 creates the optimizer's states and warms the allocators), and the boundary after the
+    last of them (the eval after the last step: a run of one step has it too). Rows without phases: all steps
+    but the first when there are more."""
     rows = list(rows)
     steps = {int(r["step"]) for r in rows}
-    whole = sorted({int(r["step"]) for r in rows if r.get("phase") == PHASES[0]})
-    if not whole:
-        whole = sorted(steps)
-    return sorted(set(whole[1:] if len(whole) > 1 else whole) | (steps - set(whole)))
+    whole = sorted({int(r["step"]) for r in rows if r.get("phase") == PHASES[0]}) or sorted(steps)
+    return sorted(set(whole[1:] if len(whole) > 1 else whole) | {s for s in steps if s > whole[-1]})
 
 
 def phase_samples(rows: Iterable[dict]) -> dict[tuple[int, int, str], list[dict]]:
