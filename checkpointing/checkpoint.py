@@ -33,10 +33,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megatron_backend.actor import Actor
 
 CHECKPOINT_DIR = "checkpoints"
 ACTOR_DIR = "actor"
@@ -278,6 +281,20 @@ class Checkpointer:
                 (tmp / RANKS_DIR).mkdir(parents=True)
             dist.barrier()
         return tmp
+
+    def save_actor(self, actor: Actor, completed_steps: int) -> Path:
+        """Begin the checkpoint after ``completed_steps`` steps: the actor's shards into its temporary
+        directory (every rank writes its shards, then waits for the slowest in a collective)."""
+        tmp = self.begin(completed_steps)
+        with self.window():
+            actor.save_checkpoint(tmp / ACTOR_DIR)
+        return tmp
+
+    def export_actor(self, actor: Actor, completed_steps: int) -> Path:
+        """The actor's weights as ``<run dir>/hf/step_<n>`` (every rank writes its share; see Actor.save_hf)."""
+        run_dir = self.root.parent
+        out_dir = run_dir / HF_DIR / step_dir_name(completed_steps)
+        return actor.save_hf(out_dir, extra_files={RUN_CONFIG_COPY: run_dir / "config.yaml"})
 
     def finish(self, tmp: Path, rank_state: dict[str, Any], state: RLState | None) -> Path:
         """Write this rank's part; rank 0 then writes ``rl_state.json`` (``state``) and renames the

@@ -36,8 +36,9 @@ import tempfile
 import torch
 
 from colocation.host_memory import release_freed_host_memory
+from colocation.phases import ACTOR_STATE
 
-TAGS = ("actor_params", "actor_grads", "optimizer")
+TAGS = ACTOR_STATE  # the step's names for the actor's state (colocation/phases.py)
 CPU_COPY_CHUNK_BYTES = 4 << 20  # a multiple of the page size: what one CPU host copy maps at a time
 
 

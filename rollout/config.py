@@ -121,10 +121,6 @@ class RolloutConfig:
                 f"rollout.sleep_level={self.sleep_level} must be 1 (keep a host copy of weights) or 2 (drop them)"
             )
 
-    def wake_tags(self, phase: str) -> tuple[str, ...]:
-        """The tags the engine wakes at ``phase`` (``wake_weights`` or ``wake_kv_cache``) under this strategy."""
-        return WAKE_TAGS[self.wake_strategy][phase]
-
     @property
     def utilization(self) -> float | None:
         """``gpu_memory_utilization`` as a fraction, or None for ``auto`` (the planner's convention)."""

@@ -23,8 +23,9 @@ from collections.abc import Iterator
 import torch
 
 from colocation.host_memory import release_freed_host_memory
+from colocation.phases import ENGINE_STATE
 
-TAGS = ("weights", "kv_cache")
+TAGS = ENGINE_STATE  # the step's names for the engine's state (colocation/phases.py)
 BACKENDS = ("auto", "portable", "torch_memory_saver")
 
 

@@ -52,28 +52,28 @@ import psutil
 import torch
 
 from colocation.phases import (  # noqa: F401 (re-exported)
+    ACTOR_STATE,
     ALL_PHASES,
+    ENGINE_STATE,
     EVAL_PHASE,
     EXPORT_PHASE,
     PHASES,
+    REF_STATE,
     SAVE_PHASE,
     WAKE_WINDOW,
     released_tags,
     wake_window_phases,
 )
-from megatron_backend.memory import TAGS as ACTOR_TAGS
 from planner import Plan
-from rollout.memory_saver import TAGS as ENGINE_TAGS
 
 # The step's phases (colocation/phases.py, the one table): PHASES run every step; the timeline records every
 # phase a step may run, in order: PHASES and, at the step boundaries that evaluate, the eval before rollout,
 # after train on the steps that save, the checkpoint's shards, and on the steps that export, the HF export.
 TIMELINE_PHASES = ALL_PHASES
 
-# Memory tags: the engine's (rollout.memory_saver), the actor's (megatron_backend.memory) and the
-# reference actor's params (its ledger's actor_params, renamed in run.setup).
-REF_TAGS = ("ref_params",)
-TAGS = ENGINE_TAGS + ACTOR_TAGS + REF_TAGS
+# Memory tags: the step's state names (colocation/phases.py), which the engine's and the actor's ledgers
+# use; the reference actor's params are its ledger's actor_params, renamed in run.setup.
+TAGS = ENGINE_STATE + ACTOR_STATE + REF_STATE
 BASE_METRICS = ("device_used", "device_peak", "device_allocated", "device_reserved", "host_rss", "host_pinned")
 METRICS = BASE_METRICS + tuple(f"tag/{tag}" for tag in TAGS)
 # The measured metrics: a phase's peak (`memory/peak/<phase>`, summary.json's phase_peak_bytes) and what
@@ -227,6 +227,11 @@ class MemoryTimeline:
         self._active: tuple[int, str] | None = None  # (step, phase) being sampled
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @property
+    def peak_method(self) -> str:
+        """How its peaks are measured (a key of PEAK_METHODS; summary.json's memory_peak_method)."""
+        return self.probe.peak_method
 
     def sample(self, step: int, phase: str) -> dict:
         row = dict(t_s=time.monotonic() - self.t0, step=step, phase=phase, rank=self.rank, **self.probe.read())

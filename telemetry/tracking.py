@@ -152,6 +152,11 @@ class RunWriter:
     def num_deferred(self) -> int:
         return len(self._deferred or ())
 
+    @property
+    def wandb_step_after_deferred(self) -> int:
+        """The W&B step after the deferred records are sent (what a checkpoint covering them continues from)."""
+        return self.wandb_step + self.num_deferred
+
     def _wandb_log(self, record: dict) -> None:
         if self.wandb_run is None:
             return

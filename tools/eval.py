@@ -127,7 +127,8 @@ def _rank_main(cfg, checkpoint: Path | None, step: int | None) -> None:
     from checkpointing.checkpoint import ACTOR_DIR
     from megatron_backend.actor import Actor
     from rl.evaluation import eval_problems, evaluate, reference_logprob_mean
-    from run.setup import build_engine, init_rank, rollout_groups, sync_actor_into_engine
+    from run.setup import build_engine, init_rank, rollout_groups
+    from run.shared_device import sync_actor_into_engine
 
     # reading a checkpoint: torch's deprecation notices for what megatron-core 0.16 calls, once per rank
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(megatron\.core|torch\.distributed\.checkpoint)")
