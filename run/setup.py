@@ -266,7 +266,7 @@ def plan_and_build_engine(ctx: RankContext) -> RankContext:
     engine, plan, kv_choice = build_engine(cfg, dims, ctx.mesh, ctx.rollout_group, prompt_tokens)
     ctx.timeline.probe.add_ledger(lambda: _tagged(engine.memory(), dims.device))
     if ctx.writer is not None and plan is not None:
-        ctx.writer.predicted_bytes = {p.name: p.predicted_bytes + plan.runtime_overhead_bytes for p in plan.phases}
+        ctx.writer.predicted_bytes = {name: plan.measurable_bytes(name) for name in plan.names}
     ctx.device.attach_engine(engine, plan)
     return dataclasses.replace(ctx, kv_choice=kv_choice)
 
