@@ -134,8 +134,9 @@ def test_expert_layout_bad_input_names_the_field():
         check_world(2, tp=2, pp=1, ep=2)
 
 
-def _actor_at_ep2(rank: int, world_size: int, model_dirs: dict):
-    """Per MoE family: the HF checkpoint loaded at EP=2 (gathered back, log-probs), then one train step."""
+def _actor_at_ep2(rank: int, world_size: int, model_dirs: dict, root: str):
+    """Per MoE family: the HF checkpoint loaded at EP=2 (gathered back, log-probs), then one train step, the
+    trained weights gathered and saved as the actor's distributed checkpoint (for the HF export)."""
     from megatron_backend.actor import Actor
     from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
@@ -160,7 +161,15 @@ def _actor_at_ep2(rank: int, world_size: int, model_dirs: dict):
         batch.old_logprobs = logprobs
         batch.advantages = grpo_advantages(torch.tensor([1.0, 0.0, 0.5, 0.0]), group_size=2)
         metrics = actor.train_step(batch, loss_fn)
+        trained = actor.export_hf(dst=0)
+        checkpoint = f"{root}/{family}/checkpoints/step_00000001"
+        actor.save_checkpoint(f"{checkpoint}/actor")
         out[family] = dict(
+            trained=trained,
+            checkpoint=checkpoint,
+            hf_dir=hf_dir,
+            family=family,
+            trained_logprobs=actor.compute_logprobs(TokenBatch(input_ids=input_ids)),
             local_experts=local_experts,
             loaded=loaded,
             logprobs=logprobs,
@@ -173,14 +182,14 @@ def _actor_at_ep2(rank: int, world_size: int, model_dirs: dict):
 
 
 @pytest.mark.numeric
-def test_actor_loads_hf_moe_at_ep2_matches_transformers_and_trains(tiny_model_dirs):
+def test_actor_loads_hf_moe_at_ep2_matches_transformers_trains_and_exports(tiny_model_dirs, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from tests.family_helpers import MOE_FAMILIES
-    from tests.test_hf_export import _source_tensors
+    from tests.test_hf_export import SMALL_SHARD_BYTES, _export, _logprobs, _source_tensors
 
     dirs = {family: tiny_model_dirs[family] for family in MOE_FAMILIES}
-    ranks = run_ranks(_actor_at_ep2, 2, dirs, timeout_s=900)
+    ranks = run_ranks(_actor_at_ep2, 2, dirs, str(tmp_path / "runs"), timeout_s=900)
     for family, hf_dir in dirs.items():
         first, second = ranks[0][family], ranks[1][family]
         # EP rank e holds experts 2e, 2e+1, numbered 0 and 1 locally; the two ranks' experts differ
@@ -203,6 +212,15 @@ def test_actor_loads_hf_moe_at_ep2_matches_transformers_and_trains(tiny_model_di
         assert math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0, metrics
         # megatron's ChainedOptimizer: one optimizer for the dense params (DP=2), one for the experts (expert DP=1)
         assert "DistributedOptimizer" in first["optimizer"], first["optimizer"]
+        # the HF export of the EP=2 distributed checkpoint: HF's per-expert names exactly (the source's), every
+        # tensor bit-equal to the trained actor's, and transformers loads it (nothing missing or extra) to the
+        # actor's log-probs
+        assert any(not torch.equal(first["trained"][n], source[n]) for n in source), "the step trained nothing"
+        exported = _source_tensors(str(_export(first, tmp_path / f"export-{family}", SMALL_SHARD_BYTES)))
+        assert {n: t.shape for n, t in exported.items()} == {n: t.shape for n, t in source.items()}, family
+        assert all(torch.equal(exported[n], first["trained"][n]) for n in exported), family
+        diff = (_logprobs(tmp_path / f"export-{family}", input_ids) - first["trained_logprobs"]).abs().max().item()
+        assert diff <= 1e-5, (family, diff)
 
 
 @pytest.mark.parametrize(
