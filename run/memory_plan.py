@@ -46,37 +46,25 @@ def plan_inputs(cfg, prompt_tokens: int | None = None, calibration=None) -> Plan
         # megatron_backend.actor: megatron-core's optimizer on every device, its DistributedOptimizer when DP > 1
         # or when it offloads (megatron wires its HybridDeviceOptimizer into the distributed optimizer only)
         distributed_optimizer=cfg.dp > 1 or actor.optimizer_offload_fraction > 0,
-        optimizer_offload_fraction=actor.optimizer_offload_fraction,
         **asdict(cfg.step_flags()),  # the offload flags, a reference actor, the wake strategy (the step's table)
-        micro_batch_size=actor.micro_batch_size,
-        remove_padding=actor.remove_padding,
-        max_tokens_per_micro_batch=actor.max_tokens_per_micro_batch,
-        max_tokens_per_forward_micro_batch=actor.max_tokens_per_forward_micro_batch,
-        recompute=actor.recompute,
-        recompute_method=actor.recompute_method,
-        recompute_num_layers=actor.recompute_num_layers,
+        # actor.* and rollout.* fields the planner names alike (micro-batching, recompute, engine, max_num_seqs,
+        # max_model_len, block_size, sleep_level, kv_cache_bytes, ...): declared once, by the component's config
+        **same_named_fields(actor, exclude=("recompute_modules",)),
+        **same_named_fields(rollout, exclude=("gpu_memory_utilization", "wake_strategy")),
         recompute_modules=tuple(actor.recompute_modules or ("core_attn",)),
-        logprob_chunk_tokens=actor.logprob_chunk_tokens,
         entropy_grad=cfg.algorithm.entropy_coef > 0,
-        entropy_recompute=actor.entropy_recompute,
         attention="flash" if on_cuda else "unfused",  # Transformer Engine on CUDA, megatron's local spec on CPU
         sequences_per_step=cfg.trainer.prompts_per_step * rollout.n_samples_per_prompt,
         eval_sequences=eval_sequences(cfg),
         hf_exports=cfg.trainer.export_every > 0 or cfg.trainer.export_at_end,
         prompt_tokens=max(1, prompt_tokens),
         response_tokens=rollout.max_new_tokens,
-        engine=rollout.engine,
         rollout_tp=rollout.tp,
         gpu_memory_utilization=rollout.utilization,  # None: auto
-        kv_cache_bytes=rollout.kv_cache_bytes,
         engine_capacity_bytes=int(rollout.cpu_capacity_gb * 2**30),
-        max_num_seqs=rollout.max_num_seqs,
         vllm_max_batched_tokens=rollout.max_num_batched_tokens,  # None: vLLM's per-device default
         native_max_batched_tokens=rollout.max_num_batched_tokens,
-        max_model_len=rollout.max_model_len,
-        block_size=rollout.block_size,
         native_activation_reserve_bytes=rollout.activation_reserve_mb * MIB,
-        sleep_level=rollout.sleep_level,
         ranks_per_node=cfg.cluster.procs_per_node,
         checkpoint_saves=cfg.trainer.save_every > 0,
         data_host_bytes=_data_file_bytes(cfg.data.path),
@@ -88,6 +76,13 @@ def plan_inputs(cfg, prompt_tokens: int | None = None, calibration=None) -> Plan
     staged = sync_staged_bytes(shape, cfg.mesh(), inputs.sync_bucket_bytes, inputs.element_bytes)
     peers = sync_peers(shape, cfg.mesh(), inputs.sync_bucket_bytes, inputs.element_bytes)
     return dataclasses.replace(inputs, sync_staged_bytes=staged, sync_peers=peers)
+
+
+def same_named_fields(config, *, exclude: tuple[str, ...] = ()) -> dict:
+    """``config``'s fields that :class:`PlanInputs` has under the same name and meaning (``exclude``: the same
+    name in another form, converted by the caller), so each such setting is declared once, by its component."""
+    planned = {f.name for f in dataclasses.fields(PlanInputs)} - set(exclude)
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name in planned}
 
 
 def _data_file_bytes(path: str | None) -> int:
