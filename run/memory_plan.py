@@ -43,6 +43,8 @@ def plan_inputs(cfg, prompt_tokens: int | None = None, calibration=None) -> Plan
         actor_pp=actor.pp,
         actor_vpp=actor.vpp,
         actor_dp=cfg.dp,
+        actor_ep=actor.ep,
+        actor_etp=actor.etp,
         # megatron_backend.actor: megatron-core's optimizer on every device, its DistributedOptimizer when DP > 1
         # or when it offloads (megatron wires its HybridDeviceOptimizer into the distributed optimizer only)
         distributed_optimizer=cfg.dp > 1 or actor.optimizer_offload_fraction > 0,
