@@ -122,18 +122,20 @@ def checkpoint_staging_bytes(plan: Plan, params_only: bool = False) -> int:
     (``params_only``: an HF export's params-only save)."""
     inp = plan.inputs
     e = inp.element_bytes
-    shard = inp.actor_dp if inp.distributed_optimizer else 1
     main = optimizer_bytes_per_param(e) // FP32_BYTES - 2  # fp32 main params of a 16-bit model
     # exp_avg and exp_avg_sq; the hybrid optimizer's host fraction is already host tensors of their own: not
     # views, so megatron's writer neither clones nor pins them (filesystem_async.py _clone_if_needed)
     moments = 2 * (1 - inp.optimizer_offload_fraction)
     total = 0
-    for n in actor_stage_tensor_elements(
-        inp.shape, inp.actor_tp, inp.actor_pp, plan.pp_stage, inp.actor_ep, inp.expert_tp
-    ):
-        total += power_of_two_bytes(n * e)
-        if not params_only:
-            total += round((main + moments) * power_of_two_bytes(-(-n * FP32_BYTES // shard)))
+    # the routed experts' optimizer states shard over the expert-DP group, the others' over DP (plan._optimizer_shards)
+    for experts, group in ((False, inp.actor_dp), (True, inp.expert_dp)):
+        shard = group if inp.distributed_optimizer else 1
+        for n in actor_stage_tensor_elements(
+            inp.shape, inp.actor_tp, inp.actor_pp, plan.pp_stage, inp.actor_ep, inp.expert_tp, experts
+        ):
+            total += power_of_two_bytes(n * e)
+            if not params_only:
+                total += round((main + moments) * power_of_two_bytes(-(-n * FP32_BYTES // shard)))
     return total
 
 

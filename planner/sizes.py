@@ -397,15 +397,18 @@ VERIFY_BYTES_PER_ELEMENT = 24
 
 
 def _layer_tensor_elements(
-    shape: ModelShape, sizes: dict[str, int], layer: int, module_of, experts_fused: bool
+    shape: ModelShape, sizes: dict[str, int], layer: int, module_of, experts_fused: bool, experts: bool | None = None
 ) -> list[int]:
     """Elements of each parameter tensor of decoder layer ``layer`` whose dims have ``sizes``, parts stacked into
     the module ``module_of(part)`` names (megatron's linear_qkv / linear_fc1, vLLM's qkv_proj / gate_up_proj /
     w13). Expert parts: one tensor for all ``sizes["experts"]`` experts when ``experts_fused`` (vLLM's
-    FusedMoE), else one per expert (megatron's SequentialMLP)."""
+    FusedMoE), else one per expert (megatron's SequentialMLP). ``experts`` True / False: only the routed experts'
+    tensors / only the others (None: all)."""
     tensors: dict[str, int] = {}
     per_expert: dict[str, int] = {}
     for part, kind in layer_parts(shape, layer):
+        if experts is not None and part.expert != experts:
+            continue
         elements = math.prod(dims_size(part.kind_dims(kind), sizes))
         key = f"{module_of(part)}.{kind}"
         if part.expert and not experts_fused:
@@ -416,16 +419,19 @@ def _layer_tensor_elements(
 
 
 def actor_stage_tensor_elements(
-    shape: ModelShape, tp: int, pp: int, stage: int, ep: int = 1, etp: int | None = None
+    shape: ModelShape, tp: int, pp: int, stage: int, ep: int = 1, etp: int | None = None, experts: bool | None = None
 ) -> list[int]:
     """Elements of each parameter tensor one actor rank of stage ``stage`` holds (megatron layout; sums to
-    :func:`actor_stage_param_count`): what a checkpoint save stages one host buffer for, each."""
+    :func:`actor_stage_param_count`): what a checkpoint save stages one host buffer for, each. ``experts`` True /
+    False: only the routed experts' tensors / only the others (None: all)."""
     sizes = actor_rank_sizes(shape, tp, ep, etp)
     out = [
         n
         for layer in stage_layers(shape, pp, stage)
-        for n in _layer_tensor_elements(shape, sizes, layer, lambda part: part.megatron, experts_fused=False)
+        for n in _layer_tensor_elements(shape, sizes, layer, lambda part: part.megatron, False, experts)
     ]
+    if experts:
+        return out
     vocab_rows = megatron_padded_vocab(shape.vocab_size, tp) // tp * shape.hidden_size
     if stage == 0:
         out.append(vocab_rows)

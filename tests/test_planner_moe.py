@@ -137,3 +137,24 @@ def test_bad_expert_layouts_are_refused_in_one_line():
         tiny_moe_inputs(shape=ModelShape.from_hf_config(tiny_hf_config("qwen2")), actor_ep=2)
     with pytest.raises(ValueError, match="must divide actor_tp x actor_dp"):
         tiny_moe_inputs(actor_ep=4)
+
+
+def test_checkpoint_staging_shards_expert_optimizer_states_over_expert_dp():
+    from planner.host import checkpoint_staging_bytes
+    from planner.sizes import actor_stage_tensor_elements, power_of_two_bytes
+
+    s, e = TINY_MOE, BF16
+    h, m = s.hidden_size, s.moe_intermediate_size
+    plan = make_plan(tiny_moe_inputs())  # EP=2 x DP=2: expert DP 1, every state of the local experts whole
+    everything = actor_stage_tensor_elements(s, 1, 1, 0, 2)
+    others = actor_stage_tensor_elements(s, 1, 1, 0, 2, experts=False)
+    experts = actor_stage_tensor_elements(s, 1, 1, 0, 2, experts=True)
+    assert sorted(everything) == sorted(others + experts)
+    # megatron's SequentialMLP: per local expert fc1 [2m, h] and fc2 [h, m], 2 of the 4 experts in 3 sparse layers
+    assert sorted(experts) == sorted([2 * m * h, h * m] * 2 * len(s.moe_layers))
+
+    def staged(n: int, shard: int) -> int:  # the param in the dtype, fp32 main + 2 moments of its shard
+        return power_of_two_bytes(n * e) + 3 * power_of_two_bytes(-(-n * FP32_BYTES // shard))
+
+    hand = sum(staged(n, 2) for n in others) + sum(staged(n, 1) for n in experts)
+    assert checkpoint_staging_bytes(plan) == hand
