@@ -17,6 +17,18 @@ WAKE_TAGS: dict[str, dict[str, tuple[str, ...]]] = {s: engine_wakes(s) for s in 
 MEMORY_SAVERS = ("auto", "portable", "torch_memory_saver")
 
 
+# Why an engine cannot return each completion's routed experts (SamplingParams.return_routed_experts); an engine
+# not listed can. vLLM: docs/DESIGN.md, "Routing replay".
+ROUTED_EXPERTS_UNSUPPORTED = {
+    "vllm": "cannot return routed experts here: VLLM_PENDING",
+}
+
+
+def routed_experts_unsupported(engine: str) -> str | None:
+    """Why ``rollout.engine=engine`` cannot return routed experts (one line), or None when it can."""
+    return ROUTED_EXPERTS_UNSUPPORTED.get(engine)
+
+
 @dataclass
 class RolloutConfig:
     """Engine choice, its TP layout, memory budget and sampling (``rollout.*``)."""
