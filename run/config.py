@@ -205,7 +205,7 @@ class RunConfig:
             raise ValueError(
                 f"algorithm.routing_replay=true but {self.model.path} has no MoE layers to route; set it to false"
             )
-        why = routed_experts_unsupported(self.rollout.engine)
+        why = routed_experts_unsupported(self.rollout.engine, self.device_kind)
         if why is not None:
             raise ValueError(f"algorithm.routing_replay=true but rollout.engine={self.rollout.engine} {why}")
         reruns_router = self.actor.recompute == "full" or (
@@ -221,7 +221,12 @@ class RunConfig:
     def returns_routed_experts(self) -> bool:
         """Whether the engine returns each completion's routing: an MoE model on an engine that can (the
         routing-mismatch metric every step; routing replay when ``algorithm.routing_replay``)."""
-        return self.model.shape().is_moe and routed_experts_unsupported(self.rollout.engine) is None
+        return self.model.shape().is_moe and routed_experts_unsupported(self.rollout.engine, self.device_kind) is None
+
+    @property
+    def device_kind(self) -> str:
+        """ "cpu" or "cuda" (``cluster.device`` names a CUDA device preset or cpu)."""
+        return "cpu" if self.cluster.device == "cpu" else "cuda"
 
     def _check_actor_dp(self) -> None:
         world, tp, pp = self.cluster.world_size, self.actor.tp, self.actor.pp

@@ -226,3 +226,68 @@ def test_routing_replay_config_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^algorithm.routing_replay=true but rollout.engine=vllm cannot return"):
         run_config("tiny:qwen3_moe", "vllm")
     assert run_config("tiny:qwen3_moe", "native").returns_routed_experts
+
+
+@pytest.mark.vllm
+def test_vllm_cpu_build_refuses_routed_experts_in_one_line(tiny_model_dirs):
+    from rollout.config import RolloutConfig
+    from rollout.vllm_engine import VllmEngine
+
+    cfg = RolloutConfig(engine="vllm", kv_cache_bytes=16 << 20, max_model_len=128)
+    with pytest.raises(
+        ValueError, match=r"^enable_return_routed_experts: vLLM cannot return routed experts on vLLM's CPU"
+    ):
+        VllmEngine(cfg, tiny_model_dirs["qwen3_moe"], dtype="float32", enable_return_routed_experts=True)
+
+
+@pytest.mark.vllm
+def test_vllm_routed_experts_become_layers_first():
+    """vLLM's own CompletionOutput (its real fields) -> Completion.routed_experts [layers, tokens, k]."""
+    import numpy as np
+    from vllm.outputs import CompletionOutput
+
+    from rollout.vllm_engine import routed_experts_of
+
+    rows = np.arange(6 * 3 * 2, dtype=np.int32).reshape(6, 3, 2)  # prompt 4 + 3 sampled - 1 = 6 tokens
+    out = CompletionOutput(
+        index=0, text="", token_ids=[5, 6, 7], cumulative_logprob=None, logprobs=None, routed_experts=rows
+    )
+    routed = routed_experts_of(out, prompt_len=4)
+    assert routed.shape == (3, 6, 2) and routed.dtype == torch.int16
+    assert torch.equal(routed.permute(1, 0, 2).long(), torch.from_numpy(rows).long())
+    with pytest.raises(RuntimeError, match="for 5 tokens"):
+        routed_experts_of(out, prompt_len=3)
+
+
+def _vllm_gpu_routing(rank: int, world_size: int, hf_dir: str) -> list:
+    import torch.distributed as dist
+
+    from modelspec import ColocatedMesh
+    from rollout.config import RolloutConfig
+    from rollout.engine import SamplingParams
+    from rollout.vllm_engine import VllmEngine
+
+    dist.init_process_group("gloo")
+    cfg = RolloutConfig(engine="vllm", kv_cache_bytes=64 << 20, max_model_len=128)
+    mesh = ColocatedMesh(world_size=1, rollout_tp=1)
+    engine = VllmEngine(cfg, hf_dir, mesh, rank, dtype="float32", enable_return_routed_experts=True)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=7, return_routed_experts=True)
+    results = engine.generate(PROMPTS, params)
+    engine.shutdown()
+    return [[(c.token_ids, c.routed_experts) for c in samples] for samples in results]
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+def test_vllm_gpu_returns_the_routing_of_every_token_it_ran(tiny_model_dirs):
+    """vLLM on CUDA (Model Runner V2, prefix caching): the same contract as the native engine's."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_dirs["qwen3_moe"]
+    (results,) = run_ranks(_vllm_gpu_routing, 1, path, timeout_s=900)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for prompt, samples in zip(PROMPTS, results):
+        for token_ids, routed in samples:
+            ran = prompt + token_ids[:-1]
+            assert routed.shape[1] == len(ran)
+            assert set_mismatch(routed.long(), hf_routing(model, ran)) == 0
