@@ -55,7 +55,6 @@ from megatron_backend.model import (
 )
 from megatron_backend.packing import MicroBatch, build_micro_batch, partition, sequence_lengths
 from megatron_backend.parallel import ParallelDims
-from megatron_backend.routing_replay import ActorRouting
 from modelspec import BatchTotals, LossFn, ModelShape, TokenBatch
 from modelspec.mesh import check_actor_split, check_expert_split
 
@@ -129,7 +128,11 @@ class Actor:
                 self.shape, dims, dtype, recompute=recompute, variable_seq_lengths=variable, moe=moe
             )
             self.num_bytes_loaded = load_hf_into_chunks(self.chunks, hf_dir, self.shape, self.layout)
-            self.routing = ActorRouting(self.chunks, self.shape) if self.shape.is_moe else None
+            self.routing = None
+            if self.shape.is_moe:
+                from megatron_backend.routing_replay import ActorRouting  # megatron's, imported when used
+
+                self.routing = ActorRouting(self.chunks, self.shape)
             self.ledger.set("actor_params", resident_bytes=storage_bytes(self._param_tensors()))
         self.models = self.chunks  # DDP-wrapped when training
         self.optimizer = None
