@@ -291,3 +291,53 @@ def test_vllm_gpu_returns_the_routing_of_every_token_it_ran(tiny_model_dirs):
             ran = prompt + token_ids[:-1]
             assert routed.shape[1] == len(ran)
             assert set_mismatch(routed.long(), hf_routing(model, ran)) == 0
+
+
+def _perturbed_engine_ranks(rank: int, world_size: int, hf_dir: str, noise_std: float) -> dict:
+    """A native engine whose routers are perturbed (an engine that routes otherwise than the actor, as a
+    lower-precision or stale engine would) samples; the actor (EP=2) scores the samples with and without replay."""
+    from megatron_backend.actor import Actor
+    from megatron_backend.config import ActorConfig
+    from megatron_backend.parallel import initialize_model_parallel
+    from rl.batching import Sample, make_batch
+    from rollout.config import RolloutConfig
+    from rollout.engine import SamplingParams
+    from rollout.native import NativeEngine
+
+    dims = initialize_model_parallel(tp=1, pp=1, ep=2)
+    actor = Actor(hf_dir, ActorConfig(ep=2, micro_batch_size=8), dims, train=False)
+    engine = NativeEngine(RolloutConfig(cpu_capacity_gb=0.25, activation_reserve_mb=16, max_num_seqs=32), hf_dir)
+    noise = torch.Generator().manual_seed(5)
+    params = engine.begin_weight_update()
+    for name in sorted(params):
+        if name.endswith(".gate.weight") and params[name].dim() == 2:  # the MoE routers [E, h]
+            params[name].add_(noise_std * torch.randn(params[name].shape, generator=noise))
+    engine.finish_weight_update()
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, actor.shape.vocab_size, (6,), generator=gen).tolist() for _ in range(8)]
+    sampling = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=3, ignore_eos=True, return_routed_experts=True)
+    samples = [
+        Sample(i, prompts[i], c.token_ids, c.logprobs, c.finish_reason, 0.0, c.routed_experts)
+        for i, per_prompt in enumerate(engine.generate(prompts, sampling))
+        for c in per_prompt
+    ]
+    batch, _ = make_batch(samples, group_size=2, dp=dims.dp, dp_rank=dims.dp_rank, pad_id=0, device=dims.device)
+    mask = batch.loss_mask > 0
+    out = {}
+    for replay in (False, True):
+        logprobs = actor.compute_logprobs(batch, response_only=True, replay_routing=replay)
+        gap = (logprobs - batch.engine_logprobs).abs()[mask]
+        out[replay] = (float(gap.max()), float(gap.mean()))
+    out["mismatch"] = actor.take_routing_mismatch()
+    return out
+
+
+@pytest.mark.parametrize("noise_std", [0.2])
+def test_replay_narrows_the_gap_to_an_engine_that_routes_otherwise(tiny_model_dirs, noise_std):
+    for out in run_ranks(_perturbed_engine_ranks, 2, tiny_model_dirs["qwen3_moe"], noise_std, timeout_s=900):
+        print(
+            f"router noise {noise_std}: mismatch {out['mismatch']:.3f}, gap max/mean without replay "
+            f"{out[False][0]:.3g}/{out[False][1]:.3g}, with {out[True][0]:.3g}/{out[True][1]:.3g}"
+        )
+        assert out["mismatch"] > 0.01
+        assert out[True][1] < out[False][1]
