@@ -7,7 +7,7 @@ actor packs when ``actor.remove_padding``); ``loss_mask`` [B, S-1] (1 where the 
 ``input_ids[:, t+1]`` is a response token); ``engine_logprobs`` [B, S-1] (the engine's log-prob of
 each sampled token, 0 elsewhere; :func:`make_batch` refuses a sample whose engine log-probs are missing or
 of another count than its response); ``advantages`` [B]; MoE, when the engine returned them:
-``routed_experts`` [B, S, num_moe_layers, top_k] int64 (the engine's experts for input token t, -1 where it
+``routed_experts`` [B, S, num_moe_layers, top_k] int16 (the engine's experts for input token t, -1 where it
 did not route it: the last token, padding).
 """
 
@@ -53,7 +53,7 @@ def pack_sequences(samples: list[Sample], pad_id: int) -> TokenBatch:
     routed = None
     if samples and all(s.routed_experts is not None for s in samples):
         num_layers, _, top_k = samples[0].routed_experts.shape
-        routed = torch.full((len(samples), seq_len, num_layers, top_k), -1, dtype=torch.long)
+        routed = torch.full((len(samples), seq_len, num_layers, top_k), -1, dtype=torch.int16)
         for i, s in enumerate(samples):  # token t's routing, for every token but the last
             routed[i, : s.routed_experts.shape[1]] = s.routed_experts.permute(1, 0, 2)
     return TokenBatch(
