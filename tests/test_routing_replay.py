@@ -241,6 +241,22 @@ def test_vllm_cpu_build_refuses_routed_experts_in_one_line(tiny_model_dirs):
 
 
 @pytest.mark.vllm
+def test_vllm_engine_args_carry_return_routed_experts(tiny_model_dirs):
+    """The flag reaches vLLM's own EngineArgs (its real dataclass) and its aux-output config."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from modelspec import ColocatedMesh
+    from rollout.config import RolloutConfig
+    from rollout.vllm_engine import engine_args
+
+    cfg = RolloutConfig(engine="vllm", kv_cache_bytes=16 << 20, max_model_len=128)
+    mesh = ColocatedMesh(world_size=1, rollout_tp=1)
+    kwargs = engine_args(cfg, tiny_model_dirs["qwen3_moe"], mesh, "cuda", enable_return_routed_experts=True)
+    args = EngineArgs(**kwargs)
+    assert args.enable_prefix_caching and args.aux_output_config.enable_return_routed_experts
+
+
+@pytest.mark.vllm
 def test_vllm_routed_experts_become_layers_first():
     """vLLM's own CompletionOutput (its real fields) -> Completion.routed_experts [layers, tokens, k]."""
     import numpy as np
