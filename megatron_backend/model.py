@@ -140,12 +140,15 @@ def transformer_config(
     recompute: dict | None = None,
     variable_seq_lengths: bool = False,
     moe: dict | None = None,
+    sequence_parallel: bool = False,
 ):
     """Map the model's shape onto megatron's TransformerConfig.
 
     ``recompute``: :func:`recompute_kwargs`. ``variable_seq_lengths``: micro-batches differ in shape
     (packed sequences, token-budget micro-batches), so pipeline stages send each other the shape first.
-    ``moe``: :func:`moe_kwargs` (an MoE model; the dispatcher defaults to alltoall).
+    ``moe``: :func:`moe_kwargs` (an MoE model; the dispatcher defaults to alltoall). ``sequence_parallel``:
+    megatron's (``ActorConfig.sequence_parallel_for``); the model's input length must then divide by TP
+    (``megatron_backend.packing`` pads it).
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -174,7 +177,7 @@ def transformer_config(
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vpp,
-        sequence_parallel=False,
+        sequence_parallel=sequence_parallel and dims.tp > 1,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -263,13 +266,14 @@ def build_gpt_chunks(
     recompute: dict | None = None,
     variable_seq_lengths: bool = False,
     moe: dict | None = None,
+    sequence_parallel: bool = False,
 ):
     """One GPTModel per virtual pipeline stage held by this rank (a list of length vpp or 1).
-    ``moe``: :func:`moe_kwargs` for an MoE shape."""
+    ``moe``: :func:`moe_kwargs` for an MoE shape; ``sequence_parallel``: see :func:`transformer_config`."""
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(shape, dims, dtype, recompute, variable_seq_lengths, moe)
+    config = transformer_config(shape, dims, dtype, recompute, variable_seq_lengths, moe, sequence_parallel)
     num_chunks = dims.vpp or 1
     chunks = []
     for vp_stage in range(num_chunks):

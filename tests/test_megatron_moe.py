@@ -251,3 +251,64 @@ def test_mesh_expert_coords_are_megatrons(world, tp, pp, ep, etp):
             assert len(others) == 1, (group, ranks)
     with pytest.raises(ValueError, match="actor.etp x actor.ep x actor.pp"):
         ColocatedMesh(world_size=2, actor_tp=2, actor_ep=2)
+
+
+def _train_step_at(rank: int, world_size: int, hf_dir: str, layouts: list):
+    """One train step of tiny Qwen3-MoE at each (tp, ep) layout on these 4 ranks, from the same HF weights and the
+    same 4 sequences (each DP rank its share): the updated weights gathered on rank 0, the step's metrics, and
+    whether megatron ran sequence parallelism."""
+    from megatron_backend.actor import Actor
+    from megatron_backend.config import ActorConfig
+    from megatron_backend.parallel import initialize_model_parallel
+    from modelspec import TokenBatch
+    from rl.losses import PolicyLoss, PolicyLossConfig
+
+    loss_fn = PolicyLoss(PolicyLossConfig(clip_eps_low=0.5, clip_eps_high=0.5, loss_agg="token-mean"))
+    gen = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(0, 64, (4, 16), generator=gen)
+    # odd real lengths (the packed micro-batch is padded to a multiple of TP under sequence parallelism) and the
+    # same 6 response targets per sequence, so a DP rank's token-mean over its share averages to the batch's
+    seq_lens = torch.tensor([13, 16, 11, 15])
+    loss_mask = torch.zeros(4, 15)
+    for row, length in enumerate(seq_lens.tolist()):
+        loss_mask[row, length - 7 : length - 1] = 1.0
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    out = {}
+    for tp, ep in layouts:
+        dims = initialize_model_parallel(tp=tp, pp=1, ep=ep)
+        actor = Actor(hf_dir, ActorConfig(tp=tp, ep=ep, micro_batch_size=1, lr=1e-4), dims)
+        share = torch.arange(4).chunk(dims.dp)[dims.dp_rank]
+        batch = TokenBatch(input_ids=input_ids[share], seq_lens=seq_lens[share], loss_mask=loss_mask[share])
+        batch.old_logprobs = actor.compute_logprobs(batch)
+        batch.advantages = advantages[share]
+        metrics = actor.train_step(batch, loss_fn)
+        out[(tp, ep)] = dict(
+            weights=actor.export_hf(dst=0),
+            grad_norm=metrics["grad_norm"],
+            sequence_parallel=actor.chunks[0].config.sequence_parallel,
+        )
+        del actor
+    return out
+
+
+@pytest.mark.numeric
+def test_moe_train_step_at_tp2_with_sequence_parallelism_matches_tp1(tiny_model_dirs):
+    """TP2 x EP2 (megatron's sequence parallelism: the norms, router and residual stream on S / 2 tokens per TP rank,
+    the dispatcher gathering unequal token counts over TP) takes the same optimizer step as TP1 x EP2 x DP4: the same
+    grad norm and, after Adam's first step (about lr x sign(grad) per element), the same weights."""
+    from tests.test_hf_export import _source_tensors
+
+    hf_dir = tiny_model_dirs["qwen3_moe"]
+    ranks = run_ranks(_train_step_at, 4, hf_dir, [(1, 2), (2, 2)], timeout_s=900)
+    tp1, tp2 = ranks[0][(1, 2)], ranks[0][(2, 2)]
+    assert tp2["sequence_parallel"] and not tp1["sequence_parallel"]
+    assert math.isfinite(tp1["grad_norm"]) and tp1["grad_norm"] > 0
+    assert abs(tp2["grad_norm"] - tp1["grad_norm"]) <= 1e-5 * tp1["grad_norm"], (tp1["grad_norm"], tp2["grad_norm"])
+    source = _source_tensors(hf_dir)
+    assert set(tp2["weights"]) == set(tp1["weights"]) == set(source)
+    moved = max((tp1["weights"][n] - source[n]).abs().max().item() for n in source)
+    assert moved > 0.5e-4, moved  # lr 1e-4: Adam's first step moves every weight with a gradient by about lr
+    diffs = {n: (tp2["weights"][n] - tp1["weights"][n]).abs().max().item() for n in source}
+    worst = max(diffs, key=diffs.get)
+    assert diffs[worst] <= 1e-6, (worst, diffs[worst])
+
