@@ -83,7 +83,7 @@ class Actor:
         self.shape = shape if shape is not None else ModelShape.from_pretrained(hf_dir)
         check_actor_split(self.shape, dims.tp, dims.pp, dims.vpp)
         check_expert_split(self.shape, dims.ep, dims.etp)
-        self.sequence_parallel = config.sequence_parallel_for(self.shape.is_moe) and dims.tp > 1
+        self.sequence_parallel = config.sequence_parallel_for(self.shape.is_moe)
         if train and dims.tp > 1 and self.shape.is_moe and not self.sequence_parallel:
             raise ValueError(
                 f"actor.sequence_parallel=false with actor.tp={dims.tp} and an MoE model ({self.shape.source}): "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from modelspec.mesh import uses_sequence_parallel
+
 
 @dataclass
 class OffloadConfig:
@@ -161,12 +163,9 @@ class ActorConfig:
         return self.etp if self.etp is not None else self.tp
 
     def sequence_parallel_for(self, is_moe: bool) -> bool:
-        """Whether the actor runs megatron's sequence parallelism for this model: ``actor.sequence_parallel``,
-        or when null, at tp > 1 for an MoE model (megatron-core trains MoE layers at TP > 1 only with it:
-        ``MoELayer.forward`` raises otherwise)."""
-        if self.sequence_parallel is None:
-            return is_moe and self.tp > 1
-        return self.sequence_parallel
+        """Whether the actor runs megatron's sequence parallelism for this model (``modelspec.mesh``; megatron's
+        ``MoELayer.forward`` refuses training at TP > 1 without it)."""
+        return uses_sequence_parallel(self.sequence_parallel, self.tp, is_moe)
 
     @property
     def forward_max_tokens(self) -> int | None:

@@ -146,6 +146,25 @@ def test_partition_respects_the_budget_and_balances():
         partition(lengths, 3)
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_micro_batch_pads_the_model_tokens_to_a_multiple_of_tp(packed):
+    """Sequence parallelism splits the model's token dim over TP: the micro-batch pads it (a pad sequence when
+    packed, pad columns when padded) and its rows still point at the same tokens."""
+    from megatron_backend.packing import build_micro_batch, sequence_lengths
+
+    batch = _batch(128, lengths=[13, 6, 9])  # 28 real tokens, padded width 13
+    lengths = sequence_lengths(batch)
+    plain = build_micro_batch(batch, [0, 1, 2], lengths, packed, torch.device("cpu"), response_only=True)
+    padded = build_micro_batch(batch, [0, 1, 2], lengths, packed, torch.device("cpu"), True, pad_to=8)
+    assert plain.num_model_tokens == (28 if packed else 39) and padded.num_model_tokens == (32 if packed else 48)
+    assert padded.input_ids.numel() == padded.num_model_tokens
+    assert torch.equal(padded.input_ids.flatten()[padded.rows], plain.input_ids.flatten()[plain.rows])
+    assert torch.equal(padded.targets, plain.targets) and torch.equal(padded.dense_index, plain.dense_index)
+    if packed:  # the pad tokens are one more sequence, positions from 0, attending only to themselves
+        assert padded.packed_seq_params.cu_seqlens_q.tolist() == [0, 13, 19, 28, 32]
+        assert padded.position_ids[0, 28:].tolist() == [0, 1, 2, 3]
+
+
 def test_balanced_dp_shares():
     from rl.batching import balanced_dp_shares
 

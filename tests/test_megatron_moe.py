@@ -123,6 +123,12 @@ def test_expert_layout_bad_input_names_the_field():
             ActorConfig(**bad)
     with pytest.raises(ValueError, match="actor.moe_token_dispatcher"):
         ActorConfig(moe_token_dispatcher="flex")
+    with pytest.raises(ValueError, match="actor.sequence_parallel=true needs actor.tp > 1"):
+        ActorConfig(sequence_parallel=True)
+    # null: megatron's sequence parallelism where it requires it (an MoE model at TP > 1)
+    assert ActorConfig(tp=2).sequence_parallel_for(is_moe=True) and not ActorConfig(tp=2).sequence_parallel_for(False)
+    assert not ActorConfig(tp=2, sequence_parallel=False).sequence_parallel_for(True)
+    assert not ActorConfig(tp=1).sequence_parallel_for(True)
     assert ActorConfig(tp=2).expert_tp == 2 and ActorConfig(tp=2, etp=1).expert_tp == 1
     # megatron's two grids: tp x dp x pp and etp x ep x expert-dp x pp over one world
     assert min_world_size(tp=2, pp=1, ep=2) == 4  # etp follows tp: 2 x 2
@@ -288,6 +294,10 @@ def _train_step_at(rank: int, world_size: int, hf_dir: str, layouts: list):
             sequence_parallel=actor.chunks[0].config.sequence_parallel,
         )
         del actor
+    try:  # training an MoE model at TP 2 without sequence parallelism: one line before anything is built
+        Actor(hf_dir, ActorConfig(tp=2, ep=2, sequence_parallel=False), dims)
+    except ValueError as exc:
+        out["refused"] = str(exc)
     return out
 
 
@@ -302,6 +312,7 @@ def test_moe_train_step_at_tp2_with_sequence_parallelism_matches_tp1(tiny_model_
     ranks = run_ranks(_train_step_at, 4, hf_dir, [(1, 2), (2, 2)], timeout_s=900)
     tp1, tp2 = ranks[0][(1, 2)], ranks[0][(2, 2)]
     assert tp2["sequence_parallel"] and not tp1["sequence_parallel"]
+    assert "set actor.sequence_parallel to null or true" in ranks[0]["refused"]
     assert math.isfinite(tp1["grad_norm"]) and tp1["grad_norm"] > 0
     assert abs(tp2["grad_norm"] - tp1["grad_norm"]) <= 1e-5 * tp1["grad_norm"], (tp1["grad_norm"], tp2["grad_norm"])
     source = _source_tensors(hf_dir)
@@ -311,4 +322,3 @@ def test_moe_train_step_at_tp2_with_sequence_parallelism_matches_tp1(tiny_model_
     diffs = {n: (tp2["weights"][n] - tp1["weights"][n]).abs().max().item() for n in source}
     worst = max(diffs, key=diffs.get)
     assert diffs[worst] <= 1e-6, (worst, diffs[worst])
-
