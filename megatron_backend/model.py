@@ -112,19 +112,27 @@ def clear_router_losses() -> None:
 def router_losses(dims: ParallelDims, names: list[str], num_moe_layers: int, num_micro_batches: int) -> dict:
     """The router losses of the last pass as ``moe/<name>``: megatron's tracker holds, per MoE layer on the
     stage that has it, the loss before its coefficient summed over micro-batches; this is its mean over MoE
-    layers, micro-batches and DP ranks. Collective over the PP and DP groups: every rank calls it."""
+    layers, micro-batches and DP ranks. Collective over the PP, DP and TP groups: every rank calls it."""
     if not names or not num_moe_layers:
         return {}
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     tracker = get_moe_layer_wise_logging_tracker()
-    # [len(names)]: this stage's layers (a stage without MoE layers has no tracker entry)
-    values = (
-        torch.stack(
-            [tracker[n]["values"].sum() if n in tracker else torch.zeros((), device=dims.device) for n in names]
-        ).to(torch.float32)
-        / num_micro_batches
-    )
+
+    def stage_sum(name: str) -> torch.Tensor:
+        """This stage's layers' sum (a stage without MoE layers has no tracker entry). A loss megatron tracks
+        with a ``reduce_group`` (the load-balancing loss under sequence parallelism: each TP rank's value is its
+        S / tp tokens' share) is summed over that group first, as its ``reduce_aux_losses_tracker_across_ranks``
+        does."""
+        if name not in tracker:
+            return torch.zeros((), device=dims.device)
+        value = tracker[name]["values"].sum()
+        group = tracker[name].get("reduce_group")
+        if group is not None and group.size() > 1:
+            torch.distributed.all_reduce(value, group=group)
+        return value
+
+    values = torch.stack([stage_sum(n) for n in names]).to(torch.float32) / num_micro_batches  # [len(names)]
     if dims.pp > 1:
         torch.distributed.all_reduce(values, group=dims.pp_group)
     if dims.dp > 1:
