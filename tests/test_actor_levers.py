@@ -1,7 +1,8 @@
 """Train-phase levers on CPU gloo: packing (THD) equals the padded path, any micro-batch split gives the
 same gradient, recomputation changes nothing numerically; the micro-batch partition and config checks.
 
-Real megatron-core on 2 ranks (TP=2, PP=2 with variable-length p2p, DP=2), tiny Qwen2 (vocab 128).
+Real megatron-core on 2 ranks (TP=2, with and without sequence parallelism; PP=2 with variable-length p2p;
+DP=2), tiny Qwen2 (vocab 128).
 """
 
 from __future__ import annotations
@@ -54,13 +55,19 @@ VARIANTS = {
     "selective_recompute": dict(recompute="selective", recompute_modules=["core_attn", "mlp"]),
     "block_recompute": dict(recompute="full", recompute_method="block", recompute_num_layers=1),
     "entropy_kept": dict(entropy_recompute=False, max_tokens_per_micro_batch=64),
+    # megatron's sequence parallelism on a dense model (odd packed lengths: padded to a multiple of TP)
+    "sequence_parallel": dict(remove_padding=True, micro_batch_size=2, sequence_parallel=True),
 }
 
 
 # layout -> (tp, pp, the variants that exercise it)
 LAYOUTS = {
     # vocab-parallel chunked log-prob/entropy, packing under TP, recomputation
-    "tp2": (2, 1, ("padded", "packed", "packed_budget", "unchunked", "entropy_kept", "selective_recompute")),
+    "tp2": (
+        2,
+        1,
+        ("padded", "packed", "packed_budget", "unchunked", "entropy_kept", "selective_recompute", "sequence_parallel"),
+    ),
     # variable-shape p2p between stages (packed THD rows, budgeted padded micro-batches)
     "pp2": (1, 2, ("padded", "packed_budget", "padded_budget", "block_recompute")),
     # DP ranks with different lengths agree on the number of budgeted micro-batches
