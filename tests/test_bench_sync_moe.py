@@ -97,3 +97,10 @@ def test_bench_sync_moe_layout_moves_less_than_the_peers_gather():
     assert out["planned_bytes"] == out["min_bytes"] == 2 * PLANNED_PER_RANK
     assert out["baseline_bytes"] == 2 * BASELINE_PER_RANK > out["planned_bytes"]
     assert out["baseline_expert_bytes_per_rank"] == out["expert_bytes"] == ALL_EXPERTS
+
+
+def test_paper_layout_refuses_an_experiment_on_cpu(capsys):
+    from tools.bench_sync import main
+
+    assert main(["--layout", "paper", "--exp", "tiny_cpu_moe"]) == 2
+    assert "cluster.device='cpu'" in capsys.readouterr().err
