@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -73,16 +73,17 @@ class PeerExport:
     tp_group: dist.ProcessGroup | None = None  # None: layouts only (peer_export_layout)
     expert_group: dist.ProcessGroup | None = None  # expert TP x EP of this stage and expert-DP replica; None: dense
     pp_group: dist.ProcessGroup | None = None  # None when PP == 1: nothing is broadcast
+    # (rank, (vp_stage, megatron name)) -> primary pieces, built on first use from ``sources``
+    piece_index: dict[tuple[int, tuple[int, str]], list] = field(default_factory=dict, repr=False)
 
     def pieces(self, rank: int, key: tuple[int, str]) -> list:
         """The primary pieces of ``rank``'s shard ``key`` (indexed once: a model has thousands of both)."""
-        if not hasattr(self, "_by_key"):
-            self._by_key: dict[tuple[int, tuple[int, str]], list] = {}
+        if not self.piece_index:
             for r, pieces in self.sources.items():
                 for p in pieces:
                     if p.primary:
-                        self._by_key.setdefault((r, (p.vp_stage, p.megatron_name)), []).append(p)
-        return self._by_key.get((rank, key), [])
+                        self.piece_index.setdefault((r, (p.vp_stage, p.megatron_name)), []).append(p)
+        return self.piece_index.get((rank, key), [])
 
     @property
     def stage_size(self) -> int:
