@@ -88,11 +88,12 @@ class Actor:
         self.shape = shape if shape is not None else ModelShape.from_pretrained(hf_dir)
         check_actor_split(self.shape, dims.tp, dims.pp, dims.vpp)
         check_expert_split(self.shape, dims.ep, dims.etp)
-        if train and dims.tp > 1 and self.shape.is_moe:
+        self.sequence_parallel = config.sequence_parallel_for(self.shape.is_moe)
+        if train and dims.tp > 1 and self.shape.is_moe and not self.sequence_parallel:
             raise ValueError(
-                f"actor.tp={dims.tp} with an MoE model ({self.shape.source}): megatron-core trains MoE layers at "
-                "TP > 1 only with sequence parallelism, which the actor does not enable; use actor.tp=1 and split "
-                "the experts with actor.ep (forward-only passes, e.g. make parity, run at any TP)"
+                f"actor.sequence_parallel=false with actor.tp={dims.tp} and an MoE model ({self.shape.source}): "
+                "megatron-core trains MoE layers at TP > 1 only with sequence parallelism; set "
+                "actor.sequence_parallel to null or true"
             )
         self.layout = RankLayout(
             dims.tp,
@@ -125,14 +126,20 @@ class Actor:
                 self.shape, dims, config.moe_aux_loss_coef, config.moe_z_loss_coef, config.moe_token_dispatcher
             )
             self.chunks = build_gpt_chunks(
-                self.shape, dims, dtype, recompute=recompute, variable_seq_lengths=variable, moe=moe
+                self.shape,
+                dims,
+                dtype,
+                recompute=recompute,
+                variable_seq_lengths=variable,
+                moe=moe,
+                sequence_parallel=self.sequence_parallel,
             )
             self.num_bytes_loaded = load_hf_into_chunks(self.chunks, hf_dir, self.shape, self.layout)
             self.routing = None
             if self.shape.is_moe:
                 from megatron_backend.routing_replay import ActorRouting  # megatron's, imported when used
 
-                self.routing = ActorRouting(self.chunks, self.shape)
+                self.routing = ActorRouting(self.chunks, self.shape, dims, self.sequence_parallel)
             self.ledger.set("actor_params", resident_bytes=storage_bytes(self._param_tensors()))
         self.models = self.chunks  # DDP-wrapped when training
         self.optimizer = None
@@ -199,7 +206,9 @@ class Actor:
                 f"lower actor.micro_batch_size / the token budget or send more sequences"
             )
         device = self.dims.device
-        return [build_micro_batch(batch, g, lengths, packed, device, response_only) for g in groups]
+        # sequence parallelism splits the model's token dim over TP: pad it to a multiple of TP
+        pad_to = self.dims.tp if self.sequence_parallel else 1
+        return [build_micro_batch(batch, g, lengths, packed, device, response_only, pad_to) for g in groups]
 
     def _routing_mode(self, batch: TokenBatch, replay: bool, forward_only: bool) -> tuple[bool, bool]:
         """(replay the engine's routing, record the actor's own) for a pass over ``batch``."""
@@ -233,7 +242,7 @@ class Actor:
 
         many = len(self.models) > 1
         # forward-only passes in eval mode: megatron's MoE router then neither computes nor tracks its aux
-        # losses (no backward to carry them), and its TP > 1 MoE layers run without sequence parallelism
+        # losses (no backward to carry them)
         for chunk in self.chunks:
             chunk.train(not forward_only)
         # fixed-shape pipelines size their p2p buffers from these; variable ones send shapes first
@@ -258,7 +267,7 @@ class Actor:
         rank (collective; None for a dense model)."""
         if self.routing is None:
             return None
-        return self.routing.take_mismatch_fraction(self.dims)
+        return self.routing.take_mismatch_fraction()
 
     def _logprobs_entropy(self, logits: torch.Tensor, mb: MicroBatch, keep_softmax: bool = False):
         """(log-probs [M], entropy [M]) of the micro-batch's target rows (megatron_backend.logprobs)."""

@@ -15,7 +15,9 @@ routes as the actor would (:class:`PartialRouterReplay`), never to made-up exper
 Token order: megatron's router sees a micro-batch as [S, b, h] (padded; token s*b + j) or [T, 1, h] (packed
 THD), so :class:`megatron_backend.packing.MicroBatch` carries the engine's routing in that order. Under expert
 parallelism each rank routes its own micro-batch's tokens before the dispatcher's all-to-all moves them, so
-every rank replays its own share (TP ranks without sequence parallelism see the same tokens).
+every rank replays its own share. TP ranks without sequence parallelism route the same tokens; with it
+(``actor.sequence_parallel``) TP rank r routes the r-th of TP equal chunks of the sequence dim ([S / tp, b] or
+[T / tp]: a contiguous range of the flattened order), so it takes that range of the routing.
 
 Activation recompute: a recomputed router reruns in backward with the action of the pass then current; with
 PP = 1 megatron runs each micro-batch's backward right after its forward, so the targets set for it are still
@@ -74,7 +76,8 @@ class ActorRouting:
     """One actor's routers: replay the engine's routing into a micro-batch's forward, or record the actor's
     own and count the tokens whose top-k set differs from the engine's."""
 
-    def __init__(self, chunks, shape: ModelShape) -> None:
+    def __init__(self, chunks, shape: ModelShape, dims: ParallelDims, sequence_parallel: bool) -> None:
+        self.dims, self.sequence_parallel = dims, sequence_parallel
         # per chunk [(MoE-layer ordinal, replay)]: the ordinal indexes dim 1 of MicroBatch.routed_experts
         self.routers = [
             [(shape.moe_layers.index(layer), replay) for layer, replay in chunk]
@@ -87,9 +90,10 @@ class ActorRouting:
         """Around one micro-batch's forward through chunk ``chunk_index``: targets set (replay) or the action
         RECORD (record); afterwards (record) the mismatch counted and every instance of the chunk cleared."""
         routers = self.routers[chunk_index]
+        routed, counted = self._tp_share(mb.routed_experts), self._tp_share(mb.routing_counted)
         for moe_layer, router in routers:
             if replay:
-                router.set_target_indices(mb.routed_experts[:, moe_layer])  # [N, k]
+                router.set_target_indices(routed[:, moe_layer])  # [N, k]
                 router.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
             elif record:
                 router.set_router_replay_action(RouterReplayAction.RECORD)
@@ -97,14 +101,19 @@ class ActorRouting:
             yield
             if record and not replay:
                 for moe_layer, router in routers:
-                    self.mismatch += count_mismatch(
-                        router.get_recorded_indices(), mb.routed_experts[:, moe_layer], mb.routing_counted
-                    )
+                    self.mismatch += count_mismatch(router.get_recorded_indices(), routed[:, moe_layer], counted)
         finally:
             for _, router in routers:
                 if not replay:  # replay's targets stay until the pass ends: a recomputed router reads them
                     router.clear_indices()
                     router.clear_router_replay_action()
+
+    def _tp_share(self, per_token: torch.Tensor) -> torch.Tensor:
+        """[N, ...] in the router's order -> the tokens this TP rank routes (all of them without SP)."""
+        if not self.sequence_parallel:
+            return per_token
+        share = per_token.shape[0] // self.dims.tp  # packing pads N to a multiple of TP under SP
+        return per_token[self.dims.tp_rank * share : (self.dims.tp_rank + 1) * share]
 
     def clear(self) -> None:
         """Every instance of this actor back to plain routing (after a pass)."""
@@ -113,9 +122,13 @@ class ActorRouting:
                 router.clear_indices()
                 router.clear_router_replay_action()
 
-    def take_mismatch_fraction(self, dims: ParallelDims) -> float:
-        """The recorded passes' mismatch fraction over the PP stages and DP ranks (collective); resets it."""
+    def take_mismatch_fraction(self) -> float:
+        """The recorded passes' mismatch fraction over the PP stages, DP ranks and, under SP (each its own
+        tokens), TP ranks (collective); resets it."""
+        dims = self.dims
         counts = self.mismatch.to(dims.device)
+        if self.sequence_parallel:
+            dist.all_reduce(counts, group=dims.tp_group)
         if dims.pp > 1:
             dist.all_reduce(counts, group=dims.pp_group)
         if dims.dp > 1:

@@ -109,8 +109,8 @@ def test_micro_batch_carries_the_routing_in_the_routers_token_order(packed):
     assert mb.routing_counted.int().tolist() == counted
 
 
-def _replay_ranks(rank: int, world_size: int, hf_dir: str) -> dict:
-    """Actor at EP=2: the engine's routing (transformers' top-k of the same weights) recorded; passes without
+def _replay_ranks(rank: int, world_size: int, hf_dir: str, tp: int, ep: int) -> dict:
+    """Actor at TP x EP (TP 2: sequence parallel, each TP rank routing its share of the tokens): the engine's routing (transformers' top-k of the same weights) recorded; passes without
     and with replay before and after perturbing the routers; each pass's routing as the routers applied it."""
     from megatron.core.transformer.moe.router import TopKRouter
     from megatron.core.transformer.moe.router_replay import RouterReplay
@@ -124,10 +124,10 @@ def _replay_ranks(rank: int, world_size: int, hf_dir: str) -> dict:
     from rl.advantages import grpo_advantages
     from rl.losses import PolicyLoss, PolicyLossConfig
 
-    dims = initialize_model_parallel(tp=1, pp=1, ep=2)
-    actor = Actor(hf_dir, ActorConfig(ep=2, micro_batch_size=4, lr=1e-3), dims)
-    gen = torch.Generator().manual_seed(1 + rank)  # each EP rank its own share, as DP ranks have
-    lens = torch.tensor([12, 10, 12, 8])
+    dims = initialize_model_parallel(tp=tp, pp=1, ep=ep)
+    actor = Actor(hf_dir, ActorConfig(tp=tp, ep=ep, micro_batch_size=4, lr=1e-3), dims)
+    gen = torch.Generator().manual_seed(1 + dims.dp_rank)  # each DP (and EP) rank its own share
+    lens = torch.tensor([12, 10, 11, 8])  # 41 tokens: one pad token at TP 2
     input_ids = torch.randint(0, actor.shape.vocab_size, (4, 12), generator=gen)
     loss_mask = (torch.arange(11)[None] >= 4) & (torch.arange(11)[None] < lens[:, None] - 1)
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -139,7 +139,10 @@ def _replay_ranks(rank: int, world_size: int, hf_dir: str) -> dict:
     batch = TokenBatch(input_ids=input_ids, seq_lens=lens, loss_mask=loss_mask.float())
     batch.routed_experts = routed
     batch.advantages = grpo_advantages(torch.tensor([1.0, 0.0, 0.5, 0.0]), group_size=2)
-    mb = build_micro_batch(batch, [0, 1, 2, 3], sequence_lengths(batch), True, dims.device, response_only=True)
+    mb = build_micro_batch(batch, [0, 1, 2, 3], sequence_lengths(batch), True, dims.device, True, pad_to=tp)
+    share = mb.routed_experts.shape[0] // tp  # the tokens this TP rank's routers see (all at TP 1)
+    mb.routed_experts = mb.routed_experts[dims.tp_rank * share : (dims.tp_rank + 1) * share]
+    mb.routing_counted = mb.routing_counted[dims.tp_rank * share : (dims.tp_rank + 1) * share]
 
     routers = [m for m in actor.chunks[0].modules() if isinstance(m, TopKRouter)]
     applied: list[torch.Tensor] = []  # per router call: its routing map [N, E]
@@ -155,11 +158,12 @@ def _replay_ranks(rank: int, world_size: int, hf_dir: str) -> dict:
     out = {"engine": torch.zeros(mb.routed_experts.shape[0], num_layers, actor.shape.num_experts, dtype=torch.bool)}
     out["engine"].scatter_(2, mb.routed_experts.clamp(min=0), True)
     out["engine_routed"] = (mb.routed_experts >= 0).all(dim=-1).all(dim=-1)  # [N]
+    out["first_tokens"] = slice(0, 3) if dims.tp_rank == 0 else slice(0, 0)  # row 0's unrouted first 3 tokens
     out["counted"] = mb.routing_counted
     out["logprobs_same_weights"] = actor.compute_logprobs(batch, response_only=True)
     out["mismatch_same_weights"] = actor.take_routing_mismatch()
     out["own_same_weights"] = routing_of_last_pass()
-    with torch.no_grad():  # the same perturbation on both ranks: the router is replicated over EP
+    with torch.no_grad():  # the same perturbation on every rank: the router is replicated over TP and EP
         noise = torch.Generator().manual_seed(99)
         for router in routers:
             router.weight.add_(0.5 * torch.randn(router.weight.shape, generator=noise))
@@ -184,9 +188,10 @@ def _replay_ranks(rank: int, world_size: int, hf_dir: str) -> dict:
 
 
 @pytest.mark.numeric
-def test_actor_replays_the_engines_routing_at_ep2(tiny_model_dirs):
-    for out in run_ranks(_replay_ranks, 2, tiny_model_dirs["qwen3_moe"], timeout_s=900):
-        engine, routed, counted = out["engine"], out["engine_routed"], out["counted"]
+@pytest.mark.parametrize("tp, ep", [(1, 2), (2, 1)], ids=["ep2", "tp2_sequence_parallel"])
+def test_actor_replays_the_engines_routing(tiny_model_dirs, tp, ep):
+    for out in run_ranks(_replay_ranks, 2, tiny_model_dirs["qwen3_moe"], tp, ep, timeout_s=900):
+        engine, routed, counted, first = out["engine"], out["engine_routed"], out["counted"], out["first_tokens"]
         # same weights: the actor routes as transformers does; its log-probs are what replay must reproduce
         assert out["mismatch_same_weights"] == 0.0
         assert torch.equal(out["own_same_weights"][routed], engine[routed])
@@ -197,10 +202,10 @@ def test_actor_replays_the_engines_routing_at_ep2(tiny_model_dirs):
         # with replay every engine-routed token goes to the engine's experts, forward and train alike; the
         # tokens the engine did not route go where the actor's own router sends them (row 0's first 3, packed
         # first: their context is unrouted too, so exactly as without replay)
-        assert not routed[:3].any() and routed[3:10].all()
+        assert not routed[first].any()
         for key in ("replayed", "trained_replayed"):
             assert torch.equal(out[key][routed], engine[routed]), key
-            assert torch.equal(out[key][:3], out["own_perturbed"][:3]), key
+            assert torch.equal(out[key][first], out["own_perturbed"][first]), key
         assert not torch.equal(out["trained_own"][routed & counted], engine[routed & counted])
         # nothing of the actor's replay state outlives a pass or sits in megatron's process-global list
         assert out["actions_after"] == [None] * len(out["actions_after"]) and not out["in_global_list"]
