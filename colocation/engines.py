@@ -44,6 +44,9 @@ class EngineProfile:
     # device kind -> [seqs, V] fp32 tensors its sampler holds at once (temperature sampling, log-probs of the
     # sampled tokens), as the device's allocator sees them
     sampler_vocab_tensors: dict[str, int] = field(default_factory=lambda: {"cpu": 4, "cuda": 4})
+    # MoE: whether its experts split over every engine rank of every replica (vLLM flattens TP across DP in its
+    # MoE layers, rollout/layout.py) rather than within each replica
+    experts_span_replicas: bool = False
 
     def __post_init__(self) -> None:
         kinds = (
@@ -128,6 +131,7 @@ ENGINE_PROFILES: dict[str, EngineProfile] = {
             # vllm/v1/sample/sampler.py with logprobs requested: the logits, their raw log_softmax (kept to
             # gather the sampled token's), the probabilities and the exponential draws (topk_topp_sampler.py)
             sampler_vocab_tensors={"cpu": 4, "cuda": 4},
+            experts_span_replicas=True,
         ),
     )
 }

@@ -231,4 +231,6 @@ class RunConfig:
             rollout_tp=self.rollout.tp,
             actor_ep=self.actor.ep,
             actor_etp=self.actor.etp,
+            rollout_ep=self.rollout.ep,
+            rollout_experts_span_replicas=self.rollout.profile.experts_span_replicas,
         )
