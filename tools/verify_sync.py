@@ -28,13 +28,23 @@ from colocation.engines import ENGINES
 PROMPTS = ("1+2=", "The quick brown fox", "def add(a, b):", "RL on CPU, 7*6=")
 
 
-def check_input(args: argparse.Namespace) -> str | None:
-    from modelspec import ModelShape
-    from rollout.layout import tp_shape
-    from tools.parity import check_input as check_actor_input
+def world_size(args: argparse.Namespace) -> int:
+    """lcm(the fewest ranks holding both of megatron's grids, one engine replica)."""
+    from modelspec.mesh import min_world_size
 
+    actor_world = min_world_size(args.train_tp, args.train_pp, args.train_ep, args.train_etp)
+    return math.lcm(actor_world, args.rollout_tp * args.rollout_ep)
+
+
+def check_input(args: argparse.Namespace) -> str | None:
+    import torch
+
+    from colocation.engines import engine_profile
+    from modelspec import ModelShape
     from modelspec.mesh import check_rollout_experts
     from rollout import RolloutConfig
+    from rollout.layout import tp_shape
+    from tools.parity import check_input as check_actor_input
 
     problem = check_actor_input(args.hf, args.train_tp, args.train_pp, None, args.train_ep, args.train_etp)
     if problem:
@@ -44,6 +54,9 @@ def check_input(args: argparse.Namespace) -> str | None:
         shape = ModelShape.from_pretrained(args.hf)
         tp_shape(shape, args.rollout_tp, 0)
         check_rollout_experts(shape, args.rollout_ep)
+        replicas = world_size(args) // (args.rollout_tp * args.rollout_ep)
+        device_kind = "cuda" if torch.cuda.is_available() else "cpu"
+        engine_profile(args.engine).check_moe_replicas(device_kind, replicas, shape.is_moe)
     except ValueError as exc:
         return f"HF={args.hf}: ROLLOUT_TP={args.rollout_tp} ROLLOUT_EP={args.rollout_ep}: {exc}"
     if args.bucket_mb < 1:
@@ -168,7 +181,6 @@ def _rank_main(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     import warnings
 
-    from modelspec.mesh import min_world_size
     from run.launch import spawn_local
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -190,9 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"verify-sync: {problem}", file=sys.stderr)
         return 2
-    actor_world = min_world_size(args.train_tp, args.train_pp, args.train_ep, args.train_etp)
-    world = math.lcm(actor_world, args.rollout_tp * args.rollout_ep)
-    return spawn_local(_rank_main, world, (args,))
+    return spawn_local(_rank_main, world_size(args), (args,))
 
 
 if __name__ == "__main__":
