@@ -26,6 +26,7 @@ TRAIN_PP    ?= 1
 TRAIN_EP    ?=
 TRAIN_ETP   ?=
 ROLLOUT_TP  ?= 1
+ROLLOUT_EP  ?=
 ENGINE      ?= native
 LAYOUT      ?=
 PYTEST_ARGS ?=
