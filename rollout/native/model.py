@@ -159,8 +159,9 @@ class NativeModel:
         return [(part, kind) for part, kind in parts if part.name != "expert_up"]
 
     # ------------------------------------------------------------------ building blocks
-    def _all_reduce(self, x: torch.Tensor, group: dist.ProcessGroup | None | str = "tp") -> torch.Tensor:
-        group = self.group if group == "tp" else group
+    def _all_reduce(self, x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """Sum over ``group`` (None: the TP group; no collective when that is None too)."""
+        group = self.group if group is None else group
         if group is not None:
             dist.all_reduce(x, group=group)
         return x
