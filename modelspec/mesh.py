@@ -112,6 +112,14 @@ def check_expert_split(shape: ModelShape, ep: int, etp: int) -> None:
         )
 
 
+def uses_sequence_parallel(setting: bool | None, tp: int, is_moe: bool) -> bool:
+    """``actor.sequence_parallel`` resolved for a model (the actor and the planner both ask here): never at
+    TP 1; null: on for an MoE model (megatron-core trains MoE layers at TP > 1 only with it), off for a dense one."""
+    if tp == 1:
+        return False
+    return is_moe if setting is None else bool(setting)
+
+
 @dataclass(frozen=True)
 class ActorCoords:
     tp_rank: int

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from colocation.engines import EngineProfile, engine_profile
 from colocation.phases import WAKE_STRATEGIES  # the step's table owns them (colocation/phases.py)
 from modelspec.dtypes import DTYPE_NAMES, element_bytes
-from modelspec.mesh import check_actor_split, check_rollout_experts, check_rollout_split
+from modelspec.mesh import check_actor_split, check_rollout_experts, check_rollout_split, uses_sequence_parallel
 from modelspec.shape import ModelShape
 from planner.calibration import Calibration, load
 from planner.devices import GIB, MIB, DeviceSpec
@@ -73,6 +73,9 @@ class PlanInputs:
     # actor_tp, megatron's default); the experts' grads and optimizer states shard over the expert-DP group
     actor_ep: int = 1
     actor_etp: int | None = None
+    # actor.sequence_parallel (megatron's at actor_tp > 1; null: on for an MoE model): the residual stream, norms
+    # and the MoE router hold S / tp of the tokens (sequence_parallel_on)
+    sequence_parallel: bool | None = None
     distributed_optimizer: bool = False  # megatron's distributed optimizer shards optimizer states over DP
     # megatron's optimizer CPU offload (HybridDeviceOptimizer, distributed optimizer only): this fraction of the
     # parameters keep their Adam moments on the host (their fp32 main params stay on the device: the step copies
@@ -239,6 +242,16 @@ class PlanInputs:
     def expert_tp(self) -> int:
         """Expert TP: actor_etp, else actor_tp (megatron's expert_tensor_parallel_size default)."""
         return self.actor_etp or self.actor_tp
+
+    @property
+    def sequence_parallel_on(self) -> bool:
+        """Whether the actor runs megatron's sequence parallelism (modelspec.mesh.uses_sequence_parallel)."""
+        return uses_sequence_parallel(self.sequence_parallel, self.actor_tp, self.shape.is_moe)
+
+    @property
+    def sequence_parallel_split(self) -> int:
+        """What the sequence-parallel region's per-token tensors are divided by: TP under it, else 1."""
+        return self.actor_tp if self.sequence_parallel_on else 1
 
     @property
     def expert_dp(self) -> int:

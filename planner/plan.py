@@ -112,7 +112,7 @@ def _layer_bytes(inp: PlanInputs, mb, recomputed: tuple[str, ...] = (), train: b
     # an MoE model's layers: the larger of a dense and a sparse layer's when they mix (mlp_only_layers)
     if train:
         per_token = max(
-            layer_activation_bytes_per_token(s, tp, e, inp.attention, recomputed, sparse, etp)
+            layer_activation_bytes_per_token(s, tp, e, inp.attention, recomputed, sparse, etp, inp.sequence_parallel_on)
             for sparse in moe_layer_kinds(s)
         )
     else:
@@ -142,7 +142,7 @@ def train_activation_bytes(inp: PlanInputs, layers: int, layers_per_chunk: int, 
     """
     mb = inp.micro_batches(train=True)
     full = _layer_bytes(inp, mb)
-    stage_input = mb.model_tokens * inp.shape.hidden_size * inp.element_bytes
+    stage_input = mb.model_tokens * inp.shape.hidden_size * inp.element_bytes // inp.sequence_parallel_split
     if inp.recompute == "selective":
         kept = _layer_bytes(inp, mb, tuple(inp.recompute_modules))
         activations = layers * kept + (full - kept)
@@ -202,7 +202,7 @@ def _stage(inp: PlanInputs, stage: int) -> _Stage:
     layers_per_chunk = s.num_layers // (pp * (inp.actor_vpp or 1))
     micro_batches_in_flight = max(1, layers // (s.num_layers // pp))
     forward_mb = inp.micro_batches(train=False)
-    forward_input = forward_mb.model_tokens * s.hidden_size * e
+    forward_input = forward_mb.model_tokens * s.hidden_size * e // inp.sequence_parallel_split
     last = stage == pp - 1
     # a forward without grad holds the residual stream and one layer's working set, then (last stage) the
     # log-prob pass beside the final hidden state: one after the other, so the activations count what the

@@ -132,14 +132,18 @@ def layer_activation_bytes_per_token(
     recomputed: tuple[str, ...] = (),
     sparse: bool = False,
     etp: int | None = None,
+    sequence_parallel: bool = False,
 ) -> int:
-    """Bytes one decoder layer keeps for backward per token (megatron, no sequence parallelism).
+    """Bytes one decoder layer keeps for backward per token (megatron).
 
-    Kept per token: the inputs and outputs of the two fused RMSNorm+linear blocks (4h, not split by TP
-    without sequence parallelism), the qkv output, RoPE'd q and k and the attention output
-    (3(Hq + Hkv)d / t), the gate/up output and SwiGLU output (3I / t), all in the dtype, plus the fp32
-    log-sum-exp per q head of flash attention. ``attention="unfused"`` (megatron's local spec, used
-    on CPU) adds the per-token share of the [Hq/t, s, s] scores and probabilities: see
+    Kept per token: the inputs and outputs of the two fused RMSNorm+linear blocks (4h), the qkv output, RoPE'd
+    q and k and the attention output (3(Hq + Hkv)d / t), the gate/up output and SwiGLU output (3I / t), all in
+    the dtype, plus the fp32 log-sum-exp per q head of flash attention. ``sequence_parallel`` (megatron's, at
+    t > 1): the 4h are the sequence-parallel region's, each rank holding S / t of the tokens there
+    (transformer_layer.py's norms and residual adds run on the [S / t, b, h] shard; tensor_parallel/layers.py
+    ``LinearWithGradAccumulationAndAsyncCommunication`` saves its local input shard and all-gathers it again in
+    backward), so 4h / t; without it they are not split by TP. ``attention="unfused"`` (megatron's local spec,
+    used on CPU) adds the per-token share of the [Hq/t, s, s] scores and probabilities: see
     :func:`unfused_attention_bytes`. ``recomputed`` (megatron's selective ``recompute_modules``) drops
     what those modules recompute: ``layernorm`` the two norm outputs (2h), ``mlp`` the MLP's
     internals (3I / t), ``core_attn`` the log-sum-exp (and the unfused scores, by the caller). ``sparse``: an MoE
@@ -147,17 +151,20 @@ def layer_activation_bytes_per_token(
     ``moe`` recomputes them).
     """
     h, d, t = shape.hidden_size, shape.head_dim, tp
-    norms = 4 * h - (2 * h if "layernorm" in recomputed else 0)
+    sp = t if sequence_parallel else 1  # the sequence-parallel region's split
+    norms = (4 * h - (2 * h if "layernorm" in recomputed else 0)) // sp
     mlp = 0 if "mlp" in recomputed or sparse else 3 * shape.intermediate_size // t
     elements = norms + 3 * (shape.num_heads + shape.num_kv_heads) * d // t + mlp
     lse = FP32_BYTES * shape.num_heads // t if attention == "flash" and "core_attn" not in recomputed else 0
     moe = 0
     if sparse and not {"mlp", "moe"} & set(recomputed):
-        moe = moe_activation_bytes_per_token(shape, etp or t, element_bytes)
+        moe = moe_activation_bytes_per_token(shape, etp or t, element_bytes, sp)
     return elements * element_bytes + lse + moe
 
 
-def moe_activation_bytes_per_token(shape: ModelShape, etp: int, element_bytes: int) -> int:
+def moe_activation_bytes_per_token(
+    shape: ModelShape, etp: int, element_bytes: int, sequence_parallel_tp: int = 1
+) -> int:
     """What one MoE layer keeps for backward per token of the rank's micro-batch (megatron-core 0.16, alltoall
     dispatcher, balanced routing: a rank's E / ep experts receive on average N k of the EP group's routed copies).
 
@@ -169,10 +176,15 @@ def moe_activation_bytes_per_token(shape: ModelShape, etp: int, element_bytes: i
     (the pre-all-to-all one, the all-to-all's output) are transients of the forward. The experts
     (transformer/moe/experts.py, ``activation_func_with_probs``): fc1's output [N k, 2m / etp] (kept by SwiGLU),
     SwiGLU x probs [N k, m / etp] (kept by fc2). The unpermute's ``scatter_add`` keeps only its indices.
+
+    ``sequence_parallel_tp`` = t under megatron's sequence parallelism (1 without): the router sees the rank's
+    N / t tokens ([N / t, E] logits and scores), and the dispatcher gathers the routed copies over the expert TP
+    group after the all-to-all (``token_dispatcher.py`` ``dispatch_postprocess``:
+    ``gather_from_sequence_parallel_region(group=tp_group)``), so the experts run on N k etp / t of them.
     """
-    k, m, h = shape.moe_top_k, shape.moe_intermediate_size // etp, shape.hidden_size
-    router = 2 * shape.num_experts * FP32_BYTES
-    return router + k * (h + 2 * m + m) * element_bytes
+    k, m, h, sp = shape.moe_top_k, shape.moe_intermediate_size // etp, shape.hidden_size, sequence_parallel_tp
+    router = 2 * shape.num_experts * FP32_BYTES // sp
+    return router + k * (h + 2 * m + m) * element_bytes * (etp if sp > 1 else 1) // sp
 
 
 def moe_forward_bytes_per_token(shape: ModelShape, etp: int, element_bytes: int) -> int:

@@ -94,6 +94,39 @@ def test_moe_layer_keeps_router_dispatched_tokens_and_expert_activations():
     assert _layer_bytes(inp, mb) == round(mb.model_tokens * max(sparse, dense) * inp.activation_factor)
 
 
+def test_sequence_parallelism_splits_the_norms_router_and_residual_stream_over_tp():
+    """megatron's sequence parallelism (on for an MoE model at TP 2): the norms' inputs and outputs (4h), the router's
+    fp32 logits and scores and the residual stream hold S / tp of the tokens per rank; the experts' tokens are
+    gathered over expert TP, so at etp = tp they are the TP group's N k as without it."""
+    s, e = TINY_MOE, BF16
+    h, d, hq, hkv = s.hidden_size, s.head_dim, s.num_heads, s.num_kv_heads
+    k, m, E = s.moe_top_k, s.moe_intermediate_size // 2, s.num_experts
+    attention = 3 * (hq + hkv) * d // 2 * e + FP32_BYTES * hq // 2
+    experts = k * (h + 3 * m) * e
+    assert layer_activation_bytes_per_token(s, 2, e, "flash", sparse=True, sequence_parallel=True) == (
+        attention + 4 * h // 2 * e + 2 * E * FP32_BYTES // 2 + experts
+    )
+    assert layer_activation_bytes_per_token(s, 2, e, "flash", sparse=True) == (
+        attention + 4 * h * e + 2 * E * FP32_BYTES + experts
+    )
+    # expert TP 1 under TP 2: each rank's experts run on the N k / 2 routed copies of its own S / 2 tokens
+    one = layer_activation_bytes_per_token(s, 2, e, "flash", sparse=True, etp=1, sequence_parallel=True)
+    assert one == attention + 4 * h // 2 * e + 2 * E * FP32_BYTES // 2 + k * (h + 3 * 2 * m) * e // 2
+    # the plan: an MoE model at TP 2 runs with it unless actor.sequence_parallel is false; a dense one only when true
+    on = tiny_moe_inputs(actor_tp=2, actor_dp=2, actor_ep=2, attention="flash")
+    off = dataclasses.replace(on, sequence_parallel=False)
+    assert on.sequence_parallel_on and not off.sequence_parallel_on
+    mb = on.micro_batches(train=True)
+    assert _layer_bytes(on, mb) < _layer_bytes(off, mb)
+    assert _stage(on, 0).train_activations < _stage(off, 0).train_activations
+    # the forward's residual stream [N, h] -> [N / 2, h]
+    assert _stage(off, 0).forward_activations - _stage(on, 0).forward_activations == (
+        on.micro_batches(train=False).model_tokens * h * e // 2
+    )
+    dense = dataclasses.replace(on, shape=ModelShape.from_pretrained("tiny:qwen3"), actor_ep=1)
+    assert not dense.sequence_parallel_on and dataclasses.replace(dense, sequence_parallel=True).sequence_parallel_on
+
+
 def test_moe_forward_without_grad_counts_the_dispatched_copies():
     s, e = TINY_MOE, BF16
     h, k, m, E = s.hidden_size, s.moe_top_k, s.moe_intermediate_size, s.num_experts
