@@ -283,7 +283,7 @@ def step_flags(inp: PlanInputs) -> StepFlags:
 def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan, ...]:
     """Every phase's components for one stage, walking the step's table (colocation.phases.step_phases):
     its state changes, and the bytes of each phase's transients."""
-    weights = engine_param_count(inp.shape, inp.rollout_tp) * inp.element_bytes
+    weights = engine_param_count(inp.shape, inp.rollout_tp, *inp.engine_expert_split) * inp.element_bytes
     sizes = {
         "actor_params": st.actor_params,
         "actor_grads": st.actor_grads,
@@ -403,7 +403,7 @@ def sync_staging_bytes(inp: PlanInputs, st: _Stage, engine_weight_bytes: int) ->
         staged = min(inp.sync_bucket_bytes, st.actor_params + engine_weight_bytes)
     if not inp.verify_sync:
         return staged
-    return max(staged, VERIFY_BYTES_PER_ELEMENT * largest_engine_tensor_elements(inp.shape, inp.rollout_tp))
+    return max(staged, VERIFY_BYTES_PER_ELEMENT * largest_engine_tensor_elements(inp.shape, inp.rollout_tp, *inp.engine_expert_split))
 
 
 def engine_rollout_activation_bytes(inp: PlanInputs, sequences: int | None = None) -> int:
@@ -605,7 +605,7 @@ def _sizing(inp: PlanInputs, profile: EngineProfile, weights: int) -> KvSizing:
 
 def make_plan(inp: PlanInputs) -> Plan:
     """Predict every phase on the worst rank and size the KV cache (see the module doc)."""
-    weights = engine_param_count(inp.shape, inp.rollout_tp) * inp.element_bytes
+    weights = engine_param_count(inp.shape, inp.rollout_tp, *inp.engine_expert_split) * inp.element_bytes
     rollout_reserve = inp.engine_persistent_bytes + engine_rollout_activation_bytes(inp)
     per_token = kv_bytes_per_token(inp.shape, inp.rollout_tp, inp.element_bytes)
     block = per_token * inp.kv_block_size

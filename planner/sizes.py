@@ -92,23 +92,28 @@ def engine_kv_heads_per_rank(shape: ModelShape, rollout_tp: int) -> int:
     return max(1, shape.num_kv_heads // rollout_tp)
 
 
-def engine_rank_sizes(shape: ModelShape, rollout_tp: int) -> dict[str, int]:
-    """Dim sizes on one engine rank (vLLM layout): heads with KV replication, every expert's rows split by TP."""
+def engine_rank_sizes(
+    shape: ModelShape, rollout_tp: int, rollout_ep: int = 1, expert_tp: int | None = None
+) -> dict[str, int]:
+    """Dim sizes on one engine rank (vLLM layout): heads with KV replication, E / ``rollout_ep`` experts (engine
+    expert parallel, native engine), each expert's rows split over ``expert_tp`` ranks (None: rollout TP; vLLM
+    with several replicas: every engine rank, ``PlanInputs.engine_expert_split``)."""
     t = rollout_tp
     return rank_sizes(
         shape,
         shape.num_heads // t,
         engine_kv_heads_per_rank(shape, t),
         shape.intermediate_size // t,
-        moe_intermediate=shape.moe_intermediate_size // t,
-        experts=shape.num_experts,
+        moe_intermediate=shape.moe_intermediate_size // (expert_tp or t),
+        experts=shape.num_experts // rollout_ep,
     )
 
 
-def engine_param_count(shape: ModelShape, rollout_tp: int) -> int:
-    """Parameters one engine rank holds (vLLM layout: KV-head replication, vocab padded to 64, tied once)."""
+def engine_param_count(shape: ModelShape, rollout_tp: int, rollout_ep: int = 1, expert_tp: int | None = None) -> int:
+    """Parameters one engine rank holds (vLLM layout: KV-head replication, vocab padded to 64, tied once;
+    E / ``rollout_ep`` experts, m / ``expert_tp`` rows of each: :func:`engine_rank_sizes`)."""
     h, t = shape.hidden_size, rollout_tp
-    sizes = engine_rank_sizes(shape, t)
+    sizes = engine_rank_sizes(shape, t, rollout_ep, expert_tp)
     layers = sum(layer_param_count(shape, sizes, layer) for layer in range(shape.num_layers))
     vocab_rows = vllm_padded_vocab(shape.vocab_size) // t * h
     return layers + vocab_rows * (1 if shape.tie_word_embeddings else 2) + h
@@ -394,12 +399,14 @@ def sampler_bytes(shape: ModelShape, num_seqs: int, vocab_tensors: int) -> int:
     return vocab_tensors * num_seqs * vllm_padded_vocab(shape.vocab_size) * FP32_BYTES
 
 
-def largest_engine_tensor_elements(shape: ModelShape, rollout_tp: int) -> int:
+def largest_engine_tensor_elements(
+    shape: ModelShape, rollout_tp: int, rollout_ep: int = 1, expert_tp: int | None = None
+) -> int:
     """Elements of the largest tensor one engine rank holds: a vocab table, gate_up or qkv (vLLM layout)."""
     h, d, t = shape.hidden_size, shape.head_dim, rollout_tp
     qkv = (shape.num_heads // t + 2 * engine_kv_heads_per_rank(shape, t)) * d * h
-    # MoE: FusedMoE's w13 [E, 2m / t, h] holds every expert in one tensor
-    w13 = shape.num_experts * 2 * shape.moe_intermediate_size // t * h
+    # MoE: FusedMoE's w13 [E / ep, 2m / expert_tp, h] holds every local expert in one tensor
+    w13 = shape.num_experts // rollout_ep * 2 * shape.moe_intermediate_size // (expert_tp or t) * h
     return max(vllm_padded_vocab(shape.vocab_size) // t * h, 2 * shape.intermediate_size // t * h, qkv, w13)
 
 
@@ -454,10 +461,12 @@ def actor_stage_tensor_elements(
     return out
 
 
-def engine_tensor_elements(shape: ModelShape, rollout_tp: int) -> list[int]:
+def engine_tensor_elements(
+    shape: ModelShape, rollout_tp: int, rollout_ep: int = 1, expert_tp: int | None = None
+) -> list[int]:
     """Elements of each parameter tensor one engine rank holds (vLLM layout; sums to :func:`engine_param_count`)."""
     t = rollout_tp
-    sizes = engine_rank_sizes(shape, t)
+    sizes = engine_rank_sizes(shape, t, rollout_ep, expert_tp)
     out = [
         n
         for layer in range(shape.num_layers)

@@ -5,6 +5,7 @@ against a hand count on tiny:qwen3_moe (4 experts, top-2, layers 0, 1, 3 sparse,
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -191,3 +192,24 @@ def test_checkpoint_staging_shards_expert_optimizer_states_over_expert_dp():
 
     hand = sum(staged(n, 2) for n in others) + sum(staged(n, 1) for n in experts)
     assert checkpoint_staging_bytes(plan) == hand
+
+
+def test_engine_weights_per_rank_follow_the_engines_expert_split():
+    """The native engine at rollout.ep: E / ep experts per rank; vLLM with several replicas: every expert split
+    over all its ranks (it flattens TP across DP); each equal to the layout's own count."""
+    from planner.sizes import engine_param_count
+    from rollout.layout import ExpertSplit, vllm_param_layouts
+
+    def engine_weights(**overrides) -> int:
+        return make_plan(tiny_moe_inputs(rollout_tp=1, **overrides)).phase("rollout").components["engine_weights"]
+
+    def layout_bytes(split: ExpertSplit) -> int:
+        return BF16 * sum(math.prod(p.local_shape) for p in vllm_param_layouts(TINY_MOE, 1, 0, split))
+
+    moe_layers, whole = len(TINY_MOE.moe_layers), engine_param_count(TINY_MOE, 1) * BF16
+    assert engine_weights(engine="native") == whole
+    assert engine_weights(engine="native", rollout_ep=2) == layout_bytes(ExpertSplit(ep=2, ep_rank=1))
+    assert whole - engine_weights(engine="native", rollout_ep=2) == moe_layers * 2 * _expert_elements(TINY_MOE) * BF16
+    assert engine_weights(engine="vllm") == layout_bytes(ExpertSplit(etp=2, etp_rank=1))  # 2 replicas
+    with pytest.raises(ValueError, match="rollout.ep=3 must divide the 4 experts"):
+        tiny_moe_inputs(engine="native", rollout_ep=3)
