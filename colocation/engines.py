@@ -50,6 +50,9 @@ class EngineProfile:
     # device kinds on which it runs an MoE model with more than one engine replica, and why not elsewhere
     moe_replicas_on: tuple[str, ...] = ("cpu", "cuda")
     moe_replicas_refused_because: str = ""
+    # device kinds on which its engine expert parallel (rollout.ep > 1) runs, and why not elsewhere
+    expert_parallel_on: tuple[str, ...] = ("cpu", "cuda")
+    expert_parallel_refused_because: str = ""
 
     def __post_init__(self) -> None:
         kinds = (
@@ -69,6 +72,15 @@ class EngineProfile:
                 f"rollout.engine={self.name} on {device_kind} cannot run an MoE model as {num_replicas} engine "
                 f"replicas: {self.moe_replicas_refused_because}; set rollout.tp to the world size (one replica) "
                 "or use rollout.engine=native"
+            )
+
+    def check_expert_parallel(self, device_kind: str, ep: int) -> None:
+        """ValueError (one line) when this engine has no expert parallel (``rollout.ep`` > 1) here."""
+        if ep > 1 and device_kind not in self.expert_parallel_on:
+            raise ValueError(
+                f"rollout.ep={ep} with rollout.engine={self.name} on {device_kind}: "
+                f"{self.expert_parallel_refused_because}; use rollout.ep=1 (rollout.tp splits every expert by its "
+                "intermediate dim) or rollout.engine=native"
             )
 
     def default_block_size(self, device_kind: str) -> int:
@@ -151,6 +163,9 @@ ENGINE_PROFILES: dict[str, EngineProfile] = {
                 "vLLM's CPU build has no all_gatherv / reduce_scatterv in its CPU communicator, which its "
                 "data-parallel MoE layers need (NotImplementedError at the first forward)"
             ),
+            # enable_expert_parallel: its CPU experts (fused_moe/experts/cpu_moe.py) ignore expert_map
+            expert_parallel_on=("cuda",),
+            expert_parallel_refused_because="vLLM's CPU build has no expert parallel (its CPU experts ignore expert_map)",
         ),
     )
 }

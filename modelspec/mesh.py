@@ -144,7 +144,8 @@ class ColocatedMesh:
     actor_etp: int | None = None  # expert tensor parallel; None = actor_tp
     rollout_ep: int = 1  # engine expert parallel (native engine): a replica is rollout_tp x rollout_ep ranks
     # vLLM: FusedMoE splits the experts over every engine rank of every replica (FusedMoEParallelConfig.make
-    # flattens TP across DP), not within one replica (rollout.layout.engine_expert_split)
+    # flattens TP across DP), not within one replica (rollout.layout.engine_expert_split); its expert parallel
+    # (enable_expert_parallel) then spans all those ranks: rollout_ep is 1 or the world size, a replica TP ranks
     rollout_experts_span_replicas: bool = False
 
     def __post_init__(self) -> None:
@@ -163,7 +164,13 @@ class ColocatedMesh:
             raise ValueError(
                 f"rollout.tp={self.rollout_tp} does not divide the world size {world}; pick a divisor of {world}"
             )
-        if world % (self.rollout_tp * self.rollout_ep):
+        if self.rollout_experts_span_replicas:
+            if self.rollout_ep not in (1, world):
+                raise ValueError(
+                    f"rollout.ep={self.rollout_ep}: vLLM's expert parallel size is rollout.tp x replicas = every "
+                    f"engine rank = the world size {world} (FusedMoEParallelConfig.make); set rollout.ep={world} or 1"
+                )
+        elif world % (self.rollout_tp * self.rollout_ep):
             raise ValueError(
                 f"rollout.tp x rollout.ep = {self.rollout_tp} x {self.rollout_ep} does not divide the world size "
                 f"{world}; pick rollout.ep so that the product divides {world}"
@@ -210,8 +217,8 @@ class ColocatedMesh:
     # ------------------------------------------------------------------ rollout
     @property
     def replica_size(self) -> int:
-        """Engine ranks of one replica: rollout TP x rollout EP."""
-        return self.rollout_tp * self.rollout_ep
+        """Engine ranks of one replica: rollout TP x rollout EP (vLLM: rollout TP; its EP spans the replicas)."""
+        return self.rollout_tp if self.rollout_experts_span_replicas else self.rollout_tp * self.rollout_ep
 
     @property
     def num_replicas(self) -> int:
@@ -224,6 +231,8 @@ class ColocatedMesh:
         return rank % self.rollout_tp
 
     def rollout_ep_rank(self, rank: int) -> int:
+        if self.rollout_experts_span_replicas:  # vLLM: EP rank = flattened TP rank = replica x T + TP rank = rank
+            return rank if self.rollout_ep > 1 else 0
         return (rank // self.rollout_tp) % self.rollout_ep
 
     def replica_ranks(self, replica: int) -> list[int]:

@@ -117,7 +117,7 @@ class PlanInputs:
     # rollout engine
     engine: str = "vllm"
     rollout_tp: int = 1
-    rollout_ep: int = 1  # engine expert parallel (native engine): E / rollout_ep experts per engine rank
+    rollout_ep: int = 1  # engine expert parallel: E / rollout_ep experts per engine rank (vLLM: 1 or the world)
     wake_strategy: str = "staged"
     gpu_memory_utilization: float | None = None
     kv_cache_bytes: int | None = None
@@ -203,6 +203,11 @@ class PlanInputs:
             raise ValueError(f"actor_vpp={self.actor_vpp} needs actor_pp >= 2; set actor_vpp=None")
         check_rollout_split(s, self.rollout_tp)
         check_rollout_experts(s, self.rollout_ep)
+        world = self.actor_tp * self.actor_pp * self.actor_dp
+        if self.engine_profile.experts_span_replicas and self.rollout_ep not in (1, world):
+            raise ValueError(
+                f"rollout_ep={self.rollout_ep}: {self.engine}'s expert parallel spans every engine rank; set 1 or {world}"
+            )
         if self.eval_sequences < 0:
             raise ValueError(f"eval_sequences={self.eval_sequences} must be >= 0 (0: the run does not evaluate)")
         if self.sequences_per_step % self.actor_dp:
@@ -262,8 +267,9 @@ class PlanInputs:
     def engine_expert_split(self) -> tuple[int, int]:
         """(rollout EP, expert TP) of one engine rank's routed experts: E / rollout_ep experts, m / expert TP rows
         of each; an engine whose experts span its replicas (vLLM) splits every expert over all its ranks."""
-        if self.engine_profile.experts_span_replicas:
-            return 1, self.actor_tp * self.actor_pp * self.actor_dp
+        world = self.actor_tp * self.actor_pp * self.actor_dp
+        if self.engine_profile.experts_span_replicas:  # rollout/layout.py engine_expert_split
+            return (world, 1) if self.rollout_ep > 1 else (1, world)
         return self.rollout_ep, self.rollout_tp
 
     @property

@@ -90,14 +90,9 @@ class RolloutConfig:
             raise ValueError(f"rollout.tp={self.tp!r} must be a positive integer")
         if not isinstance(self.ep, int) or self.ep < 1:
             raise ValueError(f"rollout.ep={self.ep!r} must be a positive integer")
-        if self.ep > 1 and self.engine == "vllm":
-            raise ValueError(
-                f"rollout.ep={self.ep}: vLLM's CPU build has no expert parallelism (its CPU experts ignore "
-                "expert_map) and its GPU expert parallel (enable_expert_parallel, experts over every rank of every "
-                "replica) has no engine path here yet; use rollout.ep=1 (rollout.tp splits every expert by its "
-                "intermediate dim) or rollout.engine=native"
-            )
-        if self.ep > 1 and self.tp > 1:
+        # vLLM's EP spans every engine rank (ColocatedMesh checks rollout.ep = world); only the native engine's
+        # EP replica lacks a TP subgroup
+        if self.ep > 1 and self.tp > 1 and not self.profile.experts_span_replicas:
             raise ValueError(
                 f"rollout.ep={self.ep} with rollout.tp={self.tp}: the native engine's expert parallel runs with "
                 "rollout.tp=1 only (no TP subgroup inside an expert-parallel replica yet); set rollout.tp=1"

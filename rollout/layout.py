@@ -31,7 +31,9 @@ Layout (h = hidden, d = head_dim, Hq / Hkv = q / KV heads, I = intermediate, V =
   [ep_rank*E/ep, (ep_rank+1)*E/ep) (local index = expert - first), m/etp rows of each. vLLM 0.32 with R > 1
   replicas (data parallel) flattens TP across DP in its MoE layers (``FusedMoEParallelConfig.make``:
   tp = R*T, rank = replica*T + tp_rank), so there w13 is [E, 2*m/(R*T), h]; the native engine's replica of
-  T x ep ranks (``rollout.ep``) holds E/ep experts per EP rank, m/T rows of each.
+  T x ep ranks (``rollout.ep``) holds E/ep experts per EP rank, m/T rows of each. vLLM's expert parallel
+  (``enable_expert_parallel``, ``rollout.ep`` = R*T) turns that flattened TP into EP: rank i (= replica*T +
+  tp_rank) holds experts [i*E/(R*T), (i+1)*E/(R*T)) whole, so w13 is [E/(R*T), 2*m, h], w2 [E/(R*T), h, m].
 """
 
 from __future__ import annotations
@@ -158,6 +160,11 @@ def engine_expert_split(mesh: ColocatedMesh, rank: int) -> ExpertSplit:
     """The experts global ``rank``'s engine holds (see the module doc): within its replica (native engine: EP x
     TP), or over every engine rank of every replica (vLLM with several replicas)."""
     tp, tp_rank = mesh.rollout_tp, mesh.rollout_tp_rank(rank)
+    if mesh.rollout_experts_span_replicas and mesh.rollout_ep > 1:
+        # vLLM's enable_expert_parallel: FusedMoEParallelConfig.make makes EP = the flattened TP (ep_size R T,
+        # ep_rank replica T + tp rank), expert TP 1; determine_expert_map("linear") gives rank i experts
+        # [i E/ep, (i+1) E/ep), local ids from 0 (FusedMoE.weight_loader maps global -> local, skips the rest)
+        return ExpertSplit(ep=mesh.rollout_ep, ep_rank=mesh.rollout_ep_rank(rank))
     if mesh.rollout_experts_span_replicas:  # vLLM: FusedMoEParallelConfig.flatten_tp_across_dp_and_pcp
         return ExpertSplit(etp=tp * mesh.num_replicas, etp_rank=mesh.replica(rank) * tp + tp_rank)
     return ExpertSplit(etp=tp, etp_rank=tp_rank, ep=mesh.rollout_ep, ep_rank=mesh.rollout_ep_rank(rank))

@@ -115,6 +115,9 @@ def engine_args(
         raise ValueError(f"platform={platform!r} must be 'cpu' or 'cuda'")
     if cfg.tp != mesh.rollout_tp:
         raise ValueError(f"rollout.tp={cfg.tp} differs from the mesh's rollout_tp={mesh.rollout_tp}")
+    if cfg.ep != mesh.rollout_ep:
+        raise ValueError(f"rollout.ep={cfg.ep} differs from the mesh's rollout_ep={mesh.rollout_ep}")
+    cfg.profile.check_expert_parallel(platform, cfg.ep)
     if mesh.num_replicas > 1:
         shape = shape if shape is not None else ModelShape.from_pretrained(model_path)
         cfg.profile.check_moe_replicas(platform, mesh.num_replicas, shape.is_moe)
@@ -137,6 +140,8 @@ def engine_args(
         load_format="auto" if load else "dummy",
         enforce_eager=platform == "cpu",  # CPU: no torch.compile warm-up (minutes on 2 cores)
     )
+    if cfg.ep > 1:  # experts over all tp x dp ranks, E / ep whole ones each (rollout.layout.engine_expert_split)
+        kwargs["enable_expert_parallel"] = True
     # the sizing knobs the memory plan uses reach vLLM; left null, vLLM picks its own per-device default, which
     # the planner restates (planner.inputs.vllm_default_max_num_batched_tokens, the block size: colocation.engines)
     if cfg.max_num_batched_tokens is not None:

@@ -167,6 +167,7 @@ class RunConfig:
         mesh.check(shape)  # both layouts against the model: modelspec.mesh, the one layout check
         device_kind = "cpu" if self.cluster.device == "cpu" else "cuda"
         self.rollout.profile.check_moe_replicas(device_kind, mesh.num_replicas, shape.is_moe)
+        self.rollout.profile.check_expert_parallel(device_kind, self.rollout.ep)
         dp = self.dp
         if self.trainer.prompts_per_step % dp:
             raise ValueError(

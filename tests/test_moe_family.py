@@ -107,7 +107,11 @@ def test_engine_parameter_names():
     mixtral = ModelShape.from_hf_config(tiny_hf_config("mixtral"))
     names = {p.name: p.local_shape for p in vllm_param_layouts(mixtral, tp=2, tp_rank=1)}
     assert names["model.layers.3.block_sparse_moe.gate.weight"] == (4, 128)
-    assert names["model.layers.3.block_sparse_moe.experts.routed_experts.w13_weight"] == (4, 2 * 64, 128)  # [E, 2 I/T, h]
+    assert names["model.layers.3.block_sparse_moe.experts.routed_experts.w13_weight"] == (
+        4,
+        2 * 64,
+        128,
+    )  # [E, 2 I/T, h]
     assert names["model.layers.3.block_sparse_moe.experts.routed_experts.w2_weight"] == (4, 128, 64)  # [E, h, I/T]
 
 
@@ -155,19 +159,32 @@ def test_tiny_routers_are_sharp_and_used(tiny_model_dirs, family):
 
 
 def test_rollout_ep_refusals_are_one_line():
-    """vLLM: no engine expert parallel (its CPU experts ignore expert_map); native: rollout.ep with TP 1 only;
-    a dense model or an EP that does not divide the experts: named before any engine starts."""
+    """vLLM: engine expert parallel on CUDA only (its CPU experts ignore expert_map) and only over every engine
+    rank (its EP size is tp x dp); native: rollout.ep with TP 1 only; a dense model or an EP that does not divide
+    the experts: named before any engine starts."""
+    from colocation.engines import engine_profile
+    from modelspec import ColocatedMesh
     from modelspec.mesh import check_rollout_experts
     from rollout.config import RolloutConfig
 
     RolloutConfig(engine="native", ep=2)  # accepted
-    for kwargs, match in [
-        (dict(engine="vllm", ep=2), "vLLM's CPU build has no expert parallelism"),
-        (dict(engine="native", ep=2, tp=2), r"rollout.ep=2 with rollout.tp=2"),
-        (dict(engine="native", ep=0), "rollout.ep=0 must be a positive integer"),
+    RolloutConfig(engine="vllm", ep=4, tp=2)  # accepted: vLLM's EP spans TP and the replicas
+    engine_profile("vllm").check_expert_parallel("cuda", 4)
+    ColocatedMesh(world_size=4, rollout_tp=2, rollout_ep=4, rollout_experts_span_replicas=True)
+    for make, match in [
+        (lambda: RolloutConfig(engine="native", ep=2, tp=2), r"rollout.ep=2 with rollout.tp=2"),
+        (lambda: RolloutConfig(engine="native", ep=0), "rollout.ep=0 must be a positive integer"),
+        (
+            lambda: engine_profile("vllm").check_expert_parallel("cpu", 2),
+            r"rollout.ep=2 with rollout.engine=vllm on cpu: vLLM's CPU build has no expert parallel",
+        ),
+        (
+            lambda: ColocatedMesh(world_size=4, rollout_tp=1, rollout_ep=2, rollout_experts_span_replicas=True),
+            r"rollout.ep=2: vLLM's expert parallel size is rollout.tp x replicas .* set rollout.ep=4 or 1",
+        ),
     ]:
         with pytest.raises(ValueError, match=match) as info:
-            RolloutConfig(**kwargs)
+            make()
         assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match="rollout.ep=3 must divide the 4 experts"):
         check_rollout_experts(ModelShape.from_hf_config(tiny_hf_config("mixtral")), 3)

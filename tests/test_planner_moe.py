@@ -211,5 +211,10 @@ def test_engine_weights_per_rank_follow_the_engines_expert_split():
     assert engine_weights(engine="native", rollout_ep=2) == layout_bytes(ExpertSplit(ep=2, ep_rank=1))
     assert whole - engine_weights(engine="native", rollout_ep=2) == moe_layers * 2 * _expert_elements(TINY_MOE) * BF16
     assert engine_weights(engine="vllm") == layout_bytes(ExpertSplit(etp=2, etp_rank=1))  # 2 replicas
+    # vLLM's expert parallel over both ranks: E / 2 whole experts per rank, as the native engine's rollout.ep=2
+    assert engine_weights(engine="vllm", rollout_ep=2) == layout_bytes(ExpertSplit(ep=2, ep_rank=1))
+    assert engine_weights(engine="vllm", rollout_ep=2) == engine_weights(engine="native", rollout_ep=2)
+    with pytest.raises(ValueError, match="rollout_ep=4: vllm's expert parallel spans every engine rank; set 1 or 2"):
+        tiny_moe_inputs(engine="vllm", rollout_ep=4)
     with pytest.raises(ValueError, match="rollout.ep=3 must divide the 4 experts"):
         tiny_moe_inputs(engine="native", rollout_ep=3)

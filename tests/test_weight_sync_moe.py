@@ -125,3 +125,33 @@ def test_plan_reshards_experts_bit_exact_with_minimum_bytes(family):
         _check_plan(shape, mesh, hf)
         checked += 1
     assert checked == len(TRAIN_LAYOUTS) * len(ROLLOUT_TPS)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("rtp", [1, 2, 4])
+def test_plan_into_vllm_expert_parallel_sends_each_rank_its_whole_experts(family, rtp):
+    """vLLM's enable_expert_parallel (rollout.ep = world): engine rank r = replica*T + tp rank holds experts
+    [r*E/W, (r+1)*E/W) whole (w13 [E/W, 2m, h], w2 [E/W, h, m]) and receives exactly those, minimum bytes."""
+    shape = ModelShape.from_pretrained(f"tiny:{family}")
+    hf = _random_hf(shape)
+    per_rank, m = shape.num_experts // WORLD, shape.moe_intermediate_size
+    for tp, pp, ep in [(1, 1, 2), (1, 2, 1), (2, 1, 2), (1, 1, 4)]:
+        mesh = ColocatedMesh(
+            world_size=WORLD,
+            actor_tp=tp,
+            actor_pp=pp,
+            actor_ep=ep,
+            rollout_tp=rtp,
+            rollout_ep=WORLD,
+            rollout_experts_span_replicas=True,
+        )
+        destinations = _check_plan(shape, mesh, hf)
+        for rank in range(WORLD):
+            experts = [p for p in destinations[rank] if ".experts." in p.name]
+            assert experts
+            for p in experts:
+                assert p.local_shape[0] == per_rank
+                # whole experts: expert TP 1 (w13 [E/W, 2m, h], w2 [E/W, h, m])
+                assert p.local_shape[1] == 2 * m if p.name.endswith("w13_weight") else p.local_shape[2] == m
+                ids = {int(s.hf_name.split(".experts.")[1].split(".")[0]) for s in p.slices}
+                assert ids == set(range(rank * per_rank, (rank + 1) * per_rank)), (mesh, rank, p.name, ids)

@@ -30,9 +30,12 @@ PROMPTS = ("1+2=", "The quick brown fox", "def add(a, b):", "RL on CPU, 7*6=")
 
 def world_size(args: argparse.Namespace) -> int:
     """lcm(the fewest ranks holding both of megatron's grids, one engine replica)."""
+    from colocation.engines import engine_profile
     from modelspec.mesh import min_world_size
 
     actor_world = min_world_size(args.train_tp, args.train_pp, args.train_ep, args.train_etp)
+    if engine_profile(args.engine).experts_span_replicas:  # vLLM: rollout.ep spans every engine rank
+        return math.lcm(actor_world, args.rollout_tp, args.rollout_ep)
     return math.lcm(actor_world, args.rollout_tp * args.rollout_ep)
 
 
@@ -40,7 +43,7 @@ def check_input(args: argparse.Namespace) -> str | None:
     import torch
 
     from colocation.engines import engine_profile
-    from modelspec import ModelShape
+    from modelspec import ColocatedMesh, ModelShape
     from modelspec.mesh import check_rollout_experts
     from rollout import RolloutConfig
     from rollout.layout import tp_shape
@@ -54,9 +57,16 @@ def check_input(args: argparse.Namespace) -> str | None:
         shape = ModelShape.from_pretrained(args.hf)
         tp_shape(shape, args.rollout_tp, 0)
         check_rollout_experts(shape, args.rollout_ep)
-        replicas = world_size(args) // (args.rollout_tp * args.rollout_ep)
+        profile = engine_profile(args.engine)
+        mesh = ColocatedMesh(
+            world_size=world_size(args),
+            rollout_tp=args.rollout_tp,
+            rollout_ep=args.rollout_ep,
+            rollout_experts_span_replicas=profile.experts_span_replicas,
+        )
         device_kind = "cuda" if torch.cuda.is_available() else "cpu"
-        engine_profile(args.engine).check_moe_replicas(device_kind, replicas, shape.is_moe)
+        profile.check_expert_parallel(device_kind, args.rollout_ep)
+        profile.check_moe_replicas(device_kind, mesh.num_replicas, shape.is_moe)
     except ValueError as exc:
         return f"HF={args.hf}: ROLLOUT_TP={args.rollout_tp} ROLLOUT_EP={args.rollout_ep}: {exc}"
     if args.bucket_mb < 1:
@@ -184,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     from run.launch import spawn_local
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hf", required=True, help="Hugging Face checkpoint directory (a family of modelspec.families)")
+    parser.add_argument(
+        "--hf", required=True, help="Hugging Face checkpoint directory (a family of modelspec.families)"
+    )
     parser.add_argument("--train-tp", type=int, default=1)
     parser.add_argument("--train-pp", type=int, default=1)
     parser.add_argument("--train-ep", type=int, default=1, help="actor expert parallel (MoE models)")
