@@ -125,7 +125,7 @@ def test_expert_parallel_layout_is_vllms(monkeypatch, tp, replicas):
         moe = fused_moe_config.FusedMoEParallelConfig.make(tp, 1, replicas, 1, parallel)
         experts = ExpertMapManager(
             max_num_batched_tokens=16,
-            top_k=shape.num_experts_per_tok,
+            top_k=shape.moe_top_k,
             global_num_experts=shape.num_experts,
             num_redundant_experts=0,
             num_expert_group=None,
