@@ -202,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-ep", type=int, default=1, help="actor expert parallel (MoE models)")
     parser.add_argument("--train-etp", type=int, default=None, help="actor expert tensor parallel (default: TP)")
     parser.add_argument("--rollout-tp", type=int, default=1)
-    parser.add_argument("--rollout-ep", type=int, default=1, help="engine expert parallel (MoE; vllm: the world size, GPU only)")
+    parser.add_argument(
+        "--rollout-ep", type=int, default=1, help="engine expert parallel (MoE; vllm: the world size, GPU only)"
+    )
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--engine", choices=ENGINES, default="native")
