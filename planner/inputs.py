@@ -135,7 +135,11 @@ class PlanInputs:
     sync_staged_bytes: tuple[int, ...] | None = None
     verify_sync: bool = False  # weight_sync.verify: int64 checksums of every slice after each sync
     margin_fraction: float | None = None  # None: the calibration's margin_fraction
-    runtime_overhead_bytes: int | None = None  # None: the calibration's runtime_overhead_bytes
+    runtime_overhead_bytes: int | None = None  # None: launch_runtime_bytes + runtime_after_launch_bytes, or the fit
+    # CPU: the rank's level beside its tensors as the run measured it at launch, before the first step
+    # (rl.memory.MemoryProbe.runtime_level_bytes, the max over ranks); the plan's runtime level is this plus the
+    # calibration's runtime_after_launch_bytes. None (make plan, before a launch): the fitted runtime_overhead_bytes
+    launch_runtime_bytes: int | None = None
     # None: the calibration's nccl_bytes_per_communicator, per NCCL communicator beyond its counted buffers (CPU: 0)
     comm_bytes_per_communicator: int | None = None
     calibration: Calibration | None = None  # None: planner/calibration/<device kind>.json
@@ -302,7 +306,14 @@ class PlanInputs:
     def runtime_bytes(self) -> int:
         if self.runtime_overhead_bytes is not None:
             return self.runtime_overhead_bytes
+        if self.measures_runtime_at_launch:
+            return self.launch_runtime_bytes + int(self.constants.value("runtime_after_launch_bytes"))
         return int(self.constants.value("runtime_overhead_bytes"))
+
+    @property
+    def measures_runtime_at_launch(self) -> bool:
+        """The runtime level is the run's launch measurement (plus what the steps add), not the fitted level."""
+        return self.launch_runtime_bytes is not None and "runtime_after_launch_bytes" in self.constants.constants
 
     @property
     def activation_factor(self) -> float:

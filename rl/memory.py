@@ -174,6 +174,18 @@ class MemoryProbe:
                     tags[key] = tags.get(key, 0) + int(value)
         return tags, host_pinned
 
+    def runtime_level_bytes(self) -> int:
+        """CPU: what this rank holds beside the tensors its ledgers name, now (RSS over the baseline, freed heap
+        returned first, minus the tags): taken at launch, before the first step (rl/setup.py::start_engine), it
+        is the plan's runtime level for this run (``PlanInputs.launch_runtime_bytes``), so the model's Python
+        objects, the tokenizer, W&B's threads and what the warm-up left in the heap are measured on this
+        machine, not fitted elsewhere."""
+        from modelspec.host_memory import release_freed_host_memory
+
+        release_freed_host_memory()
+        sample = self.read()
+        return sample["device_used"] - sum(v for k, v in sample.items() if k.startswith("tag/"))
+
     def read(self) -> dict[str, int]:
         tags, host_pinned = self.tags()
         host_rss, host_rss_peak = self.process.read()

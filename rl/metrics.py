@@ -320,6 +320,8 @@ def summarize(
             "peak_phase": ctx.plan.peak_phase,
             "peak_bytes": ctx.plan.peak_bytes,
             "fits": ctx.plan.fits,
+            # the runtime level measured at launch, before the first step (rl/setup.py; None: the fitted level)
+            "launch_runtime_bytes": ctx.plan.inputs.launch_runtime_bytes,
             "kv_cache": asdict(ctx.kv_choice) if ctx.kv_choice is not None else None,
             "phases": prediction_errors(ctx.plan, rows),
         },

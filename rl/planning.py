@@ -18,10 +18,14 @@ from planner.devices import MIB
 DEFAULT_PROMPT_TOKENS = 512
 
 
-def plan_inputs(cfg, prompt_tokens: int | None = None, calibration=None) -> PlanInputs:
+def plan_inputs(
+    cfg, prompt_tokens: int | None = None, calibration=None, launch_runtime_bytes: int | None = None
+) -> PlanInputs:
     """A composed RunConfig -> the planner's inputs for one rank (adapt here when rl/config.py changes).
 
-    ``calibration``: a :class:`planner.calibration.Calibration` (None: the device kind's file)."""
+    ``calibration``: a :class:`planner.calibration.Calibration` (None: the device kind's file).
+    ``launch_runtime_bytes``: the runtime level the run measured at launch (rl/setup.py::start_engine; None:
+    not launched, the fitted level)."""
     rollout, actor = cfg.rollout, cfg.actor
     host_gib = cfg.cluster.host_memory_gib
     device = device_preset(
@@ -83,6 +87,7 @@ def plan_inputs(cfg, prompt_tokens: int | None = None, calibration=None) -> Plan
         sync_bucket_bytes=cfg.weight_sync.bucket_mb * MIB,
         verify_sync=cfg.weight_sync.verify,
         calibration=calibration,
+        launch_runtime_bytes=launch_runtime_bytes,
     )
     # after PlanInputs has checked the splits: the sync plan the run will execute, planned the same way
     staged = sync_staged_bytes(shape, cfg.mesh(), inputs.sync_bucket_bytes, inputs.element_bytes)

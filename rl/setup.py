@@ -267,25 +267,44 @@ def start_engine(ctx: RankContext) -> RankContext:
     # sequences as long as the longest prompt (the task's, the eval's) + max_new_tokens (not max_model_len)
     eval_tokens = [len(ctx.tokenizer(p.prompt).input_ids) for p in ctx.eval_problems]
     prompt_tokens = max([longest_prompt_tokens(ctx.task, ctx.tokenizer), *eval_tokens])
-    engine, plan, kv_choice = build_engine(cfg, dims, ctx.mesh, ctx.rollout_group, prompt_tokens)
+    engine, plan, kv_choice = build_engine(
+        cfg, dims, ctx.mesh, ctx.rollout_group, prompt_tokens, launch_runtime_bytes(ctx.timeline.probe, dims.device)
+    )
     ctx.timeline.probe.add_ledger(lambda: _tagged(engine.memory(), dims.device))
     if ctx.writer is not None and plan is not None:
         ctx.writer.predicted_bytes = {p.name: p.predicted_bytes + plan.runtime_overhead_bytes for p in plan.phases}
     return dataclasses.replace(ctx, engine=engine, plan=plan, kv_choice=kv_choice)
 
 
+def launch_runtime_bytes(probe: MemoryProbe, device: torch.device) -> int | None:
+    """CPU: the runtime level every rank holds beside its tensors now, after setup and the warm-up and before the
+    engine and the first step (the most over ranks: the plan is the worst rank's); None on CUDA (the fitted level:
+    no GPU run has validated a launch measurement there)."""
+    if device.type != "cpu":
+        return None
+    level = torch.tensor([probe.runtime_level_bytes()], dtype=torch.int64)
+    dist.all_reduce(level, op=dist.ReduceOp.MAX)
+    return int(level)
+
+
 def build_engine(
-    cfg: RunConfig, dims: ParallelDims, mesh: ColocatedMesh, group: dist.ProcessGroup | None, prompt_tokens: int
+    cfg: RunConfig,
+    dims: ParallelDims,
+    mesh: ColocatedMesh,
+    group: dist.ProcessGroup | None,
+    prompt_tokens: int,
+    launch_runtime: int | None = None,
 ) -> tuple[RolloutEngine, Plan | None, KvCacheChoice | None]:
     """The engine with empty weights, its KV cache as :func:`start_engine` says, and the plan made with it
-    (``prompt_tokens``: the longest prompt it will see)."""
+    (``prompt_tokens``: the longest prompt it will see; ``launch_runtime``: the runtime level measured at launch,
+    :func:`launch_runtime_bytes`)."""
     from planner import make_plan
     from rl.planning import choose_kv_cache, engine_config, plan_inputs
     from rollout import make_engine
 
     auto = cfg.rollout.utilization is None
     try:
-        plan = make_plan(plan_inputs(cfg, prompt_tokens))
+        plan = make_plan(plan_inputs(cfg, prompt_tokens, launch_runtime_bytes=launch_runtime))
     except ValueError as exc:  # e.g. a device the planner has no preset for: run unplanned unless asked to plan
         if auto:
             raise
@@ -301,7 +320,11 @@ def build_engine(
         kv_choice = choose_kv_cache(cfg, plan, free)
         rollout_cfg = engine_config(cfg, kv_choice)
         if rollout_cfg is not cfg.rollout:  # plan again with the KV cache the engine gets
-            plan = make_plan(plan_inputs(dataclasses.replace(cfg, rollout=rollout_cfg), prompt_tokens))
+            plan = make_plan(
+                plan_inputs(
+                    dataclasses.replace(cfg, rollout=rollout_cfg), prompt_tokens, launch_runtime_bytes=launch_runtime
+                )
+            )
         if dims.rank == 0:
             print(kv_choice.line(), flush=True)
     engine = make_engine(

@@ -94,3 +94,33 @@ def test_check_fails_outside_tolerance_and_passes_inside():
     small = {"p": Measured(peak_bytes=40 * MIB, rise_bytes=4 * MIB, start_bytes=36 * MIB)}
     assert check("x", {"p": Predicted(peak_bytes=40 * MIB + FLOOR_BYTES, rise_bytes=4 * MIB)}, small)["passed"]
     assert not check("x", {"p": Predicted(peak_bytes=41 * MIB + FLOOR_BYTES, rise_bytes=4 * MIB)}, small)["passed"]
+
+
+def test_the_tolerance_is_the_documented_one():
+    """docs/plan-validation.md: peak 10%, rise 20%, or 8 MiB (issue 30)."""
+    from tools.plan_runs import PEAK_TOLERANCE, RISE_TOLERANCE
+
+    assert (PEAK_TOLERANCE, RISE_TOLERANCE, FLOOR_BYTES) == (0.10, 0.20, 8 * MIB)
+
+
+def test_runs_are_run_as_users_run_them():
+    """Fit and validation runs keep the experiment's own warm-up, W&B mode and checkpoints (a save after every
+    step where the experiment saves); only the step count is shorter."""
+    for spec in (*FIT_SET, *VALIDATION_SET):
+        cfg, own = spec_config(spec), spec_config(type(spec)(spec.name, spec.exp, spec.overrides))
+        assert cfg.trainer.steps == 4
+        assert cfg.trainer.sft_warmup_steps == own.trainer.sft_warmup_steps
+        assert cfg.wandb.mode == own.wandb.mode
+    tiny = spec_config(next(s for s in VALIDATION_SET if s.name == "tiny_cpu"))
+    assert tiny.trainer.sft_warmup_steps == 30 and tiny.wandb.mode == "offline" and tiny.trainer.save_every == 1
+
+
+def test_a_launched_run_plans_with_the_runtime_level_it_measured():
+    """The runtime level is the launch measurement plus what the steps add (fitted), not the fitted level."""
+    from rl.compose import compose
+    from rl.planning import plan_inputs
+
+    cfg, cal = compose("tiny_cpu"), load("cpu")
+    assert plan_inputs(cfg, 6).runtime_bytes == int(cal.value("runtime_overhead_bytes"))
+    launched = plan_inputs(cfg, 6, launch_runtime_bytes=20 * MIB)
+    assert launched.runtime_bytes == 20 * MIB + int(cal.value("runtime_after_launch_bytes"))
