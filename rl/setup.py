@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from modelspec import ColocatedMesh, TokenBatch
+from modelspec import ColocatedMesh, ModelShape, TokenBatch, torch_dtype
 from modelspec.host_memory import freeze_long_lived_objects
 from modelspec.phases import ENGINE_STATE, PhaseOrder
 from rl.batching import Sample, make_batch
@@ -268,7 +268,12 @@ def start_engine(ctx: RankContext) -> RankContext:
     eval_tokens = [len(ctx.tokenizer(p.prompt).input_ids) for p in ctx.eval_problems]
     prompt_tokens = max([longest_prompt_tokens(ctx.task, ctx.tokenizer), *eval_tokens])
     engine, plan, kv_choice = build_engine(
-        cfg, dims, ctx.mesh, ctx.rollout_group, prompt_tokens, launch_runtime_bytes(ctx.timeline.probe, dims.device)
+        cfg,
+        dims,
+        ctx.mesh,
+        ctx.rollout_group,
+        prompt_tokens,
+        launch_runtime_bytes(ctx.timeline.probe, dims.device, ctx.actor.shape, cfg.model.dtype),
     )
     ctx.timeline.probe.add_ledger(lambda: _tagged(engine.memory(), dims.device))
     if ctx.writer is not None and plan is not None:
@@ -276,15 +281,34 @@ def start_engine(ctx: RankContext) -> RankContext:
     return dataclasses.replace(ctx, engine=engine, plan=plan, kv_choice=kv_choice)
 
 
-def launch_runtime_bytes(probe: MemoryProbe, device: torch.device) -> int | None:
+def launch_runtime_bytes(probe: MemoryProbe, device: torch.device, shape: ModelShape, dtype: str) -> int | None:
     """CPU: the runtime level every rank holds beside its tensors now, after setup and the warm-up and before the
-    engine and the first step (the most over ranks: the plan is the worst rank's); None on CUDA (the fitted level:
-    no GPU run has validated a launch measurement there)."""
+    engine and the first step (the most over ranks: the plan is the worst rank's), with torch's first-use costs
+    paid first (:func:`first_use_of_kernels`); None on CUDA (the fitted level: no GPU run has validated a launch
+    measurement there)."""
     if device.type != "cpu":
         return None
+    first_use_of_kernels(shape, torch_dtype(dtype))
     level = torch.tensor([probe.runtime_level_bytes()], dtype=torch.int64)
     dist.all_reduce(level, op=dist.ReduceOp.MAX)
     return int(level)
+
+
+def first_use_of_kernels(shape: ModelShape, dtype: torch.dtype, tokens: int = 64) -> None:
+    """Run once, at the model's sizes, the kinds of kernel a step runs (a projection forward with and without grad,
+    its backward, a softmax and a multinomial draw over the vocabulary), building nothing that stays: what torch
+    allocates once per process at their first use (oneDNN / MKL GEMM buffers and thread pools, autograd's worker)
+    is then part of the launch measurement, as it is when the SFT warm-up ran, instead of appearing in the first
+    step (a 512 x 1536 projection and a sampler: ~13 MiB in a fresh process)."""
+    rng = torch.Generator().manual_seed(0)  # its own: the run's RNG streams are not advanced
+    x = torch.randn(tokens, shape.hidden_size, dtype=dtype, generator=rng, requires_grad=True)  # [tokens, hidden]
+    w = torch.randn(shape.intermediate_size, shape.hidden_size, dtype=dtype, generator=rng, requires_grad=True)
+    with torch.no_grad():
+        torch.nn.functional.linear(x, w)  # [tokens, ffn]
+    torch.nn.functional.linear(x, w).float().sum().backward()
+    logits = torch.randn(8, shape.vocab_size, generator=rng)  # [rows, V] fp32, as the samplers draw
+    torch.softmax(logits, dim=-1).multinomial(1, generator=rng)
+    del x, w, logits
 
 
 def build_engine(
