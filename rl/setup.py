@@ -273,7 +273,15 @@ def start_engine(ctx: RankContext) -> RankContext:
         ctx.mesh,
         ctx.rollout_group,
         prompt_tokens,
-        launch_runtime_bytes(ctx.timeline.probe, dims.device, ctx.actor.shape, cfg.model.dtype),
+        launch_runtime_bytes(
+            ctx.timeline.probe,
+            dims.device,
+            ctx.actor.shape,
+            cfg.model.dtype,
+            # the engine decodes a step's sequences at once, up to its max_num_seqs
+            min(cfg.trainer.prompts_per_step * cfg.rollout.n_samples_per_prompt, cfg.rollout.max_num_seqs or 2**31),
+            cfg.rollout.tp,
+        ),
     )
     ctx.timeline.probe.add_ledger(lambda: _tagged(engine.memory(), dims.device))
     if ctx.writer is not None and plan is not None:
@@ -281,31 +289,43 @@ def start_engine(ctx: RankContext) -> RankContext:
     return dataclasses.replace(ctx, engine=engine, plan=plan, kv_choice=kv_choice)
 
 
-def launch_runtime_bytes(probe: MemoryProbe, device: torch.device, shape: ModelShape, dtype: str) -> int | None:
+def launch_runtime_bytes(
+    probe: MemoryProbe, device: torch.device, shape: ModelShape, dtype: str, decode_sequences: int, rollout_tp: int
+) -> int | None:
     """CPU: the runtime level every rank holds beside its tensors now, after setup and the warm-up and before the
     engine and the first step (the most over ranks: the plan is the worst rank's), with torch's first-use costs
     paid first (:func:`first_use_of_kernels`); None on CUDA (the fitted level: no GPU run has validated a launch
     measurement there)."""
     if device.type != "cpu":
         return None
-    first_use_of_kernels(shape, torch_dtype(dtype))
+    first_use_of_kernels(shape, torch_dtype(dtype), decode_sequences, rollout_tp)
     level = torch.tensor([probe.runtime_level_bytes()], dtype=torch.int64)
     dist.all_reduce(level, op=dist.ReduceOp.MAX)
     return int(level)
 
 
-def first_use_of_kernels(shape: ModelShape, dtype: torch.dtype, tokens: int = 64) -> None:
-    """Run once, at the model's sizes, the kinds of kernel a step runs (a projection forward with and without grad,
-    its backward, a softmax and a multinomial draw over the vocabulary), building nothing that stays: what torch
-    allocates once per process at their first use (oneDNN / MKL GEMM buffers and thread pools, autograd's worker)
-    is then part of the launch measurement, as it is when the SFT warm-up ran, instead of appearing in the first
-    step (a 512 x 1536 projection and a sampler: ~13 MiB in a fresh process)."""
+def first_use_of_kernels(
+    shape: ModelShape, dtype: torch.dtype, decode_sequences: int, rollout_tp: int, tokens: int = 64
+) -> None:
+    """Run once, at the run's sizes, the kinds of kernel a step runs (a projection forward with and without grad,
+    its backward, the engine's decode attention over ``decode_sequences`` sequences, a softmax and a multinomial
+    draw over the vocabulary), building nothing that stays: what torch keeps once per process after their first
+    use (GEMM buffers and thread pools, autograd's worker, the CPU attention kernel's buffers, which grow with
+    the decode batch) is then part of the launch measurement, instead of appearing in the first step. Measured
+    in a fresh process at memory_cpu's sizes: ~11 MiB for the projections and sampler, +15 MiB for attention
+    over 512 decoding sequences."""
     rng = torch.Generator().manual_seed(0)  # its own: the run's RNG streams are not advanced
     x = torch.randn(tokens, shape.hidden_size, dtype=dtype, generator=rng, requires_grad=True)  # [tokens, hidden]
     w = torch.randn(shape.intermediate_size, shape.hidden_size, dtype=dtype, generator=rng, requires_grad=True)
     with torch.no_grad():
         torch.nn.functional.linear(x, w)  # [tokens, ffn]
     torch.nn.functional.linear(x, w).float().sum().backward()
+    heads, kv_heads = max(1, shape.num_heads // rollout_tp), max(1, shape.num_kv_heads // rollout_tp)
+    q = torch.randn(decode_sequences, heads, 1, shape.head_dim, dtype=dtype, generator=rng)  # [seqs, Hq/t, 1, d]
+    kv = torch.randn(decode_sequences, kv_heads, tokens, shape.head_dim, dtype=dtype, generator=rng)
+    mask = torch.ones(decode_sequences, 1, 1, tokens, dtype=torch.bool)  # as the native engine masks its pages
+    torch.nn.functional.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, enable_gqa=heads != kv_heads)
+    del q, kv, mask
     logits = torch.randn(8, shape.vocab_size, generator=rng)  # [rows, V] fp32, as the samplers draw
     torch.softmax(logits, dim=-1).multinomial(1, generator=rng)
     del x, w, logits
