@@ -78,7 +78,7 @@ endif
 	@echo "installed into $(VENV)"
 
 run: $(STAMP) ## run experiment EXP (default tiny_cpu: the whole loop on 2 CPU processes) with ARGS overrides
-	$(PY) -m rl.main --exp $(EXP) $(ARGS)
+	$(PY) -m run.main --exp $(EXP) $(ARGS)
 
 # eval passes HF and EXP only when the user gave them (command line or environment): the defaults above
 # (HF for parity / verify-sync, EXP for run) must not turn `make eval RUN=<dir>` into a second, HF evaluation

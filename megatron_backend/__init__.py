@@ -6,5 +6,8 @@
 - ``logprobs``: log-probs and chunked entropy from vocab-parallel logits (no full-vocab gather).
 - ``memory``: the per-tag byte ledger (actor_params, actor_grads, optimizer) and the offloader.
 - ``actor``: the :class:`~megatron_backend.actor.Actor` facade the RL loop calls.
-- ``parity`` / ``bench_entropy``: ``make parity`` and ``make bench-entropy``.
+- ``hf_export`` / ``dist_checkpoint``: the actor's weights as a HF directory, megatron's distributed checkpoint.
+- ``packing`` / ``config``: sequence packing into micro-batches, the actor's config.
+
+``make parity`` and ``make bench-entropy`` are ``tools/parity.py`` and ``tools/bench_entropy.py``.
 """

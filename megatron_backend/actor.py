@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from colocation.host_memory import release_freed_host_memory
+from colocation.phases import HOLDERS
 from megatron_backend.checkpoint import chunk_params, gather_hf_state_dict, load_hf_into_chunks
 from megatron_backend.config import ActorConfig
 from megatron_backend.layout import RankLayout, padded_vocab_size
@@ -41,11 +43,11 @@ from megatron_backend.model import build_gpt_chunks, recompute_kwargs, te_availa
 from megatron_backend.packing import MicroBatch, build_micro_batch, partition, sequence_lengths
 from megatron_backend.parallel import ParallelDims
 from modelspec import BatchTotals, LossFn, ModelShape, TokenBatch
-from modelspec.host_memory import release_freed_host_memory
 from modelspec.mesh import check_actor_split
 
-OFFLOADABLE = ("params", "grads", "optimizer")
-_TAG = {"params": "actor_params", "grads": "actor_grads", "optimizer": "optimizer"}
+# what offload / onload take -> its memory tag: the step's own translation (colocation.phases.HOLDERS)
+_TAG = {name: state for state, (holder, name) in HOLDERS.items() if holder == "actor"}
+OFFLOADABLE = tuple(_TAG)  # ("params", "grads", "optimizer")
 
 
 class Actor:

@@ -4,7 +4,7 @@ Tags (DESIGN.md, "Memory: names and sources"): ``actor_params``, ``actor_grads``
 ledger counts the bytes each tag holds in the actor's working memory (the GPU on CUDA; the original
 tensor storages on CPU) and, separately, the host copies made by offload. Every operation runs inside
 ``ledger.op(name)`` and leaves its peak per tag in ``ledger.peaks[name]``. The ledger explains memory, it
-does not measure it: the measurement (``rl/memory.py``) owns the device's peak counters and resets them
+does not measure it: the measurement (``telemetry/memory_timeline.py``) owns the device's peak counters and resets them
 once per phase, so nothing here touches ``torch.cuda.reset_peak_memory_stats`` (a reset inside a phase
 would make the phase's peak cover only its last operation).
 
@@ -35,9 +35,10 @@ import tempfile
 
 import torch
 
-from modelspec.host_memory import release_freed_host_memory
+from colocation.host_memory import release_freed_host_memory
+from colocation.phases import ACTOR_STATE
 
-TAGS = ("actor_params", "actor_grads", "optimizer")
+TAGS = ACTOR_STATE  # the step's names for the actor's state (colocation/phases.py)
 CPU_COPY_CHUNK_BYTES = 4 << 20  # a multiple of the page size: what one CPU host copy maps at a time
 
 

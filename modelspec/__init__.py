@@ -5,12 +5,12 @@
   vLLM parameters they become, its quirks, its tiny checkpoint), one file per family;
 - :mod:`modelspec.mesh`: :class:`ColocatedMesh`, every rank's actor and rollout coordinates, and the one layout
   check (``ColocatedMesh.check``: can both sides split this model);
-- :mod:`modelspec.engines`: each rollout engine's memory behaviour (``ENGINE_PROFILES``, the one engine list);
 - :mod:`modelspec.dtypes`: dtype names and their torch dtypes;
 - :mod:`modelspec.contract`: the batch the actor runs and what it hands a loss function (:class:`TokenBatch`,
   :class:`BatchTotals`, ``LossFn``);
-- :mod:`modelspec.tiny`: the tiny test checkpoints, built in-process;
-- :mod:`modelspec.host_memory`: giving freed host memory back to the OS.
+- :mod:`modelspec.tiny`: the tiny test checkpoints, built in-process.
+
+The step's phase table, engine memory behaviour and the allocator calls live in :mod:`colocation`.
 """
 
 from modelspec.contract import BatchTotals, LossFn, TokenBatch

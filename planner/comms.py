@@ -3,8 +3,8 @@
 Named from the libraries' sources for the run's layout (actor TP t, PP p, DP d; engine TP r; world W = t p d):
 
 - ``world``: torch's default process group (megatron_backend/parallel.py ``init_process_group``), NCCL. The step
-  uses it: the launcher's free-memory MIN (rl/setup.py), barriers, the weight sync's point-to-point
-  (rl/weight_sync/transport.py: ``batch_isend_irecv`` over the default group, coalesced, so the sends and receives
+  uses it: the launcher's free-memory MIN (run/setup.py), barriers, the weight sync's point-to-point
+  (weight_sync/transport.py: ``batch_isend_irecv`` over the default group, coalesced, so the sends and receives
   run on this communicator with per-peer point-to-point buffers), megatron's grad-norm reduce under the
   distributed optimizer (megatron/core/optimizer/distrib_optimizer.py ``get_grad_stats_parallel_group``: the
   distributed-optimizer instance, the world here).
@@ -99,7 +99,7 @@ def communicators(inp, channels: float, channels_uncertainty: float) -> tuple[Co
         "world",
         world,
         "torch.distributed.init_process_group (megatron_backend/parallel.py)",
-        f"free-memory MIN, barriers, weight-sync point-to-point with {peers} peers (rl/weight_sync/transport.py)",
+        f"free-memory MIN, barriers, weight-sync point-to-point with {peers} peers (weight_sync/transport.py)",
         extra=nccl_p2p_bytes(peers),
     )
     nccl("megatron TP", t, state, "the layers' all-reduces")
@@ -136,6 +136,6 @@ def communicators(inp, channels: float, channels_uncertainty: float) -> tuple[Co
                     0,
                 )
             )
-    elif r > 1:  # the native engine: its replica's process group (rl/setup.py rollout_groups)
-        nccl("native engine TP", r, "rl/setup.py rollout_groups", "the engine's TP all-reduces")
+    elif r > 1:  # the native engine: its replica's process group (run/setup.py rollout_groups)
+        nccl("native engine TP", r, "run/setup.py rollout_groups", "the engine's TP all-reduces")
     return tuple(out)

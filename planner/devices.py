@@ -9,7 +9,7 @@ runtime overhead. ``cpu`` is this machine's memory (psutil) shared by the ranks 
 share is the total divided by the ranks per node.
 
 ``host_memory_bytes`` is one node's RAM (the host plan, planner/host.py, compares a node's ranks against it),
-from the system's datasheet; ``cluster.host_memory_gib`` overrides it (rl/planning.py).
+from the system's datasheet; ``cluster.host_memory_gib`` overrides it (run/memory_plan.py).
 """
 
 from __future__ import annotations

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from colocation.engines import EngineProfile, engine_profile
+from colocation.phases import WAKE_STRATEGIES  # the step's table owns them (colocation/phases.py)
 from modelspec.dtypes import DTYPE_NAMES, element_bytes
-from modelspec.engines import EngineProfile, engine_profile
 from modelspec.mesh import check_actor_split, check_rollout_split
-from modelspec.phases import WAKE_STRATEGIES  # the step's table owns them (modelspec/phases.py)
 from modelspec.shape import ModelShape
 from planner.calibration import Calibration, load
 from planner.devices import GIB, MIB, DeviceSpec
@@ -116,7 +116,7 @@ class PlanInputs:
     engine_capacity_bytes: int | None = None  # native engine on CPU: rollout.cpu_capacity_gb; None: device total
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
-    block_size: int | None = None  # None: the engine's default (modelspec.engines: its profile)
+    block_size: int | None = None  # None: the engine's default (colocation.engines: its profile)
     native_activation_reserve_bytes: int = 64 * MIB
     vllm_max_batched_tokens: int | None = None  # rollout.max_num_batched_tokens; None: vLLM's per-device default
     native_max_batched_tokens: int | None = None  # the native engine's prefill cap (rollout.max_num_batched_tokens)
@@ -127,17 +127,17 @@ class PlanInputs:
     checkpoint_saves: bool = False  # trainer.save_every > 0
     data_host_bytes: int = 0  # the task's records in each rank (its data file's bytes)
     # weight sync and device
-    sync_peers: int | None = None  # the most ranks one rank exchanges weights with (rl/planning.py); None: bound
+    sync_peers: int | None = None  # the most ranks one rank exchanges weights with (run/memory_plan.py); None: bound
     sync_bucket_bytes: int = 512 * MIB
     # per actor pipeline stage, the most bytes one of its ranks stages in one bucket of the weight sync: the sync
-    # plan's packed part (rl.weight_sync.plan.SyncPlan.max_staged_bytes, computed from both sides' layouts by
-    # rl/planning.py). None: not computed; planned as the bucket's bound (planner/plan.py::sync_staging_bytes)
+    # plan's packed part (weight_sync.transfers.SyncPlan.max_staged_bytes, computed from both sides' layouts by
+    # run/memory_plan.py). None: not computed; planned as the bucket's bound (planner/plan.py::sync_staging_bytes)
     sync_staged_bytes: tuple[int, ...] | None = None
     verify_sync: bool = False  # weight_sync.verify: int64 checksums of every slice after each sync
     margin_fraction: float | None = None  # None: the calibration's margin_fraction
     runtime_overhead_bytes: int | None = None  # None: launch_runtime_bytes + runtime_after_launch_bytes, or the fit
     # CPU: the rank's level beside its tensors as the run measured it at launch, before the first step
-    # (rl.memory.MemoryProbe.runtime_level_bytes, the max over ranks); the plan's runtime level is this plus the
+    # (telemetry.memory_timeline.MemoryProbe.runtime_level_bytes, the max over ranks); the plan's runtime level is this plus the
     # calibration's runtime_after_launch_bytes. None (make plan, before a launch): the fitted runtime_overhead_bytes
     launch_runtime_bytes: int | None = None
     # None: the calibration's nccl_bytes_per_communicator, per NCCL communicator beyond its counted buffers (CPU: 0)
@@ -191,7 +191,7 @@ class PlanInputs:
             raise ValueError(
                 f"sequences_per_step={self.sequences_per_step} must split evenly over actor_dp={self.actor_dp}"
             )
-        engine_profile(self.engine)  # ValueError naming the engines there are (modelspec.engines)
+        engine_profile(self.engine)  # ValueError naming the engines there are (colocation.engines)
         for name, choices in (
             ("wake_strategy", WAKE_STRATEGIES),
             ("recompute", RECOMPUTE),
@@ -272,7 +272,7 @@ class PlanInputs:
 
     @property
     def engine_profile(self) -> EngineProfile:
-        """The engine's memory behaviour (``modelspec.engines``): what the plan asks instead of its name."""
+        """The engine's memory behaviour (``colocation.engines``): what the plan asks instead of its name."""
         return engine_profile(self.engine)
 
     @property

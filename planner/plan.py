@@ -1,6 +1,6 @@
 """The analytical memory plan: bytes per device in every phase of one RL step, itemized.
 
-What each phase holds follows the step's table, ``modelspec/phases.py`` (the one ``rl/loop.py::rl_step``
+What each phase holds follows the step's table, ``colocation/phases.py`` (the one ``run/loop.py::rl_step``
 runs): the state each phase adds and drops, and its transients, whose bytes ``_phases`` sizes here. The
 step starts in ``rollout`` with the engine awake (weights + KV cache) and the actor holding what its offload
 flags keep (params unless ``offload_params``, and so on). A phase holds the union of what is resident when
@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 
-from modelspec.engines import ENGINE_PROFILES, EngineProfile, KvSizing
-from modelspec.phases import EVAL_PHASE, EXPORT_PHASE, StepFlags, phase_names, step_phases, wake_window_phases
+from colocation.engines import ENGINE_PROFILES, EngineProfile, KvSizing
+from colocation.phases import EVAL_PHASE, EXPORT_PHASE, StepFlags, phase_names, step_phases, wake_window_phases
 from planner.inputs import PlanInputs
 from planner.sizes import (
     FP32_BYTES,
@@ -43,7 +43,7 @@ from planner.sizes import (
     unfused_attention_bytes,
 )
 
-# The step's phases in order (modelspec/phases.py: the one table the loop, the planner and the timeline read);
+# The step's phases in order (colocation/phases.py: the one table the loop, the planner and the timeline read);
 # a plan of a run that evaluates has the eval phase first, of one that exports export_hf after train (Plan.names)
 PHASES = phase_names(saves=False)
 COMPONENTS = (
@@ -60,7 +60,7 @@ COMPONENTS = (
     "sync_bucket",
     "export_staging",
 )
-# state that comes and goes between phases (modelspec.phases.STATE, memory tags) -> its component
+# state that comes and goes between phases (colocation.phases.STATE, memory tags) -> its component
 _COMPONENT = {
     "actor_params": "actor_params",
     "actor_grads": "actor_grads",
@@ -250,12 +250,12 @@ def optimizer_host_bytes(inp: PlanInputs, count: int) -> int:
 
 
 def step_flags(inp: PlanInputs) -> StepFlags:
-    """The flags that decide which state each phase of the step moves (modelspec.phases; PlanInputs has each)."""
+    """The flags that decide which state each phase of the step moves (colocation.phases; PlanInputs has each)."""
     return StepFlags(**{f.name: getattr(inp, f.name) for f in fields(StepFlags)})
 
 
 def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan, ...]:
-    """Every phase's components for one stage, walking the step's table (modelspec.phases.step_phases):
+    """Every phase's components for one stage, walking the step's table (colocation.phases.step_phases):
     its state changes, and the bytes of each phase's transients."""
     weights = engine_param_count(inp.shape, inp.rollout_tp) * inp.element_bytes
     sizes = {
@@ -276,7 +276,7 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
     retained = 0 if inp.on_cuda else min(rollout_activations, int(inp.constants.value("heap_retention_bytes")))
     sleep_reserve = persistent_reserve + retained if retained else 0
     bucket = sync_staging_bytes(inp, st, weights)
-    # each kind of transient (modelspec.phases.TRANSIENTS) -> the components it raises, and to what
+    # each kind of transient (colocation.phases.TRANSIENTS) -> the components it raises, and to what
     transient_bytes = {
         "engine_activations": {"engine_reserve": rollout_reserve},
         "eval_activations": {"engine_reserve": persistent_reserve + eval_activations},
@@ -346,20 +346,20 @@ def export_staging_bytes(inp: PlanInputs, st: _Stage) -> int:
 def sync_staging_bytes(inp: PlanInputs, st: _Stage, engine_weight_bytes: int) -> int:
     """What the weight sync holds beyond the actor's and the engine's tensors on a rank of stage ``st``.
 
-    rl/weight_sync/execute.py runs the sync plan one bucket at a time and frees a bucket's buffers before the
+    weight_sync/execute.py runs the sync plan one bucket at a time and frees a bucket's buffers before the
     next: per bucket a rank allocates one flat send buffer per peer for the transfers it packs and one flat
     receive buffer per peer for those it unpacks (``[sum of the packed slices' numel]`` each, the actor's
     dtype). Packed are the column (dim 1) slices, e.g. o_proj / down_proj ``[h, I/t]`` cut from a row-parallel
-    shard, and row slices under 1 MiB (``rl.weight_sync.plan.is_direct``); row slices of >= 1 MiB (gate / up
+    shard, and row slices under 1 MiB (``weight_sync.transfers.is_direct``); row slices of >= 1 MiB (gate / up
     ``[I/t, h]``, vocab rows) go from the shard straight into the engine parameter, and local copies (the
     slices a rank's own actor shard holds) need no buffer. The peak is the largest bucket's staged bytes,
-    ``inp.sync_staged_bytes[stage]`` (rl/planning.py plans the sync from both sides' layouts and takes
+    ``inp.sync_staged_bytes[stage]`` (run/memory_plan.py plans the sync from both sides' layouts and takes
     ``SyncPlan.max_staged_bytes`` over the stage's ranks; memory_cpu at actor TP=2 -> engine TP=1: 27.9 MiB
     of a 64 MiB bucket). Without it, the bound: what the rank sends (its actor shard) plus what it receives
     (its engine shard), at most a bucket; 0 when PP = 1 and actor TP = engine TP (every copy local).
 
     ``weight_sync.verify`` runs after the executor has freed its buffers: it checksums one slice at a time,
-    its int64 bits, position weights and their product alive together (rl/weight_sync/verify.py::checksum,
+    its int64 bits, position weights and their product alive together (weight_sync/verify.py::checksum,
     3 x 8 bytes per element of the largest slice, at most an engine tensor), so the phase holds the larger
     of the two, not their sum.
     """
@@ -519,7 +519,7 @@ class Plan:
 
     def equivalent_utilization(self, kv_cache_bytes: int | None = None) -> dict[str, float]:
         """The ``gpu_memory_utilization`` that yields ``kv_cache_bytes`` under each engine's meaning (its
-        profile's sizing rule, ``modelspec.engines``). vLLM on CUDA: fraction of the device's total memory for
+        profile's sizing rule, ``colocation.engines``). vLLM on CUDA: fraction of the device's total memory for
         weights + KV cache + reserve (CUDA graphs, profiled activations). native, and vLLM on CPU: weights + KV
         cache + activation reserve, of the device total (on CPU, of ``engine_capacity_bytes``)."""
         inp = self.inputs

@@ -272,7 +272,7 @@ def largest_engine_tensor_elements(shape: ModelShape, rollout_tp: int) -> int:
 
 
 # weight_sync.verify checksums each slice as int64: its bits, the position weights and their product are
-# alive together (rl/weight_sync/verify.py::checksum), 3 x 8 bytes per element of the largest slice
+# alive together (weight_sync/verify.py::checksum), 3 x 8 bytes per element of the largest slice
 VERIFY_BYTES_PER_ELEMENT = 24
 
 

@@ -1,1 +1,2 @@
-"""The RL algorithm and its orchestration: configs, data, rewards, losses, the phase loop."""
+"""The RL algorithm: losses, advantages, batching, the rollout across replicas (``generation``), tasks
+and rewards (``data``), evaluation. The run that drives it is :mod:`run`."""

@@ -157,7 +157,7 @@ TASKS = ("digit_sum", "gsm8k")
 
 def longest_prompt_tokens(task: DigitSumTask | Gsm8kTask, tokenizer) -> int:
     """The task's longest prompt in ``tokenizer``'s tokens, as the rollout feeds it (no chat template): what
-    the memory plan sizes sequences by, in the run (rl/setup.py) and before launch (rl/planning.py)."""
+    the memory plan sizes sequences by, in the run (run/setup.py) and before launch (run/memory_plan.py)."""
     return max(len(tokenizer(p).input_ids) for p in task.longest_prompts())
 
 

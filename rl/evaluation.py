@@ -1,8 +1,8 @@
 """Evaluation: the policy's answers to a fixed set of problems, greedy by default (``eval.*``).
 
-The one evaluation both the loop (the step table's ``eval`` phase, modelspec/phases.py) and ``make eval``
+The one evaluation both the loop (the step table's ``eval`` phase, colocation/phases.py) and ``make eval``
 (tools/eval.py) run: the eval problems (:func:`eval_problems`) spread over the engine replicas like a
-rollout (rl/sampling.py), scored by the task's reward, gathered on every rank (:func:`evaluate`); and, in
+rollout (rl/generation.py), scored by the task's reward, gathered on every rank (:func:`evaluate`); and, in
 ``make eval``, the actor's teacher-forced log-prob of the reference answers (:func:`reference_logprob_mean`).
 
 The problems: ``eval.data.path`` (a GSM8K-style ``.jsonl`` / ``.parquet`` with ``question`` / ``answer``,
@@ -130,7 +130,7 @@ def eval_metrics(samples: list[Sample], num_problems: int, n_samples: int) -> di
 def evaluate(engine, tokenizer, task, problems: list[Problem], cfg, mesh, rank: int) -> dict[str, float]:
     """Every eval problem through the (awake) engine, spread over its replicas, scored by ``task``'s reward:
     :func:`eval_metrics` on every rank (collective)."""
-    from rl.sampling import generate_samples
+    from rl.generation import generate_samples
 
     params = eval_sampling(cfg, mesh.replica(rank))
     samples = generate_samples(engine, tokenizer, task, problems, params, mesh, rank)

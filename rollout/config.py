@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from modelspec.engines import EngineProfile, KvSizing, engine_profile
-from modelspec.phases import WAKE_STRATEGIES, engine_wakes
+from colocation.engines import EngineProfile, KvSizing, engine_profile
+from colocation.phases import WAKE_STRATEGIES, engine_wakes
 
 AUTO = "auto"  # rollout.gpu_memory_utilization=auto: the planner picks the KV cache
 
 # Which memory tags the engine takes back at which wake phase of the step, per ``rollout.wake_strategy``: the
-# wake phases' adds in the step's table (modelspec/phases.py). staged wakes the weights, lets the sync write them
+# wake phases' adds in the step's table (colocation/phases.py). staged wakes the weights, lets the sync write them
 # and the actor offload its params, and only then takes the KV cache, so the actor's params and the KV cache are
 # never resident together.
 WAKE_TAGS: dict[str, dict[str, tuple[str, ...]]] = {s: engine_wakes(s) for s in WAKE_STRATEGIES}
@@ -24,7 +24,7 @@ class RolloutConfig:
     engine: str = "native"
     tp: int = 1
     # float in (0, 1]: fraction of device memory the engine may hold (weights + KV cache + reserve);
-    # "auto" (AUTO): the planner picks the KV cache (rl.planning.choose_kv_cache, the one place that resolves it).
+    # "auto" (AUTO): the planner picks the KV cache (run.memory_plan.choose_kv_cache, the one place that resolves it).
     gpu_memory_utilization: float | int | str = 0.5  # composed as written (1, 0.5, auto); a float or AUTO after checks
     wake_strategy: str = "staged"
     # On CPU there is no device capacity to read; the native engine sizes its KV cache from this.
@@ -37,7 +37,7 @@ class RolloutConfig:
     # True: every sample runs to max_new_tokens (the checkpoint's EOS does not stop it): the plan's worst case,
     # for benchmarks and the planner's validation runs
     ignore_eos: bool = False
-    # Tokens per KV-cache block (None: the engine's default, its profile's in modelspec.engines: 16, but 128 for
+    # Tokens per KV-cache block (None: the engine's default, its profile's in colocation.engines: 16, but 128 for
     # vLLM's CPU build, whose attention wants multiples of 32); most sequences one batch may run; longest prompt +
     # response (None: the checkpoint's max_position_embeddings); bytes kept free for activations when sizing
     # the native engine's KV cache. vLLM gets block_size, max_num_seqs, max_num_batched_tokens, max_model_len.
@@ -58,7 +58,7 @@ class RolloutConfig:
     sleep_level: int = 2
     # KV-cache bytes per rank (vLLM's kv_cache_memory_bytes): wins over gpu_memory_utilization when set, so an
     # engine upgrade cannot change the cache at the same fraction. None: sized from gpu_memory_utilization
-    # (of the device's total on CUDA, of cpu_capacity_gb on CPU); with "auto" the planner picks it (rl/planning.py).
+    # (of the device's total on CUDA, of cpu_capacity_gb on CPU); with "auto" the planner picks it (run/memory_plan.py).
     kv_cache_bytes: int | None = None
     seed: int = 0
 
@@ -121,10 +121,6 @@ class RolloutConfig:
                 f"rollout.sleep_level={self.sleep_level} must be 1 (keep a host copy of weights) or 2 (drop them)"
             )
 
-    def wake_tags(self, phase: str) -> tuple[str, ...]:
-        """The tags the engine wakes at ``phase`` (``wake_weights`` or ``wake_kv_cache``) under this strategy."""
-        return WAKE_TAGS[self.wake_strategy][phase]
-
     @property
     def utilization(self) -> float | None:
         """``gpu_memory_utilization`` as a fraction, or None for ``auto`` (the planner's convention)."""
@@ -132,12 +128,12 @@ class RolloutConfig:
 
     @property
     def planner_sizes_kv_cache(self) -> bool:
-        """``auto`` without ``kv_cache_bytes``: the plan picks the KV cache (``rl.planning.choose_kv_cache``)."""
+        """``auto`` without ``kv_cache_bytes``: the plan picks the KV cache (``run.memory_plan.choose_kv_cache``)."""
         return self.utilization is None and self.kv_cache_bytes is None
 
     @property
     def profile(self) -> EngineProfile:
-        """This engine's memory behaviour (``modelspec.engines``)."""
+        """This engine's memory behaviour (``colocation.engines``)."""
         return engine_profile(self.engine)
 
     def kv_cache_budget_bytes(self, device_kind: str, capacity_bytes: int, weight_bytes: int) -> int:

@@ -10,7 +10,7 @@ Backends:
 - ``portable`` (CPU and CUDA): ``pause`` shrinks each tracked tensor's storage to 0 bytes
   (``untyped_storage().resize_(0)``) and ``resume`` re-allocates it (same tensor objects, new address,
   contents zero unless ``cpu_backup``). Large host allocations are mmapped by glibc, so freeing them
-  returns pages to the OS; :func:`modelspec.host_memory.release_freed_host_memory` returns what the heap
+  returns pages to the OS; :func:`colocation.host_memory.release_freed_host_memory` returns what the heap
   can.
 """
 
@@ -22,9 +22,10 @@ from collections.abc import Iterator
 
 import torch
 
-from modelspec.host_memory import release_freed_host_memory
+from colocation.host_memory import release_freed_host_memory
+from colocation.phases import ENGINE_STATE
 
-TAGS = ("weights", "kv_cache")
+TAGS = ENGINE_STATE  # the step's names for the engine's state (colocation/phases.py)
 BACKENDS = ("auto", "portable", "torch_memory_saver")
 
 

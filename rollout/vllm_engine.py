@@ -71,8 +71,8 @@ from typing import Any
 
 import torch
 
+from colocation.host_memory import release_freed_host_memory
 from modelspec.dtypes import element_bytes
-from modelspec.host_memory import release_freed_host_memory
 from modelspec.mesh import ColocatedMesh
 from modelspec.shape import ModelShape
 from rollout.config import RolloutConfig
@@ -130,7 +130,7 @@ def engine_args(
         enforce_eager=platform == "cpu",  # CPU: no torch.compile warm-up (minutes on 2 cores)
     )
     # the sizing knobs the memory plan uses reach vLLM; left null, vLLM picks its own per-device default, which
-    # the planner restates (planner.inputs.vllm_default_max_num_batched_tokens, the block size: modelspec.engines)
+    # the planner restates (planner.inputs.vllm_default_max_num_batched_tokens, the block size: colocation.engines)
     if cfg.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
     if cfg.block_size is not None:

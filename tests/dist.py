@@ -8,7 +8,7 @@ import traceback
 
 import torch.multiprocessing as mp
 
-from rl.launch import free_port
+from run.launch import free_port
 
 # Threads per rank (1: two ranks share the 2 CI cores). `make test-threads` runs the numeric tests again with
 # RLMEM_TEST_RANK_THREADS=2, so no cross-layout tolerance holds only for one reduction order.

@@ -30,12 +30,12 @@ def _state(actor):
 
 
 def _offload_checks(rank, world_size, tiny_dir, wide_dir, saved_dir):
+    from colocation.host_memory import release_freed_host_memory
     from megatron_backend.actor import Actor
     from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
-    from modelspec.host_memory import release_freed_host_memory
     from rl.losses import PolicyLoss, PolicyLossConfig
-    from rl.memory import ProcessMemory
+    from telemetry.memory_timeline import ProcessMemory
 
     loss_fn = PolicyLoss(PolicyLossConfig())
     dims = initialize_model_parallel(tp=1, pp=1)

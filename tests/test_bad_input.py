@@ -1,4 +1,4 @@
-"""Bad input never starts heavy work: each case below makes ``python -m rl.main`` print one line that names
+"""Bad input never starts heavy work: each case below makes ``python -m run.main`` print one line that names
 the key or file and the fix, and exit 2, before any rank process exists (spawning is made to fail here)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-import rl.main
-from rl.main import main
+import run.main
+from run.main import main
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -153,7 +153,7 @@ _LIVE_RUNS = []  # the lock files the "other run" holds, open until the test ses
 def _run_dir_of_a_live_run(tiny, tmp):
     """`make run ARGS="--run-dir X"` typed again in a second terminal while the first run still writes to X
     (its launcher holds X/.lock as hold_run_dir gives it; a second open file description conflicts)."""
-    from rl.preflight import hold_run_dir
+    from run.preflight import hold_run_dir
 
     _LIVE_RUNS.append(hold_run_dir(tmp / "run"))
     return ["--run-dir", str(tmp / "run")]
@@ -226,7 +226,7 @@ def no_ranks(monkeypatch):
     def spawn_local(*args, **kwargs):
         raise AssertionError("a rank was started for bad input")
 
-    monkeypatch.setattr(rl.main, "spawn_local", spawn_local)
+    monkeypatch.setattr(run.main, "spawn_local", spawn_local)
 
 
 @pytest.mark.parametrize("name,case,expected", CASES, ids=[c[0] for c in CASES])
@@ -260,7 +260,7 @@ def test_there_are_at_least_twenty_cases():
 def test_make_run_with_a_bad_tp_exits_nonzero_naming_actor_tp():
     """As a user runs it: a fresh interpreter, `make run ARGS="actor.tp=3"` (the timing goes in the issue note)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "rl.main", "actor.tp=3"], cwd=REPO, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "run.main", "actor.tp=3"], cwd=REPO, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "actor.tp=3" in proc.stderr, proc.stderr

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rl.checkpoint import (
+from checkpointing.checkpoint import (
     ACTOR_DIR,
     STATE_FILE,
     Checkpointer,
@@ -27,9 +27,9 @@ from rl.checkpoint import (
     resolve_resume,
     step_dir_name,
 )
-from rl.launch import free_port, spawn_local
-from rl.memory import METRICS
-from rl.tracking import RunWriter
+from run.launch import free_port, spawn_local
+from telemetry.memory_timeline import METRICS
+from telemetry.tracking import RunWriter
 from tests.wandb_records import find_run_file, history_rows
 
 
@@ -252,7 +252,7 @@ def test_a_full_or_read_only_run_dir_is_named_in_one_line_with_the_kept_checkpoi
     import errno
     import subprocess
 
-    from rl.saving import storage_fault_line
+    from run.save_and_stop import storage_fault_line
 
     run_dir = small_disk / "run"
     kept = _fake_complete(run_dir / "checkpoints", 2)

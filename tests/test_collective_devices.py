@@ -25,7 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("rl", "megatron_backend", "rollout", "planner", "modelspec", "tools")
+PACKAGES = (
+    "rl", "run", "telemetry", "checkpointing", "weight_sync", "megatron_backend", "rollout", "planner", "modelspec",
+    "colocation", "tools",
+)
 
 FACTORIES = {
     "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "linspace", "logspace", "eye",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from rl.checkpoint import Checkpointer
+from checkpointing.checkpoint import Checkpointer
 from tests.dist import run_ranks
 
 STEP_TIMEOUT_S, FILE_TIMEOUT_S, RANK0_WORK_S = 2.0, 60.0, 5.0

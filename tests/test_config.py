@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rl.compose import ConfigError, compose, list_experiments
-from rl.config import RunConfig
+from run.compose import ConfigError, compose, list_experiments
+from run.config import RunConfig
 
 
 def test_there_are_experiments_and_tiny_cpu_is_the_default():

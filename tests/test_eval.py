@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from rl.batching import Sample
-from rl.compose import ConfigError, compose
 from rl.evaluation import EvalConfig, eval_metrics, eval_problems
+from run.compose import ConfigError, compose
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -81,7 +81,7 @@ def test_eval_figures_accuracy_reward_length_and_pass_at_k():
 
 def test_the_plan_has_the_eval_phase_when_the_run_evaluates_sized_by_its_batch():
     from planner import PHASES, make_plan
-    from rl.planning import plan_inputs
+    from run.memory_plan import plan_inputs
 
     off = make_plan(plan_inputs(compose("tiny_cpu"), 6))
     assert off.names == PHASES and "eval" not in off.names
@@ -197,7 +197,7 @@ def test_make_eval_of_a_run_checkpoint_and_of_its_export_agree(tmp_path, tiny_mo
     hf = Path(tiny_model_dirs["qwen2"])
     run_dir = tmp_path / "run"
     common = ["eval.max_problems=12", "wandb.mode=disabled"]
-    cmd = [sys.executable, "-m", "rl.main", "--exp", "tiny_cpu", "--run-dir", str(run_dir), f"model.path={hf}"]
+    cmd = [sys.executable, "-m", "run.main", "--exp", "tiny_cpu", "--run-dir", str(run_dir), f"model.path={hf}"]
     cmd += ["trainer.steps=1", "trainer.sft_warmup_steps=1", "trainer.save_every=1", "trainer.prompts_per_step=2"]
     cmd += ["rollout.n_samples_per_prompt=8", "actor.micro_batch_size=8", *common]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
@@ -258,8 +258,8 @@ def test_an_hf_dir_with_its_runs_config_is_evaluated_under_that_config(tmp_path,
 def test_a_phase_of_some_steps_is_measured_over_the_steps_that_ran_it():
     """eval.every=10 runs the eval phase on 5 of 41 steps: its steady peak is the median over those, not 0
     (a median over every step would drop it from the plan's predicted-vs-measured)."""
-    from rl.memory import steady_peak
-    from rl.metrics import time_summary
+    from telemetry.memory_timeline import steady_peak
+    from telemetry.metrics import time_summary
 
     rows = []
     for step in range(41):

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from planner import make_plan
-from rl.compose import compose, list_experiments
-from rl.launch import missing_devices
-from rl.main import main
-from rl.planning import plan_inputs
+from run.compose import compose, list_experiments
+from run.launch import missing_devices
+from run.main import main
+from run.memory_plan import plan_inputs
 
 GIB = 2**30
 CLUSTER_EXPERIMENTS = [e for e in list_experiments() if compose(e).cluster.device != "cpu"]

@@ -156,7 +156,7 @@ def _run_dir(row: dict, tmp_path: Path, model: dict | None = None) -> Path:
     """A run directory (config.yaml, checkpoints/step_00000001 with rl_state.json) around ``row``'s checkpoint."""
     import yaml
 
-    from rl.checkpoint import RLState, model_sizes
+    from checkpointing.checkpoint import RLState, model_sizes
 
     run = tmp_path / "run"
     ckpt = run / "checkpoints" / "step_00000001"
@@ -303,7 +303,7 @@ def test_vllm_loads_the_export_and_matches_transformers(trained, tmp_path):
 def test_loop_exports_by_the_same_code_as_make_export(tmp_path, capsys):
     """trainer.export_every=1 on tiny_cpu_pp (TP2 x PP2, 4 ranks, every rank writing its files): an export_hf
     phase per step on the timeline; the last step's directory equals `make export` of its checkpoint."""
-    from rl.memory import EXPORT_PHASE, read_timeline_csv
+    from telemetry.memory_timeline import EXPORT_PHASE, read_timeline_csv
     from tests.test_run import run_loop
 
     summary = run_loop(

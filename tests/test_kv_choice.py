@@ -1,5 +1,5 @@
 """gpu_memory_utilization=auto inside a run: the KV cache chosen in bytes (bounded by measured free memory on
-CUDA), the check before an engine wake, and the predicted-vs-measured calibration (rl/planning.py, rl/setup.py)."""
+CUDA), the check before an engine wake, and the predicted-vs-measured calibration (run/memory_plan.py, run/setup.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import rl.setup
+import run.shared_device
 from planner import check_fits, make_plan
-from rl.compose import compose
-from rl.launch import free_port
-from rl.planning import choose_kv_cache, engine_config, plan_inputs, prediction_errors
-from rl.setup import MemoryPlanError, RankContext
+from run.compose import compose
+from run.launch import free_port
+from run.memory_plan import choose_kv_cache, engine_config, plan_inputs
+from run.shared_device import MemoryPlanError, SharedDevice
+from telemetry.memory_timeline import prediction_errors
 
 GIB = 2**30
 
@@ -76,18 +77,18 @@ def one_rank():
 
 def test_the_check_before_the_kv_wake_stops_with_the_shortfall_and_a_fitting_value(qwen7b, one_rank, monkeypatch):
     cfg, plan = qwen7b
-    ctx = SimpleNamespace(plan=plan, dims=SimpleNamespace(device=torch.device("cpu")), cfg=cfg)
-    monkeypatch.setattr(rl.setup, "measured_free_bytes", lambda device, ranks: 500 * GIB)
-    RankContext.check_wake(ctx, "wake_kv_cache")  # plenty free: passes
+    shared = SimpleNamespace(plan=plan, device=torch.device("cpu"), procs_per_node=cfg.cluster.procs_per_node)
+    monkeypatch.setattr(run.shared_device, "measured_free_bytes", lambda device, ranks: 500 * GIB)
+    SharedDevice.check_wake(shared, "wake_kv_cache")  # plenty free: passes
     needed = check_fits(plan, 500 * GIB, "wake_kv_cache").needed_bytes  # the KV cache + rollout activations
-    monkeypatch.setattr(rl.setup, "measured_free_bytes", lambda device, ranks: needed - GIB)
+    monkeypatch.setattr(run.shared_device, "measured_free_bytes", lambda device, ranks: needed - GIB)
     with pytest.raises(MemoryPlanError, match=r"rank 0: wake_kv_cache would overflow: .* short by 1.00 GiB") as info:
-        RankContext.check_wake(ctx, "wake_kv_cache")
+        SharedDevice.check_wake(shared, "wake_kv_cache")
     # the value it proposes fits the memory that was free
     fitting = int(str(info.value).split("rollout.kv_cache_bytes=")[1].split()[0])
     refit = make_plan(dataclasses.replace(plan.inputs, kv_cache_bytes=fitting))
     assert check_fits(refit, needed - GIB, "wake_kv_cache").fits
-    RankContext.check_wake(SimpleNamespace(plan=None), "wake_kv_cache")  # a run without a plan checks nothing
+    SharedDevice.check_wake(SimpleNamespace(plan=None), "wake_kv_cache")  # a run without a plan checks nothing
 
 
 def test_prediction_errors_compare_each_phase_with_its_steady_measured_peak(qwen7b):

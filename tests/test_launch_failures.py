@@ -13,7 +13,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from rl.launch import ClusterConfig, describe_exit, rank_environ, spawn_local
+from run.launch import ClusterConfig, describe_exit, rank_environ, spawn_local
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,7 +51,7 @@ def test_a_rank_ended_by_nccls_watchdog_says_so():
 RANK_SCRIPT = """
 import os, sys, time
 sys.path.insert(0, {repo!r})
-from rl.launch import ClusterConfig, run_launched
+from run.launch import ClusterConfig, run_launched
 
 def rank_main():
     if os.environ["RANK"] == "1":

@@ -8,7 +8,7 @@ import socket
 import psutil
 import pytest
 
-from rl.launch import bind_gloo_to_master_interface, interface_to, lost_peer_line
+from run.launch import bind_gloo_to_master_interface, interface_to, lost_peer_line
 
 
 def test_loopback_master_is_reached_through_lo_and_leaves_gloo_alone():

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from modelspec import TokenBatch
-from rl.config import TrainerConfig
-from rl.metrics import (
+from run.config import TrainerConfig
+from telemetry.metrics import (
     LOGPROB_GAP_RULE,
     LogprobGap,
     LogprobGapError,
@@ -108,7 +108,7 @@ def test_every_rank_stops_on_a_gap_seen_by_one():
 
 
 def test_a_non_finite_reward_or_logprob_names_step_phase_and_quantity():
-    from rl.metrics import NonFiniteError, check_finite, non_finite_stops
+    from telemetry.metrics import NonFiniteError, check_finite, non_finite_stops
 
     cpu = torch.device("cpu")
     loss_mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])

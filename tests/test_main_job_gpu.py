@@ -7,7 +7,7 @@ sizes, so the first GPU lent runs the main job's code, not a subset:
 - the staged wake under vLLM's ``external_launcher`` at engine TP=2 on NCCL, from dummy weights as the run starts
   (sleep all, wake weights, write this rank's slices in place, wake the KV cache), the two TP ranks agreeing on
   sampled tokens;
-- the loop itself (``rl.main`` -> ``spawn_local`` -> ``rl.loop.run_rank``) for 2 steps on 2 GPUs, bf16, vLLM,
+- the loop itself (``run.main`` -> ``spawn_local`` -> ``run.loop.run_rank``) for 2 steps on 2 GPUs, bf16, vLLM,
   NCCL, megatron's optimizer (the distributed one at DP=2), the planner sizing the KV cache, a checkpoint.
 
 Skipped without CUDA (tests/conftest.py: "needs CUDA"); the vLLM ones need the CUDA build of vLLM
@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl.metrics import LOGPROB_GAP_RULE, gap_distribution
 from rollout.config import RolloutConfig
 from rollout.engine import SamplingParams
+from telemetry.metrics import LOGPROB_GAP_RULE, gap_distribution
 from tests.dist import run_ranks
 from tests.rollout_helpers import MAX_NEW_TOKENS, PROMPTS, hf_logprobs
 
@@ -173,7 +173,7 @@ def test_run_rank_two_steps_on_two_gpus(tmp_path, layout):
         pytest.skip(f"the planner has no preset for {torch.cuda.get_device_name(0)}")
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "rl.main", "--exp", "tiny_cpu", "--run-dir", str(run_dir), *layout,
+        sys.executable, "-m", "run.main", "--exp", "tiny_cpu", "--run-dir", str(run_dir), *layout,
         f"cluster.device={preset}", "cluster.procs_per_node=2", "model.dtype=bfloat16", "rollout.engine=vllm",
         "rollout.gpu_memory_utilization=auto", "rollout.wake_strategy=staged", "trainer.steps=2",
         "trainer.sft_warmup_steps=2", "trainer.save_every=1", "wandb.mode=disabled",

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from rl.memory import RELEASE_TAGS, phase_drift, read_timeline_csv, released_bytes, steady_peak, wake_window_phases
+from telemetry.memory_timeline import (
+    RELEASE_TAGS,
+    phase_drift,
+    read_timeline_csv,
+    released_bytes,
+    steady_peak,
+    wake_window_phases,
+)
 from tests.test_run import assert_plan_within, run_loop
 
 pytestmark = pytest.mark.slow

@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
-from modelspec.host_memory import release_freed_host_memory
-from rl.memory import (
+from colocation.host_memory import release_freed_host_memory
+from telemetry.memory_timeline import (
     METRICS,
     PHASES,
     MemoryProbe,
@@ -23,7 +23,7 @@ from rl.memory import (
     released_bytes,
     window_peak,
 )
-from rl.tracking import RunWriter
+from telemetry.tracking import RunWriter
 from tests.wandb_records import find_run_file, history_rows
 
 MB = 1 << 20
@@ -58,10 +58,10 @@ def test_a_peak_between_two_samples_is_measured():
 def test_a_sampling_fallback_is_named_and_warned_once(monkeypatch, tmp_path, capsys):
     """A container where /proc/self/clear_refs is not writable: peaks fall back to sampling, which the
     probe names (summary.json's memory_peak_method) and rank 0 says once on stderr."""
-    import rl.memory
+    import telemetry.memory_timeline
 
     assert MemoryProbe(torch.device("cpu")).peak_method in ("rss_high_water_mark", "rss_sampled")
-    monkeypatch.setattr(rl.memory, "_CLEAR_REFS", tmp_path / "missing" / "clear_refs")
+    monkeypatch.setattr(telemetry.memory_timeline, "_CLEAR_REFS", tmp_path / "missing" / "clear_refs")
     probes = [MemoryProbe(torch.device("cpu")) for _ in range(2)]
     assert [p.peak_method for p in probes] == ["rss_sampled"] * 2
     capsys.readouterr()
@@ -69,7 +69,7 @@ def test_a_sampling_fallback_is_named_and_warned_once(monkeypatch, tmp_path, cap
         MemoryTimeline(probe, rank=rank).close()
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "warning: memory peaks are CPU: RSS sampled" in err, err
-    assert "a peak between two samples is missed" in rl.memory.PEAK_METHODS["rss_sampled"]
+    assert "a peak between two samples is missed" in telemetry.memory_timeline.PEAK_METHODS["rss_sampled"]
 
 
 def test_memory_held_is_measured_not_read_from_the_ledger():
@@ -243,7 +243,7 @@ def test_a_resumed_writer_keeps_the_completed_steps_rows_and_drops_a_row_cut_by_
 
 
 def test_the_runtime_level_is_what_the_rank_holds_beside_its_tagged_tensors():
-    """The launch measurement the plan's runtime level starts from (rl/setup.py::launch_runtime_bytes): a 64 MB
+    """The launch measurement the plan's runtime level starts from (run/setup.py::launch_runtime_bytes): a 64 MB
     buffer its ledger names moves RSS by 64 MB and the level by much less; one it does not name moves both."""
     named = {"actor_params": 0}
     probe = MemoryProbe(torch.device("cpu"), [lambda: dict(named)])

@@ -27,8 +27,8 @@ def _message(tp_key: str, source: str) -> str:
 def test_every_entry_point_rejects_a_non_dividing_intermediate_size_with_one_message(odd_model_dir):
     from megatron_backend.layout import RankLayout, rank_pieces
     from planner import PlanInputs, device_preset
-    from rl.compose import ConfigError, compose
     from rollout.layout import tp_shape, vllm_param_layouts
+    from run.compose import ConfigError, compose
 
     shape = ModelShape.from_pretrained(odd_model_dir)
     source = str(odd_model_dir)
@@ -71,9 +71,9 @@ def test_mesh_check_names_the_key(tp, pp, vpp, rollout_tp, fragment):
     ColocatedMesh(world_size=world, actor_tp=2, actor_pp=2, rollout_tp=4).check(shape)  # KV heads replicated: fine
 
 
-# ---------------------------------------------------------------- engine memory behaviour: modelspec.engines
+# ---------------------------------------------------------------- engine memory behaviour: colocation.engines
 def test_one_engine_list_everywhere():
-    from modelspec.engines import ENGINE_PROFILES, ENGINES
+    from colocation.engines import ENGINE_PROFILES, ENGINES
     from planner import PlanInputs, device_preset
     from rollout.config import RolloutConfig
 
@@ -92,7 +92,7 @@ def test_one_engine_list_everywhere():
 @pytest.mark.parametrize("engine", ["native", "vllm"])
 @pytest.mark.parametrize("device_kind", ["cpu", "cuda"])
 def test_the_kv_sizing_rule_and_its_inverse_agree(engine, device_kind):
-    from modelspec.engines import KvSizing, engine_profile
+    from colocation.engines import KvSizing, engine_profile
 
     profile = engine_profile(engine)
     sizing = KvSizing(
@@ -111,7 +111,7 @@ def test_the_kv_sizing_rule_and_its_inverse_agree(engine, device_kind):
 
 
 def test_the_planner_sizes_the_native_kv_cache_as_the_engine_does():
-    """The planner and the engine apply the same rule (modelspec.engines) to the same config."""
+    """The planner and the engine apply the same rule (colocation.engines) to the same config."""
     from planner import PlanInputs, device_preset, make_plan
     from planner.sizes import engine_param_count
     from rollout.config import RolloutConfig
@@ -142,7 +142,7 @@ def test_the_planner_asks_the_profile_not_the_name(monkeypatch):
     """An engine that cannot sleep or repacks on sync: the plan follows its profile, no code names it."""
     from dataclasses import replace
 
-    from modelspec import engines
+    from colocation import engines
     from planner import PlanInputs, device_preset, make_plan
 
     shape = ModelShape.from_pretrained("tiny:qwen2")
@@ -159,13 +159,13 @@ def test_the_planner_asks_the_profile_not_the_name(monkeypatch):
     assert reserve - native.phase("weight_sync").components["engine_reserve"] == weights  # the repack copy
 
 
-# ---------------------------------------------------------------- gpu_memory_utilization=auto: rl.planning
+# ---------------------------------------------------------------- gpu_memory_utilization=auto: run.memory_plan
 def test_auto_is_one_value_resolved_in_one_place():
     from planner import make_plan
-    from rl.compose import ConfigError, compose
-    from rl.main import check_launch
-    from rl.planning import check_auto_kv_cache, choose_kv_cache, engine_config, plan_inputs
     from rollout.config import AUTO
+    from run.compose import ConfigError, compose
+    from run.main import check_launch
+    from run.memory_plan import check_auto_kv_cache, choose_kv_cache, engine_config, plan_inputs
 
     cfg = compose("qwen7b_1xh200", [])  # gpu_memory_utilization: auto
     assert cfg.rollout.gpu_memory_utilization == AUTO and cfg.rollout.utilization is None
@@ -201,7 +201,7 @@ def _counting_reads(reads: list[str]):
 
 
 def _rank_reads(rank: int, world_size: int, cfg, run_dir: str) -> list[str]:
-    from rl.loop import run_rank
+    from run.loop import run_rank
 
     reads: list[str] = []
     ModelShape.from_pretrained = _counting_reads(reads)  # this rank's process only
@@ -213,10 +213,10 @@ def test_the_shape_is_read_once_per_run_and_passed_down(tmp_path, monkeypatch):
     """The launcher reads the shape (composition, then once more when tiny:qwen2 becomes a directory);
     preflight, the planner, the actor, the reference actor and the engine of every rank reuse it."""
     from modelspec.tiny import resolve_model_path
-    from rl.compose import compose, resolve_path
-    from rl.main import check_launch, prepare
-    from rl.planning import plan_inputs
-    from rl.preflight import preflight
+    from run.compose import compose, resolve_path
+    from run.main import check_launch, prepare
+    from run.memory_plan import plan_inputs
+    from run.preflight import preflight
     from tests.dist import run_ranks
 
     reads: list[str] = []

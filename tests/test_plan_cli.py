@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from planner import COMPONENTS, PHASES, make_plan
-from rl.compose import ConfigError, compose, list_experiments
+from run.compose import ConfigError, compose, list_experiments
 from tools.plan import main, plan_inputs
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -101,7 +101,7 @@ def test_run_config_maps_onto_the_planner_inputs():
 
 
 def test_make_plan_uses_the_tasks_longest_prompt_as_the_run_does(tmp_path, tiny_model_dirs, capsys):
-    """make plan EXP=tiny_cpu plans what the run's own plan (rl/setup.py start_engine) does: the task's longest
+    """make plan EXP=tiny_cpu plans what the run's own plan (run/setup.py plan_and_build_engine) does: the task's longest
     prompt tokenized with the checkpoint's tokenizer (4 tokens for "4+4="), not the max_model_len bound."""
     from transformers import AutoTokenizer
 

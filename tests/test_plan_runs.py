@@ -71,8 +71,8 @@ def test_every_constant_names_its_source(kind):
 def test_plan_marks_constants_never_measured_on_the_device():
     from planner import make_plan
     from planner.report import constants_lines, constants_used
-    from rl.compose import compose
-    from rl.planning import plan_inputs
+    from run.compose import compose
+    from run.memory_plan import plan_inputs
 
     plan = make_plan(plan_inputs(compose("qwen32b_8xh100")))
     used = {c["name"]: c for c in constants_used(plan)}
@@ -117,8 +117,8 @@ def test_runs_are_run_as_users_run_them():
 
 def test_a_launched_run_plans_with_the_runtime_level_it_measured():
     """The runtime level is the launch measurement plus what the steps add (fitted), not the fitted level."""
-    from rl.compose import compose
-    from rl.planning import plan_inputs
+    from run.compose import compose
+    from run.memory_plan import plan_inputs
 
     cfg, cal = compose("tiny_cpu"), load("cpu")
     assert plan_inputs(cfg, 6).runtime_bytes == int(cal.value("runtime_overhead_bytes"))

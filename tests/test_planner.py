@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from modelspec.engines import ENGINE_PROFILES, ENGINES
+from colocation.engines import ENGINE_PROFILES, ENGINES
 from modelspec.shape import ModelShape, list_architectures
 from planner import COMPONENTS, PHASES, PlanInputs, check_fits, device_preset, make_plan, variants
 from planner.devices import GIB
@@ -296,7 +296,7 @@ def test_equivalent_utilization_follows_each_engines_meaning():
     assert util["vllm"] == pytest.approx((weights + kv + plan.rollout_engine_reserve_bytes) / total)
     assert util["native"] == pytest.approx((weights + kv + 64 * 2**20) / total)
     assert util["vllm"] > util["native"]  # vLLM's fraction also covers its CUDA graphs and profiled activations
-    assert set(util) == set(ENGINES)  # one engine list (modelspec.engines), no engine nothing implements
+    assert set(util) == set(ENGINES)  # one engine list (colocation.engines), no engine nothing implements
 
 
 def test_check_fits_names_the_phase_the_shortfall_and_a_kv_cache_that_fits():
@@ -567,7 +567,7 @@ def test_the_sampler_is_planned_as_the_native_sampler_runs():
     """The native sampler's measured peak (logits included, fresh processes, 256 sequences x 16k vocabulary: 16 MiB
     per [seqs, V] fp32) is never above what sizes.sampler_bytes plans with the CPU profile (4), and holds at
     least the three tensors alive at the draw. It is 3 or 4 from one process to the next: glibc hands the freed
-    scaled copy's block to the draws or not (modelspec/engines.py)."""
+    scaled copy's block to the draws or not (colocation/engines.py)."""
     import subprocess
     import sys
 
@@ -634,10 +634,10 @@ def test_a_run_that_exports_plans_the_export_hf_phase_with_what_the_export_holds
     the export's transient on CPU (megatron_backend/hf_export.py::save_live): the larger of what megatron's
     params-only save clones (every param with the distributed optimizer, else the fc1 halves) and one HF tensor
     plus two stored chunks; nothing on a GPU (the save stages to the host, the files are written from there)."""
-    from modelspec.phases import EVERY_HANDOFF, EXPORT_PHASE, phase_names, step_phases
+    from colocation.phases import EVERY_HANDOFF, EXPORT_PHASE, phase_names, step_phases
     from planner.sizes import actor_stage_fc1_elements, largest_actor_weight_elements, largest_hf_tensor_elements
-    from rl.compose import compose
-    from rl.planning import plan_inputs
+    from run.compose import compose
+    from run.memory_plan import plan_inputs
 
     table = {p.name: p for p in step_phases(EVERY_HANDOFF)}
     assert table[EXPORT_PHASE].transients == ("hf_export",)

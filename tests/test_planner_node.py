@@ -14,8 +14,8 @@ from planner.host import checkpoint_staging_bytes, engine_sleep_copy_bytes, host
 from planner.plan import _stage
 from planner.report import headroom_beyond_uncertainty_bytes, recommend_optimizer_offload_fraction, uncertainty_bytes
 from planner.sizes import actor_stage_param_count, power_of_two_bytes
-from rl.compose import compose
-from rl.planning import plan_inputs
+from run.compose import compose
+from run.memory_plan import plan_inputs
 
 QWEN32B = ModelShape.from_architecture("Qwen2.5-32B-Instruct")
 MIB, GIB = 2**20, 2**30

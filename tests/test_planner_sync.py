@@ -1,9 +1,9 @@
 """The planner's weight_sync term against what the executor really stages (in-process, no process group).
 
-rl/weight_sync/execute.py runs one rank's part of the sync plan here over a transport that moves nothing and
+weight_sync/execute.py runs one rank's part of the sync plan here over a transport that moves nothing and
 records, at each bucket's ``run()``, the tensors handed to it that are not views of the actor shards or the
 engine parameters: the staging buffers alive at the bucket's peak. The plan's ``sync_bucket`` component of
-the weight_sync phase (rl/planning.py::sync_staged_bytes -> planner/plan.py::sync_staging_bytes) must equal
+the weight_sync phase (run/memory_plan.py::sync_staged_bytes -> planner/plan.py::sync_staging_bytes) must equal
 the largest of them over the planned stage's ranks: with column slices and small rows packed, large rows
 sent direct (actor TP=2 -> engine TP=1), whole layers moved between pipeline stages, and every copy local.
 """
@@ -58,8 +58,8 @@ class StagingProbe:
 def executor_staging(s: ModelShape, mesh: ColocatedMesh, rank: int) -> tuple[int, int, int]:
     """(the executor's staged peak, its own report of it, its direct messages) for ``rank`` of ``mesh``."""
     from megatron_backend.layout import RankLayout, local_param_shapes
-    from rl.weight_sync import WeightSyncConfig
     from rollout.layout import vllm_param_layouts
+    from weight_sync import WeightSyncConfig
 
     sync = WeightSyncConfig(bucket_mb=BUCKET >> 20).build(s, mesh, rank, dtype="float32")
     c = mesh.actor_coords(rank)
@@ -77,7 +77,7 @@ def executor_staging(s: ModelShape, mesh: ColocatedMesh, rank: int) -> tuple[int
 @pytest.mark.parametrize("tp,pp,rtp", LAYOUTS)
 def test_planned_sync_staging_is_what_the_executor_stages(tp, pp, rtp):
     from planner import PlanInputs, device_preset, make_plan
-    from rl.planning import sync_staged_bytes
+    from run.memory_plan import sync_staged_bytes
 
     s = shape()
     mesh = ColocatedMesh(world_size=WORLD, actor_tp=tp, actor_pp=pp, rollout_tp=rtp)
@@ -102,9 +102,9 @@ def test_planned_sync_staging_is_what_the_executor_stages(tp, pp, rtp):
 
 
 def test_plan_inputs_carry_the_runs_sync_plan():
-    """rl/planning.py::plan_inputs plans the sync the run builds (rl/setup.py: WeightSyncConfig.build)."""
-    from rl.compose import compose
-    from rl.planning import plan_inputs, sync_staged_bytes
+    """run/memory_plan.py::plan_inputs plans the sync the run builds (run/setup.py: WeightSyncConfig.build)."""
+    from run.compose import compose
+    from run.memory_plan import plan_inputs, sync_staged_bytes
 
     cfg = compose("tiny_cpu_pp", [])
     staged = plan_inputs(cfg).sync_staged_bytes

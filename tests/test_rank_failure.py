@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.checkpoint import complete_checkpoints, is_complete
+from checkpointing.checkpoint import complete_checkpoints, is_complete
 from tests.test_resume import rank_processes, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,7 +26,7 @@ def _files(checkpoint: Path) -> dict[str, tuple[int, int]]:
 def test_a_dead_rank_stops_the_job_with_its_name_and_keeps_the_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "rl.main", "--exp", "tiny_cpu_pp", "--run-dir", str(run_dir),
+        sys.executable, "-m", "run.main", "--exp", "tiny_cpu_pp", "--run-dir", str(run_dir),
         "trainer.steps=20", "trainer.save_every=1", "trainer.keep_last=1", "wandb.mode=disabled",
         "cluster.timeout_s=60",
     ]  # fmt: skip

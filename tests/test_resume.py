@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rl.checkpoint import complete_checkpoints
+from checkpointing.checkpoint import complete_checkpoints
 from tests.wandb_records import find_run_file, history_rows
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,8 +35,8 @@ NONDETERMINISTIC = ("time/", "perf/", "memory/", "weight_sync/seconds")
 
 
 def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
-    """``python -m rl.main`` in its own session (so the test can kill the launcher and its ranks at once)."""
-    cmd = [sys.executable, "-m", "rl.main", "--run-dir", str(run_dir), *SETTINGS, *overrides]
+    """``python -m run.main`` in its own session (so the test can kill the launcher and its ranks at once)."""
+    cmd = [sys.executable, "-m", "run.main", "--run-dir", str(run_dir), *SETTINGS, *overrides]
     return subprocess.Popen(
         cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
@@ -201,7 +201,7 @@ def test_a_learning_rate_typo_stops_at_the_first_nan_in_one_line_keeping_the_las
     in that step's train phase before the optimizer applies it, with one line (no traceback) naming the step,
     the phase, the quantity and the checkpoint a resume starts from; step 0's checkpoint is the last one."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rl.main", "--run-dir", str(run_dir), "trainer.steps=6", "trainer.save_every=1"]
+    cmd = [sys.executable, "-m", "run.main", "--run-dir", str(run_dir), "trainer.steps=6", "trainer.save_every=1"]
     cmd += ["trainer.sft_warmup_steps=0", "trainer.prompts_per_step=4", "actor.micro_batch_size=16"]
     cmd += ["wandb.mode=disabled", "actor.lr=1e8"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
@@ -223,10 +223,10 @@ def test_sigterm_during_the_warm_up_exits_within_seconds(tmp_path):
     (Before the warm-up honoured stops, this run kept warming up for its 5000 steps.)"""
     import threading
 
-    from rl.launch import PREEMPTED_EXIT_CODE
+    from run.launch import PREEMPTED_EXIT_CODE
 
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rl.main", "--run-dir", str(run_dir), "trainer.steps=2", "wandb.mode=disabled"]
+    cmd = [sys.executable, "-m", "run.main", "--run-dir", str(run_dir), "trainer.steps=2", "wandb.mode=disabled"]
     cmd += ["trainer.sft_warmup_steps=5000", "trainer.prompts_per_step=4", "actor.micro_batch_size=16"]
     proc = subprocess.Popen(
         cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True

@@ -283,6 +283,6 @@ def test_weight_update_writes_in_place_between_begin_and_finish(tiny_model_dirs)
 
 def test_rollout_ignore_eos_reaches_the_sampling_params():
     """rollout.ignore_eos=true (the planner's validation runs reach the planned response length) is what every
-    generate call of the step gets (rl/loop.py builds its params with SamplingParams.from_config)."""
+    generate call of the step gets (run/loop.py builds its params with SamplingParams.from_config)."""
     assert SamplingParams.from_config(RolloutConfig(ignore_eos=True)).ignore_eos is True
     assert SamplingParams.from_config(RolloutConfig()).ignore_eos is False

@@ -9,19 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from modelspec.phases import phase_names
-from rl.checkpoint import complete_checkpoints
-from rl.main import main
-from rl.memory import EVAL_PHASE, PHASES, SAVE_PHASE, read_timeline_csv
+from checkpointing.checkpoint import complete_checkpoints
+from colocation.phases import phase_names
+from run.main import main
+from telemetry.memory_timeline import EVAL_PHASE, PHASES, SAVE_PHASE, read_timeline_csv
 from tests.wandb_records import find_run_file, history_rows
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def run_loop(tmp_path: Path, *overrides: str, exp: str = "tiny_cpu") -> dict:
-    """``python -m rl.main`` as ``make run`` calls it; returns summary.json (run dir under tmp_path)."""
+    """``python -m run.main`` as ``make run`` calls it; returns summary.json (run dir under tmp_path)."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rl.main", "--exp", exp, "--run-dir", str(run_dir), *overrides]
+    cmd = [sys.executable, "-m", "run.main", "--exp", exp, "--run-dir", str(run_dir), *overrides]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -75,7 +75,7 @@ def test_short_run_writes_every_output_and_a_readable_wandb_run(tmp_path):
     assert set(summary["memory"]["phase_peak_bytes"]) == {EVAL_PHASE, *PHASES, SAVE_PHASE}
     rows = read_timeline_csv(run_dir / "memory_timeline.csv")
     assert {r["phase"] for r in rows} == {EVAL_PHASE, *PHASES, SAVE_PHASE} and {r["rank"] for r in rows} == {0, 1}
-    # every rank ran the step's table (modelspec/phases.py) in its order, the checkpoint's shards on the saving
+    # every rank ran the step's table (colocation/phases.py) in its order, the checkpoint's shards on the saving
     # step, the eval first; after the last step (2) the eval alone
     for (rank, step), entered in phases_entered(rows).items():
         expected = (EVAL_PHASE,) if step == 2 else phase_names(saves=step == 1, evaluates=True)
@@ -132,7 +132,7 @@ def test_short_run_writes_every_output_and_a_readable_wandb_run(tmp_path):
 def test_a_gap_above_tolerance_stops_the_run_naming_step_and_token(tmp_path):
     """trainer.max_logprob_gap far below what fp32 reaches: the first step's check must stop the run."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rl.main", "--exp", "tiny_cpu", "--run-dir", str(run_dir)]
+    cmd = [sys.executable, "-m", "run.main", "--exp", "tiny_cpu", "--run-dir", str(run_dir)]
     cmd += ["trainer.steps=2", "trainer.sft_warmup_steps=0", "wandb.mode=disabled", "trainer.max_logprob_gap=1e-12"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode != 0

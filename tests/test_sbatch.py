@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.run import get_args_parser
 
-from rl.tracking import RunWriter
+from telemetry.tracking import RunWriter
 from tools.sbatch import main, slurm_time_seconds
 
 REPO = Path(__file__).resolve().parent.parent
@@ -106,7 +106,7 @@ def test_rendered_script_launches_torchrun_on_every_node_with_c10d_rendezvous(tw
     args = get_args_parser().parse_args(argv[launcher + 1 :])
     assert (args.nnodes, args.nproc_per_node, args.rdzv_backend) == ("2", "8", "c10d")
     assert (args.rdzv_endpoint, args.rdzv_id) == ("node-a:20042", "42")  # first node; port from the job id
-    assert args.module and args.training_script == "rl.main"
+    assert args.module and args.training_script == "run.main"
     run_dir = str(two_node_script.parent)
     assert args.training_script_args[:4] == ["--exp", "qwen32b_8xh100", "--run-dir", run_dir]
     assert "cluster.num_nodes=2" in args.training_script_args
@@ -147,7 +147,7 @@ def test_cpu_experiment_asks_for_one_core_per_rank_and_no_gpus(tmp_path, capsys,
     text = script.read_text()
     assert "#SBATCH --cpus-per-task=2" in text and "--gpus-per-node" not in text
     assert "--nnodes=1 --nproc-per-node=2" in text
-    assert '-m rl.main --exp tiny_cpu --run-dir "$RUN_DIR" output_dir=' in text
+    assert '-m run.main --exp tiny_cpu --run-dir "$RUN_DIR" output_dir=' in text
     assert f"export WANDB_RUN_ID=tiny_cpu-{script.parent.name} WANDB_RESUME=allow" in text
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.checkpoint import complete_checkpoints, is_complete
+from checkpointing.checkpoint import complete_checkpoints, is_complete
 from tests.test_resume import deterministic
 from tests.test_slurm import FINAL_STATES, slurm_answers, submit, wait_for
 from tests.wandb_records import find_run_file, history_rows
@@ -77,7 +77,7 @@ def namespace_processes(node: str) -> list[str]:
 
 
 def rank_processes(node: str) -> list[str]:
-    return [p for p in namespace_processes(node) if " -m rl.main " in p and "torch.distributed.run" not in p]
+    return [p for p in namespace_processes(node) if " -m run.main " in p and "torch.distributed.run" not in p]
 
 
 def test_two_node_job_preempted_and_requeued_equals_four_ranks_on_one_node(tmp_path):
@@ -92,8 +92,9 @@ def test_two_node_job_preempted_and_requeued_equals_four_ranks_on_one_node(tmp_p
         wait_for(job_id, lambda f: metrics.exists() and metrics.read_text().strip(), 900, log)  # step 0 logged
         subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
         wait_for(job_id, lambda f: f.get("Restarts") == "1" and f.get("JobState") == "PENDING", 300, log)
-        # Slurm holds a requeued job back for a while (BeginTime); start it now
-        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+        # Slurm holds a requeued job back until the killed run's job credential expires (BeginTime = requeue
+        # + cred_expire, 120 s by default); forcing StartTime=now races that: slurmd refuses the relaunch
+        # ("Job credential revoked") and the job ends FAILED. So wait, as a user's requeued job does.
         fields = wait_for(job_id, lambda f: f.get("JobState") in FINAL_STATES, 900, log)
         out, _ = reference.communicate(timeout=900)
     finally:

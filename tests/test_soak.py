@@ -47,7 +47,7 @@ def _sample(process: psutil.Process) -> dict[str, int] | None:
 @pytest.mark.slow
 def test_hundred_steps_and_nothing_grows(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rl.main", "--run-dir", str(run_dir), *SETTINGS]
+    cmd = [sys.executable, "-m", "run.main", "--run-dir", str(run_dir), *SETTINGS]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     samples: dict[int, list[tuple[int, dict]]] = defaultdict(list)  # rank -> [(step running, sample)]
     try:

@@ -1,4 +1,4 @@
-"""The first weight sync at start-up follows the step's staged wake order (rl/setup.py::start_rollout), so it
+"""The first weight sync at start-up follows the step's staged wake order (run/setup.py::start_rollout), so it
 never holds the actor's params and the KV cache together unless the wake strategy (checked against the plan)
 does."""
 
@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import rl.setup as rl_setup
-from rl.setup import start_rollout
-from rollout.config import RolloutConfig
+import run.setup as rl_setup
+from colocation.phases import StepFlags
+from run.setup import start_rollout
+from run.shared_device import SharedDevice
 
 
 class Recorder:
@@ -23,23 +24,26 @@ class Recorder:
 
 def _start(strategy: str, monkeypatch) -> list:
     calls: list = []
-    ctx = SimpleNamespace(
-        cfg=SimpleNamespace(rollout=RolloutConfig(wake_strategy=strategy)),
+    device = SharedDevice(
         actor=Recorder(calls),
-        engine=None,
-        offloaded=lambda what: what in ("optimizer", "grads", "params"),
-        check_wake=lambda phase: calls.append(("check_wake", phase)),
-        sync_weights=lambda: calls.append(("sync_weights",)),
+        ref_actor=None,
+        weight_sync=None,
+        flags=StepFlags(wake_strategy=strategy),  # every offload on
+        timeline=None,
+        device=None,
+        procs_per_node=1,
     )
+    device.check_wake = lambda phase: calls.append(("check_wake", phase))
+    device.sync_weights = lambda: calls.append(("sync_weights",))
 
-    def start_engine(ctx):
-        calls.append(("start_engine",))  # the engine comes up fully awake
-        ctx.engine = Recorder(calls)
+    def plan_and_build_engine(ctx):
+        calls.append(("plan_and_build_engine",))  # the engine comes up fully awake
+        ctx.device.attach_engine(Recorder(calls), plan=None)
         return ctx
 
-    monkeypatch.setattr(rl_setup, "start_engine", start_engine)
+    monkeypatch.setattr(rl_setup, "plan_and_build_engine", plan_and_build_engine)
     monkeypatch.setattr(rl_setup, "freeze_long_lived_objects", lambda: None)
-    start_rollout(ctx)
+    start_rollout(SimpleNamespace(device=device))
     return calls
 
 
@@ -49,7 +53,7 @@ def test_the_first_sync_wakes_the_kv_cache_only_after_the_params_went_back(monke
         ("offload", "optimizer"),
         ("offload", "grads"),
         ("offload", "params"),
-        ("start_engine",),
+        ("plan_and_build_engine",),
         ("sleep", ("weights", "kv_cache")),
         ("onload", "params"),
         ("check_wake", "wake_weights"),

@@ -7,25 +7,25 @@ import json
 import os
 import signal
 
-from rl.checkpoint import RLState, complete_checkpoints
+from checkpointing.checkpoint import RLState, complete_checkpoints
 from tests.dist import run_ranks
 
 
 def _run_signalled_during_engine_start(rank: int, world_size: int, run_dir: str) -> dict:
     """One rank of a tiny_cpu run whose rank 1 gets SIGTERM while its engine starts; what the rank saw."""
-    import rl.loop
-    import rl.setup
-    from rl.compose import compose
-    from rl.main import prepare
+    import run.loop
+    import run.setup
+    from run.compose import compose
+    from run.main import prepare
 
     cfg = compose("tiny_cpu", ["trainer.steps=2", "trainer.sft_warmup_steps=0", "wandb.mode=disabled"])
     cfg.trainer.prompts_per_step, cfg.actor.micro_batch_size = 4, 16
-    prepare(cfg, run_dir)  # the tiny checkpoint and the run directory, as rl.main does before the ranks start
-    start_engine, generate_samples = rl.setup.start_engine, rl.loop.generate_samples
+    prepare(cfg, run_dir)  # the tiny checkpoint and the run directory, as run.main does before the ranks start
+    plan_and_build_engine, generate_samples = run.setup.plan_and_build_engine, run.loop.generate_samples
     steps_sampled = []
 
-    def start_engine_signalled(ctx):
-        ctx = start_engine(ctx)
+    def plan_and_build_engine_signalled(ctx):
+        ctx = plan_and_build_engine(ctx)
         if rank == 1:  # the signal reaches one rank: every rank must stop at the same boundary
             os.kill(os.getpid(), signal.SIGTERM)
         return ctx
@@ -34,13 +34,13 @@ def _run_signalled_during_engine_start(rank: int, world_size: int, run_dir: str)
         steps_sampled.append(1)
         return generate_samples(*args, **kwargs)
 
-    rl.setup.start_engine, rl.loop.generate_samples = start_engine_signalled, generate_samples_counted
-    code = rl.loop.run_rank(cfg, run_dir)
+    run.setup.plan_and_build_engine, run.loop.generate_samples = plan_and_build_engine_signalled, generate_samples_counted
+    code = run.loop.run_rank(cfg, run_dir)
     return {"code": code, "steps_sampled": len(steps_sampled)}
 
 
 def test_sigterm_while_the_engine_starts_saves_step_0_before_any_rollout(tmp_path):
-    from rl.launch import PREEMPTED_EXIT_CODE
+    from run.launch import PREEMPTED_EXIT_CODE
 
     run_dir = tmp_path / "run"
     results = run_ranks(_run_signalled_during_engine_start, 2, str(run_dir), timeout_s=600)

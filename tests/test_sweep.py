@@ -97,7 +97,7 @@ def test_local_command_is_what_w_and_bs_agent_runs(tmp_path, monkeypatch):
     agent._command_run({"run_id": "r1", "program": None, "args": {k: {"value": v} for k, v in point.items()}})
     assert started == [ours]
     assert ours == [
-        "/usr/bin/env", "python", "-m", "rl.main", "--exp", "tiny_cpu", "--run-dir", str(tmp_path / "run"),
+        "/usr/bin/env", "python", "-m", "run.main", "--exp", "tiny_cpu", "--run-dir", str(tmp_path / "run"),
         "trainer.steps=2", "actor.offload.params=True", "rollout.gpu_memory_utilization=0.5",
         "rollout.wake_strategy=all_at_once",
     ]  # fmt: skip
@@ -127,7 +127,7 @@ def test_args_may_not_set_a_swept_key():
 
 
 def fake_run(run_dir: Path, peaks: dict[int, dict[str, int]], step_seconds: list[float], reward: float) -> None:
-    """A run directory as rl.main leaves it: timeline rows per rank and phase, metrics per step, summary."""
+    """A run directory as run.main leaves it: timeline rows per rank and phase, metrics per step, summary."""
     run_dir.mkdir(parents=True)
     with open(run_dir / "memory_timeline.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["t_s", "step", "phase", "rank", "device_peak", "device_allocated"])

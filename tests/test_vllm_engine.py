@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from colocation.host_memory import release_freed_host_memory
 from modelspec import ModelShape
 from modelspec.families import FAMILIES
-from modelspec.host_memory import release_freed_host_memory
 from modelspec.mesh import ColocatedMesh
 from modelspec.tiny import write_tiny_model
 from rollout.config import RolloutConfig

@@ -14,10 +14,10 @@ CASES = [((2, 2, None), 4), ((1, 2, None), 2), ((2, 2, 2), 1), ((4, 1, None), 2)
 def _sync_all_layouts(rank: int, world_size: int, family: str):
     import torch.distributed as dist
 
-    from rl.weight_sync import TorchP2PTransport, execute_sync, plan_sync
-    from rl.weight_sync.baseline import baseline_sync, make_peer_export
-    from rl.weight_sync.layouts import actor_sources, engine_destinations
-    from rl.weight_sync.verify import WeightSyncMismatch, verify_sync
+    from weight_sync import TorchP2PTransport, execute_sync, plan_sync
+    from weight_sync.baseline import baseline_sync, make_peer_export
+    from weight_sync.layouts import actor_sources, engine_destinations
+    from weight_sync.verify import WeightSyncMismatch, verify_sync
 
     dist.init_process_group("gloo")
     cfg = model_config(family)

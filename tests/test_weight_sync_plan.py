@@ -11,9 +11,9 @@ import torch
 from modelspec import ColocatedMesh, ModelShape
 from modelspec.families import FAMILIES
 from modelspec.family import DOWN, GATE, O_PROJ, UP, K, Q, V
-from rl.weight_sync.layouts import actor_sources, engine_destinations
-from rl.weight_sync.plan import plan_sync
 from tests.family_helpers import hf_part
+from weight_sync.layouts import actor_sources, engine_destinations
+from weight_sync.transfers import plan_sync
 
 WORLD = 4
 TRAIN_LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (4, 1, None), (1, 4, None), (2, 2, 2)]

@@ -124,9 +124,9 @@ def _vllm_engine(path: str, args, knobs: dict):
     import torch.distributed as dist
 
     from modelspec import ColocatedMesh
-    from rl.launch import free_port
     from rollout.config import RolloutConfig
     from rollout.vllm_engine import VllmEngine
+    from run.launch import free_port
 
     if not dist.is_initialized():
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")

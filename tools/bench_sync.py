@@ -4,9 +4,9 @@ On each layout, ranks hold a megatron actor (train TP x PP) loaded from ``--hf``
 model with 4 KV heads, ~122 MB in fp32, so TP=4 fits) and an engine (native or vLLM's CPU build, rollout TP)
 built with empty weights; both methods end in that same engine:
 
-- ``planned``: this project's sync (``rl.weight_sync``): each engine rank receives only the slices it lacks,
+- ``planned``: this project's sync (``weight_sync``): each engine rank receives only the slices it lacks,
   written in place between ``begin_weight_update`` / ``finish_weight_update``;
-- ``baseline``: the peers' export (``rl.weight_sync.baseline``, cited there): PP broadcast of shards when
+- ``baseline``: the peers' export (``weight_sync.baseline``, cited there): PP broadcast of shards when
   PP > 1, TP all-gather, full HF tensors streamed into the engine's own ``load_weights``.
 
 Layouts (the bytes differ unless rollout TP=1 and PP=1): ``tp4->tp2`` (4 ranks), ``tp2pp2->tp2`` (4 ranks),
@@ -33,7 +33,7 @@ import statistics
 import sys
 import time
 
-from modelspec.engines import ENGINES
+from colocation.engines import ENGINES
 
 PROMPTS = ("1+2=", "3+4=", "2+2=")
 # name -> (train TP, train PP, rollout TP, world size)
@@ -71,14 +71,14 @@ def _rank_main(args: argparse.Namespace, layout: str) -> None:
     from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
     from modelspec import ColocatedMesh
-    from rl.memory import ProcessMemory
-    from rl.setup import rollout_groups
-    from rl.weight_sync import WeightSyncConfig
-    from rl.weight_sync.baseline import gather_full_hf_tensors, make_peer_export
-    from rl.weight_sync.execute import SyncStats
-    from rl.weight_sync.layouts import actor_sources, engine_destinations
-    from rl.weight_sync.plan import min_sync_bytes
     from rollout import RolloutConfig, SamplingParams, make_engine
+    from run.setup import rollout_groups
+    from telemetry.memory_timeline import ProcessMemory
+    from weight_sync import WeightSyncConfig
+    from weight_sync.baseline import gather_full_hf_tensors, make_peer_export
+    from weight_sync.execute import SyncStats
+    from weight_sync.layouts import actor_sources, engine_destinations
+    from weight_sync.transfers import min_sync_bytes
 
     train_tp, train_pp, rollout_tp, _ = LAYOUTS[layout]
     model_path = args.model_path
@@ -182,7 +182,7 @@ def _rank_main(args: argparse.Namespace, layout: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rl.launch import spawn_local
+    from run.launch import spawn_local
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", choices=ENGINES, default="native")

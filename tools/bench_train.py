@@ -179,7 +179,7 @@ class PeakRss:
 def _measure(phase_fn, device) -> dict:
     import torch
 
-    from modelspec.host_memory import release_freed_host_memory
+    from colocation.host_memory import release_freed_host_memory
 
     release_freed_host_memory()
     if device.type == "cuda":
@@ -207,8 +207,8 @@ def worker(args) -> dict:
     from megatron_backend.actor import Actor
     from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
-    from rl.launch import free_port
     from rl.losses import PolicyLoss, PolicyLossConfig
+    from run.launch import free_port
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     torch.set_num_threads(args.threads)

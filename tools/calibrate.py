@@ -5,7 +5,7 @@ Runs (or reads, when ``runs/calibration/<name>/`` holds a finished run of the sa
 constants being fitted zeroed (or 1 for a factor), and fits, in this order:
 
 1. ``runtime_after_launch_bytes``: what the steps add to the runtime level each rank measured at launch
-   (``summary.json``'s ``memory_plan.launch_runtime_bytes``, rl/setup.py): for every phase of the native-engine
+   (``summary.json``'s ``memory_plan.launch_runtime_bytes``, run/setup.py): for every phase of the native-engine
    runs whose plan has no transient (sleep, on/offloads, wakes), measured peak - planned bytes - the launch
    level; the middle of their range. ``runtime_overhead_bytes`` is the same without the launch level: what
    ``make plan`` uses before a launch (the run replaces it with its measurement).
@@ -371,7 +371,7 @@ def _with_measured_kv_cache(spec, run_dir: Path):
     ``tag/kv_cache``, largest over ranks and steps)."""
     from dataclasses import replace
 
-    from rl.memory import read_timeline_csv
+    from telemetry.memory_timeline import read_timeline_csv
 
     kv = max((int(r.get("tag/kv_cache", 0)) for r in read_timeline_csv(run_dir / "memory_timeline.csv")), default=0)
     if kv <= 0:

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from rl.checkpoint import RUN_CONFIG_COPY as RUN_CONFIG_FILE  # an export's copy of its run's config.yaml
+from checkpointing.checkpoint import RUN_CONFIG_COPY as RUN_CONFIG_FILE  # an export's copy of its run's config.yaml
 
 
 class BadInput(ValueError):
@@ -35,8 +35,8 @@ class BadInput(ValueError):
 
 def _run_config_and_checkpoint(run: str, step: int | None, overrides: list[str]):
     """``--run``: the run's config (+ overrides) and the checkpoint directory to evaluate."""
-    from rl.checkpoint import CHECKPOINT_DIR, RLState, complete_checkpoints, model_sizes
-    from rl.compose import ConfigError, compose_from_file
+    from checkpointing.checkpoint import CHECKPOINT_DIR, RLState, complete_checkpoints, model_sizes
+    from run.compose import ConfigError, compose_from_file
 
     run_dir = Path(run)
     if not (run_dir / "config.yaml").is_file():
@@ -71,7 +71,7 @@ def _run_config_and_checkpoint(run: str, step: int | None, overrides: list[str])
 
 def _hf_config(hf: str, exp: str | None, overrides: list[str]):
     """``--hf``: the export's run config (+ overrides), else the experiment's, with model.path = the checkpoint."""
-    from rl.compose import ConfigError, compose, compose_from_file
+    from run.compose import ConfigError, compose, compose_from_file
 
     path = Path(hf)
     if not (path / "config.json").is_file():
@@ -93,9 +93,9 @@ def _hf_config(hf: str, exp: str | None, overrides: list[str]):
 def check_input(args: argparse.Namespace):
     """(config, checkpoint dir or None, step or None), or BadInput."""
     from modelspec.tiny import resolve_model_path
-    from rl.compose import ConfigError, resolve_path
-    from rl.launch import missing_devices
-    from rl.preflight import check_engine_installed
+    from run.compose import ConfigError, resolve_path
+    from run.launch import missing_devices
+    from run.preflight import check_engine_installed
 
     if (args.hf is None) == (args.run is None):
         raise BadInput("make eval needs exactly one of HF=<HF checkpoint dir> or RUN=<run dir> [STEP=<n>]")
@@ -124,10 +124,11 @@ def _rank_main(cfg, checkpoint: Path | None, step: int | None) -> None:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
+    from checkpointing.checkpoint import ACTOR_DIR
     from megatron_backend.actor import Actor
-    from rl.checkpoint import ACTOR_DIR
     from rl.evaluation import eval_problems, evaluate, reference_logprob_mean
-    from rl.setup import build_engine, init_rank, rollout_groups, sync_actor_into_engine
+    from run.setup import build_engine, init_rank, rollout_groups
+    from run.shared_device import sync_actor_into_engine
 
     # reading a checkpoint: torch's deprecation notices for what megatron-core 0.16 calls, once per rank
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(megatron\.core|torch\.distributed\.checkpoint)")
@@ -192,7 +193,7 @@ def _rank_main(cfg, checkpoint: Path | None, step: int | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rl.launch import spawn_local
+    from run.launch import spawn_local
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hf", default=None, help="a Hugging Face checkpoint directory")

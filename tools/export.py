@@ -57,7 +57,14 @@ def resolve(run: str, step: int | None, out: str | None, dtype: str | None, forc
     """Check the input (files and headers only) and pick the checkpoint, OUT and dtype; ExportError if bad."""
     import yaml
 
-    from rl.checkpoint import CHECKPOINT_DIR, HF_DIR, RLState, complete_checkpoints, model_sizes, step_dir_name
+    from checkpointing.checkpoint import (
+        CHECKPOINT_DIR,
+        HF_DIR,
+        RLState,
+        complete_checkpoints,
+        model_sizes,
+        step_dir_name,
+    )
 
     run_dir = Path(run)
     if not (run_dir / RUN_CONFIG).is_file():
@@ -108,9 +115,9 @@ def _print_file(name: str, num_bytes: int) -> None:
 
 def _write_share(actor_dir: str, source_dir: str, plan, out_dir: str, rank: int, num_procs: int) -> int:
     """One process of ``--procs``: its files (index % num_procs == rank); returns its peak RSS."""
+    from colocation.host_memory import configure_host_allocator
     from megatron_backend.hf_export import write_files
     from modelspec import ModelShape
-    from modelspec.host_memory import configure_host_allocator
 
     configure_host_allocator()
     write_files(actor_dir, ModelShape.from_pretrained(source_dir), plan, out_dir, rank, num_procs, _print_file)
@@ -122,9 +129,9 @@ def export(job: ExportJob, max_shard_bytes: int, num_procs: int = 1) -> dict:
     seconds, RSS: with several processes ``peak_rss_bytes`` is the largest of theirs and this one's)."""
     import torch
 
+    from checkpointing.checkpoint import ACTOR_DIR, RUN_CONFIG_COPY
     from megatron_backend.hf_export import plan_export, source_tensor_names, write_hf_dir
     from modelspec import ModelShape
-    from rl.checkpoint import ACTOR_DIR, RUN_CONFIG_COPY
 
     start = time.perf_counter()
     shape = ModelShape.from_pretrained(job.source_dir)
@@ -203,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shard-mb", type=float, default=2048.0, help="largest safetensors file (MiB)")
     parser.add_argument("--procs", type=int, default=1, help="processes writing the files, each its share")
     args = parser.parse_args(argv)
-    from modelspec.host_memory import configure_host_allocator
+    from colocation.host_memory import configure_host_allocator
 
     configure_host_allocator()  # freed chunk buffers go back to the OS: the RSS stays at one tensor's reads
     try:

@@ -4,7 +4,7 @@ loop's check sees it, with the engine's weights synced from the actor, and again
 One process: a megatron actor (TP=1) loaded from ``--hf`` in ``--dtype``, an engine (native or vLLM) filled by
 the planned weight sync, ``--num-prompts`` x ``--n`` samples at temperature 1 (digit-sum prompts), the actor's
 log-probs of them (``Actor.compute_logprobs``, as the ``old_logprob`` phase), and the statistics the loop logs
-(``rl.metrics.gap_distribution``). Then ``--corrupt``: the two column halves of one layer's ``down_proj`` are
+(``telemetry.metrics.gap_distribution``). Then ``--corrupt``: the two column halves of one layer's ``down_proj`` are
 swapped in the engine (what a TP=2 shard placed in the other rank's slot gives: a layout error in one layer
 of eight), the same prompts are sampled again and measured again. One JSON line: ``synced`` and ``corrupt``.
 """
@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from modelspec.engines import ENGINES
+from colocation.engines import ENGINES
 
 
 def _rank_main(args: argparse.Namespace) -> None:
@@ -27,9 +27,9 @@ def _rank_main(args: argparse.Namespace) -> None:
     from megatron_backend.parallel import initialize_model_parallel
     from modelspec import ColocatedMesh
     from rl.batching import Sample, pack_sequences
-    from rl.metrics import gap_distribution
-    from rl.weight_sync import WeightSyncConfig
     from rollout import RolloutConfig, SamplingParams, make_engine
+    from telemetry.metrics import gap_distribution
+    from weight_sync import WeightSyncConfig
 
     model_path = args.model_path
     dims = initialize_model_parallel(1, 1)
@@ -83,7 +83,7 @@ def _rank_main(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rl.launch import spawn_local
+    from run.launch import spawn_local
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", choices=ENGINES, default="native")

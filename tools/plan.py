@@ -17,8 +17,8 @@ from pathlib import Path
 from planner import make_plan, variants
 from planner.report import format_table, gib, plan_json, recommend_optimizer_offload_fraction, verdict
 
-# plan_inputs lives in rl so rl.main can plan too
-from rl.planning import DEFAULT_PROMPT_TOKENS, PromptLength, data_prompt_length, plan_inputs
+# plan_inputs lives in run/ so run.main can plan too
+from run.memory_plan import DEFAULT_PROMPT_TOKENS, PromptLength, data_prompt_length, plan_inputs
 
 __all__ = ["main", "plan_inputs"]
 
@@ -39,14 +39,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="hydra overrides, as for make run")
     args = parser.parse_args(argv)
 
-    from rl.compose import ConfigError, compose
+    from run.compose import ConfigError, compose
 
     try:
         cfg = compose(args.exp, args.overrides)
         if args.prompt_tokens is not None:
             prompt = PromptLength(args.prompt_tokens, f"--prompt-tokens {args.prompt_tokens}")
         else:
-            prompt = data_prompt_length(cfg)  # the task's longest prompt, as the run's own plan (rl/setup.py)
+            prompt = data_prompt_length(cfg)  # the task's longest prompt, as the run's own plan (run/setup.py)
         inputs = plan_inputs(cfg, prompt.tokens)
         base_inputs = plan_inputs(compose(args.exp), prompt.tokens) if args.overrides else None
     except (ConfigError, ValueError) as exc:

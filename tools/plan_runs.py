@@ -3,7 +3,7 @@
 
 A :class:`RunSpec` is an experiment plus overrides, run as users run it, only shorter (:data:`SHORT_RUN`:
 4 steps; the experiment's own SFT warm-up, W&B mode and checkpoints, a save after every step where the
-experiment saves at all, so every steady step follows one) into ``runs/<set>/<name>/`` by ``python -m rl.main --run-dir``; an existing run
+experiment saves at all, so every steady step follows one) into ``runs/<set>/<name>/`` by ``python -m run.main --run-dir``; an existing run
 directory whose ``spec.json`` matches is read instead (``--rerun`` runs it again). The fit set and the
 validation set share no configuration (``tests/test_plan_runs.py``).
 
@@ -41,7 +41,7 @@ SAVE_EVERY_STEP = "trainer.save_every=1"
 
 @functools.cache
 def _experiment_saves(exp: str, overrides: tuple[str, ...]) -> bool:
-    from rl.compose import compose
+    from run.compose import compose
 
     return compose(exp, list(overrides)).trainer.save_every > 0
 
@@ -237,7 +237,7 @@ def ensure_run(spec: RunSpec, run_dir: Path, rerun: bool = False, timeout_s: flo
 
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "rl.main", "--exp", spec.exp, "--run-dir", str(run_dir), *spec.all_overrides]
+    cmd = [sys.executable, "-m", "run.main", "--exp", spec.exp, "--run-dir", str(run_dir), *spec.all_overrides]
     print(f"{spec.name}: running {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
     start = time.monotonic()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -260,7 +260,7 @@ class Measured:
 
 
 def measured_phases(run_dir: Path) -> dict[str, Measured]:
-    from rl.memory import PEAK_METRIC, phase_samples, read_timeline_csv, steady_steps
+    from telemetry.memory_timeline import PEAK_METRIC, phase_samples, read_timeline_csv, steady_steps
 
     rows = read_timeline_csv(run_dir / "memory_timeline.csv")
     steps = set(steady_steps(rows))
@@ -292,18 +292,18 @@ class Predicted:
 
 @functools.cache
 def spec_config(spec: RunSpec):
-    from rl.compose import compose
+    from run.compose import compose
 
     return compose(spec.exp, list(spec.all_overrides))
 
 
 def run_prompt_tokens(cfg) -> int:
-    """The task's longest prompt in tokens, as rl/setup.py::start_engine plans with."""
+    """The task's longest prompt in tokens, as run/setup.py::plan_and_build_engine plans with."""
     from transformers import AutoTokenizer
 
     from modelspec.tiny import resolve_model_path
-    from rl.compose import resolve_path
     from rl.data import longest_prompt_tokens
+    from run.compose import resolve_path
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(resolve_path(cfg.model.path)))
     return longest_prompt_tokens(cfg.data.build(seed=cfg.trainer.seed), tokenizer)
@@ -325,7 +325,7 @@ def launch_runtime_of(run_dir: Path | None) -> int | None:
 def inputs_for(spec: RunSpec, calibration=None, run_dir: Path | None = None, launch_runtime_bytes: int | None = None):
     """The planner inputs the run planned with, optionally under another calibration; with the runtime level the
     run in ``run_dir`` measured at launch (``launch_runtime_bytes`` given: that instead)."""
-    from rl.planning import plan_inputs
+    from run.memory_plan import plan_inputs
 
     launch = launch_runtime_bytes if launch_runtime_bytes is not None else launch_runtime_of(run_dir)
     return plan_inputs(

@@ -19,8 +19,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from rl.memory import read_timeline_csv
-from rl.memory_charts import compare_table, phase_table, plot_stages, plot_timeline, representative_step, run_label
+from telemetry.memory_charts import (
+    compare_table,
+    phase_table,
+    plot_stages,
+    plot_timeline,
+    representative_step,
+    run_label,
+)
+from telemetry.memory_timeline import read_timeline_csv
 
 
 def load_run(run_dir: str | Path) -> tuple[str, list[dict]]:

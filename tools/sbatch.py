@@ -2,7 +2,7 @@
 
     python -m tools.sbatch --exp NAME [--nodes N] [--submit] [key=value ...]
 
-Composes and validates the experiment exactly as ``make run`` does (``rl.compose.compose``), prepares
+Composes and validates the experiment exactly as ``make run`` does (``run.compose.compose``), prepares
 ``runs/<exp>/<timestamp>/`` (config.yaml, tiny checkpoints if any) and writes ``job.sbatch`` there from
 ``experiments/slurm/job.sbatch``. Nodes and ranks per node come from ``cluster.num_nodes`` (or ``--nodes``)
 and ``cluster.procs_per_node``; time, partition and account from ``cluster.slurm_*``, else from
@@ -25,8 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from rl.compose import REPO_ROOT, ConfigError, compose, resolve_path
-from rl.config import RunConfig
+from run.compose import REPO_ROOT, ConfigError, compose, resolve_path
+from run.config import RunConfig
 
 TEMPLATE = REPO_ROOT / "experiments" / "slurm" / "job.sbatch"
 SCRIPT_NAME = "job.sbatch"
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--submit", action="store_true", help="submit with sbatch and print the job id")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, passed to every rank as well")
     args = parser.parse_args(argv)
-    from rl.main import prepare
+    from run.main import prepare
 
     try:
         if args.submit and shutil.which("sbatch") is None:

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from modelspec.engines import ENGINES
+from colocation.engines import ENGINES
 
 PROMPTS = ("1+2=", "The quick brown fox", "def add(a, b):", "RL on CPU, 7*6=")
 
@@ -52,9 +52,9 @@ def _rank_main(args: argparse.Namespace) -> None:
     from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
     from modelspec import ColocatedMesh
-    from rl.setup import rollout_groups
-    from rl.weight_sync import WeightSyncConfig
     from rollout import RolloutConfig, SamplingParams, make_engine
+    from run.setup import rollout_groups
+    from weight_sync import WeightSyncConfig
 
     dims = initialize_model_parallel(args.train_tp, args.train_pp)
     rank, world = dims.rank, dims.world_size
@@ -146,7 +146,7 @@ def _rank_main(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     import warnings
 
-    from rl.launch import spawn_local
+    from run.launch import spawn_local
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hf", required=True, help="Hugging Face checkpoint directory (Qwen2 / Llama / Qwen3)")

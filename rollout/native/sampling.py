@@ -46,7 +46,7 @@ class Sampler:
                 scaled = torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
             probs = scaled.softmax(dim=-1)
             # freed before multinomial's [B, V] exponential draws: CUDA's caching allocator hands them its block
-            # (one [B, V] fp32 fewer at the draw); glibc does not (modelspec/engines.py, the native profile)
+            # (one [B, V] fp32 fewer at the draw); glibc does not (colocation/engines.py, the native profile)
             del scaled
             tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
             del probs

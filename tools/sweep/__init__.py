@@ -7,7 +7,7 @@
 The sweep is ``experiments/sweeps/<NAME>.yaml`` in W&B's sweep format (``method: grid``, ``parameters`` of
 ``values`` / ``value``, a ``command`` with ``${args_no_hyphens}``). ``key=value`` overrides (make's ARGS) go to
 every point, before the point's own. Before anything launches, every point is composed and validated
-(:func:`rl.compose.compose`) and planned on the experiment's device (:func:`planner.make_plan`); points that
+(:func:`run.compose.compose`) and planned on the experiment's device (:func:`planner.make_plan`); points that
 fail either are listed with the reason instead of run.
 
 ``create`` uploads the sweep with ``wandb sweep`` (online; ``--sweep-id`` skips that and renders for an

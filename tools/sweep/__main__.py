@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import tools.sweep
-from rl.compose import ConfigError
+from run.compose import ConfigError
 from tools.sweep.grid import SweepError, check_fixed, grid_points, load_sweep
 from tools.sweep.local import local
 from tools.sweep.slurm import create

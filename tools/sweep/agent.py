@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rl.launch import updated_environ
+from run.launch import updated_environ
 from tools.sweep.grid import ARGS_MACRO, SweepError
 
 # what the sweep's command reads from the environment (${envvar:...}); the array script exports both

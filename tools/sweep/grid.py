@@ -9,8 +9,8 @@ from typing import Any
 
 import yaml
 
-from rl.compose import REPO_ROOT
-from rl.config import RunConfig
+from run.compose import REPO_ROOT
+from run.config import RunConfig
 from tools.sbatch import new_run_dir
 
 SWEEPS_DIR = REPO_ROOT / "experiments" / "sweeps"

@@ -1,4 +1,4 @@
-"""Every point of a grid composed (:func:`rl.compose.compose`) and planned on the experiment's device
+"""Every point of a grid composed (:func:`run.compose.compose`) and planned on the experiment's device
 (:func:`planner.make_plan`) before anything launches; the infeasible ones carry their reason."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from rl.compose import ConfigError, compose
-from rl.config import RunConfig
+from run.compose import ConfigError, compose
+from run.config import RunConfig
 from tools.sweep.agent import point_overrides
 from tools.sweep.grid import short_key
 
@@ -37,7 +37,7 @@ def validate(exp: str, fixed: list[str], grid: list[dict[str, Any]]) -> list[Poi
 
     from planner import make_plan
     from planner.report import verdict
-    from rl.planning import data_prompt_length, plan_inputs
+    from run.memory_plan import data_prompt_length, plan_inputs
 
     points = []
     for index, params in enumerate(

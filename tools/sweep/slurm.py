@@ -15,8 +15,8 @@ from typing import Any
 import yaml
 
 from modelspec.tiny import resolve_model_path
-from rl.compose import REPO_ROOT, compose, resolve_path
-from rl.config import RunConfig
+from run.compose import REPO_ROOT, compose, resolve_path
+from run.config import RunConfig
 from tools.sbatch import SHELL_SAFE_PATH, fill, gpus_per_node, resource_lines
 from tools.sweep.agent import EXP_ENV, RUN_DIR_ENV, wandb_sweep
 from tools.sweep.grid import SweepError, new_sweep_dir, with_fixed_overrides

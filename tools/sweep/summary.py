@@ -101,7 +101,7 @@ def write_markdown(rows: list[dict[str, Any]], params: list[str], path: Path, ti
 
 def format_compact(rows: list[dict[str, Any]], params: list[str]) -> str:
     """The printed table: the measured peaks of rollout, train and the wake window instead of every phase."""
-    from modelspec.phases import wake_window_phases
+    from colocation.phases import wake_window_phases
 
     unit, scale = _unit(rows)
     window = wake_window_phases()

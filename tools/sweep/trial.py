@@ -15,11 +15,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rl.compose import REPO_ROOT
-from rl.memory import PEAK_METRIC
+from run.compose import REPO_ROOT
+from telemetry.memory_timeline import PEAK_METRIC
 from tools.sweep.points import Point
 
-# measured peak of a phase, max over ranks (rl.memory: CUDA allocator peak + memory outside it; CPU: RSS high-water mark)
+# measured peak of a phase, max over ranks (telemetry.memory_timeline: CUDA allocator peak + memory outside it; CPU: RSS high-water mark)
 MEASURED_METRIC = PEAK_METRIC
 
 
@@ -45,7 +45,7 @@ def run_point(point: Point, command: list[str], run_dir: Path, progress) -> None
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=5.0)
         except KeyboardInterrupt:
-            os.killpg(proc.pid, signal.SIGTERM)  # the point's own session: rl.main and its ranks
+            os.killpg(proc.pid, signal.SIGTERM)  # the point's own session: run.main and its ranks
             proc.wait()
             raise
     point.result = collect_result(run_dir)

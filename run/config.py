@@ -2,27 +2,27 @@
 
 Each component owns its keyword-only config dataclass beside its code: ``ActorConfig``
 (megatron_backend/config.py), ``RolloutConfig`` (rollout/config.py), ``WeightSyncConfig``
-(rl/weight_sync/sync.py), ``DataConfig`` (rl/data.py), ``WandbConfig`` (rl/tracking.py),
-``ClusterConfig`` (rl/launch.py), ``PolicyLossConfig`` (rl/losses.py), ``EvalConfig`` (rl/evaluation.py). This module holds the model and
+(weight_sync/sync.py), ``DataConfig`` (rl/data.py), ``WandbConfig`` (telemetry/tracking.py),
+``ClusterConfig`` (run/launch.py), ``PolicyLossConfig`` (rl/losses.py), ``EvalConfig`` (rl/evaluation.py). This module holds the model and
 trainer configs and :class:`RunConfig`, whose ``__post_init__`` checks parallel sizes against the model
-(its :class:`~modelspec.ModelShape`) and the world through :meth:`modelspec.ColocatedMesh.check`. Hydra composition lives in :mod:`rl.compose`.
+(its :class:`~modelspec.ModelShape`) and the world through :meth:`modelspec.ColocatedMesh.check`. Hydra composition lives in :mod:`run.compose`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from colocation.phases import StepFlags
 from megatron_backend.config import ActorConfig
 from modelspec import DTYPE_NAMES, ColocatedMesh, ModelShape
-from modelspec.phases import StepFlags
 from modelspec.tiny import TINY_FAMILIES, TINY_PREFIX
 from rl.data import DataConfig
 from rl.evaluation import EvalConfig
-from rl.launch import ClusterConfig
 from rl.losses import PolicyLossConfig
-from rl.tracking import WandbConfig
-from rl.weight_sync import WeightSyncConfig
 from rollout.config import RolloutConfig
+from run.launch import ClusterConfig
+from telemetry.tracking import WandbConfig
+from weight_sync import WeightSyncConfig
 
 
 @dataclass(kw_only=True)
@@ -97,7 +97,7 @@ class TrainerConfig:
     sft_warmup_steps: int = 0
     memory_sample_interval_s: float = 0.05  # background memory sampler period inside phases
     ppo_epochs: int = 1  # optimizer steps per RL step on the same rollouts (PPO epochs; ratio clipping acts from 2)
-    # a checkpoint (rl/checkpoint.py) after every save_every-th step and after the last one; 0: never
+    # a checkpoint (checkpointing/checkpoint.py) after every save_every-th step and after the last one; 0: never
     save_every: int = 10
     keep_last: int = 2  # complete checkpoints kept; older ones are deleted once a newer one is complete
     # a HF directory <run dir>/hf/step_<n> (megatron_backend/hf_export.py, as `make export` writes) after every
@@ -106,7 +106,7 @@ class TrainerConfig:
     export_at_end: bool = False
     # the run stops when the engine's and the actor's log-probs of the step's sampled tokens (all ranks)
     # differ by more than max_logprob_gap_p99 at the 99th percentile or by more than max_logprob_gap on
-    # any token; null: the model dtype's default (rl.metrics.LOGPROB_GAP_RULE)
+    # any token; null: the model dtype's default (telemetry.metrics.LOGPROB_GAP_RULE)
     max_logprob_gap: float | None = None
     max_logprob_gap_p99: float | None = None
 
@@ -156,7 +156,7 @@ class RunConfig:
     algorithm: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    resume: str = "auto"  # auto | never | <checkpoint path> (rl/checkpoint.py)
+    resume: str = "auto"  # auto | never | <checkpoint path> (checkpointing/checkpoint.py)
     output_dir: str = "runs"
 
     def __post_init__(self) -> None:
@@ -208,7 +208,7 @@ class RunConfig:
         return self.cluster.world_size // (self.actor.tp * self.actor.pp)
 
     def step_flags(self) -> StepFlags:
-        """What decides which state each phase of the step moves (modelspec/phases.py, the step's table)."""
+        """What decides which state each phase of the step moves (colocation/phases.py, the step's table)."""
         offload = self.actor.offload
         return StepFlags(
             offload_params=offload.params,

@@ -1,4 +1,4 @@
-"""Hydra composition: experiment name + dotted overrides -> a validated :class:`~rl.config.RunConfig`.
+"""Hydra composition: experiment name + dotted overrides -> a validated :class:`~run.config.RunConfig`.
 
 ``experiments/conf/config.yaml`` composes ``exp/<name>.yaml`` over the structured configs (each
 component's dataclass is its schema in Hydra's ConfigStore). Every failure becomes one
@@ -18,14 +18,14 @@ from hydra.core.config_store import ConfigStore
 
 from megatron_backend.config import ActorConfig, OffloadConfig
 from modelspec.tiny import TINY_PREFIX
-from rl.config import ModelConfig, RunConfig, TrainerConfig
 from rl.data import DataConfig
 from rl.evaluation import EvalConfig, EvalDataConfig
-from rl.launch import ClusterConfig
 from rl.losses import PolicyLossConfig
-from rl.tracking import WandbConfig
-from rl.weight_sync import WeightSyncConfig
 from rollout.config import RolloutConfig
+from run.config import ModelConfig, RunConfig, TrainerConfig
+from run.launch import ClusterConfig
+from telemetry.tracking import WandbConfig
+from weight_sync import WeightSyncConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO_ROOT / "experiments" / "conf"

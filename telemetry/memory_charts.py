@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from rl.memory import (
+from telemetry.memory_timeline import (
     PEAK_METRIC,
     RELEASE_TAGS,
     TAGS,

@@ -5,7 +5,7 @@ posts its receives, copies its local slices straight from the actor shard into t
 then unpacks what arrived. Nothing beyond one bucket's staging buffers is ever allocated, and those
 are freed before the next bucket starts (``peak_extra_bytes`` reports the high-water mark).
 
-Bytes move through a :class:`~rl.weight_sync.transport.Transport` (``transport=``; default
+Bytes move through a :class:`~weight_sync.transport.Transport` (``transport=``; default
 torch.distributed point-to-point, gloo on CPU and NCCL on GPU): the executor only submits sends and
 receives per bucket and runs them.
 """
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rl.weight_sync.plan import DIRECT_MIN_BYTES, SyncPlan, Transfer, is_direct
-from rl.weight_sync.transport import TorchP2PTransport, Transport
+from weight_sync.transfers import DIRECT_MIN_BYTES, SyncPlan, Transfer, is_direct
+from weight_sync.transport import TorchP2PTransport, Transport
 
 
 @dataclass

@@ -1,10 +1,10 @@
 """Checks that read files or the environment, run by the launcher after composition and before any rank
 starts: the checkpoint's shards and tokenizer, the engine's package, the KV-cache budget, the data file,
-and the checkpoint a run resumes from. Each failure is one :class:`~rl.compose.ConfigError` line naming
+and the checkpoint a run resumes from. Each failure is one :class:`~run.compose.ConfigError` line naming
 the key or file and the fix; all of them together take seconds (headers are read, never weights).
 
 Pure config checks (sizes that must divide, ranges) live in the configs' ``__post_init__``
-(:mod:`rl.config` and each component's dataclass) and fail earlier, at composition.
+(:mod:`run.config` and each component's dataclass) and fail earlier, at composition.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from pathlib import Path
 
 import yaml
 
+from checkpointing.checkpoint import CHECKPOINT_DIR, RLState, checkpoint_from_path, complete_checkpoints, model_sizes
 from modelspec import ModelShape
 from planner import make_plan
-from rl.checkpoint import CHECKPOINT_DIR, RLState, checkpoint_from_path, complete_checkpoints, model_sizes
-from rl.compose import ConfigError
-from rl.config import RunConfig
 from rl.evaluation import eval_problems
-from rl.planning import plan_inputs
-from rl.sampling import sampling_seed
+from rl.generation import sampling_seed
+from run.compose import ConfigError
+from run.config import RunConfig
+from run.memory_plan import plan_inputs
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 # keys that may change between the run that saved a checkpoint and the one that resumes it automatically
@@ -43,7 +43,7 @@ def preflight(cfg: RunConfig, run_dir: Path | None) -> None:
 
 
 def check_engine_installed(cfg: RunConfig) -> None:
-    package = cfg.rollout.profile.package  # what the engine needs beyond this repository (modelspec.engines)
+    package = cfg.rollout.profile.package  # what the engine needs beyond this repository (colocation.engines)
     if package is None:
         return
     try:
@@ -97,7 +97,7 @@ def check_kv_budget(cfg: RunConfig) -> None:
     (``planner.plan``: each engine's own sizing rule), so launch and ``make plan`` agree."""
     rollout = cfg.rollout
     if rollout.planner_sizes_kv_cache:
-        return  # the planner picks it (rl.planning.check_auto_kv_cache, at launch, refuses a plan where none fits)
+        return  # the planner picks it (run.memory_plan.check_auto_kv_cache, at launch, refuses a plan where none fits)
     try:
         plan = make_plan(plan_inputs(cfg))
     except ValueError as exc:

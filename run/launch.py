@@ -1,6 +1,6 @@
 """Start the ranks of a run: locally (one process per rank, spawned here) or under torchrun / srun.
 
-``python -m rl.main`` composes and validates the config in the parent first (bad input fails in
+``python -m run.main`` composes and validates the config in the parent first (bad input fails in
 one line before any process group starts), prepares the run directory, then either
 
 - spawns ``cluster.procs_per_node`` local ranks (``cluster.num_nodes == 1``; CPU gloo or one GPU
@@ -52,7 +52,7 @@ class ClusterConfig:
     slurm_signal_seconds: int = 300  # USR1 this long before the time limit: ranks checkpoint, the job requeues
     # every collective (and the rendezvous) gives up after this long: a rank whose peer died raises, never hangs
     timeout_s: float = 600.0
-    # ... except inside a checkpoint's file work (rl/checkpoint.py, Checkpointer.window): a rank writing its ~56 GB
+    # ... except inside a checkpoint's file work (checkpointing/checkpoint.py, Checkpointer.window): a rank writing its ~56 GB
     # of a 32B checkpoint, or rank 0 deleting an old one, while the others wait in a collective
     file_timeout_s: float = 7200.0
 

@@ -1,12 +1,12 @@
 """The RL step as data: its phases in order, and for each the memory it adds, drops and holds transiently.
 
-One table that everything reads: ``rl/loop.py::rl_step`` runs these phases and nothing else, in this
-order (``rl.setup.RankContext.phase`` checks every entry against :class:`PhaseOrder`); the planner
+One table that everything reads: ``run/loop.py::rl_step`` runs these phases and nothing else, in this
+order (``run.shared_device.SharedDevice.phase`` checks every entry against :class:`PhaseOrder`); the planner
 (``planner/plan.py``) predicts each phase's bytes by walking :func:`step_phases`; the memory timeline
-(``rl/memory.py``) takes its phase order and what each hand-off releases (``RELEASE_TAGS``) from here;
+(``telemetry/memory_timeline.py``) takes its phase order and what each hand-off releases (``RELEASE_TAGS``) from here;
 the engine's wake strategies (``rollout/config.py::WAKE_TAGS``) are the wake phases' ``adds``.
 
-State that stays resident between phases is named by its memory-ledger tag (``rl/memory.py`` TAGS):
+State that stays resident between phases is named by its memory-ledger tag (``telemetry/memory_timeline.py`` TAGS):
 the engine's ``weights`` and ``kv_cache`` (``rollout/memory_saver.py``), the actor's ``actor_params``,
 ``actor_grads``, ``optimizer`` (``megatron_backend/memory.py``) and the reference actor's ``ref_params``.
 A transient is memory a phase takes and gives back before it ends (activations, a sync bucket); the
@@ -18,9 +18,12 @@ every step enters the same phases; only ``eval`` (``eval.every``, ``eval.before_
 ``save_checkpoint`` (``trainer.save_every``, a stop) and ``export_hf`` (``trainer.export_every``,
 ``trainer.export_at_end``) run on some steps (``every_step=False``).
 
-Adding a phase: a :class:`Phase` here, in its place; a ``with phase("<name>", step):`` in ``rl_step``
-(or in ``run_rank`` after the step); its transients' bytes in ``planner/plan.py::_phases`` if it has any.
-``tests/test_phases.py`` fails until all three agree.
+A hand-off phase (``hand_off=True``) only moves state between host and device: the run enters it by itself
+between the loop's other phases and applies its adds and drops (``run/shared_device.py``), as the planner
+walks them. Adding a hand-off phase is a :class:`Phase` here, in its place, and nothing else
+(``tests/test_phases.py`` runs a copy of the table with one added). A phase that does work besides is also a
+``with phase("<name>", step):`` in ``rl_step`` (or in ``run_rank`` after the step), and its transients' bytes
+in ``planner/plan.py::_phases`` if it has any; ``tests/test_phases.py`` fails until they agree.
 """
 
 from __future__ import annotations
@@ -30,7 +33,15 @@ from dataclasses import dataclass
 # State resident across phases, by memory tag (see the module doc).
 ACTOR_STATE = ("actor_params", "actor_grads", "optimizer")
 ENGINE_STATE = ("weights", "kv_cache")
-STATE = (*ACTOR_STATE, "ref_params", *ENGINE_STATE)
+REF_STATE = ("ref_params",)
+STATE = (*ACTOR_STATE, *REF_STATE, *ENGINE_STATE)
+# state -> what holds it on the run's side and that holder's own name for it (Actor.offload's "params",
+# the engine's sleep tags): the one translation, applied by run/shared_device.py
+HOLDERS = {
+    **{state: ("actor", state.removeprefix("actor_")) for state in ACTOR_STATE},
+    **{state: ("ref_actor", state.removeprefix("ref_")) for state in REF_STATE},
+    **{state: ("engine", state) for state in ENGINE_STATE},
+}
 
 # Memory a phase holds only while it runs (the planner sizes each; planner/plan.py::_phases).
 TRANSIENTS = (
@@ -100,8 +111,11 @@ class Phase:
     drops: tuple[str, ...] = ()  # state resident at its start and not at its end
     transients: tuple[str, ...] = ()  # TRANSIENTS held inside the phase
     every_step: bool = True  # False: only on some steps (EVAL_PHASE, SAVE_PHASE, EXPORT_PHASE)
+    hand_off: bool = False  # only moves state (adds, drops): the run enters it between the loop's other phases
 
     def __post_init__(self) -> None:
+        if self.hand_off and not self.every_step:
+            raise ValueError(f"phase {self.name}: a hand-off runs every step (every_step=True)")
         for field_name, allowed in (("adds", STATE), ("drops", STATE), ("transients", TRANSIENTS)):
             unknown = set(getattr(self, field_name)) - set(allowed)
             if unknown:
@@ -133,22 +147,23 @@ def step_phases(flags: StepFlags) -> tuple[Phase, ...]:
             what="the engine releases its weights and KV cache",
             drops=ENGINE_STATE,
             transients=("rollout_heap",),
+            hand_off=True,
         ),
-        Phase(name="onload_params", what="the actor's params back from host", adds=moved("actor_params")),
-        Phase(name="onload_grads", what="the actor's grad buffers back", adds=moved("actor_grads")),
-        Phase(name="onload_optimizer", what="the optimizer's states back from host", adds=moved("optimizer")),
+        Phase(name="onload_params", what="the actor's params back from host", adds=moved("actor_params"), hand_off=True),
+        Phase(name="onload_grads", what="the actor's grad buffers back", adds=moved("actor_grads"), hand_off=True),
+        Phase(name="onload_optimizer", what="the optimizer's states back from host", adds=moved("optimizer"), hand_off=True),
         Phase(
             name="old_logprob",
             what="this rank's batch, the actor's forward-only log-prob pass, the engine-vs-actor log-prob check",
             transients=("forward_pass",),
         ),
-        Phase(name="onload_ref", what="the reference actor's params back from host", adds=moved("ref_params")),
+        Phase(name="onload_ref", what="the reference actor's params back from host", adds=moved("ref_params"), hand_off=True),
         Phase(
             name="ref_logprob",
             what="the reference actor's forward-only log-prob pass",
             transients=("forward_pass",) if flags.reference_model else (),
         ),
-        Phase(name="offload_ref", what="the reference actor's params to host", drops=moved("ref_params")),
+        Phase(name="offload_ref", what="the reference actor's params to host", drops=moved("ref_params"), hand_off=True),
         Phase(name="train", what="trainer.ppo_epochs x (micro-batches, optimizer step)", transients=("train_pass",)),
         Phase(
             name=SAVE_PHASE,
@@ -162,23 +177,25 @@ def step_phases(flags: StepFlags) -> tuple[Phase, ...]:
             transients=("hf_export",),
             every_step=False,
         ),
-        Phase(name="offload_optimizer", what="the optimizer's states to host", drops=moved("optimizer")),
-        Phase(name="offload_grads", what="the actor's grad buffers released", drops=moved("actor_grads")),
+        Phase(name="offload_optimizer", what="the optimizer's states to host", drops=moved("optimizer"), hand_off=True),
+        Phase(name="offload_grads", what="the actor's grad buffers released", drops=moved("actor_grads"), hand_off=True),
         Phase(
             name="wake_weights",
             what="the engine takes back its weights (and its KV cache, all_at_once)",
             adds=("weights",) if staged else ENGINE_STATE,
+            hand_off=True,
         ),
         Phase(
             name="weight_sync",
             what="planned reshard of the actor's shards into the engine's weights",
             transients=("sync_bucket",),
         ),
-        Phase(name="offload_params", what="the actor's params to host", drops=moved("actor_params")),
+        Phase(name="offload_params", what="the actor's params to host", drops=moved("actor_params"), hand_off=True),
         Phase(
             name="wake_kv_cache",
             what="the engine takes back its KV cache (staged)",
             adds=("kv_cache",) if staged else (),
+            hand_off=True,
         ),
         Phase(
             name="log",

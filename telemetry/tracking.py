@@ -13,7 +13,7 @@ against ``trainer/step``, among them ``memory/peak/<phase>`` (max over ranks of 
 peak, ``device_peak``), ``memory/predicted/<phase>`` and ``memory/prediction_error/<phase>`` (the memory
 plan's prediction and predicted / measured - 1) and ``memory/drift/<phase>`` (growth of that peak over the
 steady steps so far, as a fraction of it). At the end: ``memory/stage_chart`` and ``memory/timeline_chart`` images
-(:mod:`rl.memory_charts`).
+(:mod:`telemetry.memory_charts`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from rl.memory import METRICS, phase_drift, phase_peak_rows, phase_peaks, read_timeline_csv
-from rl.memory_charts import plot_stages, plot_timeline, run_label, timeline_x
+from telemetry.memory_charts import plot_stages, plot_timeline, run_label, timeline_x
+from telemetry.memory_timeline import METRICS, phase_drift, phase_peak_rows, phase_peaks, read_timeline_csv
 
 CSV_COLUMNS = ("t_s", "step", "phase", "rank", *METRICS)
 
@@ -116,7 +116,7 @@ class RunWriter:
         self._csv_file = open(self.run_dir / "memory_timeline.csv", "a", newline="")
         self._csv = csv.DictWriter(self._csv_file, fieldnames=CSV_COLUMNS, extrasaction="ignore")
         self._defined: set[str] = set()
-        # phase -> the memory plan's prediction (set by rl.setup.start_engine): logged beside each measured peak
+        # phase -> the memory plan's prediction (set by run.setup.plan_and_build_engine): logged beside each measured peak
         self.predicted_bytes: dict[str, int] = {}
         self._deferred: list[dict] | None = [] if defer_wandb else None
         self.wandb_step = wandb_step  # the next W&B step (explicit, so a resumed run continues the count)
@@ -150,6 +150,11 @@ class RunWriter:
     @property
     def num_deferred(self) -> int:
         return len(self._deferred or ())
+
+    @property
+    def wandb_step_after_deferred(self) -> int:
+        """The W&B step after the deferred records are sent (what a checkpoint covering them continues from)."""
+        return self.wandb_step + self.num_deferred
 
     def _wandb_log(self, record: dict) -> None:
         if self.wandb_run is None:

@@ -6,10 +6,12 @@ import sys
 
 import torch.distributed as dist
 
+from checkpointing.checkpoint import StopRequest
 from rl.batching import Sample, pack_sequences
-from rl.launch import PREEMPTED_EXIT_CODE
 from rl.losses import sft_loss
-from rl.setup import RankContext
+from run.launch import PREEMPTED_EXIT_CODE
+from run.setup import RankContext
+from telemetry.tracking import RunWriter
 
 
 class StopDuringWarmup(Exception):
@@ -55,15 +57,15 @@ def resume_or_warm_up(ctx: RankContext) -> list[float] | StopDuringWarmup:
     return losses
 
 
-def exit_during_warmup(ctx: RankContext, stop: StopDuringWarmup) -> int:
-    """A stop during the warm-up: no checkpoint can hold a part of it (every checkpoint is after the warm-up,
-    and a resume skips it), so exit cleanly at once; a requeue starts the run over (resume=auto finds no
-    checkpoint in the run directory)."""
-    if ctx.writer is not None:
-        ctx.writer.close()
+def exit_during_warmup(writer: RunWriter | None, stop: StopRequest, cut: StopDuringWarmup, num_steps: int) -> int:
+    """A stop during the warm-up (``cut`` after some of its ``num_steps`` steps): no checkpoint can hold a part
+    of it (every checkpoint is after the warm-up, and a resume skips it), so exit cleanly at once; a requeue
+    starts the run over (resume=auto finds no checkpoint in the run directory)."""
+    if writer is not None:
+        writer.close()
         print(
-            f"stopped by {ctx.stop.received or 'a signal to another rank'} during the supervised warm-up (after "
-            f"{stop.done} of {ctx.cfg.trainer.sft_warmup_steps} steps); no checkpoint before the warm-up ends: "
+            f"stopped by {stop.received or 'a signal to another rank'} during the supervised warm-up (after "
+            f"{cut.done} of {num_steps} steps); no checkpoint before the warm-up ends: "
             "run again with the same run directory to start over",
             file=sys.stderr,
             flush=True,

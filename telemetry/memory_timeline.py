@@ -51,28 +51,29 @@ from pathlib import Path
 import psutil
 import torch
 
-from megatron_backend.memory import TAGS as ACTOR_TAGS
-from modelspec.phases import (  # noqa: F401 (re-exported)
+from colocation.phases import (  # noqa: F401 (re-exported)
+    ACTOR_STATE,
     ALL_PHASES,
+    ENGINE_STATE,
     EVAL_PHASE,
     EXPORT_PHASE,
     PHASES,
+    REF_STATE,
     SAVE_PHASE,
     WAKE_WINDOW,
     released_tags,
     wake_window_phases,
 )
-from rollout.memory_saver import TAGS as ENGINE_TAGS
+from planner import Plan
 
-# The step's phases (modelspec/phases.py, the one table): PHASES run every step; the timeline records every
+# The step's phases (colocation/phases.py, the one table): PHASES run every step; the timeline records every
 # phase a step may run, in order: PHASES and, at the step boundaries that evaluate, the eval before rollout,
 # after train on the steps that save, the checkpoint's shards, and on the steps that export, the HF export.
 TIMELINE_PHASES = ALL_PHASES
 
-# Memory tags: the engine's (rollout.memory_saver), the actor's (megatron_backend.memory) and the
-# reference actor's params (its ledger's actor_params, renamed in rl.setup).
-REF_TAGS = ("ref_params",)
-TAGS = ENGINE_TAGS + ACTOR_TAGS + REF_TAGS
+# Memory tags: the step's state names (colocation/phases.py), which the engine's and the actor's ledgers
+# use; the reference actor's params are its ledger's actor_params, renamed in run.setup.
+TAGS = ENGINE_STATE + ACTOR_STATE + REF_STATE
 BASE_METRICS = ("device_used", "device_peak", "device_allocated", "device_reserved", "host_rss", "host_pinned")
 METRICS = BASE_METRICS + tuple(f"tag/{tag}" for tag in TAGS)
 # The measured metrics: a phase's peak (`memory/peak/<phase>`, summary.json's phase_peak_bytes) and what
@@ -176,11 +177,11 @@ class MemoryProbe:
 
     def runtime_level_bytes(self) -> int:
         """CPU: what this rank holds beside the tensors its ledgers name, now (RSS over the baseline, freed heap
-        returned first, minus the tags): taken at launch, before the first step (rl/setup.py::start_engine), it
+        returned first, minus the tags): taken at launch, before the first step (run/setup.py::plan_and_build_engine), it
         is the plan's runtime level for this run (``PlanInputs.launch_runtime_bytes``), so the model's Python
         objects, the tokenizer, W&B's threads and what the warm-up left in the heap are measured on this
         machine, not fitted elsewhere."""
-        from modelspec.host_memory import release_freed_host_memory
+        from colocation.host_memory import release_freed_host_memory
 
         release_freed_host_memory()
         sample = self.read()
@@ -236,6 +237,11 @@ class MemoryTimeline:
         self._active: tuple[int, str] | None = None  # (step, phase) being sampled
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @property
+    def peak_method(self) -> str:
+        """How its peaks are measured (a key of PEAK_METHODS; summary.json's memory_peak_method)."""
+        return self.probe.peak_method
 
     def sample(self, step: int, phase: str) -> dict:
         row = dict(t_s=time.monotonic() - self.t0, step=step, phase=phase, rank=self.rank, **self.probe.read())
@@ -436,3 +442,23 @@ def measured_free_bytes(device: torch.device, ranks_per_node: int = 1) -> int:
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     return int(psutil.virtual_memory().available) // max(1, ranks_per_node)
+
+
+def prediction_errors(plan: Plan, rows: list[dict], min_bytes: int = 0) -> dict[str, dict[str, float]]:
+    """phase -> predicted (the plan's worst rank, plus its runtime overhead: the measurement includes the
+    CUDA context or, on CPU, what the process allocates beside the tensors), measured (max over ranks of
+    the median over the steady steps of the phase's measured peak) and their relative error (predicted /
+    measured - 1), for the phases the run measured at or above ``min_bytes``."""
+    ranks = sorted({int(r["rank"]) for r in rows})
+    out = {}
+    for phase in plan.phases:
+        measured = max((steady_peak(rows, (phase.name,), rank) for rank in ranks), default=0)
+        if measured <= 0 or measured < min_bytes:
+            continue
+        predicted = phase.predicted_bytes + plan.runtime_overhead_bytes
+        out[phase.name] = {
+            "predicted_bytes": predicted,
+            "measured_bytes": measured,
+            "relative_error": predicted / measured - 1.0,
+        }
+    return out

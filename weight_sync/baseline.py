@@ -34,9 +34,9 @@ import torch.distributed as dist
 from megatron_backend.layout import RankLayout, local_param_shapes
 from modelspec import ColocatedMesh, ModelShape
 from modelspec.family import hf_tensor_shapes
-from rl.weight_sync.execute import SyncStats
-from rl.weight_sync.layouts import actor_sources, engine_destinations
 from rollout.layout import copy_hf_into_local, hf_to_vllm_index
+from weight_sync.execute import SyncStats
+from weight_sync.layouts import actor_sources, engine_destinations
 
 
 @dataclass

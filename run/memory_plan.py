@@ -1,7 +1,7 @@
-"""A composed :class:`~rl.config.RunConfig` as the memory planner's inputs: the one place that knows both.
+"""A composed :class:`~run.config.RunConfig` as the memory planner's inputs: the one place that knows both.
 
 ``make plan`` (tools/plan.py) prints the plan; ``make run`` prints it too when this machine lacks the
-experiment's devices (rl/main.py); ``make sweep`` / ``make sweep-local`` check every grid point with it.
+experiment's devices (run/main.py); ``make sweep`` / ``make sweep-local`` check every grid point with it.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ DEFAULT_PROMPT_TOKENS = 512
 def plan_inputs(
     cfg, prompt_tokens: int | None = None, calibration=None, launch_runtime_bytes: int | None = None
 ) -> PlanInputs:
-    """A composed RunConfig -> the planner's inputs for one rank (adapt here when rl/config.py changes).
+    """A composed RunConfig -> the planner's inputs for one rank (adapt here when run/config.py changes).
 
     ``calibration``: a :class:`planner.calibration.Calibration` (None: the device kind's file).
-    ``launch_runtime_bytes``: the runtime level the run measured at launch (rl/setup.py::start_engine; None:
+    ``launch_runtime_bytes``: the runtime level the run measured at launch (run/setup.py::plan_and_build_engine; None:
     not launched, the fitted level)."""
     rollout, actor = cfg.rollout, cfg.actor
     host_gib = cfg.cluster.host_memory_gib
@@ -99,7 +99,7 @@ def _data_file_bytes(path: str | None) -> int:
     """The task's data file's bytes (each rank reads all its records; 0 for a generated task or no file here)."""
     import os
 
-    from rl.compose import resolve_path
+    from run.compose import resolve_path
 
     if not path or not os.path.isfile(resolve_path(path)):
         return 0
@@ -109,7 +109,7 @@ def _data_file_bytes(path: str | None) -> int:
 @dataclass(frozen=True)
 class PromptLength:
     """The prompt length a plan made before launch uses: the task's longest prompt in tokens (what the run's own
-    plan uses, rl/setup.py), or ``None`` where the data or the tokenizer is not on this machine; ``source`` says
+    plan uses, run/setup.py), or ``None`` where the data or the tokenizer is not on this machine; ``source`` says
     which, for the plan's printout."""
 
     tokens: int | None
@@ -126,8 +126,8 @@ def data_prompt_length(cfg) -> PromptLength:
 
 @functools.lru_cache(maxsize=8)
 def _data_prompt_length(model_path: str, task: str, data_path: str | None, max_operand: int, seed: int) -> PromptLength:
-    from rl.compose import resolve_path
     from rl.data import DataConfig, longest_prompt_tokens
+    from run.compose import resolve_path
 
     path = resolve_path(model_path)
     try:
@@ -144,7 +144,7 @@ def _data_prompt_length(model_path: str, task: str, data_path: str | None, max_o
 
 
 def _tokenizer(path: str):
-    """The tokenizer the run loads (rl/setup.py: AutoTokenizer at model.path); a ``tiny:`` checkpoint's without
+    """The tokenizer the run loads (run/setup.py: AutoTokenizer at model.path); a ``tiny:`` checkpoint's without
     building the checkpoint (modelspec.tiny saves ``build_tokenizer()`` beside every tiny model)."""
     from modelspec.tiny import TINY_PREFIX, build_tokenizer
 
@@ -173,10 +173,10 @@ def eval_sequences(cfg) -> int:
 @functools.lru_cache(maxsize=32)
 def sync_staged_bytes(shape, mesh, bucket_bytes: int, element_bytes: int) -> tuple[int, ...]:
     """Per actor pipeline stage, the most bytes one of its ranks stages in one bucket of the weight sync: the
-    plan rl/setup.py builds (``WeightSyncConfig.build``: both sides' layouts, no communication) and its
+    plan run/setup.py builds (``WeightSyncConfig.build``: both sides' layouts, no communication) and its
     packed part (``SyncPlan.max_staged_bytes``). The actor's norm naming (``te_norms``) changes no size."""
-    from rl.weight_sync.layouts import actor_sources, engine_destinations
-    from rl.weight_sync.plan import plan_sync
+    from weight_sync.layouts import actor_sources, engine_destinations
+    from weight_sync.transfers import plan_sync
 
     plan = plan_sync(actor_sources(shape, mesh), engine_destinations(shape, mesh), bucket_bytes, element_bytes)
     stage_of = [mesh.actor_coords(rank).pp_rank for rank in range(mesh.world_size)]
@@ -190,8 +190,8 @@ def sync_staged_bytes(shape, mesh, bucket_bytes: int, element_bytes: int) -> tup
 def sync_peers(shape, mesh, bucket_bytes: int, element_bytes: int) -> int:
     """The most other ranks one rank sends to or receives from in the weight sync (the same plan as
     :func:`sync_staged_bytes`): the point-to-point peers whose NCCL buffers planner/comms.py counts."""
-    from rl.weight_sync.layouts import actor_sources, engine_destinations
-    from rl.weight_sync.plan import plan_sync
+    from weight_sync.layouts import actor_sources, engine_destinations
+    from weight_sync.transfers import plan_sync
 
     plan = plan_sync(actor_sources(shape, mesh), engine_destinations(shape, mesh), bucket_bytes, element_bytes)
     peers: dict[int, set[int]] = {}
@@ -277,25 +277,3 @@ def check_auto_kv_cache(cfg) -> None:
             f"rollout.gpu_memory_utilization=auto: {verdict(plan)} (`make plan EXP={cfg.exp}` shows every phase)"
         )
     choose_kv_cache(cfg, plan)
-
-
-def prediction_errors(plan: Plan, rows: list[dict], min_bytes: int = 0) -> dict[str, dict[str, float]]:
-    """phase -> predicted (the plan's worst rank, plus its runtime overhead: the measurement includes the
-    CUDA context or, on CPU, what the process allocates beside the tensors), measured (max over ranks of
-    the median over the steady steps of the phase's measured peak) and their relative error (predicted /
-    measured - 1), for the phases the run measured at or above ``min_bytes``."""
-    from rl.memory import steady_peak
-
-    ranks = sorted({int(r["rank"]) for r in rows})
-    out = {}
-    for phase in plan.phases:
-        measured = max((steady_peak(rows, (phase.name,), rank) for rank in ranks), default=0)
-        if measured <= 0 or measured < min_bytes:
-            continue
-        predicted = phase.predicted_bytes + plan.runtime_overhead_bytes
-        out[phase.name] = {
-            "predicted_bytes": predicted,
-            "measured_bytes": measured,
-            "relative_error": predicted / measured - 1.0,
-        }
-    return out

@@ -1,10 +1,10 @@
 """Actor -> engine weight sync: plan (pure), execute (bucketed, in place, over a pluggable transport),
 verify, and the gather-and-broadcast baseline for the benchmark."""
 
-from rl.weight_sync.execute import SyncStats, execute_sync
-from rl.weight_sync.plan import SyncPlan, Transfer, plan_sync
-from rl.weight_sync.sync import SyncResult, WeightSync, WeightSyncConfig
-from rl.weight_sync.transport import TorchP2PTransport, Transport
+from weight_sync.execute import SyncStats, execute_sync
+from weight_sync.sync import SyncResult, WeightSync, WeightSyncConfig
+from weight_sync.transfers import SyncPlan, Transfer, plan_sync
+from weight_sync.transport import TorchP2PTransport, Transport
 
 __all__ = [
     "SyncPlan",

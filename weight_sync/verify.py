@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rl.weight_sync.plan import SyncPlan
+from weight_sync.transfers import SyncPlan
 
 _BITS = {
     torch.float32: torch.int32,

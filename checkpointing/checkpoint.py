@@ -33,10 +33,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megatron_backend.actor import Actor
 
 CHECKPOINT_DIR = "checkpoints"
 ACTOR_DIR = "actor"
@@ -45,7 +48,7 @@ STATE_FILE = "rl_state.json"
 HF_DIR = "hf"  # <run dir>/hf/step_<n>: the HF exports (make export, trainer.export_every)
 RUN_CONFIG_COPY = "run_config.yaml"  # an export's copy of the run's config.yaml
 FORMAT_VERSION = 1
-SAMPLING_SEED_SCHEDULE = "rl.sampling.sampling_seed(seed, step, replica) v1"
+SAMPLING_SEED_SCHEDULE = "rl.sampling.sampling_seed(seed, step, replica) v1"  # a format tag in rl_state.json, kept verbatim: old checkpoints resume
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _LEFTOVER = re.compile(r"^\.(tmp|trash)-step_\d{8}$")
 
@@ -213,7 +216,7 @@ def collective_timeout(timeout_s: float, restore_s: float) -> Iterator[None]:
 
     For one-sided file work inside a collective window (a rank writing its shards while the others wait in the
     checkpoint's final gather; rank 0 renaming and deleting while the others wait in a barrier): on NCCL the
-    watchdog would otherwise end the waiting ranks at ``cluster.timeout_s`` (rl/launch.py, NCCL_RANK_ENVIRON).
+    watchdog would otherwise end the waiting ranks at ``cluster.timeout_s`` (run/launch.py, NCCL_RANK_ENVIRON).
     torch's own ``dist.breakpoint`` lengthens the timeout the same way (``_set_pg_timeout``, for gloo and NCCL);
     collectives begun inside the block keep the long timeout. Chosen over moving the work out of the window
     (the next collective would then wait on it instead) and over a gloo side group (megatron's checkpoint
@@ -278,6 +281,20 @@ class Checkpointer:
                 (tmp / RANKS_DIR).mkdir(parents=True)
             dist.barrier()
         return tmp
+
+    def save_actor(self, actor: Actor, completed_steps: int) -> Path:
+        """Begin the checkpoint after ``completed_steps`` steps: the actor's shards into its temporary
+        directory (every rank writes its shards, then waits for the slowest in a collective)."""
+        tmp = self.begin(completed_steps)
+        with self.window():
+            actor.save_checkpoint(tmp / ACTOR_DIR)
+        return tmp
+
+    def export_actor(self, actor: Actor, completed_steps: int) -> Path:
+        """The actor's weights as ``<run dir>/hf/step_<n>`` (every rank writes its share; see Actor.save_hf)."""
+        run_dir = self.root.parent
+        out_dir = run_dir / HF_DIR / step_dir_name(completed_steps)
+        return actor.save_hf(out_dir, extra_files={RUN_CONFIG_COPY: run_dir / "config.yaml"})
 
     def finish(self, tmp: Path, rank_state: dict[str, Any], state: RLState | None) -> Path:
         """Write this rank's part; rank 0 then writes ``rl_state.json`` (``state``) and renames the

@@ -1,6 +1,6 @@
 """``make run``: compose + validate the config, prepare the run directory, start the ranks.
 
-    python -m rl.main [--exp tiny_cpu] [--run-dir DIR] [key=value ...]
+    python -m run.main [--exp tiny_cpu] [--run-dir DIR] [key=value ...]
 
 Under torchrun / srun (``WORLD_SIZE`` and ``RANK`` set) this process is one rank and ``--run-dir``
 must name the directory every rank shares; otherwise it spawns the local ranks itself. Bad input (config,
@@ -19,11 +19,11 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from checkpointing.checkpoint import checkpoint_from_path
 from modelspec.tiny import resolve_model_path
-from rl.checkpoint import checkpoint_from_path
-from rl.compose import ConfigError, compose, resolve_path
-from rl.config import RunConfig
-from rl.launch import (
+from run.compose import ConfigError, compose, resolve_path
+from run.config import RunConfig
+from run.launch import (
     bind_gloo_to_master_interface,
     forked_children_die_with_this_process,
     interface_to,
@@ -34,7 +34,7 @@ from rl.launch import (
     run_launched,
     spawn_local,
 )
-from rl.preflight import find_unfinished_run, hold_run_dir, preflight, resume_point
+from run.preflight import find_unfinished_run, hold_run_dir, preflight, resume_point
 
 
 def prepare(cfg: RunConfig, run_dir: str | Path | None) -> Path:
@@ -54,7 +54,7 @@ def needs_devices(cfg: RunConfig, overrides: list[str], problem: str) -> int:
     """No devices for this experiment here: print its memory plan, then one line saying what it needs; exit 2."""
     from planner import make_plan
     from planner.report import format_table
-    from rl.planning import data_prompt_length, plan_inputs
+    from run.memory_plan import data_prompt_length, plan_inputs
 
     try:
         print(format_table(make_plan(plan_inputs(cfg, data_prompt_length(cfg).tokens)), title=" ".join([cfg.exp, *overrides])) + "\n", flush=True)
@@ -89,7 +89,7 @@ def pick_run_dir(cfg: RunConfig, given: str | None) -> Path | None:
 def check_launch(cfg: RunConfig, run_dir: str | None) -> None:
     """What the launcher itself cannot do with this config (raises ConfigError)."""
     if cfg.rollout.planner_sizes_kv_cache:
-        from rl.planning import check_auto_kv_cache
+        from run.memory_plan import check_auto_kv_cache
 
         try:
             check_auto_kv_cache(cfg)
@@ -110,7 +110,7 @@ def run_launched_rank(cfg: RunConfig, run_dir: str) -> int:
     import torch.distributed as dist
 
     from megatron_backend.parallel import init_distributed
-    from rl.loop import run_rank
+    from run.loop import run_rank
 
     forked_children_die_with_this_process()  # torchrun / srun stop the ranks; their forked writers too
     chosen = bind_gloo_to_master_interface()
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_launched(run_launched_rank, cfg.cluster, cfg, str(run_dir))
     resuming = f"; resuming after step {state.completed_steps}" if state is not None else ""
     print(f"run directory: {run_dir}{resuming}", flush=True)
-    from rl.loop import run_rank
+    from run.loop import run_rank
 
     return spawn_local(run_rank, cfg.cluster.world_size, (cfg, str(run_dir)), rank_environ(cfg.cluster))
 

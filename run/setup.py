@@ -4,7 +4,6 @@ when resuming), the engine, the weight-sync plan, the task, the writer, the chec
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 import warnings
@@ -15,19 +14,28 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from checkpointing.checkpoint import (
+    ACTOR_DIR,
+    Checkpointer,
+    RLState,
+    StopRequest,
+    load_rank_state,
+    model_sizes,
+    resolve_resume,
+)
+from colocation.host_memory import freeze_long_lived_objects
+from colocation.phases import HOLDERS
 from modelspec import ColocatedMesh, ModelShape, TokenBatch, torch_dtype
-from modelspec.host_memory import freeze_long_lived_objects
-from modelspec.phases import ENGINE_STATE, PhaseOrder
 from rl.batching import Sample, make_batch
-from rl.checkpoint import ACTOR_DIR, Checkpointer, RLState, StopRequest, load_rank_state, resolve_resume
-from rl.config import RunConfig
 from rl.data import DigitSumTask, Gsm8kTask, Problem, longest_prompt_tokens
 from rl.evaluation import eval_problems
+from rl.generation import sampling_seed
 from rl.losses import PolicyLoss
-from rl.memory import TAGS, MemoryProbe, MemoryTimeline, measured_free_bytes
-from rl.planning import KvCacheChoice
-from rl.tracking import RunWriter
-from rl.weight_sync import SyncResult, WeightSync
+from run.config import RunConfig
+from run.memory_plan import KvCacheChoice
+from run.shared_device import SharedDevice
+from telemetry.memory_timeline import TAGS, MemoryProbe, MemoryTimeline
+from telemetry.tracking import RunWriter
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -41,34 +49,42 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, kw_only=True)
 class RankContext:
     """What one rank builds once for the run: :func:`setup` builds it, :func:`start_rollout` returns it with
-    the engine. Never reassigned: what a step changes comes back from ``rl_step`` (:class:`rl.loop.StepResult`).
+    the engine. Never reassigned: what a step changes comes back from ``rl_step`` (:class:`run.loop.StepResult`).
     The objects it holds (the actor, the engine, the timeline, the writer) keep their own state."""
 
     cfg: RunConfig
     mesh: ColocatedMesh
     dims: ParallelDims  # this rank's actor groups (megatron's)
-    actor: Actor
-    ref_actor: Actor | None
+    device: SharedDevice  # the actor, the reference actor, the engine, the weight sync, moved by the step's table
     tokenizer: PreTrainedTokenizerBase
     task: DigitSumTask | Gsm8kTask
     loss: PolicyLoss
-    weight_sync: WeightSync
     timeline: MemoryTimeline
     writer: RunWriter | None  # rank 0 only
     rollout_group: dist.ProcessGroup | None  # this rank's engine replica (native engine's TP group)
     checkpointer: Checkpointer
     stop: StopRequest
-    phase_order: PhaseOrder  # the step's table for this run's flags: every phase entry is checked against it
     eval_problems: list[Problem]  # the eval phase's problems (rl/evaluation.py; empty when the run does not evaluate)
     # resuming: the checkpoint, its RLState and this rank's saved RNG/task state (applied before the first step)
     resumed_from: Path | None = None
     resumed_state: RLState | None = None
     resumed_rank_state: dict | None = None
     t0: float = field(default_factory=time.monotonic)
-    # start_rollout(): the engine, and the memory plan made with its KV cache (None: not plannable)
-    engine: RolloutEngine | None = None
-    plan: Plan | None = None
+    # start_rollout(): the KV cache chosen for the engine (the engine and its plan are the device's)
     kv_choice: KvCacheChoice | None = None
+
+    @property
+    def actor(self) -> Actor:
+        return self.device.actor
+
+    @property
+    def engine(self) -> RolloutEngine | None:
+        return self.device.engine
+
+    @property
+    def plan(self) -> Plan | None:
+        """The memory plan made with the engine's KV cache (None: not plannable)."""
+        return self.device.plan
 
     @property
     def start_step(self) -> int:
@@ -87,36 +103,26 @@ class RankContext:
     def replica(self) -> int:
         return self.mesh.replica(self.rank)
 
-    @contextlib.contextmanager
-    def phase(self, name: str, step: int):
-        """Time and sample memory around one phase of the step; a phase the step's table (modelspec/phases.py)
-        does not list, or out of its order, is a PhaseOrderError."""
-        self.phase_order.enter(name, step)
-        with self.timeline.phase(name, step):  # its seconds: timeline.step_phase_seconds(step)
-            yield
-
-    def offloaded(self, what: str) -> bool:
-        """Whether ``actor.offload.<what>`` moves it to host between its uses (``ref_params``: the
-        reference actor's params, when there is a reference actor)."""
-        if what == "ref_params" and self.ref_actor is None:
-            return False
-        return bool(getattr(self.cfg.actor.offload, what))
-
-    def check_wake(self, phase: str) -> None:
-        """Before an engine wake: the measured free memory against what the plan says ``phase`` allocates.
-        Every rank checks; if any falls short, all stop with the worst rank's line (phase, shortfall and a
-        ``rollout.kv_cache_bytes`` that fits) instead of dying inside the engine."""
-        if self.plan is None:
-            return
-        from planner import check_fits
-
-        check = check_fits(self.plan, measured_free_bytes(self.dims.device, self.cfg.cluster.procs_per_node), phase)
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (check.shortfall_bytes, check.line))
-        shortfall, line = max(gathered, key=lambda g: g[0])
-        if shortfall > 0:
-            rank = gathered.index((shortfall, line))
-            raise MemoryPlanError(f"rank {rank}: {line}")
+    def rl_state(self, completed_steps: int, rank_state: dict, warmup_losses: list[float]) -> RLState | None:
+        """Rank 0's RLState for the checkpoint after ``completed_steps`` steps (None on the other ranks)."""
+        if self.writer is None:
+            return None
+        dims, mesh, base_seed = self.dims, self.mesh, self.sampling_base_seed
+        return RLState(
+            completed_steps=completed_steps,
+            sampling_seed=base_seed,
+            next_sampling_seeds=[sampling_seed(base_seed, completed_steps, r) for r in range(mesh.num_replicas)],
+            data_num_prompts_drawn=rank_state["task"]["num_drawn"],
+            wandb_run_id=self.writer.wandb_run_id,
+            wandb_step=self.writer.wandb_step_after_deferred,
+            world_size=mesh.world_size,
+            layout=dict(
+                actor_tp=dims.tp, actor_pp=dims.pp, actor_vpp=dims.vpp, actor_dp=dims.dp, rollout_tp=mesh.rollout_tp
+            ),
+            model=model_sizes(self.actor.shape),
+            exp=self.cfg.exp,
+            warmup_losses=list(warmup_losses),
+        )
 
     def make_batch(self, samples: list[Sample]) -> tuple[TokenBatch, torch.Tensor]:
         """This DP rank's share of the step's samples (on its device), and every sample's reward [N]."""
@@ -130,23 +136,6 @@ class RankContext:
             dims.device,
             balance_tokens=cfg.actor.balance_dp_tokens,
         )
-
-    def sync_weights(self) -> SyncResult:
-        """Planned reshard of the actor's shards straight into the engine's (awake) weights."""
-        return sync_actor_into_engine(self.weight_sync, self.actor, self.engine)
-
-
-def sync_actor_into_engine(weight_sync: WeightSync, actor: Actor, engine: RolloutEngine) -> SyncResult:
-    """Planned reshard of the actor's shards straight into the engine's (awake) weights (the run's
-    weight_sync phase; ``make eval`` hands its weights to the engine the same way)."""
-    destinations = engine.begin_weight_update()
-    result = weight_sync(actor.local_params(), destinations)
-    engine.finish_weight_update()
-    return result
-
-
-class MemoryPlanError(RuntimeError):
-    """The memory measured free before an engine wake is less than the plan says the wake needs."""
 
 
 def rollout_groups(mesh: ColocatedMesh) -> list[dist.ProcessGroup]:
@@ -164,8 +153,8 @@ def _checkpoint_to_resume(cfg: RunConfig, run_dir: Path, rank: int) -> Path | No
 def init_rank(cfg: RunConfig) -> ParallelDims:
     """A rank's process as the run and the tools need it: the host allocator on CPU, then megatron's process
     groups for the actor's layout."""
+    from colocation.host_memory import configure_host_allocator
     from megatron_backend.parallel import default_device, initialize_model_parallel
-    from modelspec.host_memory import configure_host_allocator
 
     # megatron-core warns at import about missing Apex / Transformer Engine / CUDA env vars; on CPU that is expected
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
@@ -207,13 +196,23 @@ def setup(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None) -> Ran
         ref_actor = Actor(cfg.model.path, cfg.actor, dims, dtype=cfg.model.dtype, train=False, shape=shape)
     probe.add_ledger(lambda: _tagged(actor.memory(), dims.device))
     if ref_actor is not None:
-        # the reference actor's params under their own tag (its ledger calls them actor_params)
-        probe.add_ledger(lambda: _tagged(ref_actor.memory(), dims.device, rename={"actor_params": "ref_params"}))
-        if cfg.actor.offload.ref_params:
-            ref_actor.offload("params")  # on host until its first ref_logprob
+        # the reference actor's state under its own tags (its ledger, an actor's, calls them the actor's)
+        actor_tag = {name: state for state, (holder, name) in HOLDERS.items() if holder == "actor"}
+        rename = {actor_tag[name]: state for state, (holder, name) in HOLDERS.items() if holder == "ref_actor"}
+        probe.add_ledger(lambda: _tagged(ref_actor.memory(), dims.device, rename=rename))
     weight_sync = cfg.weight_sync.build(
         actor.shape, mesh, dims.rank, dtype=cfg.model.dtype, te_norms=actor.layout.te_norms
     )
+    device = SharedDevice(
+        actor=actor,
+        ref_actor=ref_actor,
+        weight_sync=weight_sync,
+        flags=cfg.step_flags(),
+        timeline=timeline,
+        device=dims.device,
+        procs_per_node=cluster.procs_per_node,
+    )
+    device.offload_between_uses("ref_actor")  # on host until its first ref_logprob (as the flags say)
     writer = None
     if dims.rank == 0:
         writer = cfg.wandb.build(
@@ -233,18 +232,15 @@ def setup(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None) -> Ran
         cfg=cfg,
         mesh=mesh,
         dims=dims,
-        actor=actor,
-        ref_actor=ref_actor,
+        device=device,
         tokenizer=AutoTokenizer.from_pretrained(cfg.model.path),
         task=cfg.data.build(seed=cfg.trainer.seed),
         loss=PolicyLoss(cfg.algorithm),
-        weight_sync=weight_sync,
         timeline=timeline,
         writer=writer,
         rollout_group=groups[mesh.replica(dims.rank)] if mesh.rollout_tp > 1 else None,
         checkpointer=checkpointer,
         stop=stop or StopRequest(dims.rank),
-        phase_order=PhaseOrder(cfg.step_flags()),
         eval_problems=eval_problems(cfg) if cfg.eval.enabled else [],
         resumed_from=checkpoint,
         resumed_state=resumed_state,
@@ -254,7 +250,7 @@ def setup(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None) -> Ran
     return ctx
 
 
-def start_engine(ctx: RankContext) -> RankContext:
+def plan_and_build_engine(ctx: RankContext) -> RankContext:
     """``ctx`` with its engine, built with empty weights (the first weight sync writes them). Called once the actor has
     offloaded what its flags say, so that what the engine sees at start-up (vLLM checks free memory against
     its utilization and sizes the KV cache from it) is what the step leaves it at the KV-cache wake.
@@ -286,7 +282,8 @@ def start_engine(ctx: RankContext) -> RankContext:
     ctx.timeline.probe.add_ledger(lambda: _tagged(engine.memory(), dims.device))
     if ctx.writer is not None and plan is not None:
         ctx.writer.predicted_bytes = {p.name: p.predicted_bytes + plan.runtime_overhead_bytes for p in plan.phases}
-    return dataclasses.replace(ctx, engine=engine, plan=plan, kv_choice=kv_choice)
+    ctx.device.attach_engine(engine, plan)
+    return dataclasses.replace(ctx, kv_choice=kv_choice)
 
 
 def launch_runtime_bytes(
@@ -339,12 +336,12 @@ def build_engine(
     prompt_tokens: int,
     launch_runtime: int | None = None,
 ) -> tuple[RolloutEngine, Plan | None, KvCacheChoice | None]:
-    """The engine with empty weights, its KV cache as :func:`start_engine` says, and the plan made with it
+    """The engine with empty weights, its KV cache as :func:`plan_and_build_engine` says, and the plan made with it
     (``prompt_tokens``: the longest prompt it will see; ``launch_runtime``: the runtime level measured at launch,
     :func:`launch_runtime_bytes`)."""
     from planner import make_plan
-    from rl.planning import choose_kv_cache, engine_config, plan_inputs
     from rollout import make_engine
+    from run.memory_plan import choose_kv_cache, engine_config, plan_inputs
 
     auto = cfg.rollout.utilization is None
     try:
@@ -387,29 +384,21 @@ def build_engine(
 
 def start_rollout(ctx: RankContext) -> RankContext:
     """Before the first step: the actor offloads what its flags say, the engine starts sized for that
-    (:func:`start_engine`, which leaves it fully awake), then the first weight sync follows the step's own wake
-    order (rl/loop.py, ``wake_weights`` .. ``wake_kv_cache``): the engine sleeps, the actor's params come back,
+    (:func:`plan_and_build_engine`, which leaves it fully awake), then the first weight sync follows the step's own wake
+    order (run/loop.py, ``wake_weights`` .. ``wake_kv_cache``): the engine sleeps, the actor's params come back,
     the engine wakes what ``wake_weights`` wakes (checked against the plan), takes the weights, the params go
     back to host, then the KV cache wakes (checked). So the start-up never holds more than a step does (a
     fully awake engine beside the actor's params would hold params and KV cache together, which the staged
     strategy exists to avoid). Ends where a step ends: engine awake, actor offloaded. Returns ``ctx`` with the
     engine."""
-    for what in ("optimizer", "grads", "params"):
-        if ctx.offloaded(what):
-            ctx.actor.offload(what)
-    ctx = start_engine(ctx)
-    rollout = ctx.cfg.rollout
-    ctx.engine.sleep(list(ENGINE_STATE))
-    if ctx.offloaded("params"):
-        ctx.actor.onload("params")
-    ctx.check_wake("wake_weights")
-    ctx.engine.wake_up(rollout.wake_tags("wake_weights"))
-    ctx.sync_weights()
-    if ctx.offloaded("params"):
-        ctx.actor.offload("params")
-    if tags := rollout.wake_tags("wake_kv_cache"):
-        ctx.check_wake("wake_kv_cache")
-        ctx.engine.wake_up(tags)
+    device = ctx.device
+    device.offload_between_uses("actor")
+    ctx = plan_and_build_engine(ctx)
+    for phase in ("engine_sleep", "onload_params", "wake_weights"):
+        device.apply(phase)  # the step's moves in these phases (the wake checked against the plan)
+    device.sync_weights()
+    for phase in ("offload_params", "wake_kv_cache"):
+        device.apply(phase)
     freeze_long_lived_objects()  # the engine's objects too
     return ctx
 

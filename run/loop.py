@@ -2,14 +2,15 @@
 
 Every rank runs :func:`run_rank`; :func:`rl_step` is the paper-level view of a step. The actor
 (megatron-core, TP x PP x DP) and the engine (rollout TP x replicas) share each rank's device. Building
-the rank (:mod:`rl.setup`), batching, the rollout across replicas (:mod:`rl.sampling`), metrics and
-checkpoints (:mod:`rl.saving`) live beside it. A checkpoint is written right after ``train``, when the
+the rank (:mod:`run.setup`), batching, the rollout across replicas (:mod:`rl.generation`), metrics and
+checkpoints (:mod:`run.save_and_stop`) live beside it. A checkpoint is written right after ``train``, when the
 actor is resident and the engine asleep (no extra device memory), and completed after the step is logged;
 SIGUSR1 / SIGTERM act at the next boundary every rank agrees on (docs/DESIGN.md, "Checkpoints, resume,
 preemption")."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import zlib
 from dataclasses import dataclass
@@ -18,12 +19,23 @@ from pathlib import Path
 import torch.distributed as dist
 from tqdm import tqdm
 
-from modelspec.phases import ENGINE_STATE, EVAL_PHASE
-from rl.checkpoint import StopRequest, capture_rank_state, restore_rank_state
-from rl.config import RunConfig
+from checkpointing.checkpoint import StopRequest, capture_rank_state, restore_rank_state
+from colocation.phases import EVAL_PHASE
 from rl.evaluation import eval_record, evaluate
-from rl.memory import EXPORT_PHASE, SAVE_PHASE
-from rl.metrics import (
+from rl.generation import generate_samples, sampling_seed
+from rollout import SamplingParams
+from run.config import RunConfig
+from run.save_and_stop import (
+    StopBeforeTrain,
+    finish_checkpoint,
+    save_and_stop,
+    stops_on_storage_faults,
+)
+from run.setup import RankContext, setup, start_rollout
+from run.warmup import StopDuringWarmup, exit_during_warmup, resume_or_warm_up
+from telemetry.memory_timeline import EXPORT_PHASE, SAVE_PHASE
+from telemetry.metrics import (
+    RunFacts,
     check_finite,
     check_logprob_gap,
     engine_actor_logprob_gap,
@@ -34,19 +46,7 @@ from rl.metrics import (
     step_metrics,
     summarize,
 )
-from rl.sampling import generate_samples, sampling_seed
-from rl.saving import (
-    StopBeforeTrain,
-    export_actor,
-    finish_checkpoint,
-    save_actor,
-    save_and_stop,
-    stops_on_storage_faults,
-)
-from rl.setup import RankContext, setup, start_rollout
-from rl.warmup import StopDuringWarmup, exit_during_warmup, resume_or_warm_up
-from rl.weight_sync import SyncResult
-from rollout import SamplingParams
+from weight_sync import SyncResult
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,9 +61,10 @@ class StepResult:
 
 
 def rl_step(ctx: RankContext, step: int) -> StepResult:
-    """One RL step, per rank, in the table's phase order (modelspec/phases.py; the step's log phase follows it
+    """One RL step, per rank, in the table's phase order (colocation/phases.py; the step's log phase follows it
     in :func:`run_rank`)."""
-    cfg, actor, engine, phase = ctx.cfg, ctx.actor, ctx.engine, ctx.phase
+    cfg, shared = ctx.cfg, ctx.device
+    actor, ref_actor, engine, phase = shared.actor, shared.ref_actor, shared.engine, shared.phase
     device = ctx.dims.device  # the default group's: a collective's tensors live there (CUDA under NCCL)
     stop_agreed = lambda: ctx.stop.agreed(device)  # noqa: E731 (a collective at a phase boundary)
     params = SamplingParams.from_config(cfg.rollout, seed=sampling_seed(ctx.sampling_base_seed, step, ctx.replica))
@@ -74,12 +75,9 @@ def rl_step(ctx: RankContext, step: int) -> StepResult:
     with phase("rollout", step):  # every line of the step is inside a phase: the timeline sees all its memory
         problems = ctx.task.sample(cfg.trainer.prompts_per_step)  # the same prompts on every rank
         samples = generate_samples(engine, ctx.tokenizer, ctx.task, problems, params, ctx.mesh, ctx.rank)
-    with phase("engine_sleep", step):
-        engine.sleep(list(ENGINE_STATE))
-    for what in ("params", "grads", "optimizer"):
-        with phase(f"onload_{what}", step):
-            if ctx.offloaded(what):
-                actor.onload(what)
+    # the table's hand-offs between the phases named here enter by themselves: phase() enters each before
+    # the next named phase, hand_offs() up to one (engine_sleep, the onloads here)
+    shared.hand_offs(step, until="old_logprob")
     if stop_agreed():
         raise StopBeforeTrain
     with phase("old_logprob", step):  # the batch, the actor's pass, then the engine-vs-actor check
@@ -93,16 +91,11 @@ def rl_step(ctx: RankContext, step: int) -> StepResult:
         # the engine-vs-actor gap over all ranks (p99, max); too large: stop before training on wrong log-probs
         gap = engine_actor_logprob_gap(batch)
         check_logprob_gap(gap, step, logprob_gap_rule(cfg.trainer, cfg.model.dtype), cfg.model.dtype)
-    with phase("onload_ref", step):
-        if ctx.offloaded("ref_params"):
-            ctx.ref_actor.onload("params")
     with phase("ref_logprob", step):
-        if ctx.ref_actor is not None:
-            batch.ref_logprobs = ctx.ref_actor.compute_logprobs(batch, phase="ref_logprob", response_only=True)
+        if ref_actor is not None:
+            batch.ref_logprobs = ref_actor.compute_logprobs(batch, phase="ref_logprob", response_only=True)
             check_finite(step, "ref_logprob", {"ref log-prob": batch.ref_logprobs}, response, device=device)
-    with phase("offload_ref", step):
-        if ctx.offloaded("ref_params"):
-            ctx.ref_actor.offload("params")
+    shared.hand_offs(step, until="train")
     if stop_agreed():
         raise StopBeforeTrain
     with phase("train", step), non_finite_stops(step, "train"):
@@ -111,26 +104,13 @@ def rl_step(ctx: RankContext, step: int) -> StepResult:
     stop_after_step, pending_save = stop_agreed(), None
     if cfg.trainer.saves_after(step) or stop_after_step:
         with phase(SAVE_PHASE, step):  # everything resident, the engine asleep: no extra device memory
-            pending_save = save_actor(ctx, completed_steps=step + 1)
+            pending_save = ctx.checkpointer.save_actor(actor, completed_steps=step + 1)
     if cfg.trainer.exports_after(step):
         with phase(EXPORT_PHASE, step):  # the params resident (the optimizer's states are not read)
-            export_actor(ctx, completed_steps=step + 1)
-    for what in ("optimizer", "grads"):
-        with phase(f"offload_{what}", step):
-            if ctx.offloaded(what):
-                actor.offload(what)
-    with phase("wake_weights", step):
-        ctx.check_wake("wake_weights")
-        engine.wake_up(cfg.rollout.wake_tags("wake_weights"))
-    with phase("weight_sync", step):
-        sync = ctx.sync_weights()
-    with phase("offload_params", step):
-        if ctx.offloaded("params"):
-            actor.offload("params")
-    with phase("wake_kv_cache", step):
-        if tags := cfg.rollout.wake_tags("wake_kv_cache"):
-            ctx.check_wake("wake_kv_cache")
-            engine.wake_up(tags)
+            ctx.checkpointer.export_actor(actor, completed_steps=step + 1)
+    with phase("weight_sync", step):  # after the offloads and the engine's weights' wake
+        sync = shared.sync_weights()
+    shared.hand_offs(step, until="log")  # the params' offload, the KV cache's wake
     num_train_tokens = int(batch.loss_mask.sum()) * ctx.dims.dp
     seconds = ctx.timeline.step_phase_seconds(step)
     metrics = step_metrics(samples, rewards, num_train_tokens, train_metrics, seconds, sync, gap)
@@ -154,12 +134,28 @@ def evaluate_after_last_step(ctx: RankContext) -> None:
     number of steps), with the rows sampled since the last step's record."""
     steps = ctx.cfg.trainer.steps
     if not ctx.cfg.eval.runs_at(steps, steps):
-        log_rows_after_last_step(ctx)  # the end of the last step's log phase
+        log_rows_after_last_step(ctx.timeline, ctx.writer)  # the end of the last step's log phase
         return
-    with ctx.phase(EVAL_PHASE, steps):
+    with ctx.device.phase(EVAL_PHASE, steps):
         metrics = evaluate_at_boundary(ctx, steps)
     metrics.update({f"time/{k}": v for k, v in ctx.timeline.step_phase_seconds(steps).items()})
-    log_step(ctx, steps, metrics)
+    log_step(ctx.timeline, ctx.writer, steps, metrics)
+
+
+def run_facts(ctx: RankContext) -> RunFacts:
+    """What summary.json says about the run beside its measurements."""
+    shared = ctx.device
+    return RunFacts(
+        exp=ctx.cfg.exp,
+        wake_strategy=ctx.cfg.rollout.wake_strategy,
+        world_size=ctx.mesh.world_size,
+        peak_method=ctx.timeline.peak_method,
+        plan=shared.plan,
+        kv_cache=dataclasses.asdict(ctx.kv_choice) if ctx.kv_choice is not None else None,
+        actor_optimizer=shared.actor.optimizer_name,
+        sync_plan=shared.weight_sync.plan,
+        t0=ctx.t0,
+    )
 
 
 @stops_on_storage_faults
@@ -175,12 +171,20 @@ def run_rank(cfg: RunConfig, run_dir: str) -> int:
         return 0
     warmup_losses = resume_or_warm_up(ctx)
     if isinstance(warmup_losses, StopDuringWarmup):  # no checkpoint holds part of a warm-up: exit at once
-        return exit_during_warmup(ctx, warmup_losses)
+        return exit_during_warmup(ctx.writer, ctx.stop, warmup_losses, cfg.trainer.sft_warmup_steps)
+
+    def stop_saving(completed_steps: int, rank_state: dict, pending: Path | None = None) -> int:
+        state = ctx.rl_state(completed_steps, rank_state, warmup_losses)
+        return save_and_stop(
+            ctx.checkpointer, ctx.device, ctx.writer, ctx.stop,
+            completed_steps=completed_steps, rank_state=rank_state, state=state, pending=pending,
+        )  # fmt: skip
+
     if ctx.resumed_state is None and ctx.stop.agreed(ctx.dims.device):  # signalled during setup or warm-up
-        return save_and_stop(ctx, 0, capture_rank_state(ctx.task), warmup_losses, engine_awake=False)
+        return stop_saving(0, capture_rank_state(ctx.task))
     ctx = start_rollout(ctx)  # the engine starts, sized with the actor offloaded, and takes the actor's weights
     if ctx.stop.agreed(ctx.dims.device):  # signalled while the engine started (vLLM's start can take minutes)
-        return save_and_stop(ctx, ctx.start_step, capture_rank_state(ctx.task), warmup_losses, engine_awake=True)
+        return stop_saving(ctx.start_step, capture_rank_state(ctx.task))
     if ctx.resumed_rank_state is not None:  # every RNG and the data cursor exactly as when the checkpoint was taken
         restore_rank_state(ctx.resumed_rank_state, ctx.task)
     rewards = [m["reward/mean"] for m in ctx.writer.previous_metrics] if ctx.writer is not None else []
@@ -192,29 +196,29 @@ def run_rank(cfg: RunConfig, run_dir: str) -> int:
             result = rl_step(ctx, step)
         except StopBeforeTrain:
             progress.close()
-            return save_and_stop(ctx, step, rank_state, warmup_losses, engine_awake=False)
+            return stop_saving(step, rank_state)
         syncs.append(result.sync)
         logprob_gaps.append(result.logprob_gap)
-        with ctx.phase("log", step):  # the step's record, then its checkpoint completed (after the record is on disk)
-            peak_bytes = log_step(ctx, step, result.metrics)
+        with ctx.device.phase("log", step):  # the step's record, then its checkpoint completed (after the record is on disk)
+            peak_bytes = log_step(ctx.timeline, ctx.writer, step, result.metrics)
             # after train (the step saved itself) or at the step's end (the engine is awake again)
             stopping = result.stop_after_step or ctx.stop.agreed(ctx.dims.device)
             if result.pending_save is not None and not stopping:
-                finish_checkpoint(ctx, result.pending_save, step + 1, capture_rank_state(ctx.task), warmup_losses)
+                rank_state = capture_rank_state(ctx.task)
+                state = ctx.rl_state(step + 1, rank_state, warmup_losses)
+                finish_checkpoint(ctx.checkpointer, ctx.writer, result.pending_save, rank_state, state)
         if peak_bytes is not None:  # rank 0
             rewards.append(result.metrics["reward/mean"])
             progress.update()
             progress.set_postfix(reward=f"{rewards[-1]:.3f}", peak_mib=f"{peak_bytes / 2**20:.0f}")
         if stopping:
             progress.close()
-            rank_state = capture_rank_state(ctx.task)
-            return save_and_stop(
-                ctx, step + 1, rank_state, warmup_losses, engine_awake=True, pending=result.pending_save
-            )
+            return stop_saving(step + 1, capture_rank_state(ctx.task), pending=result.pending_save)
     progress.close()
-    ctx.phase_order.finish()  # the last step ran every phase of the table
+    ctx.device.order.finish()  # the last step ran every phase of the table
     evaluate_after_last_step(ctx)
     if ctx.writer is not None:
-        ctx.writer.finish(summarize(ctx, rewards, ctx.writer.read_rows(), syncs, logprob_gaps, warmup_losses))
+        rows, evals = ctx.writer.read_rows(), ctx.writer.read_metrics()
+        ctx.writer.finish(summarize(run_facts(ctx), rewards, rows, evals, syncs, logprob_gaps, warmup_losses))
     dist.barrier()
     return 0

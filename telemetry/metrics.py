@@ -13,21 +13,24 @@ import torch
 import torch.distributed as dist
 
 from modelspec import TokenBatch
+from planner import Plan
 from rl.batching import Sample
-from rl.memory import (
+from telemetry.memory_timeline import (
     PEAK_METRIC,
     PHASES,
     TAGS,
+    MemoryTimeline,
     phase_drift,
     phase_peaks,
     phase_samples,
+    prediction_errors,
     released_bytes,
     steady_peak,
     steady_steps,
     wake_window_phases,
 )
-from rl.planning import prediction_errors
-from rl.weight_sync import SyncResult
+from telemetry.tracking import RunWriter
+from weight_sync import SyncPlan, SyncResult
 
 
 @dataclass(frozen=True)
@@ -184,7 +187,7 @@ def check_logprob_gap(gap: LogprobGap, step: int, rule: LogprobGapRule, dtype: s
 
 
 def logprob_gap_rule(trainer, dtype: str) -> LogprobGapRule:
-    """``trainer`` (rl.config.TrainerConfig): its max_logprob_gap / max_logprob_gap_p99, each null: the
+    """``trainer`` (run.config.TrainerConfig): its max_logprob_gap / max_logprob_gap_p99, each null: the
     default for the model's dtype."""
     default = LOGPROB_GAP_RULE[dtype]
     return LogprobGapRule(
@@ -222,34 +225,37 @@ def step_metrics(
     return out
 
 
-def log_step(ctx, step: int, metrics: dict[str, float]) -> int | None:
-    """Gather every rank's timeline rows of the step on rank 0, which writes them and the step's metrics
-    (metrics.jsonl, memory_timeline.csv, W&B). Returns the step's highest measured phase peak on rank 0
-    (None on the others)."""
-    rows = ctx.timeline.take_rows()
-    gathered: list | None = [None] * ctx.mesh.world_size if ctx.rank == 0 else None
-    dist.gather_object(rows, gathered, dst=0)
-    if ctx.writer is None:
+def log_step(timeline: MemoryTimeline, writer: RunWriter | None, step: int, metrics: dict[str, float]) -> int | None:
+    """Gather every rank's timeline rows of the step on rank 0 (the one with the ``writer``), which writes them
+    and the step's metrics (metrics.jsonl, memory_timeline.csv, W&B). Returns the step's highest measured
+    phase peak on rank 0 (None on the others)."""
+    rows = _gather_rows(timeline, writer)
+    if writer is None:
         return None
-    rows = [r for per_rank in gathered for r in per_rank]  # the step's, and the end of the last step's log phase
-    ctx.writer.log_timeline(rows)
-    return max(ctx.writer.log_step(step, metrics, [r for r in rows if r["step"] == step]).values())
+    writer.log_timeline(rows)  # the step's, and the end of the last step's log phase
+    return max(writer.log_step(step, metrics, [r for r in rows if r["step"] == step]).values())
 
 
-def log_rows_after_last_step(ctx) -> None:
+def log_rows_after_last_step(timeline: MemoryTimeline, writer: RunWriter | None) -> None:
     """Gather the rows sampled since the last :func:`log_step` (the end of the last step's ``log`` phase)
     to rank 0's timeline."""
-    rows = ctx.timeline.take_rows()
-    gathered: list | None = [None] * ctx.mesh.world_size if ctx.rank == 0 else None
+    rows = _gather_rows(timeline, writer)
+    if writer is not None:
+        writer.log_timeline(rows)
+
+
+def _gather_rows(timeline: MemoryTimeline, writer: RunWriter | None) -> list[dict]:
+    """The rows every rank sampled since it last gave them, on rank 0 (the one with the writer; collective)."""
+    rows = timeline.take_rows()
+    gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(rows, gathered, dst=0)
-    if ctx.writer is not None:
-        ctx.writer.log_timeline([r for per_rank in gathered for r in per_rank])
+    return [r for per_rank in gathered for r in per_rank] if gathered is not None else []
 
 
 def memory_summary(rows: list[dict], world_size: int) -> dict:
     """The measured memory of a run (summary.json, ``make report``): peaks, hand-offs, drift.
 
-    Steady-state figures are medians over the steps after the first (rl.memory.steady_steps), per rank.
+    Steady-state figures are medians over the steps after the first (telemetry.memory_timeline.steady_steps), per rank.
     ``tag_bytes`` is each ledger tag's largest value per rank: what the memory is expected to be made of.
     """
     ranks = range(world_size)
@@ -269,7 +275,7 @@ def memory_summary(rows: list[dict], world_size: int) -> dict:
 
 
 def time_summary(rows: list[dict], rank: int = 0) -> dict:
-    """Where a step's time goes, on ``rank``'s clock, over the steady steps (rl.memory.steady_steps): the
+    """Where a step's time goes, on ``rank``'s clock, over the steady steps (telemetry.memory_timeline.steady_steps): the
     median seconds of each phase (its entry sample to its exit sample) and of a whole step (its first
     sample to its last: the work between phases included, and its ``log`` phase)."""
     samples = {k: v for k, v in phase_samples(rows).items() if k[0] == rank}
@@ -292,50 +298,67 @@ def time_summary(rows: list[dict], rank: int = 0) -> dict:
     }
 
 
+@dataclass(frozen=True, kw_only=True)
+class RunFacts:
+    """What summary.json says about the run beside what it measured: the config's choices, the plan made
+    before the engine started (run.memory_plan) and the sync's."""
+
+    exp: str
+    wake_strategy: str
+    world_size: int
+    peak_method: str  # a key of telemetry.memory_timeline.PEAK_METHODS
+    plan: Plan | None
+    kv_cache: dict | None  # the KV-cache choice (run.memory_plan.KvCacheChoice as a dict)
+    actor_optimizer: str  # the megatron-core optimizer class that stepped
+    sync_plan: SyncPlan
+    t0: float  # time.monotonic() at the rank's start
+
+
 def summarize(
-    ctx,
+    facts: RunFacts,
     rewards: list[float],
     rows: list[dict],
+    evals: list[dict],
     syncs: list[SyncResult],
     logprob_gaps: list[float],
     warmup_losses: list[float],
 ) -> dict:
-    """summary.json: rewards first/last 5 steps, the evals' first and last (rl.evaluation.eval_summary), the
-    measured memory (:func:`memory_summary`), weight-sync totals."""
+    """summary.json: rewards first/last 5 steps, the evals' first and last (rl.evaluation.eval_summary of the
+    ``evals`` records), the measured memory (:func:`memory_summary`), weight-sync totals."""
     from rl.evaluation import eval_summary
 
-    plan = ctx.weight_sync.plan
+    plan, sync_plan = facts.plan, facts.sync_plan
     return {
-        "exp": ctx.cfg.exp,
+        "exp": facts.exp,
         "steps": len(rewards),
         "reward_first5": sum(rewards[:5]) / max(1, len(rewards[:5])),
         "reward_last5": sum(rewards[-5:]) / max(1, len(rewards[-5:])),
-        "eval": eval_summary(ctx.writer.read_metrics()),
-        "memory": memory_summary(rows, ctx.mesh.world_size),
-        "memory_peak_method": ctx.timeline.probe.peak_method,  # a key of rl.memory.PEAK_METHODS
-        # the plan made before the engine started (rl.planning): what it predicted per phase, and the error
+        "eval": eval_summary(evals),
+        "memory": memory_summary(rows, facts.world_size),
+        "memory_peak_method": facts.peak_method,
+        # the plan made before the engine started (run.memory_plan): what it predicted per phase, and the error
         "memory_plan": None
-        if ctx.plan is None
+        if plan is None
         else {
-            "peak_phase": ctx.plan.peak_phase,
-            "peak_bytes": ctx.plan.peak_bytes,
-            "fits": ctx.plan.fits,
-            # the runtime level measured at launch, before the first step (rl/setup.py; None: the fitted level)
-            "launch_runtime_bytes": ctx.plan.inputs.launch_runtime_bytes,
-            "kv_cache": asdict(ctx.kv_choice) if ctx.kv_choice is not None else None,
-            "phases": prediction_errors(ctx.plan, rows),
+            "peak_phase": plan.peak_phase,
+            "peak_bytes": plan.peak_bytes,
+            "fits": plan.fits,
+            # the runtime level measured at launch, before the first step (run/setup.py; None: the fitted level)
+            "launch_runtime_bytes": plan.inputs.launch_runtime_bytes,
+            "kv_cache": facts.kv_cache,
+            "phases": prediction_errors(plan, rows),
         },
-        "wake_strategy": ctx.cfg.rollout.wake_strategy,
-        "actor_optimizer": ctx.actor.optimizer_name,  # the megatron-core optimizer class that stepped
+        "wake_strategy": facts.wake_strategy,
+        "actor_optimizer": facts.actor_optimizer,
         "engine_actor_logprob_diff_max": max(logprob_gaps, default=0.0),
         "weight_sync": {
-            "bytes": plan.bytes_moved,  # all ranks, per sync
+            "bytes": sync_plan.bytes_moved,  # all ranks, per sync
             "seconds": sum(s.stats.seconds for s in syncs) / max(1, len(syncs)),
             "verified": bool(syncs) and all(s.verified for s in syncs),
-            "plan_bytes_moved": plan.bytes_moved,
-            "bucket_bytes": plan.bucket_bytes,
+            "plan_bytes_moved": sync_plan.bytes_moved,
+            "bucket_bytes": sync_plan.bucket_bytes,
         },
         "warmup_sft_loss": warmup_losses[-1] if warmup_losses else None,
         "time": time_summary(rows),
-        "wall_seconds": time.monotonic() - ctx.t0,
+        "wall_seconds": time.monotonic() - facts.t0,
     }

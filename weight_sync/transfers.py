@@ -22,7 +22,7 @@ What the executor (``execute.py``) stages is decided here too (:func:`is_direct`
 ``DIRECT_MIN_BYTES`` is contiguous on both sides and goes from the actor shard straight into the engine
 parameter; every other cross-rank transfer is packed into one send buffer per peer and arrives in one
 receive buffer per peer. :meth:`SyncPlan.staged_bytes` is what one rank allocates for one bucket, the
-number the memory planner plans the weight_sync phase with (``rl/planning.py``).
+number the memory planner plans the weight_sync phase with (``run/memory_plan.py``).
 """
 
 from __future__ import annotations

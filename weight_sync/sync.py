@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from modelspec import ColocatedMesh, ModelShape, element_bytes
-from rl.weight_sync.execute import SyncStats, execute_sync
-from rl.weight_sync.layouts import actor_sources, engine_destinations
-from rl.weight_sync.plan import SyncPlan, plan_sync
-from rl.weight_sync.transport import TorchP2PTransport, Transport
-from rl.weight_sync.verify import verify_sync
+from weight_sync.execute import SyncStats, execute_sync
+from weight_sync.layouts import actor_sources, engine_destinations
+from weight_sync.transfers import SyncPlan, plan_sync
+from weight_sync.transport import TorchP2PTransport, Transport
+from weight_sync.verify import verify_sync
 
 
 @dataclass(kw_only=True)

@@ -1,5 +1,5 @@
 """Saving the run at a step boundary: the actor's shards (inside the step, right after ``train``), every
-rank's RNG/task state and rank 0's :class:`~rl.checkpoint.RLState`, and the stop a signal asks for.
+rank's RNG/task state and rank 0's :class:`~checkpointing.checkpoint.RLState`, and the stop a signal asks for.
 See docs/DESIGN.md, "Checkpoints, resume, preemption"."""
 
 from __future__ import annotations
@@ -13,91 +13,54 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from rl.checkpoint import ACTOR_DIR, CHECKPOINT_DIR, RLState, complete_checkpoints, model_sizes
-from rl.launch import PREEMPTED_EXIT_CODE
-from rl.metrics import NonFiniteError
-from rl.sampling import sampling_seed
-from rl.setup import RankContext
+from checkpointing.checkpoint import CHECKPOINT_DIR, Checkpointer, RLState, StopRequest, complete_checkpoints
+from run.launch import PREEMPTED_EXIT_CODE
+from run.shared_device import SharedDevice
+from telemetry.metrics import NonFiniteError
+from telemetry.tracking import RunWriter
 
 
 class StopBeforeTrain(Exception):
     """Every rank agreed to stop before this step's ``train``: the training state is still the step's start."""
 
 
-def save_actor(ctx: RankContext, completed_steps: int) -> Path:
-    """Begin the checkpoint after ``completed_steps`` steps: the actor's shards into its temporary directory."""
-    tmp = ctx.checkpointer.begin(completed_steps)
-    with ctx.checkpointer.window():  # every rank writes its shards, then waits for the slowest in a collective
-        ctx.actor.save_checkpoint(tmp / ACTOR_DIR)
-    return tmp
-
-
-def export_actor(ctx: RankContext, completed_steps: int) -> Path:
-    """The actor's weights as ``<run dir>/hf/step_<n>`` (every rank writes its share; see Actor.save_hf)."""
-    from rl.checkpoint import HF_DIR, RUN_CONFIG_COPY, step_dir_name
-
-    run_dir = ctx.checkpointer.root.parent
-    out_dir = run_dir / HF_DIR / step_dir_name(completed_steps)
-    return ctx.actor.save_hf(out_dir, extra_files={RUN_CONFIG_COPY: run_dir / "config.yaml"})
-
-
-def finish_checkpoint(ctx: RankContext, tmp: Path, completed_steps: int, rank_state: dict, warmup_losses) -> Path:
-    """Every rank's RNG/task state, then rank 0's RLState and the rename; then W&B gets the covered steps."""
-    state = None
-    if ctx.writer is not None:
-        state = RLState(
-            completed_steps=completed_steps,
-            sampling_seed=ctx.sampling_base_seed,
-            next_sampling_seeds=[
-                sampling_seed(ctx.sampling_base_seed, completed_steps, r) for r in range(ctx.mesh.num_replicas)
-            ],
-            data_num_prompts_drawn=rank_state["task"]["num_drawn"],
-            wandb_run_id=ctx.writer.wandb_run_id,
-            wandb_step=ctx.writer.wandb_step + ctx.writer.num_deferred,
-            world_size=ctx.mesh.world_size,
-            layout=dict(
-                actor_tp=ctx.dims.tp,
-                actor_pp=ctx.dims.pp,
-                actor_vpp=ctx.dims.vpp,
-                actor_dp=ctx.dims.dp,
-                rollout_tp=ctx.mesh.rollout_tp,
-            ),
-            model=model_sizes(ctx.actor.shape),
-            exp=ctx.cfg.exp,
-            warmup_losses=list(warmup_losses),
-        )
-    path = ctx.checkpointer.finish(tmp, rank_state, state)
-    if ctx.writer is not None:
-        ctx.writer.flush_wandb()
+def finish_checkpoint(
+    checkpointer: Checkpointer, writer: RunWriter | None, tmp: Path, rank_state: dict, state: RLState | None
+) -> Path:
+    """Every rank's RNG/task state, then rank 0's RLState (``state``, None on the other ranks) and the rename;
+    then W&B gets the covered steps."""
+    path = checkpointer.finish(tmp, rank_state, state)
+    if writer is not None:
+        writer.flush_wandb()
     return path
 
 
 def save_and_stop(
-    ctx: RankContext,
+    checkpointer: Checkpointer,
+    device: SharedDevice,
+    writer: RunWriter | None,
+    stop: StopRequest,
+    *,
     completed_steps: int,
     rank_state: dict,
-    warmup_losses,
-    engine_awake: bool,
+    state: RLState | None,
     pending: Path | None = None,
 ) -> int:
     """A stop was agreed: save the state after ``completed_steps`` steps (completing ``pending``, the
     checkpoint the step began after train, or unless that checkpoint exists), close the outputs without a
-    summary, return the exit code job.sbatch requeues on."""
+    summary, return the exit code job.sbatch requeues on. ``state``: rank 0's RLState for the checkpoint."""
     if pending is not None:
-        path = finish_checkpoint(ctx, pending, completed_steps, rank_state, warmup_losses)
-    elif ctx.checkpointer.exists(completed_steps):  # resumed from exactly this state and trained nothing since
-        path = ctx.checkpointer.root / f"step_{completed_steps:08d}"
+        path = finish_checkpoint(checkpointer, writer, pending, rank_state, state)
+    elif checkpointer.exists(completed_steps):  # resumed from exactly this state and trained nothing since
+        path = checkpointer.root / f"step_{completed_steps:08d}"
     else:
-        if engine_awake:
-            ctx.engine.sleep(["weights", "kv_cache"])  # the run ends: room for the actor's state on the device
-        for what in ("params", "grads", "optimizer"):
-            if ctx.offloaded(what):
-                ctx.actor.onload(what)  # a no-op for what is resident already
-        path = finish_checkpoint(ctx, save_actor(ctx, completed_steps), completed_steps, rank_state, warmup_losses)
-    if ctx.writer is not None:
-        ctx.writer.close()
+        device.hold_the_actor()  # the run ends: the engine released, room for the actor's state on the device
+        tmp = checkpointer.save_actor(device.actor, completed_steps)
+        path = finish_checkpoint(checkpointer, writer, tmp, rank_state, state)
+    if writer is not None:
+        writer.close()
         print(
-            f"stopped by {ctx.stop.received or 'a signal to another rank'} after {completed_steps} steps; checkpoint "
+            f"stopped by {stop.received or 'a signal to another rank'} after {completed_steps} steps; checkpoint "
             f"{path}; run again with the same run directory (resume=auto) to continue",
             file=sys.stderr,
             flush=True,
@@ -153,7 +116,7 @@ def _bytes_under(path: Path) -> int:
 
 
 def numeric_fault_line(exc: BaseException, run_dir: Path) -> str | None:
-    """One line for a non-finite reward, log-prob, loss or grad norm (:class:`rl.metrics.NonFiniteError`): the
+    """One line for a non-finite reward, log-prob, loss or grad norm (:class:`telemetry.metrics.NonFiniteError`): the
     step, the phase, the quantity, and the checkpoint a resume starts from; None for any other failure."""
     if not isinstance(exc, NonFiniteError):
         return None
