@@ -65,8 +65,6 @@ def fitted_constants(device_kind: str = "cpu") -> list[str]:
 
 
 def mutations() -> list[tuple[str, float]]:
-    for name in fitted_constants():
-        TERMS.setdefault(name, ("constant", name))
     scaled = ["launch_runtime", *fitted_constants()]
     return (
         [(term, 2.0) for term in TERMS if term not in scaled]
@@ -83,7 +81,7 @@ def _scaled_function(name: str, factor: float):
 
 
 def mutated_phases(term: str, factor: float, spec) -> dict:
-    kind, target = TERMS[term]
+    kind, target = TERMS.get(term, ("constant", term))  # a term not listed is a fitted constant's name
     run_dir = run_dir_for(spec, SET_NAME)
     if kind == "function":
         with _scaled_function(target, factor):
