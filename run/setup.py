@@ -26,11 +26,11 @@ from checkpointing.checkpoint import (
 from colocation.host_memory import freeze_long_lived_objects
 from colocation.phases import HOLDERS
 from modelspec import ColocatedMesh, ModelShape, TokenBatch, torch_dtype
-from rl.batching import Sample, make_batch
+from rl.batching import Sample, make_batch, pack_sequences
 from rl.data import DigitSumTask, Gsm8kTask, Problem, longest_prompt_tokens
 from rl.evaluation import eval_problems
 from rl.generation import sampling_seed
-from rl.losses import PolicyLoss
+from rl.losses import PolicyLoss, sft_loss
 from run.config import RunConfig
 from run.memory_plan import KvCacheChoice
 from run.shared_device import SharedDevice
@@ -277,6 +277,7 @@ def plan_and_build_engine(ctx: RankContext) -> RankContext:
             # the engine decodes a step's sequences at once, up to its max_num_seqs
             min(cfg.trainer.prompts_per_step * cfg.rollout.n_samples_per_prompt, cfg.rollout.max_num_seqs or 2**31),
             cfg.rollout.tp,
+            native_decode_tp1=cfg.rollout.engine == "native" and cfg.rollout.tp == 1 and cfg.model.dtype == "float32",
         ),
     )
     ctx.timeline.probe.add_ledger(lambda: _tagged(engine.memory(), dims.device))
@@ -287,15 +288,30 @@ def plan_and_build_engine(ctx: RankContext) -> RankContext:
 
 
 def launch_runtime_bytes(
-    probe: MemoryProbe, device: torch.device, shape: ModelShape, dtype: str, decode_sequences: int, rollout_tp: int
+    probe: MemoryProbe,
+    device: torch.device,
+    shape: ModelShape,
+    dtype: str,
+    decode_sequences: int,
+    rollout_tp: int,
+    native_decode_tp1: bool = False,
 ) -> int | None:
     """CPU: the runtime level every rank holds beside its tensors now, after setup and the warm-up and before the
     engine and the first step (the most over ranks: the plan is the worst rank's), with torch's first-use costs
-    paid first (:func:`first_use_of_kernels`); None on CUDA (the fitted level: no GPU run has validated a launch
+    paid first (:func:`first_use_of_kernels`; with ``native_decode_tp1`` the native engine's TorchScript decode
+    too; megatron's first forward and backward were paid before the offloads, :func:`first_forward_backward`);
+    None on CUDA (the fitted level: no GPU run has validated a launch
     measurement there)."""
     if device.type != "cpu":
         return None
     first_use_of_kernels(shape, torch_dtype(dtype), decode_sequences, rollout_tp)
+    if native_decode_tp1:
+        from rollout.native.decode_tp1 import first_use
+
+        first_use(
+            shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate_size,
+            decode_sequences,
+        )  # fmt: skip
     level = torch.tensor([probe.runtime_level_bytes()], dtype=torch.int64)
     dist.all_reduce(level, op=dist.ReduceOp.MAX)
     return int(level)
@@ -401,6 +417,24 @@ def start_rollout(ctx: RankContext) -> RankContext:
         device.apply(phase)
     freeze_long_lived_objects()  # the engine's objects too
     return ctx
+
+
+def first_forward_backward(ctx: RankContext) -> None:
+    """One forward and backward of the actor over one train micro-batch of synthetic rows, no optimizer step
+    (the grad buffers are zeroed again): what megatron and autograd keep once per process after their first
+    pass is then paid before the launch measurement in every run, with or without a warm-up or a resume, so
+    the fitted remainder above that measurement is one population (docs/plan-validation.md). The rows are
+    synthetic: the task's RNG and data cursor do not move."""
+    cfg, dims = ctx.cfg, ctx.dims
+    per_rank = max(1, cfg.trainer.prompts_per_step * cfg.rollout.n_samples_per_prompt // dims.dp)
+    num_rows, half = min(cfg.actor.micro_batch_size, per_rank), 16  # rows of 16 prompt + 16 response tokens
+    ids = list(range(1, half + 1))
+    samples = [Sample(i, ids, ids, [], "length", 0.0) for i in range(num_rows)]
+    batch = pack_sequences(samples, pad_id=ctx.tokenizer.pad_token_id or 0)
+    ctx.actor.compute_grads(batch.to(dims.device), sft_loss)
+    for model in ctx.actor.models:
+        model.zero_grad_buffer()
+    ctx.actor._release_freed_host_memory()
 
 
 def _tagged(memory: dict[str, int], device: torch.device, rename: dict[str, str] | None = None) -> dict[str, int]:
