@@ -182,6 +182,20 @@ def save(actor, directory: str | Path) -> None:
     dist_checkpointing.save(sharded_state_dict(actor, is_loading=False)[0], str(directory))
 
 
+def saved_param_dtype(directory: str | Path) -> str | None:
+    """The dtype the model's params were saved in (``"float32"``, ``"bfloat16"``, ...), from the checkpoint's
+    ``torch_dist`` metadata alone (no megatron, no tensor read); None: no model tensor in it. A run resumed in
+    another ``model.dtype`` would otherwise fail inside megatron's load on the 16-bit optimizer's fp32 main
+    params (``optimizer.state.fp32_param.*``), which a float32 checkpoint does not have."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    for key, item in FileSystemReader(str(directory)).read_metadata().state_dict_metadata.items():
+        properties = getattr(item, "properties", None)  # TensorStorageMetadata; bytes (extra state) have none
+        if not key.startswith("optimizer.") and properties is not None:
+            return str(properties.dtype).removeprefix("torch.")
+    return None
+
+
 @torch.no_grad()
 def load(actor, directory: str | Path) -> None:
     """Fill params (and optimizer state, when the actor has an optimizer) from ``directory``, resharding to this

@@ -25,7 +25,12 @@ Per rank, on CUDA:
   the state is on the device and the pinned buffers still hold the previous step's values; and megatron's writer
   cannot write from them without a copy either: a CPU tensor that is a view of a larger storage is cloned
   (filesystem_async.py ``_clone_if_needed``), and every offloaded parameter or state is a view of one flat
-  buffer per storage.
+  buffer per storage. A run that exports HF weights but never saves stages its params the same way in the
+  export's params-only save (megatron_backend/hf_export.py::save_live), kept from the first export on; one
+  that also saves reuses the save's cached blocks of those sizes.
+- ``hf_file_writing``: in ``export_hf`` (``trainer.export_every`` / ``export_at_end``), the HF files written
+  tensor by tensor from that save: one HF tensor plus the two stored chunks DCP's reader keeps
+  (planner/plan.py ``hf_file_writing_bytes``), host memory beside the device's state.
 - ``runtime``: the process besides those (Python, torch with CUDA, NCCL, megatron-core, vLLM in-process):
   ``host_runtime_bytes``, an estimate until a GPU run's RSS is read.
 - ``data``: the task's records (the data file's bytes; ``PlanInputs.data_host_bytes``).
@@ -41,7 +46,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.plan import PHASES, Plan, _stage, optimizer_host_bytes
+from colocation.phases import EXPORT_PHASE
+from planner.plan import PHASES, Plan, _stage, hf_file_writing_bytes, optimizer_host_bytes
 from planner.sizes import (
     FP32_BYTES,
     actor_stage_param_count,
@@ -56,6 +62,7 @@ HOST_COMPONENTS = (
     "hybrid_optimizer",
     "engine_sleep_copy",
     "checkpoint_staging",
+    "hf_file_writing",
     "offload_page_cache",
     "rank",
     "data",
@@ -111,8 +118,9 @@ class HostPlan:
         }
 
 
-def checkpoint_staging_bytes(plan: Plan) -> int:
-    """What a CUDA save stages on the worst rank: each tensor it writes as a power-of-two pinned block."""
+def checkpoint_staging_bytes(plan: Plan, params_only: bool = False) -> int:
+    """What a CUDA save stages on the worst rank: each tensor it writes as a power-of-two pinned block
+    (``params_only``: an HF export's params-only save)."""
     inp = plan.inputs
     e = inp.element_bytes
     shard = inp.actor_dp if inp.distributed_optimizer else 1
@@ -122,7 +130,9 @@ def checkpoint_staging_bytes(plan: Plan) -> int:
     moments = 2 * (1 - inp.optimizer_offload_fraction)
     total = 0
     for n in actor_stage_tensor_elements(inp.shape, inp.actor_tp, inp.actor_pp, plan.pp_stage):
-        total += power_of_two_bytes(n * e) + round((main + moments) * power_of_two_bytes(-(-n * FP32_BYTES // shard)))
+        total += power_of_two_bytes(n * e)
+        if not params_only:
+            total += round((main + moments) * power_of_two_bytes(-(-n * FP32_BYTES // shard)))
     return total
 
 
@@ -150,6 +160,8 @@ def host_plan(plan: Plan) -> HostPlan:
         )
         sleep_copy = engine_sleep_copy_bytes(plan) if inp.engine == "vllm" and inp.sleep_level == 1 else 0
         staging = checkpoint_staging_bytes(plan) if inp.checkpoint_saves else 0
+        if inp.hf_exports and not inp.checkpoint_saves:  # the export's params-only save, cached the same way
+            staging = checkpoint_staging_bytes(plan, params_only=True)
         runtime = int(inp.constants.value("host_runtime_bytes"))
         base = dict.fromkeys(HOST_COMPONENTS, 0)
         hybrid = optimizer_host_bytes(
@@ -166,6 +178,9 @@ def host_plan(plan: Plan) -> HostPlan:
             phases.append(HostPhase(name, {**base, "checkpoint_staging": staging}))
         if inp.checkpoint_saves:
             phases.append(HostPhase(SAVE_PHASE, {**base, "checkpoint_staging": staging}))
+        if inp.hf_exports:  # after the save, as in the step
+            writing = hf_file_writing_bytes(inp)
+            phases.append(HostPhase(EXPORT_PHASE, {**base, "checkpoint_staging": staging, "hf_file_writing": writing}))
     else:
         offloaded = {"actor_params": st.actor_params, "optimizer": st.optimizer, "ref_params": st.ref_params}
         flags = {"actor_params": inp.offload_params, "optimizer": inp.offload_optimizer}

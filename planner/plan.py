@@ -339,8 +339,14 @@ def export_staging_bytes(inp: PlanInputs, st: _Stage) -> int:
         staged = st.actor_params
     else:
         staged = actor_stage_fc1_elements(inp.shape, inp.actor_tp, inp.actor_pp) * e
+    return max(staged, hf_file_writing_bytes(inp))
+
+
+def hf_file_writing_bytes(inp: PlanInputs) -> int:
+    """What an HF export's file writing holds (step 2 of :func:`export_staging_bytes`; host memory on CUDA too):
+    the largest HF tensor in the export's dtype plus the two stored chunks DCP's reader keeps."""
     chunk = largest_actor_weight_elements(inp.shape, inp.actor_tp, 1, 0)  # pp=1: every weight, the vocab tables
-    return max(staged, (largest_hf_tensor_elements(inp.shape) + 2 * chunk) * e)
+    return (largest_hf_tensor_elements(inp.shape) + 2 * chunk) * inp.element_bytes
 
 
 def sync_staging_bytes(inp: PlanInputs, st: _Stage, engine_weight_bytes: int) -> int:
@@ -467,6 +473,11 @@ class Plan:
             if p.name == name:
                 return p
         raise KeyError(f"no phase {name!r}; phases are {self.names}")
+
+    def measurable_bytes(self, name: str) -> int:
+        """What a run measures in phase ``name`` if the plan is right: its prediction plus the runtime overhead
+        (the measurement includes the CUDA context or, on CPU, what the process allocates beside the tensors)."""
+        return self.phase(name).predicted_bytes + self.runtime_overhead_bytes
 
     @property
     def peak(self) -> PhasePlan:

@@ -28,6 +28,11 @@ def gib(num_bytes: float) -> str:
     return f"{num_bytes / GIB:.2f}"
 
 
+def size(num_bytes: float) -> str:
+    """``2.50 GiB``, or below 1 GiB ``41.0 MiB`` (a CPU run's KV cache reads 0.00 in GiB)."""
+    return f"{num_bytes / GIB:.2f} GiB" if num_bytes >= GIB else f"{num_bytes / 2**20:.1f} MiB"
+
+
 def verdict(plan: Plan) -> str:
     """One line: fits with the peak and headroom, or the worst overflow and by how much."""
     budget = f"budget {gib(plan.budget_bytes)} GiB"
@@ -41,8 +46,8 @@ def verdict(plan: Plan) -> str:
         )
     if plan.kv_cache_too_small:
         return (
-            f"DOES NOT FIT: the KV cache ({gib(plan.kv_cache_bytes)} GiB) is smaller than one max_model_len sequence "
-            f"({gib(plan.min_kv_cache_bytes)} GiB); the engine would refuse to start"
+            f"DOES NOT FIT: the KV cache ({size(plan.kv_cache_bytes)}) is smaller than one max_model_len sequence "
+            f"({size(plan.min_kv_cache_bytes)}); the engine would refuse to start"
         )
     return (
         f"fits: peak {plan.peak_phase} {gib(plan.peak_bytes)} GiB, {gib(plan.headroom_bytes)} GiB left in the {budget}"

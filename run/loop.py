@@ -25,6 +25,7 @@ from rl.evaluation import eval_record, evaluate
 from rl.generation import generate_samples, sampling_seed
 from rollout import SamplingParams
 from run.config import RunConfig
+from run.preflight import nothing_left
 from run.save_and_stop import (
     StopBeforeTrain,
     finish_checkpoint,
@@ -46,6 +47,7 @@ from telemetry.metrics import (
     step_metrics,
     summarize,
 )
+from telemetry.tracking import SUMMARY_FILE
 from weight_sync import SyncResult
 
 
@@ -158,6 +160,26 @@ def run_facts(ctx: RankContext) -> RunFacts:
     )
 
 
+def report_end_of_finished_steps(ctx: RankContext, run_dir: Path) -> None:
+    """A run resumed with every step done (stopped after its last checkpoint, before its final eval and
+    summary): say what follows. The final export was written inside the last step, before its checkpoint was
+    complete, unless trainer.export_* changed since: then it is missing and ``make export`` writes it from the
+    checkpoint (the loop exports only inside a step)."""
+    from checkpointing.checkpoint import HF_DIR, step_dir_name
+
+    steps = ctx.cfg.trainer.steps
+    if ctx.rank != 0:
+        return
+    print(
+        f"{ctx.resumed_from}: all {steps} steps done; the run's end follows: its final eval (eval.every) and {SUMMARY_FILE}"
+    )
+    export = run_dir / HF_DIR / step_dir_name(steps)
+    if ctx.cfg.trainer.exports_after(steps - 1) and not export.is_dir():
+        print(
+            f"warning: {export} (trainer.export_*) is missing: `make export RUN={run_dir}` writes it from the checkpoint"
+        )
+
+
 @stops_on_storage_faults
 def run_rank(cfg: RunConfig, run_dir: str) -> int:
     """Everything one rank does for a run: set up (resuming if there is a checkpoint), warm up, hand the
@@ -165,10 +187,13 @@ def run_rank(cfg: RunConfig, run_dir: str) -> int:
     stop = StopRequest(int(os.environ.get("RANK", "0"))).install()  # before the slow setup: a signal then still counts
     ctx = setup(cfg, Path(run_dir), stop)
     steps = cfg.trainer.steps
-    if ctx.start_step >= steps:
+    done = nothing_left(ctx.start_step, steps, Path(run_dir)) if ctx.resumed_from is not None else None
+    if done is not None:  # the launcher said so before starting the ranks; a rank started otherwise says it too
         if ctx.rank == 0:
-            print(f"{ctx.resumed_from} already has {ctx.start_step} >= trainer.steps={steps} steps; nothing to do")
+            print(done)
         return 0
+    if ctx.start_step == steps:  # stopped after its last checkpoint, before its end: the end of the run follows
+        report_end_of_finished_steps(ctx, Path(run_dir))
     warmup_losses = resume_or_warm_up(ctx)
     if isinstance(warmup_losses, StopDuringWarmup):  # no checkpoint holds part of a warm-up: exit at once
         return exit_during_warmup(ctx.writer, ctx.stop, warmup_losses, cfg.trainer.sft_warmup_steps)

@@ -34,7 +34,7 @@ from run.launch import (
     run_launched,
     spawn_local,
 )
-from run.preflight import find_unfinished_run, hold_run_dir, preflight, resume_point
+from run.preflight import find_unfinished_run, hold_run_dir, nothing_left, preflight, resume_point
 
 
 def prepare(cfg: RunConfig, run_dir: str | Path | None) -> Path:
@@ -152,8 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     state = resume_point(cfg, run_dir)
-    if state is not None and state.completed_steps >= cfg.trainer.steps:
-        print(f"{run_dir} already did {state.completed_steps} steps (trainer.steps={cfg.trainer.steps}): nothing to do")
+    done = nothing_left(state.completed_steps, cfg.trainer.steps, run_dir) if state is not None else None
+    if done is not None:
+        print(done)
         return 0
     run_dir = prepare(cfg, run_dir)
     lock = lock or (hold_run_dir(run_dir) if int(os.environ.get("RANK", "0")) == 0 else None)  # a new directory

@@ -17,7 +17,15 @@ from pathlib import Path
 
 import yaml
 
-from checkpointing.checkpoint import CHECKPOINT_DIR, RLState, checkpoint_from_path, complete_checkpoints, model_sizes
+from checkpointing.checkpoint import (
+    ACTOR_DIR,
+    CHECKPOINT_DIR,
+    RLState,
+    checkpoint_from_path,
+    complete_checkpoints,
+    model_sizes,
+)
+from megatron_backend.dist_checkpoint import saved_param_dtype
 from modelspec import ModelShape
 from planner import make_plan
 from rl.evaluation import eval_problems
@@ -25,6 +33,7 @@ from rl.generation import sampling_seed
 from run.compose import ConfigError
 from run.config import RunConfig
 from run.memory_plan import plan_inputs
+from telemetry.tracking import SUMMARY_FILE
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 # keys that may change between the run that saved a checkpoint and the one that resumes it automatically
@@ -173,6 +182,18 @@ def check_resume(cfg: RunConfig, run_dir: Path | None, shape: ModelShape) -> Non
             f"resume: {checkpoint} is of a model with {state.model}, model.path={cfg.model.path!r} has "
             f"{model_sizes(shape)}; resume it with its own model, or resume=never"
         )
+    try:
+        saved_dtype = saved_param_dtype(checkpoint / ACTOR_DIR)
+    except (OSError, ValueError) as exc:  # torch's reader: a missing or unreadable .metadata
+        raise ConfigError(
+            f"resume: {checkpoint / ACTOR_DIR} has no readable .metadata ({exc}); pick another checkpoint"
+        ) from None
+    if saved_dtype is not None and saved_dtype != cfg.model.dtype:
+        raise ConfigError(
+            f"resume: {checkpoint} holds {saved_dtype} weights but model.dtype={cfg.model.dtype}; resume it with "
+            f"model.dtype={saved_dtype}, or export it (make export RUN=<its run dir>) and start a {cfg.model.dtype} "
+            "run from the export with model.path=<export> resume=never"
+        )
     schedule = [
         sampling_seed(state.sampling_seed, state.completed_steps, r) for r in range(len(state.next_sampling_seeds))
     ]
@@ -218,6 +239,16 @@ def resume_point(cfg: RunConfig, run_dir: Path | None) -> RLState | None:
     return RLState.read(existing[-1]) if existing else None
 
 
+def nothing_left(completed_steps: int, steps: int, run_dir: Path) -> str | None:
+    """Why a run resumed after ``completed_steps`` has nothing left to do (None: it has). A run with every step
+    done but no summary.json stopped after its last checkpoint, before its end (final eval, summary): that
+    end is left."""
+    if completed_steps > steps or (completed_steps == steps and (run_dir / SUMMARY_FILE).is_file()):
+        done = f" and finished ({SUMMARY_FILE} written)" if completed_steps == steps else ""
+        return f"{run_dir} already did {completed_steps} steps (trainer.steps={steps}){done}: nothing to do"
+    return None
+
+
 def _comparable(config: dict) -> dict:
     out = dict(config)
     for key in RESUMABLE_CHANGES:
@@ -238,7 +269,7 @@ def find_unfinished_run(cfg: RunConfig, runs_root: Path) -> Path | None:
         return None
     wanted = _comparable(yaml.safe_load(yaml.safe_dump(asdict(cfg))))
     for run_dir in sorted((p for p in exp_dir.iterdir() if p.is_dir()), reverse=True):
-        if (run_dir / "summary.json").exists() or not complete_checkpoints(run_dir / CHECKPOINT_DIR):
+        if (run_dir / SUMMARY_FILE).exists() or not complete_checkpoints(run_dir / CHECKPOINT_DIR):
             continue
         try:
             saved = yaml.safe_load((run_dir / "config.yaml").read_text())

@@ -258,7 +258,7 @@ def plan_and_build_engine(ctx: RankContext) -> RankContext:
     The KV cache: ``rollout.kv_cache_bytes``, else for ``gpu_memory_utilization=auto`` the planner's
     recommendation (on CUDA bounded by the free memory measured now, the least over ranks), handed to the
     engine as bytes; a float utilization is the engine's to apply. The plan, made with that KV cache, is
-    kept for the wake checks and the predicted-vs-measured calibration (``ctx.plan``, ``ctx.kv_choice``)."""
+    kept for the wake checks and the predicted-vs-measured calibration (the device's ``plan``, ``ctx.kv_choice``)."""
     cfg, dims = ctx.cfg, ctx.dims
     # sequences as long as the longest prompt (the task's, the eval's) + max_new_tokens (not max_model_len)
     eval_tokens = [len(ctx.tokenizer(p.prompt).input_ids) for p in ctx.eval_problems]
@@ -282,7 +282,7 @@ def plan_and_build_engine(ctx: RankContext) -> RankContext:
     )
     ctx.timeline.probe.add_ledger(lambda: _tagged(engine.memory(), dims.device))
     if ctx.writer is not None and plan is not None:
-        ctx.writer.predicted_bytes = {p.name: p.predicted_bytes + plan.runtime_overhead_bytes for p in plan.phases}
+        ctx.writer.predicted_bytes = {name: plan.measurable_bytes(name) for name in plan.names}
     ctx.device.attach_engine(engine, plan)
     return dataclasses.replace(ctx, kv_choice=kv_choice)
 

@@ -125,8 +125,10 @@ class ProcessMemory:
 
 # how device_peak is measured (summary.json["memory_peak_method"]); only the last misses short peaks
 PEAK_METHODS = {
-    "cuda_allocator_peak": "CUDA: device used + the allocator's max_memory_reserved since the phase began",
-    "rss_high_water_mark": "CPU: the kernel's RSS high-water mark (VmHWM), reset at each phase through /proc/self/clear_refs",
+    "cuda_allocator_peak": "CUDA: used per torch.cuda.mem_get_info + the allocator's max_memory_reserved since the "
+    "phase began",
+    "rss_high_water_mark": "CPU: the process's RSS high-water mark (VmHWM) above its start, reset at each phase "
+    "through /proc/self/clear_refs",
     "rss_sampled": "CPU: RSS sampled at phase boundaries and every trainer.memory_sample_interval_s "
     "(/proc/self/clear_refs not writable): a peak between two samples is missed",
 }
@@ -315,10 +317,14 @@ def read_timeline_csv(path: str | Path, skip_broken: bool = False) -> list[dict]
 
 
 def steady_steps(rows: Iterable[dict]) -> list[int]:
-    """The steps to judge steady state on: all but step 0 when there are more (step 0 creates the
-    optimizer's states and warms the allocators)."""
-    steps = sorted({int(r["step"]) for r in rows})
-    return steps[1:] if len(steps) > 1 else steps
+    """The steps to judge steady state on: the whole steps (those that ran ``PHASES[0]``) but the first when
+    there are more (step 0 creates the optimizer's states and warms the allocators), and the boundary after the
+    last of them (the eval after the last step: a run of one step has it too). Rows without phases: all steps
+    but the first when there are more."""
+    rows = list(rows)
+    steps = {int(r["step"]) for r in rows}
+    whole = sorted({int(r["step"]) for r in rows if r.get("phase") == PHASES[0]}) or sorted(steps)
+    return sorted(set(whole[1:] if len(whole) > 1 else whole) | {s for s in steps if s > whole[-1]})
 
 
 def phase_samples(rows: Iterable[dict]) -> dict[tuple[int, int, str], list[dict]]:
@@ -359,6 +365,12 @@ def steady_peak(rows: list[dict], phases: Iterable[str], rank: int) -> int:
         if step in ran
     ]
     return int(statistics.median(per_step)) if per_step else 0
+
+
+def steady_peak_over_ranks(rows: list[dict], phases: Iterable[str]) -> int:
+    """Max over the ranks in ``rows`` of :func:`steady_peak` (0: none of ``phases`` measured)."""
+    phases = tuple(phases)
+    return max((steady_peak(rows, phases, rank) for rank in sorted({int(r["rank"]) for r in rows})), default=0)
 
 
 def phase_after(rows: list[dict], rank: int, step: int) -> dict[str, dict]:
@@ -449,16 +461,37 @@ def prediction_errors(plan: Plan, rows: list[dict], min_bytes: int = 0) -> dict[
     CUDA context or, on CPU, what the process allocates beside the tensors), measured (max over ranks of
     the median over the steady steps of the phase's measured peak) and their relative error (predicted /
     measured - 1), for the phases the run measured at or above ``min_bytes``."""
-    ranks = sorted({int(r["rank"]) for r in rows})
     out = {}
     for phase in plan.phases:
-        measured = max((steady_peak(rows, (phase.name,), rank) for rank in ranks), default=0)
+        measured = steady_peak_over_ranks(rows, (phase.name,))
         if measured <= 0 or measured < min_bytes:
             continue
-        predicted = phase.predicted_bytes + plan.runtime_overhead_bytes
+        predicted = plan.measurable_bytes(phase.name)
         out[phase.name] = {
             "predicted_bytes": predicted,
             "measured_bytes": measured,
             "relative_error": predicted / measured - 1.0,
         }
+    return out
+
+
+# What a sweep compares point by point (summary.json's "memory_figures", a W&B run's summary, tools/sweep's
+# table and chart), each planned and measured alike: a peak as prediction_errors compares a phase (the plan's
+# worst rank plus its runtime overhead; max over ranks of the median over the steady steps), over these phases
+FIGURE_PHASES = {"wake_window_peak": wake_window_phases(), "rollout_peak": ("rollout",), "train_peak": ("train",)}
+# ... and the KV cache: the plan's against what the engine's ledger says it allocated (tag kv_cache)
+FIGURES = (*FIGURE_PHASES, "kv_cache")
+FIGURES_KEY = "memory_figures"
+
+
+def memory_figures(plan: Plan | None, rows: list[dict]) -> dict[str, int | None]:
+    """``planned_<figure>_bytes`` and ``measured_<figure>_bytes`` for each of :data:`FIGURES` (None: no plan,
+    the plan has none of the figure's phases, or nothing measured). ``rows``: the run's timeline, all ranks."""
+    out: dict[str, int | None] = {}
+    for figure, phases in FIGURE_PHASES.items():
+        planned = [plan.measurable_bytes(name) for name in plan.names if name in phases] if plan is not None else []
+        out[f"planned_{figure}_bytes"] = max(planned, default=None)
+        out[f"measured_{figure}_bytes"] = steady_peak_over_ranks(rows, phases) or None
+    out["planned_kv_cache_bytes"] = plan.kv_cache_bytes if plan is not None else None
+    out["measured_kv_cache_bytes"] = max((int(r.get("tag/kv_cache") or 0) for r in rows), default=0) or None
     return out

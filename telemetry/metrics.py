@@ -16,10 +16,12 @@ from modelspec import TokenBatch
 from planner import Plan
 from rl.batching import Sample
 from telemetry.memory_timeline import (
+    FIGURES_KEY,
     PEAK_METRIC,
     PHASES,
     TAGS,
     MemoryTimeline,
+    memory_figures,
     phase_drift,
     phase_peaks,
     phase_samples,
@@ -279,22 +281,21 @@ def time_summary(rows: list[dict], rank: int = 0) -> dict:
     median seconds of each phase (its entry sample to its exit sample) and of a whole step (its first
     sample to its last: the work between phases included, and its ``log`` phase)."""
     samples = {k: v for k, v in phase_samples(rows).items() if k[0] == rank}
-    steady = set(steady_steps({"step": k[1]} for k in samples))
+    steady = set(steady_steps({"step": step, "phase": phase} for (_, step, phase) in samples))
     # a whole step runs the table's first every-step phase; the eval after the last step is a boundary, no step
     whole_steps = {step for (_, step, phase) in samples if phase == PHASES[0]}
     per_phase: dict[str, list[float]] = {}
     step_span: dict[int, tuple[float, float]] = {}
     for (_, step, phase), phase_rows in samples.items():
-        if step not in steady:
-            continue
         first, last = phase_rows[0]["t_s"], phase_rows[-1]["t_s"]
-        per_phase.setdefault(phase, []).append(last - first)
+        if step in steady:
+            per_phase.setdefault(phase, []).append(last - first)
         if step in whole_steps:
             start, end = step_span.get(step, (first, last))
             step_span[step] = (min(start, first), max(end, last))
     return {
         "phase_median_seconds": {phase: statistics.median(v) for phase, v in per_phase.items()},
-        "step_median_seconds": statistics.median(end - start for start, end in step_span.values()),
+        "step_median_seconds": statistics.median(e - s for step, (s, e) in step_span.items() if step in steady),
     }
 
 
@@ -348,6 +349,8 @@ def summarize(
             "kv_cache": facts.kv_cache,
             "phases": prediction_errors(plan, rows),
         },
+        # the figures a sweep compares, planned and measured alike (tools/sweep's table and chart; W&B's sweep views)
+        FIGURES_KEY: memory_figures(plan, rows),
         "wake_strategy": facts.wake_strategy,
         "actor_optimizer": facts.actor_optimizer,
         "engine_actor_logprob_diff_max": max(logprob_gaps, default=0.0),

@@ -29,6 +29,7 @@ from telemetry.memory_charts import plot_stages, plot_timeline, run_label, timel
 from telemetry.memory_timeline import METRICS, phase_drift, phase_peak_rows, phase_peaks, read_timeline_csv
 
 CSV_COLUMNS = ("t_s", "step", "phase", "rank", *METRICS)
+SUMMARY_FILE = "summary.json"  # written last, by RunWriter.finish: its presence means the run finished
 
 
 WANDB_MODES = ("offline", "online", "disabled")
@@ -246,7 +247,7 @@ class RunWriter:
             title = f"memory after each phase (measured): {run_label(self.config)}"
             charts["memory/stage_chart"] = plot_stages(rows, self.run_dir / "memory_stages.png", title=title)
         summary = dict(summary, wandb_dir=self.wandb_dir)
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
         self._metrics_file.close()
         self._csv_file.close()
         if self.wandb_run is not None:
@@ -256,6 +257,21 @@ class RunWriter:
             self._deferred = None
             if charts:
                 self._wandb_log({key: wandb.Image(str(png)) for key, png in charts.items()})
-            self.wandb_run.summary.update({k: v for k, v in summary.items() if k != "wandb_dir"})
+            self.wandb_run.summary.update(wandb_summary(summary))
             self.wandb_run.finish()
         return summary
+
+
+def wandb_summary(summary: dict) -> dict:
+    """summary.json as the W&B run's summary: a group of plain figures (``memory_figures``: the planned and
+    measured peaks a sweep compares) as flat ``<group>/<name>`` keys, which W&B's sweep views (runs table,
+    parallel coordinates) offer as columns; the rest as it is."""
+    out = {}
+    for key, value in summary.items():
+        if key == "wandb_dir":
+            continue
+        if isinstance(value, dict) and value and all(v is None or isinstance(v, (int, float)) for v in value.values()):
+            out.update({f"{key}/{name}": v for name, v in value.items()})
+        else:
+            out[key] = value
+    return out

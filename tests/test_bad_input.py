@@ -3,6 +3,7 @@ the key or file and the fix, and exit 2, before any rank process exists (spawnin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -109,6 +110,31 @@ def _never_over_checkpoints(tiny, tmp):
     return ["--run-dir", str(tmp / "run"), "resume=never"]
 
 
+def _float32_checkpoint_into_bfloat16(tiny, tmp):
+    """A float32 run's checkpoint resumed with model.dtype=bfloat16: megatron's load would fail late, on the
+    16-bit optimizer's fp32 main params the checkpoint lacks. The actor's part written as megatron's torch_dist
+    writes it (torch.distributed.checkpoint), one model tensor is enough for its metadata."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemWriter, save
+
+    from checkpointing.checkpoint import ACTOR_DIR, STATE_FILE, RLState, model_sizes
+    from rl.generation import sampling_seed
+    from run.compose import compose
+
+    model = f"model.path={tiny['qwen2']}"
+    checkpoint = tmp / "run" / "checkpoints" / "step_00000002"
+    weight = {"embedding.word_embeddings.weight": torch.zeros(4, 4, dtype=torch.float32)}
+    save(weight, storage_writer=FileSystemWriter(str(checkpoint / ACTOR_DIR)), no_dist=True)
+    (checkpoint / ACTOR_DIR / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    state = RLState(
+        completed_steps=2, sampling_seed=1, next_sampling_seeds=[sampling_seed(1, 2, 0)], data_num_prompts_drawn=0,
+        wandb_run_id=None, wandb_step=0, world_size=2, layout={}, exp="tiny_cpu",
+        model=model_sizes(compose("tiny_cpu", [model]).model.shape()),
+    )  # fmt: skip
+    (checkpoint / STATE_FILE).write_text(json.dumps(dataclasses.asdict(state)))
+    return ["--run-dir", str(tmp / "run"), model, "model.dtype=bfloat16", "resume=auto"]
+
+
 GSM8K = ["data.task=gsm8k", "trainer.sft_warmup_steps=0"]
 GOOD_LINE = {"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3 + 4 = 7\n#### 7"}
 
@@ -205,6 +231,11 @@ CASES = [
     ("unknown key", ["actor.foo=1"], "unknown config key 'actor.foo'"),
     ("resume path not a checkpoint", _not_a_checkpoint, "is not a checkpoint"),
     ("resume=never over checkpoints", _never_over_checkpoints, "resume=never but"),
+    (
+        "resume a float32 checkpoint in bfloat16",
+        _float32_checkpoint_into_bfloat16,
+        "step_00000002 holds float32 weights but model.dtype=bfloat16; resume it with model.dtype=float32",
+    ),
     ("engine not installed", _vllm_not_installed, "rollout.engine=vllm needs the vllm package"),
     (
         "data file missing",

@@ -275,3 +275,7 @@ def test_a_phase_of_some_steps_is_measured_over_the_steps_that_ran_it():
     # a step's seconds: whole steps only (step 1 here, step 0 is not steady), not the boundary after the last (40)
     few = [r for r in rows if r["step"] in (0, 1, 40)]
     assert time_summary(few)["step_median_seconds"] == 4.0
+    # a run of one step and the eval after it (trainer.steps=1, eval.every=1): no steady whole step, so step 0's
+    one_step = [r for r in rows if r["step"] == 0 and r["phase"] == "rollout"]
+    one_step += [dict(r, step=1, t_s=r["t_s"] + 10) for r in rows if r["step"] == 0 and r["phase"] == "eval"]
+    assert time_summary(one_step)["step_median_seconds"] == 4.0 and steady_peak(one_step, ("rollout",), 0) == 500

@@ -24,7 +24,7 @@ from telemetry.memory_timeline import (
     window_peak,
 )
 from telemetry.tracking import RunWriter
-from tests.wandb_records import find_run_file, history_rows
+from tests.wandb_records import find_run_file, history_rows, summary_items
 
 MB = 1 << 20
 
@@ -202,7 +202,8 @@ def test_run_outputs_and_offline_wandb_run_read_back(tmp_path):
         peaks = writer.log_step(step, {"reward/mean": 0.25 * step}, rows + other_rank)
         assert peaks["train"] == max(r["device_peak"] for r in other_rank if r["phase"] == "train")  # max over ranks
     timeline.close()
-    summary = writer.finish({"steps": steps})
+    figures = {"planned_train_peak_bytes": 5 * MB, "measured_train_peak_bytes": 6 * MB}
+    summary = writer.finish({"steps": steps, "memory_figures": figures})
 
     csv_rows = read_timeline_csv(tmp_path / "memory_timeline.csv")
     assert {r["phase"] for r in csv_rows} == set(PHASES) and {r["rank"] for r in csv_rows} == {0, 1}
@@ -223,6 +224,10 @@ def test_run_outputs_and_offline_wandb_run_read_back(tmp_path):
     assert [h["trainer/step"] for h in step_rows] == list(range(steps))
     assert step_rows[1]["memory/peak/train"] == metrics[1]["memory/peak/train"] and step_rows[1]["reward/mean"] == 0.25
     assert any(h.get("memory/stage_chart/_type") == "image-file" for h in history)
+    # the run's summary: a group of plain figures as flat keys (W&B's sweep views offer those as columns)
+    wandb_summary = summary_items(find_run_file(summary["wandb_dir"]))
+    assert wandb_summary["memory_figures/planned_train_peak_bytes"] == 5 * MB and "memory_figures" not in wandb_summary
+    assert wandb_summary["memory_figures/measured_train_peak_bytes"] == 6 * MB and wandb_summary["steps"] == steps
 
 
 def test_a_resumed_writer_keeps_the_completed_steps_rows_and_drops_a_row_cut_by_a_kill(tmp_path):

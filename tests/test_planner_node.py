@@ -115,6 +115,28 @@ def test_cuda_host_plan_counts_pinned_buffers_staging_and_the_sleep_copy():
     assert host_plan(make_plan(small)).fits is False
 
 
+def test_cuda_host_plan_has_the_export_hf_phase_where_the_device_plan_has_it():
+    """A run that exports HF weights plans export_hf on the device (nothing there on CUDA) and on the host: the
+    files written tensor by tensor beside the kept staging; without saves the export's params-only save stages
+    the params (power-of-two pinned blocks, kept), with saves it reuses the save's blocks."""
+    from colocation.phases import EXPORT_PHASE
+    from planner.plan import hf_file_writing_bytes
+
+    for saves in (True, False):
+        plan = make_plan(qwen32b(checkpoint_saves=saves, hf_exports=True))
+        host = host_plan(plan)
+        names = [p.name for p in host.phases]
+        assert EXPORT_PHASE in plan.names and names[-1] == EXPORT_PHASE, names
+        export, rollout = host.phases[-1].components, next(p for p in host.phases if p.name == "rollout").components
+        assert export["hf_file_writing"] == hf_file_writing_bytes(plan.inputs) > 0
+        staging = checkpoint_staging_bytes(plan) if saves else checkpoint_staging_bytes(plan, params_only=True)
+        assert export["checkpoint_staging"] == staging == rollout["checkpoint_staging"]
+        assert 0 < checkpoint_staging_bytes(plan, params_only=True) < checkpoint_staging_bytes(plan)
+        assert export["offload_pinned"] == rollout["offload_pinned"] > 0
+    no_export = host_plan(make_plan(qwen32b(checkpoint_saves=True)))
+    assert EXPORT_PHASE not in [p.name for p in no_export.phases]
+
+
 def test_cpu_host_plan_is_the_device_plan_plus_the_offloaded_page_cache():
     """On CPU the device is the host: each phase's rank bytes are its device plan (RSS, validated by make
     validate-plan) plus the runtime level; the offloaded state sits in the page cache beside it."""

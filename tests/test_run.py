@@ -12,8 +12,8 @@ import pytest
 from checkpointing.checkpoint import complete_checkpoints
 from colocation.phases import phase_names
 from run.main import main
-from telemetry.memory_timeline import EVAL_PHASE, PHASES, SAVE_PHASE, read_timeline_csv
-from tests.wandb_records import find_run_file, history_rows
+from telemetry.memory_timeline import EVAL_PHASE, FIGURES, FIGURES_KEY, PHASES, SAVE_PHASE, read_timeline_csv
+from tests.wandb_records import find_run_file, history_rows, summary_items
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -113,7 +113,9 @@ def test_short_run_writes_every_output_and_a_readable_wandb_run(tmp_path):
     phase_seconds = summary["time"]["phase_median_seconds"]
     assert set(PHASES) <= set(phase_seconds) <= {EVAL_PHASE, *PHASES, SAVE_PHASE}
     assert all(v > 0 for v in phase_seconds.values())
-    assert summary["time"]["step_median_seconds"] >= sum(phase_seconds.values())
+    # step 1's every-step phases lie inside its span (the eval after the last step is a boundary of no step, so
+    # it is in the phase medians but in no step's span)
+    assert summary["time"]["step_median_seconds"] >= sum(phase_seconds[phase] for phase in PHASES)
     # the offline W&B run, read back through wandb's own protobuf records
     history = history_rows(find_run_file(summary["wandb_dir"]))
     per_step = [h for h in history if "trainer/step" in h]
@@ -126,6 +128,39 @@ def test_short_run_writes_every_output_and_a_readable_wandb_run(tmp_path):
     assert len(timeline) == len(rows)  # one record per sample (rank-specific keys)
     assert any(h.get("memory/tag/kv_cache/rank1", 0) > 0 for h in timeline)
     assert any(h.get("memory/stage_chart/_type") == "image-file" for h in history)
+    # the figures a sweep compares, planned and measured alike: in summary.json and, as flat keys W&B's sweep
+    # views offer as columns, in the W&B run's summary
+    figures = summary[FIGURES_KEY]
+    assert set(figures) == {f"{kind}_{f}_bytes" for kind in ("planned", "measured") for f in FIGURES}
+    assert all(v > 0 for v in figures.values()), figures
+    assert figures["planned_kv_cache_bytes"] == kv["kv_cache_bytes"]
+    assert figures["planned_train_peak_bytes"] == plan["phases"]["train"]["predicted_bytes"]
+    assert figures["measured_train_peak_bytes"] == plan["phases"]["train"]["measured_bytes"]
+    wandb_summary = summary_items(find_run_file(summary["wandb_dir"]))
+    assert all(wandb_summary[f"{FIGURES_KEY}/{k}"] == v for k, v in figures.items())
+
+
+@pytest.mark.slow
+def test_a_run_stopped_after_its_last_checkpoint_ends_with_its_final_eval_and_summary_on_resume(tmp_path):
+    """Killed after the last step's checkpoint, before the final eval and summary.json (no summary.json:
+    what a SIGTERM in the last step leaves), the resumed run does not stop at "nothing to do": it runs the end
+    of the run; resumed once more (summary.json written) it has nothing to do and says so."""
+    args = ("trainer.steps=1", "trainer.sft_warmup_steps=0", "trainer.prompts_per_step=4", "actor.micro_batch_size=16",
+            "eval.every=1", "wandb.mode=disabled")  # fmt: skip
+    first = run_loop(tmp_path, *args)
+    run_dir = Path(first["run_dir"])
+    assert [p.name for p in complete_checkpoints(run_dir / "checkpoints")] == ["step_00000001"]
+    (run_dir / "summary.json").unlink()
+    cmd = [sys.executable, "-m", "run.main", "--exp", "tiny_cpu", "--run-dir", str(run_dir), *args]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "all 1 steps done; the run's end follows: its final eval" in proc.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["eval"]["last"]["completed_steps"] == 1
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["trainer/step"] for m in metrics] == [0, 1]  # the step, then the final eval's record once
+    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0 and "already did 1 steps (trainer.steps=1) and finished (summary.json written): nothing to do" in again.stdout
 
 
 @pytest.mark.slow

@@ -126,56 +126,104 @@ def test_args_may_not_set_a_swept_key():
         sweep_grid.check_fixed(["trainer.steps=2", "rollout.wake_strategy=staged"], grid)
 
 
-def fake_run(run_dir: Path, peaks: dict[int, dict[str, int]], step_seconds: list[float], reward: float) -> None:
-    """A run directory as run.main leaves it: timeline rows per rank and phase, metrics per step, summary."""
+def fake_run(
+    run_dir: Path,
+    peaks: dict[int, dict[str, int]],
+    step_seconds: list[float],
+    reward: float,
+    summary: dict | None = None,
+) -> None:
+    """A run directory as run.main leaves it: timeline rows per rank, step and phase (step 0 twice the peaks of
+    step 1: the warm-up step a steady figure leaves out), metrics per step, summary.json."""
     run_dir.mkdir(parents=True)
     with open(run_dir / "memory_timeline.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["t_s", "step", "phase", "rank", "device_peak", "device_allocated"])
+        fields = ["t_s", "step", "phase", "rank", "device_peak", "device_allocated", "tag/kv_cache"]
+        writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
-        for rank, per_phase in peaks.items():
-            for phase, value in per_phase.items():
-                writer.writerow(
-                    dict(t_s=0.1, step=0, phase=phase, rank=rank, device_peak=value // 2, device_allocated=1)
-                )
-                writer.writerow(dict(t_s=0.2, step=0, phase=phase, rank=rank, device_peak=value, device_allocated=1))
+        for step, scale in ((0, 2), (1, 1)):
+            for rank, per_phase in peaks.items():
+                for phase, value in per_phase.items():
+                    row = dict(step=step, phase=phase, rank=rank, device_allocated=1, **{"tag/kv_cache": 7 * 2**20})
+                    writer.writerow(dict(row, t_s=0.1, device_peak=scale * value // 2))
+                    writer.writerow(dict(row, t_s=0.2, device_peak=scale * value))
     steps = [{"trainer/step": i, "time/rollout": s * 0.75, "time/train": s * 0.25} for i, s in enumerate(step_seconds)]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in steps))
-    (run_dir / "summary.json").write_text(json.dumps({"steps": len(steps), "reward_last5": reward}))
+    summary = {
+        "steps": len(steps),
+        "reward_last5": reward,
+        "memory_peak_method": "rss_high_water_mark",
+        **(summary or {}),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary))
 
 
-def test_table_and_plot_from_run_directories(tmp_path):
-    grid = [{"rollout.gpu_memory_utilization": 0.02}, {"rollout.gpu_memory_utilization": 0.5}]
+def test_table_and_chart_compare_each_figure_planned_and_measured(tmp_path):
+    from telemetry.memory_timeline import FIGURES, FIGURES_KEY, PEAK_METHODS, wake_window_phases
+
+    grid = [{"rollout.gpu_memory_utilization": u} for u in (0.02, 0.5, 0.6, 0.7)]
     points = sweep_points.validate("tiny_cpu", SMOKE_ARGS, grid)
     mib = 2**20
     ranks = {0: {ph: 100 * mib for ph in PHASES}, 1: {ph: 100 * mib for ph in PHASES}}
-    ranks[1]["train"] = 300 * mib  # the peak: rank 1, train
+    ranks[1]["train"] = 300 * mib  # rank 1's train: the train peak
+    ranks[0][wake_window_phases()[-1]] = 200 * mib  # rank 0's last wake phase: the wake-window peak
+    # point 1: a run whose summary.json has no figures (stopped before them): measured from its timeline's
+    # steady step, planned by the launch-time check like a point not run
     fake_run(tmp_path / "p1", ranks, step_seconds=[4.0, 2.0, 3.0], reward=0.25)
-    points[1].result = sweep_trial.collect_result(tmp_path / "p1")
-    points[1].status = "ok"
+    # point 2: a run with its own plan and measurements in summary.json: those are its figures
+    own = {
+        f"{kind}_{f}_bytes": (9 if kind == "planned" else 8) * mib for f in FIGURES for kind in ("planned", "measured")
+    }
+    fake_run(tmp_path / "p2", ranks, step_seconds=[1.0], reward=0.5, summary={FIGURES_KEY: own})
+    for point, run in ((points[1], "p1"), (points[2], "p2")):
+        point.result, point.status = sweep_trial.collect_result(tmp_path / run), "ok"
+    points[3].status, points[3].reason = "not run", "interrupted"
     rows = sweep_summary.table_rows(points)
-    assert rows[1]["measured_train_bytes"] == 300 * mib and rows[1]["measured_rollout_bytes"] == 100 * mib
-    assert (rows[1]["measured_peak_bytes"], rows[1]["measured_peak_phase"]) == (300 * mib, "train")
-    assert rows[1]["step_seconds"] == 3.0 and rows[1]["reward"] == 0.25  # median over steps
-    assert rows[1]["predicted_peak_bytes"] == points[1].plan.peak_bytes
+
+    # a point that ran: every figure measured over the steady step (not step 0's doubled peaks), max over ranks,
+    # beside the plan plus its runtime overhead (what a measurement includes), as the run itself compares them
+    plan = points[1].plan
+    assert rows[1]["measured_train_peak_bytes"] == 300 * mib and rows[1]["measured_rollout_peak_bytes"] == 100 * mib
+    assert rows[1]["measured_wake_window_peak_bytes"] == 200 * mib and rows[1]["measured_kv_cache_bytes"] == 7 * mib
+    assert rows[1]["planned_train_peak_bytes"] == plan.phase("train").predicted_bytes + plan.runtime_overhead_bytes
     assert (
-        rows[0]["status"] == "infeasible" and rows[0]["measured_peak_bytes"] is None and "KV cache" in rows[0]["reason"]
+        rows[1]["planned_wake_window_peak_bytes"] == plan.wake_window_peak.predicted_bytes + plan.runtime_overhead_bytes
     )
+    assert rows[1]["planned_kv_cache_bytes"] == plan.kv_cache_bytes > 0 and rows[1]["planned_by"] == "launch check"
+    assert rows[1]["step_seconds"] == 3.0 and rows[1]["reward"] == 0.25  # median over steps
+    assert all(rows[2][k] == v for k, v in own.items()) and rows[2]["planned_by"] == "run"
+    # not run: planned like the others, nothing measured; an infeasible one keeps its plan and its reason
+    assert rows[3]["planned_rollout_peak_bytes"] > 0 and rows[3]["measured_rollout_peak_bytes"] is None
+    assert rows[0]["status"] == "infeasible" and "KV cache" in rows[0]["reason"]
+    assert rows[0]["planned_train_peak_bytes"] == points[0].plan.measurable_bytes("train")
+    assert all(rows[0][f"measured_{f}_bytes"] is None for f in FIGURES)
+    assert {r["peak_method"] for r in rows} == {"rss_high_water_mark"}
 
     params = list(grid[0])
     sweep_summary.write_csv(rows, tmp_path / "summary.csv")
     with open(tmp_path / "summary.csv", newline="") as f:
         read = list(csv.DictReader(f))
-    assert [r["status"] for r in read] == ["infeasible", "ok"]
-    assert int(read[1]["measured_train_bytes"]) == 300 * mib and read[0]["measured_train_bytes"] == ""
+    assert [r["status"] for r in read] == ["infeasible", "ok", "ok", "not run"]
+    assert int(read[1]["measured_train_peak_bytes"]) == 300 * mib and read[0]["measured_train_peak_bytes"] == ""
     sweep_summary.write_markdown(rows, params, tmp_path / "summary.md", title="t")
     md = (tmp_path / "summary.md").read_text()
-    assert "| # | util | status | predicted peak MiB | measured peak MiB | rollout |" in md
-    assert "| 1 | 0.500 | ok |" in md and "300 (train)" in md
-    assert "- 00_util=0.02: infeasible: plan on cpu: DOES NOT FIT" in md
-    printed = sweep_summary.format_compact(rows, params)
-    assert "| 1 | 0.500 | ok |" in printed and "| 300 train | 100 | 300 |" in printed
-    sweep_summary.plot_peaks(rows, params, tmp_path / "peak.png", title="t")
+    header = "| # | util | status | wake-window peak MiB plan / meas. | rollout peak MiB plan / meas. |"
+    assert header in md and "| KV cache MiB plan / meas. | step s | reward |" in md
+    planned_train = f"{rows[1]['planned_train_peak_bytes'] / mib:.1f}"
+    assert f"| 1 | 0.500 | ok | {rows[1]['planned_wake_window_peak_bytes'] / mib:.1f} / 200.0 |" in md
+    assert f"| {planned_train} / 300.0 |" in md and "| 2 | 0.600 | ok | 9.0 / 8.0 | 9.0 / 8.0 |" in md
+    assert "- 00_util=0.02: infeasible: plan on cpu: DOES NOT FIT" in md and "- 03_util=0.7: not run: interrupted" in md
+    assert PEAK_METHODS["rss_high_water_mark"] in md
+    assert sweep_summary.format_table(rows, params) in md
+    sweep_summary.plot_figures(rows, params, tmp_path / "peak.png", title="t")
     assert (tmp_path / "peak.png").stat().st_size > 10_000
+
+
+def test_the_legend_names_what_is_measured_on_each_device():
+    assert "RSS" in sweep_summary.measured_legend([{"peak_method": "rss_high_water_mark"}])
+    cuda = sweep_summary.measured_legend([{"peak_method": "cuda_allocator_peak"}])
+    assert "torch.cuda.mem_get_info" in cuda and "NVML" not in cuda
+    point = sweep_points.validate("qwen2.5_0.5b_1xh200", [], [{"rollout.gpu_memory_utilization": 0.5}])[0]
+    assert sweep_summary.table_rows([point])[0]["peak_method"] == "cuda_allocator_peak"
 
 
 def create(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
@@ -282,8 +330,11 @@ def test_sweep_local_runs_its_points_and_skips_the_infeasible_ones(tmp_path):
     with open(sweep_dir / "summary.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [r["status"] for r in rows] == ["infeasible", "infeasible", "ok", "ok"]
+    from telemetry.memory_timeline import FIGURES
+
     for row in rows[2:]:
-        assert int(row["measured_rollout_bytes"]) > 0 and int(row["predicted_peak_bytes"]) > 0
+        assert all(int(row[f"{kind}_{f}_bytes"]) > 0 for f in FIGURES for kind in ("planned", "measured"))
+        assert row["planned_by"] == "run" and row["peak_method"] == "rss_high_water_mark"
         assert float(row["step_seconds"]) > 0 and 0 <= float(row["reward"]) <= 1
         assert (Path(row["run_dir"]) / "summary.json").is_file()
     assert (sweep_dir / "summary.md").is_file() and (sweep_dir / "peak_memory.png").stat().st_size > 10_000

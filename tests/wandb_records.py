@@ -66,3 +66,13 @@ def find_run_file(wandb_dir: str | Path) -> Path:
     if not files:
         raise FileNotFoundError(f"no run-*.wandb under {wandb_dir}")
     return files[-1]
+
+
+def summary_items(path: str | Path) -> dict:
+    """The run's summary as its ``summary`` records set it (later updates win): key -> decoded value."""
+    out = {}
+    for record in iter_records(path):
+        if record.WhichOneof("record_type") == "summary":
+            for item in record.summary.update:
+                out[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+    return out

@@ -15,8 +15,8 @@ existing sweep) and renders ``sweep.sbatch``, a Slurm job array with one ``wandb
 from ``experiments/slurm/sweep.sbatch`` with :mod:`tools.sbatch`'s pieces. ``local`` runs the same grid here,
 one point after the other, each as the very command W&B's agent would run (the agent's own macro expansion,
 ``wandb.sdk.launch.sweeps.utils``) into ``<sweep dir>/<point>/``, then writes ``summary.csv``, ``summary.md``
-and ``peak_memory.png`` there: per point the measured peak of every phase, the planner's prediction, the
-step time and the reward.
+and ``peak_memory.png`` there: per point the wake-window, rollout and train peaks and the KV cache, each
+planned and measured alike (:func:`telemetry.memory_timeline.memory_figures`), the step time and the reward.
 
 By concern: :mod:`tools.sweep.grid` (the sweep file, its grid, the sweep directory), :mod:`tools.sweep.points`
 (every point composed and planned before launch), :mod:`tools.sweep.agent` (W&B glue: the agent's command

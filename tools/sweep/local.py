@@ -13,7 +13,7 @@ from run.compose import compose
 from tools.sweep.agent import EXP_ENV, RUN_DIR_ENV, agent_command
 from tools.sweep.grid import new_sweep_dir, with_fixed_overrides
 from tools.sweep.points import print_validation, validate
-from tools.sweep.summary import format_compact, plot_peaks, table_rows, write_csv, write_markdown
+from tools.sweep.summary import format_table, plot_figures, table_rows, write_csv, write_markdown
 from tools.sweep.trial import run_point
 
 
@@ -61,10 +61,10 @@ def local(args: argparse.Namespace, sweep: dict, grid: list[dict[str, Any]]) -> 
         progress.close()
         signal.signal(signal.SIGTERM, previous_handler)
     rows = table_rows(points)
-    print(format_compact(rows, list(grid[0])))
+    print(format_table(rows, list(grid[0])))
     write_csv(rows, sweep_dir / "summary.csv")
     write_markdown(rows, list(grid[0]), sweep_dir / "summary.md", title=f"{args.sweep} on {args.exp}")
-    plot_peaks(
+    plot_figures(
         rows, list(grid[0]), sweep_dir / "peak_memory.png", title=f"{args.sweep} on {args.exp} ({base.cluster.device})"
     )
     print(f"wrote {sweep_dir / 'summary.csv'}, {sweep_dir / 'summary.md'}, {sweep_dir / 'peak_memory.png'}")

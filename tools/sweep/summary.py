@@ -1,40 +1,60 @@
-"""The sweep's summary: one row per point (CSV), the markdown table, the printed table and the peak plot."""
+"""The sweep's summary: one row per point (CSV), the markdown table, the printed table and the chart.
+
+Every point shows the same figures, planned and measured alike (:func:`telemetry.memory_timeline.memory_figures`): the
+wake-window, rollout and train peaks and the KV cache. A point that ran has its own plan (made before its
+engine started) and its measurements (summary.json); a point that did not run has the launch-time check's
+plan only, and an infeasible point is drawn as such, with its reason.
+"""
 
 from __future__ import annotations
 
 import csv
+import textwrap
 from pathlib import Path
 from typing import Any
 
 from tools.sweep.grid import short_key
 from tools.sweep.points import Point
-from tools.sweep.trial import MEASURED_METRIC
+
+FIGURE_TITLES = {
+    "wake_window_peak": "wake-window peak",
+    "rollout_peak": "rollout peak",
+    "train_peak": "train peak",
+    "kv_cache": "KV cache",
+}
 
 
 def table_rows(points: list[Point]) -> list[dict[str, Any]]:
     """One flat row per point (the CSV's columns); byte figures are ints, missing ones None."""
-    from planner import PHASES
+    from telemetry.memory_timeline import FIGURES, memory_figures
 
     rows = []
     for p in points:
-        measured = p.result.get("measured", {})
+        figures = dict(p.result.get("figures") or {})
+        planned_by = p.result.get("planned_by", "")
+        if not planned_by and p.plan is not None:  # not run, or stopped before its summary: the launch-time plan
+            launch = memory_figures(p.plan, [])
+            figures.update({k: v for k, v in launch.items() if k.startswith("planned_") and v is not None})
+            planned_by = "launch check"
         row: dict[str, Any] = {"index": p.index, "point": p.name, **p.params, "status": p.status}
-        predicted = {ph.name: ph.predicted_bytes for ph in p.plan.phases} if p.plan is not None else {}
-        predicted = p.result.get("predicted") or predicted  # the run's own plan, when it ran
-        row["predicted_peak_bytes"] = max(predicted.values()) if predicted else None
-        row["predicted_peak_phase"] = max(predicted, key=predicted.get) if predicted else None
-        row["measured_peak_bytes"] = max(measured.values()) if measured else None
-        row["measured_peak_phase"] = max(measured, key=measured.get) if measured else None
+        for figure in FIGURES:
+            row[f"planned_{figure}_bytes"] = figures.get(f"planned_{figure}_bytes")
+            row[f"measured_{figure}_bytes"] = figures.get(f"measured_{figure}_bytes")
+        row["planned_by"] = planned_by
+        row["peak_method"] = p.result.get("peak_method") or _device_peak_method(p)
         row["step_seconds"] = p.result.get("step_seconds")
         row["reward"] = p.result.get("reward")
-        for phase in PHASES:
-            row[f"measured_{phase}_bytes"] = measured.get(phase)
-        for phase in PHASES:
-            row[f"predicted_{phase}_bytes"] = predicted.get(phase)
         row["reason"] = p.reason or ""
         row["run_dir"] = p.result.get("run_dir", "")
         rows.append(row)
     return rows
+
+
+def _device_peak_method(point: Point) -> str:
+    """How a run of ``point`` measures its peaks (telemetry.memory_timeline.PEAK_METHODS), from the device it is planned on."""
+    if point.plan is None:
+        return ""
+    return "cuda_allocator_peak" if point.plan.inputs.device.kind == "cuda" else "rss_high_water_mark"
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
@@ -54,7 +74,7 @@ def _fmt(value: Any, scale: int | None = None) -> str:
     if value is None or value == "":
         return "-"
     if scale is not None:
-        return f"{value / scale:.2f}" if scale == 2**30 else f"{value / scale:.0f}"
+        return f"{value / scale:.2f}" if scale == 2**30 else f"{value / scale:.1f}"
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
@@ -64,119 +84,135 @@ def _table(header: list[str], body: list[list[str]]) -> str:
     )
 
 
-def write_markdown(rows: list[dict[str, Any]], params: list[str], path: Path, title: str) -> None:
-    """Every phase's measured peak, the predicted peak, step time and reward; reasons listed below."""
-    from planner import PHASES
+def format_table(rows: list[dict[str, Any]], params: list[str]) -> str:
+    """The table printed and written: per point each figure as ``planned / measured``, step time, reward."""
+    from telemetry.memory_timeline import FIGURES
 
     unit, scale = _unit(rows)
-    short = [short_key(k) for k in params]
-    header = ["#", *short, "status", f"predicted peak {unit}", f"measured peak {unit}", *PHASES, "step s", "reward"]
+    header = [
+        "#",
+        *(short_key(k) for k in params),
+        "status",
+        *(f"{FIGURE_TITLES[f]} {unit} plan / meas." for f in FIGURES),
+        "step s",
+        "reward",
+    ]
     body = [
         [
             str(r["index"]),
             *(_fmt(r[k]) for k in params),
             r["status"],
-            f"{_fmt(r['predicted_peak_bytes'], scale)} ({r['predicted_peak_phase'] or '-'})",
-            f"{_fmt(r['measured_peak_bytes'], scale)} ({r['measured_peak_phase'] or '-'})",
-            *(_fmt(r[f"measured_{ph}_bytes"], scale) for ph in PHASES),
+            *(f"{_fmt(r[f'planned_{f}_bytes'], scale)} / {_fmt(r[f'measured_{f}_bytes'], scale)}" for f in FIGURES),
             _fmt(r["step_seconds"]),
             _fmt(r["reward"]),
         ]
         for r in rows
     ]
+    return _table(header, body)
+
+
+def measured_legend(rows: list[dict[str, Any]]) -> str:
+    """What "measured" is in this sweep: the peak method(s) its runs used (telemetry.memory_timeline.PEAK_METHODS)."""
+    from telemetry.memory_timeline import PEAK_METHODS
+
+    methods = sorted({r["peak_method"] for r in rows if r["peak_method"]})
+    return "; ".join(PEAK_METHODS[m] for m in methods) or "nothing measured"
+
+
+def write_markdown(rows: list[dict[str, Any]], params: list[str], path: Path, title: str) -> None:
+    """The table with what each figure is; the reasons of the points not run or failed below it."""
+    unit = _unit(rows)[0]
     notes = [f"- {r['point']}: {r['status']}: {r['reason']}" for r in rows if r["reason"]]
     text = [
         f"# Sweep {title}",
         "",
-        f"Measured: the max over ranks of `{MEASURED_METRIC}` in each phase (CUDA: the allocator's peak plus what the device holds "
-        f"outside it; CPU: the process's RSS high-water mark over its start), in {unit}. Predicted: the plan the run made before its engine started (summary.json memory_plan; for points not run, the launch-time check on the experiment's device). Step time: the median "
-        "over steps of the phases' seconds. Reward: mean of the last 5 steps.",
+        f"Each figure in {unit}, planned / measured (telemetry.memory_timeline.memory_figures). Planned: the plan the run made "
+        "before its engine started (points not run: the launch-time check on the experiment's device), plus its "
+        "runtime overhead. Measured peaks: the max over ranks of the median over the steady steps of the phases' "
+        f"peak ({measured_legend(rows)}); the wake window is wake_weights..wake_kv_cache. KV cache: the plan's "
+        "against the engine's ledger. Step time: the median over steps of the phases' seconds. Reward: mean of the "
+        "last 5 steps.",
         "",
-        _table(header, body),
+        format_table(rows, params),
         *(["", "Not run or failed:", "", *notes] if notes else []),
         "",
     ]
     path.write_text("\n".join(text))
 
 
-def format_compact(rows: list[dict[str, Any]], params: list[str]) -> str:
-    """The printed table: the measured peaks of rollout, train and the wake window instead of every phase."""
-    from colocation.phases import wake_window_phases
-
-    unit, scale = _unit(rows)
-    window = wake_window_phases()
-    header = [
-        "#",
-        *(short_key(k) for k in params),
-        "status",
-        f"predicted {unit}",
-        f"measured {unit}",
-        "rollout",
-        "train",
-        "wake window",
-        "step s",
-        "reward",
-    ]
-    body = []
-    for r in rows:
-        wake = [r[f"measured_{ph}_bytes"] for ph in window if r[f"measured_{ph}_bytes"] is not None]
-        body.append(
-            [
-                str(r["index"]),
-                *(_fmt(r[k]) for k in params),
-                r["status"],
-                f"{_fmt(r['predicted_peak_bytes'], scale)} {r['predicted_peak_phase'] or ''}".strip(),
-                f"{_fmt(r['measured_peak_bytes'], scale)} {r['measured_peak_phase'] or ''}".strip(),
-                _fmt(r["measured_rollout_bytes"], scale),
-                _fmt(r["measured_train_bytes"], scale),
-                _fmt(max(wake) if wake else None, scale),
-                _fmt(r["step_seconds"]),
-                _fmt(r["reward"]),
-            ]
-        )
-    return _table(header, body)
-
-
-def plot_peaks(rows: list[dict[str, Any]], params: list[str], path: Path, title: str) -> None:
-    """Peak memory per point (x: the swept utilization / offload / wake values): predicted and measured bars."""
+def plot_figures(rows: list[dict[str, Any]], params: list[str], path: Path, title: str) -> None:
+    """One panel per figure (wake window, rollout, train, KV cache): planned and measured bars per point;
+    infeasible points drawn grey and cross-hatched, with their reasons under the panels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    from telemetry.memory_timeline import FIGURES
 
     unit, scale = _unit(rows)
     # tick labels: the index, then each swept value by its last key part (params=True, util=0.5, wake=staged)
     labels = [f"{r['index']}\n" + "\n".join(f"{short_key(k).rsplit('.', 1)[-1]}={r[k]}" for k in params) for r in rows]
-    x = range(len(rows))
-    width = 0.4
-    fig, ax = plt.subplots(figsize=(min(48.0, max(7.0, 1.3 * len(rows) + 2)), 6.0))
-    predicted = [(r["predicted_peak_bytes"] or 0) / scale for r in rows]
-    measured = [(r["measured_peak_bytes"] or 0) / scale for r in rows]
-    colors = ["tab:gray" if r["status"] == "infeasible" else "tab:blue" for r in rows]
-    ax.bar(
-        [i - width / 2 for i in x],
-        predicted,
-        width,
-        color=colors,
-        alpha=0.6,
-        hatch="//",
-        label="predicted peak (planner)",
-    )
-    ax.bar(
-        [i + width / 2 for i in x],
-        measured,
-        width,
-        color="tab:orange",
-        label=f"measured peak ({MEASURED_METRIC}: NVML used on CUDA, RSS on CPU)",
-    )
-    for i, r in enumerate(rows):
-        if r["status"] != "ok":
-            ax.text(i, max(predicted[i], measured[i]), r["status"], ha="center", va="bottom", fontsize=8, rotation=90)
-    ax.set_xticks(list(x), labels, fontsize=7)
-    ax.set_ylabel(f"peak per rank ({unit})")
-    ax.set_ylim(0, 1.25 * max([*predicted, *measured, 1e-9]))  # room above the bars for the legend and labels
-    ax.set_title(title)
-    ax.legend(fontsize=8, loc="upper left", ncols=2)
-    fig.tight_layout()
+    width_inches = min(48.0, max(9.0, 1.3 * len(rows) + 2))
+    chars = int(width_inches * 15)  # monospace characters of 7 pt across the figure at 110 dpi, with a margin
+    notes = [
+        textwrap.fill(f"#{r['index']} {r['status']}: {r['reason']}", chars, subsequent_indent="    ")
+        for r in rows
+        if r["status"] != "ok"
+    ]
+    notes_inches = 0.14 * sum(n.count("\n") + 1 for n in notes) + 0.15 if notes else 0.0
+    legend_inches = 0.9
+    height = 2.2 * len(FIGURES) + 0.6 + legend_inches + notes_inches
+    width, x = 0.4, list(range(len(rows)))
+    fig, axes = plt.subplots(len(FIGURES), 1, sharex=True, figsize=(width_inches, height))
+    infeasible = [r["status"] == "infeasible" for r in rows]
+    for ax, figure in zip(axes, FIGURES):
+        planned = [(r[f"planned_{figure}_bytes"] or 0) / scale for r in rows]
+        measured = [(r[f"measured_{figure}_bytes"] or 0) / scale for r in rows]
+        ax.bar(
+            [i - width / 2 for i in x],
+            planned,
+            width,
+            color=["lightgrey" if bad else "tab:blue" for bad in infeasible],
+            edgecolor=["dimgrey" if bad else "tab:blue" for bad in infeasible],
+            hatch=["xx" if bad else "//" for bad in infeasible],
+            alpha=0.7,
+        )
+        ax.bar([i + width / 2 for i in x], measured, width, color="tab:orange")
+        top = max([*planned, *measured, 1e-9])
+        for i, r in enumerate(rows):
+            if r["status"] != "ok":  # infeasible / failed / not run: no measurement to draw
+                ax.text(i + width / 2, 0.02 * top, r["status"], ha="center", va="bottom", fontsize=7, rotation=90)
+        ax.set_ylim(0, 1.15 * top)
+        ax.set_ylabel(unit)
+        ax.set_title(f"{FIGURE_TITLES[figure]} per rank", fontsize=9, loc="left")
+    axes[-1].set_xticks(x, labels, fontsize=7)
+    handles = [
+        Patch(
+            facecolor="tab:blue",
+            alpha=0.7,
+            hatch="//",
+            label="planned: the run's own plan (not run: the launch-time check) + its runtime overhead",
+        ),
+        Patch(
+            facecolor="lightgrey", edgecolor="dimgrey", hatch="xx", label="planned, infeasible: not run (reason below)"
+        ),
+        Patch(
+            facecolor="tab:orange",
+            label=textwrap.fill(
+                f"measured (max over ranks, median over steady steps): "
+                f"{measured_legend(rows)}; KV cache: the engine's ledger",
+                chars - 10,
+            ),
+        ),
+    ]
+    fig.suptitle(title, fontsize=10, y=1 - 0.08 / height, va="top")
+    legend_at = (0.01, 1 - 0.3 / height)
+    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=legend_at, ncols=1, fontsize=7, frameon=False)
+    if notes:
+        fig.text(0.01, 0.05 / height, "\n".join(notes), fontsize=7, va="bottom", ha="left", family="monospace")
+    # room above the panels for the title and legend, below them for the notes
+    fig.tight_layout(rect=(0, notes_inches / height, 1, 1 - legend_inches / height))
     fig.savefig(path, dpi=110)
     plt.close(fig)

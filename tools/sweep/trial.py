@@ -4,7 +4,6 @@ run directory measured."""
 from __future__ import annotations
 
 import contextlib
-import csv
 import json
 import os
 import shlex
@@ -16,11 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from run.compose import REPO_ROOT
-from telemetry.memory_timeline import PEAK_METRIC
 from tools.sweep.points import Point
-
-# measured peak of a phase, max over ranks (telemetry.memory_timeline: CUDA allocator peak + memory outside it; CPU: RSS high-water mark)
-MEASURED_METRIC = PEAK_METRIC
 
 
 def run_point(point: Point, command: list[str], run_dir: Path, progress) -> None:
@@ -65,16 +60,15 @@ def last_error_line(log_path: Path) -> str:
 
 
 def collect_result(run_dir: Path) -> dict:
-    """What a finished run directory measured: per-phase peaks (max over ranks), step time, reward."""
+    """What a run directory holds: the memory figures (telemetry.memory_timeline.memory_figures: the run's own plan and
+    measurements from summary.json; a run that stopped early: what its timeline measured, ``planned_by``
+    empty), how the peaks were measured, step time and reward."""
+    from telemetry.memory_timeline import FIGURES_KEY, memory_figures, read_timeline_csv
+
     out: dict[str, Any] = {"run_dir": str(run_dir)}
     timeline = run_dir / "memory_timeline.csv"
     if timeline.is_file():
-        peaks: dict[str, int] = {}
-        with open(timeline, newline="") as f:
-            for row in csv.DictReader(f):
-                value = int(float(row[MEASURED_METRIC]))
-                peaks[row["phase"]] = max(peaks.get(row["phase"], 0), value)
-        out["measured"] = peaks
+        out["figures"] = memory_figures(None, read_timeline_csv(timeline, skip_broken=True))
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
         steps = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
@@ -86,9 +80,9 @@ def collect_result(run_dir: Path) -> dict:
         data = json.loads(summary.read_text())
         out["reward"] = data.get("reward_last5")
         out["steps"] = data.get("steps")
-        # the plan the run made before its engine started (the task's real prompt lengths, the KV cache
-        # the engine got): a sharper prediction than the launch-time check's worst case
-        phases = (data.get("memory_plan") or {}).get("phases") or {}
-        if phases:
-            out["predicted"] = {phase: v["predicted_bytes"] for phase, v in phases.items()}
+        out["peak_method"] = data.get("memory_peak_method")
+        if data.get(FIGURES_KEY):
+            # planned by the run before its engine started (the task's real prompts, the KV cache the engine
+            # got), measured over its steady steps
+            out["figures"], out["planned_by"] = data[FIGURES_KEY], "run"
     return out
