@@ -19,8 +19,12 @@ HF          ?= $(TINY_DIR)/qwen2
 TP          ?= 1
 PP          ?= 1
 VPP         ?=
+EP          ?=
+ETP         ?=
 TRAIN_TP    ?= 1
 TRAIN_PP    ?= 1
+TRAIN_EP    ?=
+TRAIN_ETP   ?=
 ROLLOUT_TP  ?= 1
 ENGINE      ?= native
 LAYOUT      ?=
@@ -140,8 +144,8 @@ lint: $(STAMP) ## ruff over the whole repo
 tiny-models: $(STAMP) ## write the tiny HF checkpoint of every family (modelspec/families/) to $(TINY_DIR)/
 	$(PY) -m modelspec.tiny --out $(TINY_DIR)
 
-verify-sync: $(STAMP) $(TINY_HF) ## HF=<dir> -> actor TRAIN_TP x TRAIN_PP -> reshard -> engine ROLLOUT_TP; engine vs transformers (one JSON line)
-	@$(PY) -m tools.verify_sync --hf $(HF) --train-tp $(TRAIN_TP) --train-pp $(TRAIN_PP) --rollout-tp $(ROLLOUT_TP) --engine $(ENGINE) $(ARGS)
+verify-sync: $(STAMP) $(TINY_HF) ## HF=<dir> -> actor TRAIN_TP x TRAIN_PP [x TRAIN_EP [TRAIN_ETP]] -> reshard -> engine ROLLOUT_TP; engine vs transformers (one JSON line)
+	@$(PY) -m tools.verify_sync --hf $(HF) --train-tp $(TRAIN_TP) --train-pp $(TRAIN_PP) $(if $(TRAIN_EP),--train-ep $(TRAIN_EP)) $(if $(TRAIN_ETP),--train-etp $(TRAIN_ETP)) --rollout-tp $(ROLLOUT_TP) --engine $(ENGINE) $(ARGS)
 
 bench-sync: $(STAMP) ## planned reshard vs the peers' gather + load_weights into ENGINE (native|vllm), LAYOUT=tp4-tp2|tp2pp2-tp2|tp2-tp1 (default all): one JSON line each
 	@$(PY) -m tools.bench_sync --engine $(ENGINE) $(if $(LAYOUT),--layout '$(LAYOUT)') $(ARGS)
@@ -149,8 +153,8 @@ bench-sync: $(STAMP) ## planned reshard vs the peers' gather + load_weights into
 $(TINY_DIR)/%/config.json: modelspec/tiny.py | $(STAMP)
 	$(PY) -m modelspec.tiny --out $(TINY_DIR) --families $*
 
-parity: $(STAMP) $(TINY_HF) ## megatron (TP x PP [x VPP]) vs transformers log-probs on HF=<dir>: one JSON line
-	@$(PY) -m tools.parity --hf $(HF) --tp $(TP) --pp $(PP) $(if $(VPP),--vpp $(VPP))
+parity: $(STAMP) $(TINY_HF) ## megatron (TP x PP [x VPP] [x EP [x ETP]]) vs transformers log-probs on HF=<dir>: one JSON line
+	@$(PY) -m tools.parity --hf $(HF) --tp $(TP) --pp $(PP) $(if $(VPP),--vpp $(VPP)) $(if $(EP),--ep $(EP)) $(if $(ETP),--etp $(ETP))
 
 bench-entropy: $(STAMP) ## peak memory of chunked vs unchunked vocab entropy: one JSON line
 	@$(PY) -m tools.bench_entropy $(ARGS)

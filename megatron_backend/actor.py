@@ -39,11 +39,19 @@ from megatron_backend.config import ActorConfig
 from megatron_backend.layout import RankLayout, padded_vocab_size
 from megatron_backend.logprobs import fused_logprobs_entropy
 from megatron_backend.memory import MemoryLedger, StorageOffloader, storage_bytes
-from megatron_backend.model import build_gpt_chunks, recompute_kwargs, te_available
+from megatron_backend.model import (
+    ROUTER_LOSSES,
+    build_gpt_chunks,
+    clear_router_losses,
+    moe_kwargs,
+    recompute_kwargs,
+    router_losses,
+    te_available,
+)
 from megatron_backend.packing import MicroBatch, build_micro_batch, partition, sequence_lengths
 from megatron_backend.parallel import ParallelDims
 from modelspec import BatchTotals, LossFn, ModelShape, TokenBatch
-from modelspec.mesh import check_actor_split
+from modelspec.mesh import check_actor_split, check_expert_split
 
 # what offload / onload take -> its memory tag: the step's own translation (colocation.phases.HOLDERS)
 _TAG = {name: state for state, (holder, name) in HOLDERS.items() if holder == "actor"}
@@ -63,16 +71,37 @@ class Actor:
         shape: ModelShape | None = None,
     ):
         """``shape``: the run's model shape (None: read from ``hf_dir``)."""
-        if (config.tp, config.pp, config.vpp) != (dims.tp, dims.pp, dims.vpp):
+        sizes = (config.tp, config.pp, config.vpp, config.ep, config.expert_tp)
+        if sizes != (dims.tp, dims.pp, dims.vpp, dims.ep, dims.etp):
             raise ValueError(
-                f"actor.tp/pp/vpp = {config.tp}/{config.pp}/{config.vpp} but the process groups are "
-                f"{dims.tp}/{dims.pp}/{dims.vpp}; initialize_model_parallel with the actor config's sizes"
+                f"actor.tp/pp/vpp/ep/etp = {'/'.join(map(str, sizes))} but the process groups are "
+                f"{dims.tp}/{dims.pp}/{dims.vpp}/{dims.ep}/{dims.etp}; initialize_model_parallel with the actor "
+                "config's sizes"
             )
         self.config, self.dims, self.dtype = config, dims, dtype
         self.hf_dir = Path(hf_dir)
         self.shape = shape if shape is not None else ModelShape.from_pretrained(hf_dir)
         check_actor_split(self.shape, dims.tp, dims.pp, dims.vpp)
-        self.layout = RankLayout(dims.tp, dims.pp, dims.vpp, dims.tp_rank, dims.pp_rank, te_norms=te_available())
+        check_expert_split(self.shape, dims.ep, dims.etp)
+        if train and dims.tp > 1 and self.shape.is_moe:
+            raise ValueError(
+                f"actor.tp={dims.tp} with an MoE model ({self.shape.source}): megatron-core trains MoE layers at "
+                "TP > 1 only with sequence parallelism, which the actor does not enable; use actor.tp=1 and split "
+                "the experts with actor.ep (forward-only passes, e.g. make parity, run at any TP)"
+            )
+        self.layout = RankLayout(
+            dims.tp,
+            dims.pp,
+            dims.vpp,
+            dims.tp_rank,
+            dims.pp_rank,
+            te_norms=te_available(),
+            ep=dims.ep,
+            etp=dims.etp,
+            ep_rank=dims.ep_rank,
+            etp_rank=dims.etp_rank,
+            grouped_experts=te_available(),
+        )
         self.vocab_start = dims.tp_rank * padded_vocab_size(self.shape.vocab_size, dims.tp) // dims.tp
         self.ledger = MemoryLedger()
         # grads: released and handed back zeroed, never copied (compute_grads zeroes them before use)
@@ -87,7 +116,12 @@ class Actor:
             variable = config.remove_padding or config.max_tokens_per_micro_batch is not None
             variable = variable or config.forward_max_tokens is not None
             # raw GPTModel per VPP stage
-            self.chunks = build_gpt_chunks(self.shape, dims, dtype, recompute=recompute, variable_seq_lengths=variable)
+            moe = moe_kwargs(
+                self.shape, dims, config.moe_aux_loss_coef, config.moe_z_loss_coef, config.moe_token_dispatcher
+            )
+            self.chunks = build_gpt_chunks(
+                self.shape, dims, dtype, recompute=recompute, variable_seq_lengths=variable, moe=moe
+            )
             self.num_bytes_loaded = load_hf_into_chunks(self.chunks, hf_dir, self.shape, self.layout)
             self.ledger.set("actor_params", resident_bytes=storage_bytes(self._param_tensors()))
         self.models = self.chunks  # DDP-wrapped when training
@@ -167,6 +201,10 @@ class Actor:
             return output, loss_func_factory(mb)
 
         many = len(self.models) > 1
+        # forward-only passes in eval mode: megatron's MoE router then neither computes nor tracks its aux
+        # losses (no backward to carry them), and its TP > 1 MoE layers run without sequence parallelism
+        for chunk in self.chunks:
+            chunk.train(not forward_only)
         # fixed-shape pipelines size their p2p buffers from these; variable ones send shapes first
         seq_len = max(mb.input_ids.shape[1] for mb in micro_batches)
         return get_forward_backward_func()(
@@ -253,6 +291,7 @@ class Actor:
         for model in self.models:
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
+        clear_router_losses()
 
         def factory(mb):
             def loss_func(logits):
@@ -279,6 +318,8 @@ class Actor:
             metrics = box[0]
         metrics["num_micro_batches"] = float(num_micro)
         metrics["num_tokens"] = totals.num_tokens
+        logged = [name for name, coef in ROUTER_LOSSES.items() if getattr(self.config, coef) > 0]
+        metrics.update(router_losses(self.dims, logged, len(self.shape.moe_layers), num_micro))
         return metrics
 
     def train_step(self, batch: TokenBatch, loss_fn: LossFn) -> dict[str, float]:
@@ -441,7 +482,9 @@ class Actor:
     def export_hf(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
         """Full HF state dict on global rank ``dst`` (None elsewhere): the whole model on one rank, for tests
         and parity checks that compare weights in memory. Exporting is :meth:`save_hf` / ``make export``."""
-        return gather_hf_state_dict(self.chunks, self.shape, self.layout, self.dims.dp_rank, dst)
+        return gather_hf_state_dict(
+            self.chunks, self.shape, self.layout, self.dims.dp_rank, dst, self.dims.expert_dp_rank
+        )
 
     def save_hf(
         self, out_dir: str | Path, dtype: torch.dtype | None = None, extra_files: dict[str, Path] | None = None

@@ -182,12 +182,15 @@ def local_shards(chunks, shape: ModelShape, layout: RankLayout, primary_only: bo
 
 
 def gather_hf_state_dict(
-    chunks, shape: ModelShape, layout: RankLayout, dp_rank: int = 0, dst: int = 0
+    chunks, shape: ModelShape, layout: RankLayout, dp_rank: int = 0, dst: int = 0, expert_dp_rank: int = 0
 ) -> dict[str, torch.Tensor] | None:
-    """Full HF tensors on global rank ``dst`` (None elsewhere). Only DP rank 0 contributes."""
-    blocks = []
-    if dp_rank == 0:
-        blocks = [(piece, block.cpu().clone()) for piece, block in local_shards(chunks, shape, layout)]
+    """Full HF tensors on global rank ``dst`` (None elsewhere). Only DP rank 0 contributes, and for the
+    experts (which EP spreads over the DP ranks) expert-DP rank 0."""
+    blocks = [
+        (piece, block.cpu().clone())
+        for piece, block in local_shards(chunks, shape, layout)
+        if (expert_dp_rank if piece.is_expert else dp_rank) == 0
+    ]
     gathered = [None] * dist.get_world_size() if dist.get_rank() == dst else None
     dist.gather_object(blocks, gathered, dst=dst)
     if dist.get_rank() != dst:

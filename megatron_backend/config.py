@@ -19,6 +19,8 @@ class OffloadConfig:
 RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")  # megatron's choices for a dense model
+# megatron-core's MoE token dispatchers that run without DeepEP/HybridEP (``moe_token_dispatcher_type``)
+MOE_TOKEN_DISPATCHERS = ("alltoall", "allgather")
 
 
 @dataclass
@@ -35,6 +37,12 @@ class ActorConfig:
 
     tp: int = 1
     pp: int = 1
+    # expert parallel (MoE models): the experts of each MoE layer split over ep ranks (megatron's
+    # expert_model_parallel_size); must divide the number of experts
+    ep: int = 1
+    # expert tensor parallel: each expert's intermediate dim split over etp ranks; null = actor.tp
+    # (megatron's default). World = pp x multiple of lcm(tp, etp x ep)
+    etp: int | None = None
     vpp: int | None = None  # virtual pipeline stages per PP rank; null = no interleaving
     dp: int | None = None  # null = derived from the world size; if set, must match it
     micro_batch_size: int = 4
@@ -69,12 +77,27 @@ class ActorConfig:
     # this fraction of the distributed optimizer's parameters keep their Adam states on the host and step there
     # (HybridDeviceOptimizer); 0: none. CUDA only (megatron's optimizer), the distributed optimizer at any DP
     optimizer_offload_fraction: float = 0.0
+    # MoE router losses added to the policy loss (megatron's moe_aux_loss_coeff / moe_z_loss_coeff),
+    # both logged per step (moe/load_balancing_loss, moe/z_loss); 0 = not computed
+    moe_aux_loss_coef: float = 0.0
+    moe_z_loss_coef: float = 0.0
+    # megatron's token dispatcher: alltoall (tokens to their experts' EP ranks) | allgather
+    moe_token_dispatcher: str = "alltoall"
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "micro_batch_size"):
+        for name in ("tp", "pp", "ep", "micro_batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"actor.{name}={value!r} must be a positive integer")
+        if self.etp is not None and (not isinstance(self.etp, int) or self.etp < 1):
+            raise ValueError(f"actor.etp={self.etp!r} must be a positive integer, or null to follow actor.tp")
+        for name in ("moe_aux_loss_coef", "moe_z_loss_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"actor.{name}={getattr(self, name)} must be >= 0 (0: the loss is not used)")
+        if self.moe_token_dispatcher not in MOE_TOKEN_DISPATCHERS:
+            raise ValueError(
+                f"actor.moe_token_dispatcher={self.moe_token_dispatcher!r} is not one of {MOE_TOKEN_DISPATCHERS}"
+            )
         if self.vpp is not None:
             if self.vpp < 1:
                 raise ValueError(f"actor.vpp={self.vpp} must be >= 1, or null for no interleaving")
@@ -119,6 +142,11 @@ class ActorConfig:
                 raise ValueError(
                     f"actor.recompute_modules={self.recompute_modules}: pick a non-empty list from {RECOMPUTE_MODULES}"
                 )
+
+    @property
+    def expert_tp(self) -> int:
+        """Expert tensor parallel size: ``actor.etp``, or ``actor.tp`` when null (megatron's default)."""
+        return self.etp if self.etp is not None else self.tp
 
     @property
     def forward_max_tokens(self) -> int | None:

@@ -9,9 +9,11 @@ We never fork or vendor megatron-core. Instead, inside the few megatron modules 
   (``get_default_causal_mask``; ``total_num_tokens = torch.zeros(..., device="cuda")`` in the
   pipeline schedules; the p2p shape buffers);
 - ``torch.cuda`` is :class:`_CudaOnCpu`: ``current_device()`` is the CPU (RoPE ``inv_freq``, p2p,
-  the global memory buffer that local-spec attention takes its matmul input from),
-  ``synchronize()`` is a no-op (p2p), and the RNG calls use the CPU default generator (the
-  model-parallel RNG tracker's ``add``/``fork``; on CPU dropout draws from that generator).
+  the global memory buffer that local-spec attention takes its matmul input from, the MoE router's and
+  experts' weights), ``synchronize()`` is a no-op (p2p), ``Stream()`` / ``current_stream()`` /
+  ``stream()`` are do-nothing streams (the MoE alltoall dispatcher's device-to-host side stream), and
+  the RNG calls use the CPU default generator (the model-parallel RNG tracker's ``add``/``fork``; on CPU
+  dropout draws from that generator).
 
 The RNG tracker's ``fork`` also reads ``_get_cuda_rng_state``/``_set_cuda_rng_state``; those two
 module functions are rebound to the CPU generator's state. ``fork`` warns when the CPU RNG state
@@ -27,7 +29,13 @@ megatron's optimizers (``get_megatron_optimizer``: ``FP32Optimizer``, ``Float16O
 asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``. The three functions that compare are wrapped
 (:func:`_answer_cuda_type_names`): during the call, and on the tensors they are handed only, ``.type()``
 answers the CUDA name of the tensor's dtype (an instance attribute that shadows the method, removed when
-the call returns); ``torch.Tensor`` itself is never patched. Their scalars (``found_inf``, the loss scale,
+the call returns); ``torch.Tensor`` itself is never patched.
+
+MoE (megatron's router, experts, token dispatchers): their modules get the proxy (router / expert weights
+on ``current_device()``, the alltoall dispatcher's side stream), its split sizes become numpy arrays as
+they do from CUDA (:func:`_host_split_sizes_as_on_cuda`), and ``moe_utils.te_general_gemm``, which
+megatron reads but defines only when Transformer Engine imports, is defined as None
+(:func:`_define_missing_te_gemm`). Their scalars (``found_inf``, the loss scale,
 the norm buffers) come from the modules' ``torch`` proxy like the others.
 """
 
@@ -56,6 +64,11 @@ PATCHED_MODULES = {
     "megatron.core.optimizer.clip_grads": 'grad-norm and overflow buffers on device="cuda"',
     "megatron.core.optimizer.distrib_optimizer": "state shards allocated on torch.cuda.current_device()",
     "megatron.core.optimizer.grad_scaler": 'fp16 loss scale on device="cuda"',
+    "megatron.core.transformer.moe.router": "router weight and token-count buffers on torch.cuda.current_device()",
+    "megatron.core.transformer.moe.experts": "expert weights (use_cpu_initialization) on torch.cuda.current_device()",
+    "megatron.core.transformer.moe.moe_utils": 'aux-loss tracker values on device="cuda"',
+    "megatron.core.transformer.moe.token_dispatcher": "alltoall dispatcher's D2H torch.cuda.Stream() and its events",
+    "megatron.core.tensor_parallel.mappings": "all-gather / all-to-all outputs on torch.cuda.current_device()",
 }
 
 # dtype -> the name ``Tensor.type()`` gives on CUDA, which megatron's optimizers compare with
@@ -106,8 +119,41 @@ class _CudaOnCpu:
     def manual_seed(seed: int) -> None:
         torch.manual_seed(seed)
 
+    # the alltoall token dispatcher copies its split sizes to the host on a side stream and waits on an
+    # event; on CPU they are host tensors already (``maybe_move_tensor_to_cpu`` keeps non-CUDA tensors), so
+    # the stream, its context and its event do nothing
+    @staticmethod
+    def Stream(*args, **kwargs) -> _StreamOnCpu:  # noqa: N802 (torch.cuda.Stream's name)
+        return _StreamOnCpu()
+
+    @staticmethod
+    def current_stream(device=None) -> _StreamOnCpu:
+        return _StreamOnCpu.CURRENT
+
+    @staticmethod
+    def stream(stream) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
+
+
+class _StreamOnCpu:
+    """A CUDA stream (or event) that does nothing: CPU ops are synchronous."""
+
+    CURRENT: _StreamOnCpu
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def record_event(self, event=None) -> _StreamOnCpu:
+        return self
+
+    def synchronize(self) -> None:
+        return None
+
+
+_StreamOnCpu.CURRENT = _StreamOnCpu()
 
 
 class _TorchOnCpu:
@@ -216,6 +262,31 @@ def _patch_optimizer_type_checks() -> None:
         _answer_cuda_type_names(module, "clip_grad_by_total_norm_fp32", _param_grads)
 
 
+def _define_missing_te_gemm() -> None:
+    """megatron-core 0.16's router gating (``RouterGatingLinearFunction``) tests ``te_general_gemm is not None``,
+    a name its ``moe_utils`` only defines when Transformer Engine imports: without TE every MoE forward raises
+    NameError. Define it as None there (its torch.mm branch), only when the import did not."""
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _host_split_sizes_as_on_cuda() -> None:
+    """The alltoall dispatcher hands its split sizes to ``all_to_all_single`` as the numpy arrays that
+    ``maybe_move_tensor_to_cpu(t, as_numpy=True)`` makes of a CUDA tensor; a CPU tensor comes back unchanged
+    and ``all_to_all_single`` refuses a tensor as split sizes. Rebind the name in the dispatcher's module to
+    one that converts host tensors as it converts CUDA ones."""
+    token_dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
 def is_active() -> bool:
     return _applied
 
@@ -235,5 +306,7 @@ def apply() -> bool:
     logging.getLogger(random_module.__name__).addFilter(_DropForkWarning())
     _patch_tied_embedding_setup()
     _patch_optimizer_type_checks()
+    _define_missing_te_gemm()
+    _host_split_sizes_as_on_cuda()
     _applied = True
     return True

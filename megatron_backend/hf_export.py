@@ -5,7 +5,8 @@ each key holds one megatron parameter as a *global* tensor whatever the saving l
 and, for the decoder layers, a leading layer axis are global offsets in the checkpoint's metadata). So the
 global tensors are the TP=1 x PP=1 layout's parameters, and :func:`megatron_backend.layout.rank_pieces` of
 that layout says which block of which HF tensor each of their row / column blocks is (the families' HF
-names, fused tensors and q/k/v grouping all come from there). Vocab padding: the checkpoint's embedding /
+names, fused tensors and q/k/v grouping all come from there; MoE experts are read from megatron's one key
+per layer with a leading expert axis, :data:`_EXPERT_PARAM`). Vocab padding: the checkpoint's embedding /
 output layer has the saving TP's padded rows; only the first ``vocab_size`` are read.
 
 Streaming: the HF tensors are assigned to safetensors files up front (each at most ``max_shard_bytes``,
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 import warnings
 from collections.abc import Callable
@@ -48,6 +50,11 @@ SINGLE_FILE = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 2 << 30
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _LAYER_KEY_PREFIX = "decoder.layers."
+# an expert's parameter in the model (SequentialMLP | TEGroupedMLP): (layer prefix, expert, linear_fc1|2, expert)
+_EXPERT_PARAM = re.compile(
+    r"(decoder\.layers\.\d+\.)mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight"
+    r"|(linear_fc[12])\.weight(\d+))"
+)
 
 
 @dataclass(frozen=True)
@@ -121,6 +128,14 @@ def _region(piece: SlicePiece, hf: torch.Tensor, keys) -> tuple[str, list[int], 
     offsets = [0] * dest.dim()
     offsets[piece.dim] = piece.local_start
     name = piece.megatron_name
+    expert = _EXPERT_PARAM.fullmatch(name)
+    if expert and name not in keys:
+        # megatron saves a layer's experts as one key with the (global) expert index as a leading axis
+        # (SequentialMLP's local_experts.<e> and TEGroupedMLP's weight<e> alike); at the export's EP=1 layout
+        # the local index is the global one: [1, *block] at offset [expert, *offsets]
+        prefix, index, module, grouped_module, grouped_index = expert.groups()
+        name = f"{prefix}mlp.experts.experts.{module or grouped_module}.weight"
+        offsets, dest = [int(index if index is not None else grouped_index), *offsets], dest.unsqueeze(0)
     if name.startswith(_LAYER_KEY_PREFIX) and name not in keys:
         # one key per parameter with the (global) layer index as a leading axis: megatron's layout for a
         # homogeneous decoder; [1, *block] at offset [layer, *offsets]

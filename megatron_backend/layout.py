@@ -25,6 +25,10 @@ qpg = nq // ng query heads per KV group, V vocab, Vp = V padded to a multiple of
 - norms replicated: ``input_layernorm`` / ``pre_mlp_layernorm`` (Transformer Engine spec:
   ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``), ``q_layernorm`` /
   ``k_layernorm`` [d], ``decoder.final_layernorm`` [H].
+- MoE layers (``RankLayout.ep`` / ``etp``): the router ``mlp.router.weight`` [E, H] replicated; EP rank
+  e holds experts [e * E/EP, (e+1) * E/EP), numbered 0.. locally, each split like a dense MLP by expert TP:
+  ``mlp.experts.local_experts.<le>.linear_fc1.weight`` [2m/ETP, H] ([gate shard; up shard]) and
+  ``...linear_fc2.weight`` [H, m/ETP] (SequentialMLP; TEGroupedMLP: ``mlp.experts.linear_fc1.weight<le>``).
 - layers: chunk (pp_rank, vp_stage) holds L / (PP * VPP) consecutive layers starting at
   ``vp_stage * L / VPP + pp_rank * L / (PP * VPP)`` (megatron's ``get_transformer_layer_offset`` for an
   even split); megatron names them by local index.
@@ -36,8 +40,8 @@ import math
 from dataclasses import dataclass
 
 from modelspec import ModelShape
-from modelspec.family import Part, dims_size, full_sizes, layer_parts, rank_sizes
-from modelspec.mesh import check_actor_split
+from modelspec.family import Part, dims_size, even_split_sizes, full_sizes, layer_parts
+from modelspec.mesh import check_actor_split, check_expert_split
 
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # megatron pads the vocab to a multiple of this x TP
 
@@ -57,6 +61,17 @@ class RankLayout:
     tp_rank: int
     pp_rank: int
     te_norms: bool = False  # Transformer Engine spec: norms fused into linear_qkv / linear_fc1
+    # MoE: this rank's place in megatron's expert grid (etp x ep x expert-dp x pp; etp None = tp): it holds
+    # experts [ep_rank * E/ep, (ep_rank + 1) * E/ep), rows etp_rank of each expert's etp-way split
+    ep: int = 1
+    etp: int | None = None
+    ep_rank: int = 0
+    etp_rank: int = 0
+    grouped_experts: bool = False  # TEGroupedMLP (Transformer Engine) rather than SequentialMLP names
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp if self.etp is not None else self.tp
 
     @property
     def num_chunks(self) -> int:
@@ -102,24 +117,57 @@ class SlicePiece:
     transform: str
     primary: bool = True
 
+    @property
+    def is_expert(self) -> bool:
+        """A block of one routed expert: held per EP rank (its copies live on expert-DP ranks, not DP ranks)."""
+        return ".mlp.experts." in self.megatron_name
 
-def _megatron_rank_sizes(shape: ModelShape, tp: int) -> dict[str, int]:
-    """Dim symbol -> its size on one actor TP rank (megatron splits heads and rows evenly, no replication)."""
-    return rank_sizes(shape, shape.num_heads // tp, shape.num_kv_heads // tp, shape.intermediate_size // tp)
+
+def _megatron_rank_sizes(shape: ModelShape, layout: RankLayout) -> dict[str, int]:
+    """Dim symbol -> its size on one actor rank (megatron splits heads and rows evenly, no replication; experts
+    by EP, each expert's rows by expert TP)."""
+    return even_split_sizes(shape, layout.tp, layout.ep, layout.expert_tp)
+
+
+def _local_experts(shape: ModelShape, layout: RankLayout) -> range:
+    """Global indices of the experts this rank holds (megatron numbers them 0.. locally, in this order)."""
+    per_rank = shape.num_experts // layout.ep
+    return range(layout.ep_rank * per_rank, (layout.ep_rank + 1) * per_rank)
+
+
+def _megatron_name(part: Part, kind: str, layout: RankLayout, local: int, local_expert: int | None) -> str:
+    """``part``'s ``kind`` in local layer ``local`` (of local expert ``local_expert`` for an expert part)."""
+    if part.expert:
+        return f"decoder.layers.{local}." + part.megatron_expert_param(kind, local_expert, layout.grouped_experts)
+    return f"decoder.layers.{local}." + part.megatron_param(kind, layout.te_norms)
 
 
 def _part_pieces(shape: ModelShape, layout: RankLayout, part: Part, kind: str, layer: int, local: int, vp_stage: int):
-    """The pieces of one part of one layer: ``part.megatron_split`` applied to its rows in the HF tensor."""
+    """The pieces of one part of one layer: ``part.megatron_split`` applied to its rows in the HF tensor; an
+    expert part: the same per expert this EP rank holds, split by expert TP."""
+    if part.expert:
+        pieces = []
+        for local_expert, expert in enumerate(_local_experts(shape, layout)):
+            pieces += _split_pieces(shape, layout, part, kind, layer, local, vp_stage, (expert, local_expert))
+        return pieces
+    return _split_pieces(shape, layout, part, kind, layer, local, vp_stage, None)
+
+
+def _split_pieces(shape, layout: RankLayout, part: Part, kind: str, layer: int, local: int, vp_stage: int, expert):
+    """``part``'s pieces in one megatron parameter; ``expert``: (global, local) expert index or None."""
+    global_expert, local_expert = expert if expert else (None, None)
     tp, r, d = layout.tp, layout.tp_rank, shape.head_dim
-    hf_name, offset = shape.family.hf_slot(part, kind, layer, full_sizes(shape))
-    mg = f"decoder.layers.{local}." + part.megatron_param(kind, layout.te_norms)
-    local_sizes = _megatron_rank_sizes(shape, tp)
+    if part.expert:  # each expert is split by expert TP
+        tp, r = layout.expert_tp, layout.etp_rank
+    hf_name, offset = shape.family.hf_slot(part, kind, layer, full_sizes(shape), global_expert)
+    mg = _megatron_name(part, kind, layout, local, local_expert)
+    local_sizes = _megatron_rank_sizes(shape, layout)
     # parts before this one in its megatron parameter (stacked along rows there)
-    before = [p for p, k in layer_parts(shape) if k == kind and p.megatron == part.megatron]
+    before = [p for p, k in layer_parts(shape, layer) if k == kind and p.megatron == part.megatron]
     before = before[: before.index(part)]
-    if part.megatron_split == "replicate":
-        (size,) = dims_size(part.kind_dims(kind), local_sizes)
-        return [SlicePiece(hf_name, vp_stage, mg, 0, offset, 0, size, "replicate")]
+    if part.megatron_split == "replicate":  # norms [n]; the MoE router [E, h]: whole on every rank
+        rows = dims_size(part.kind_dims(kind), local_sizes)[0]
+        return [SlicePiece(hf_name, vp_stage, mg, 0, offset, 0, rows, "replicate")]
     if part.megatron_split == "columns":  # a part split on columns is alone in its HF tensor's rows
         cols = local_sizes[part.dims[1]]
         return [SlicePiece(hf_name, vp_stage, mg, 1, r * cols, 0, cols, "column_split")]
@@ -145,7 +193,7 @@ def _part_pieces(shape: ModelShape, layout: RankLayout, part: Part, kind: str, l
 def _megatron_layer_pieces(shape: ModelShape, layout: RankLayout, vp_stage: int) -> list[SlicePiece]:
     pieces: list[SlicePiece] = []
     for local, layer in enumerate(chunk_layers(shape, layout, vp_stage)):
-        for part, kind in layer_parts(shape):
+        for part, kind in layer_parts(shape, layer):
             pieces += _part_pieces(shape, layout, part, kind, layer, local, vp_stage)
     return pieces
 
@@ -163,6 +211,7 @@ def _vocab_piece(shape: ModelShape, layout: RankLayout, vp_stage: int, hf_name: 
 def rank_pieces(shape: ModelShape, layout: RankLayout) -> list[SlicePiece]:
     """Everything this rank holds, as HF -> megatron slice pieces (all chunks, in chunk order)."""
     check_actor_split(shape, layout.tp, layout.pp, layout.vpp)
+    check_expert_split(shape, layout.ep, layout.expert_tp)
     family = shape.family
     pieces: list[SlicePiece] = []
     for vp_stage in range(layout.num_chunks):
@@ -195,17 +244,19 @@ def local_param_shapes(shape: ModelShape, layout: RankLayout) -> dict[tuple[int,
     """(vp_stage, megatron name) -> local shape of every parameter this rank holds."""
     tp, h = layout.tp, shape.hidden_size
     vocab_rows = padded_vocab_size(shape.vocab_size, tp) // tp
-    local_sizes = _megatron_rank_sizes(shape, tp)
+    local_sizes = _megatron_rank_sizes(shape, layout)
+    num_local_experts = local_sizes["experts"]
     out: dict[tuple[int, str], tuple[int, ...]] = {}
     for vp in range(layout.num_chunks):
         first, last = layout.is_first_chunk(vp), layout.is_last_chunk(vp)
         if first:
             out[(vp, "embedding.word_embeddings.weight")] = (vocab_rows, h)
-        for local in range(len(chunk_layers(shape, layout, vp))):
-            for part, kind in layer_parts(shape):  # stacked parts add their rows to one parameter
-                key = (vp, f"decoder.layers.{local}." + part.megatron_param(kind, layout.te_norms))
+        for local, layer in enumerate(chunk_layers(shape, layout, vp)):
+            for part, kind in layer_parts(shape, layer):  # stacked parts add their rows to one parameter
                 rows, *rest = dims_size(part.kind_dims(kind), local_sizes)
-                out[key] = (out.get(key, (0,))[0] + rows, *rest)
+                for local_expert in range(num_local_experts) if part.expert else (None,):
+                    key = (vp, _megatron_name(part, kind, layout, local, local_expert))
+                    out[key] = (out.get(key, (0,))[0] + rows, *rest)
         if last:
             out[(vp, "decoder.final_layernorm.weight")] = (h,)
             if not shape.tie_word_embeddings or not first:

@@ -61,17 +61,91 @@ def recompute_kwargs(recompute: str, method: str = "uniform", num_layers: int | 
     raise ValueError(f"actor.recompute={recompute!r} is not one of none, selective, full")
 
 
+def moe_kwargs(
+    shape: ModelShape,
+    dims: ParallelDims,
+    aux_loss_coef: float = 0.0,
+    z_loss_coef: float = 0.0,
+    token_dispatcher: str = "alltoall",
+) -> dict:
+    """TransformerConfig's MoE fields for an MoE shape (``{}`` for a dense one).
+
+    Routing as transformers does it for both families (softmax router, top-k): normalised top-k
+    (``norm_topk_prob``; Mixtral always) is megatron's top-k of the logits then softmax over those k,
+    which equals softmax-then-renormalise; unnormalised is ``moe_router_pre_softmax`` (softmax over all
+    experts, then top-k). Router in fp32. Experts: TE's grouped GEMM (TEGroupedMLP) with TE on CUDA, else
+    megatron's SequentialMLP (its legacy GroupedMLP needs the CUDA ``grouped_gemm`` package). Which layers
+    are MoE: ``moe_layer_freq`` as a 0/1 list per layer (Qwen3-MoE's ``mlp_only_layers`` /
+    ``decoder_sparse_step``).
+    """
+    if not shape.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=shape.num_experts,
+        moe_router_topk=shape.moe_top_k,
+        moe_ffn_hidden_size=shape.moe_intermediate_size,
+        moe_layer_freq=[1 if layer in shape.moe_layers else 0 for layer in range(shape.num_layers)],
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not shape.norm_topk_prob,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coef > 0 else "none",
+        moe_aux_loss_coeff=aux_loss_coef,
+        moe_z_loss_coeff=z_loss_coef or None,
+        moe_token_dispatcher_type=token_dispatcher,
+        moe_grouped_gemm=te_available(),
+        expert_model_parallel_size=dims.ep,
+        expert_tensor_parallel_size=dims.etp,
+    )
+
+
+# megatron's router losses as its tracker names them, and the actor.* coefficient that turns each on
+ROUTER_LOSSES = {"load_balancing_loss": "moe_aux_loss_coef", "z_loss": "moe_z_loss_coef"}
+
+
+def clear_router_losses() -> None:
+    """Empty megatron's router-loss tracker (before a pass whose losses :func:`router_losses` reads)."""
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+    clear_aux_losses_tracker()
+
+
+def router_losses(dims: ParallelDims, names: list[str], num_moe_layers: int, num_micro_batches: int) -> dict:
+    """The router losses of the last pass as ``moe/<name>``: megatron's tracker holds, per MoE layer on the
+    stage that has it, the loss before its coefficient summed over micro-batches; this is its mean over MoE
+    layers, micro-batches and DP ranks. Collective over the PP and DP groups: every rank calls it."""
+    if not names or not num_moe_layers:
+        return {}
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    # [len(names)]: this stage's layers (a stage without MoE layers has no tracker entry)
+    values = (
+        torch.stack(
+            [tracker[n]["values"].sum() if n in tracker else torch.zeros((), device=dims.device) for n in names]
+        ).to(torch.float32)
+        / num_micro_batches
+    )
+    if dims.pp > 1:
+        torch.distributed.all_reduce(values, group=dims.pp_group)
+    if dims.dp > 1:
+        torch.distributed.all_reduce(values, group=dims.dp_group)
+    values /= num_moe_layers * dims.dp
+    return {f"moe/{name}": float(v) for name, v in zip(names, values.tolist())}
+
+
 def transformer_config(
     shape: ModelShape,
     dims: ParallelDims,
     dtype: str = "float32",
     recompute: dict | None = None,
     variable_seq_lengths: bool = False,
+    moe: dict | None = None,
 ):
     """Map the model's shape onto megatron's TransformerConfig.
 
     ``recompute``: :func:`recompute_kwargs`. ``variable_seq_lengths``: micro-batches differ in shape
     (packed sequences, token-budget micro-batches), so pipeline stages send each other the shape first.
+    ``moe``: :func:`moe_kwargs` (an MoE model; the dispatcher defaults to alltoall).
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -118,7 +192,7 @@ def transformer_config(
         batch_p2p_comm=not on_cpu,
         variable_seq_lengths=variable_seq_lengths and dims.pp > 1,
         # a dense model has no token dispatcher; megatron's default (allgather) rejects variable lengths
-        moe_token_dispatcher_type="alltoall",
+        **({"moe_token_dispatcher_type": "alltoall"} | (moe or {})),
         **recompute,
     )
 
@@ -154,14 +228,27 @@ def _varlen_attention_class():
     return VarlenDotProductAttention
 
 
-def layer_spec(config):
-    """TE's spec when TE is usable, else megatron's local spec with THD-capable core attention."""
+def layer_spec(config, vp_stage: int | None = None):
+    """TE's spec when TE is usable, else megatron's local spec with THD-capable core attention.
+
+    An MoE config gets megatron's decoder block spec (this stage's layers, dense or MoE per
+    ``moe_layer_freq``) instead of one layer spec."""
     from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    if te_available():
+    use_te = te_available()
+    if config.num_moe_experts:
+        block = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
+        )
+        if not use_te:
+            for spec in block.layer_specs:
+                spec.submodules.self_attention.submodules.core_attention = _varlen_attention_class()
+        return block
+    if use_te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = _varlen_attention_class()
@@ -175,20 +262,21 @@ def build_gpt_chunks(
     max_seq_len: int | None = None,
     recompute: dict | None = None,
     variable_seq_lengths: bool = False,
+    moe: dict | None = None,
 ):
-    """One GPTModel per virtual pipeline stage held by this rank (a list of length vpp or 1)."""
+    """One GPTModel per virtual pipeline stage held by this rank (a list of length vpp or 1).
+    ``moe``: :func:`moe_kwargs` for an MoE shape."""
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(shape, dims, dtype, recompute, variable_seq_lengths)
-    spec = layer_spec(config)
+    config = transformer_config(shape, dims, dtype, recompute, variable_seq_lengths, moe)
     num_chunks = dims.vpp or 1
     chunks = []
     for vp_stage in range(num_chunks):
         vp = vp_stage if dims.vpp else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=layer_spec(config, vp),
             vocab_size=padded_vocab_size(shape.vocab_size, dims.tp),
             max_sequence_length=max_seq_len or shape.max_position_embeddings,
             pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),

@@ -14,11 +14,17 @@ import torch
 import torch.distributed as dist
 
 from megatron_backend import cpu_compat
+from modelspec.mesh import check_world
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """This rank's place in the actor's TP x PP x DP grid, and its groups."""
+    """This rank's place in the actor's TP x PP x DP grid, and its groups.
+
+    MoE layers have a second grid over the same ranks (megatron's expert rank generator, order
+    tp-ep-dp-pp): expert TP (``etp``, each expert's intermediate dim) x EP (``ep``, whole experts) x
+    expert DP x PP. A dense model has ep = 1 and etp = tp.
+    """
 
     rank: int
     world_size: int
@@ -33,6 +39,14 @@ class ParallelDims:
     pp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
     device: torch.device
+    ep: int = 1
+    etp: int = 1
+    ep_rank: int = 0
+    etp_rank: int = 0
+    expert_dp: int = 1
+    expert_dp_rank: int = 0
+    ep_group: dist.ProcessGroup | None = None
+    etp_group: dist.ProcessGroup | None = None
 
     @property
     def is_last_stage(self) -> bool:
@@ -61,23 +75,32 @@ def init_distributed(timeout_s: float = 600.0) -> None:
 
 
 def initialize_model_parallel(
-    tp: int, pp: int, vpp: int | None = None, seed: int = 1234, timeout_s: float = 600.0
+    tp: int,
+    pp: int,
+    vpp: int | None = None,
+    seed: int = 1234,
+    timeout_s: float = 600.0,
+    ep: int = 1,
+    etp: int | None = None,
 ) -> ParallelDims:
-    """Set up megatron-core's TP/PP/DP groups (order tp-dp-pp as in megatron) and the RNG tracker."""
+    """Set up megatron-core's TP/PP/DP groups (order tp-dp-pp as in megatron), its expert groups
+    (etp x ep x expert-dp x pp; ``etp`` None follows ``tp``) and the RNG tracker."""
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
     init_distributed(timeout_s)
     cpu_compat.apply()
     world_size = dist.get_world_size()
-    if world_size % (tp * pp) != 0:
-        raise ValueError(f"world size {world_size} is not divisible by actor.tp x actor.pp = {tp} x {pp}")
+    etp = tp if etp is None else etp
+    check_world(world_size, tp, pp, ep, etp)
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return ParallelDims(
@@ -94,6 +117,14 @@ def initialize_model_parallel(
         pp_group=mpu.get_pipeline_model_parallel_group(),
         dp_group=mpu.get_data_parallel_group(),
         device=default_device(),
+        ep=ep,
+        etp=etp,
+        ep_rank=mpu.get_expert_model_parallel_rank(),
+        etp_rank=mpu.get_expert_tensor_parallel_rank(),
+        expert_dp=world_size // (etp * ep * pp),
+        expert_dp_rank=mpu.get_expert_data_parallel_rank(),
+        ep_group=mpu.get_expert_model_parallel_group(),
+        etp_group=mpu.get_expert_tensor_parallel_group(),
     )
 
 

@@ -11,6 +11,7 @@ Built once in setup from the config and passed explicitly (in the spirit of torc
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,11 @@ def check_actor_split(shape: ModelShape, tp: int, pp: int, vpp: int | None) -> N
         raise ValueError(
             f"actor.tp={tp} must divide the intermediate size ({shape.intermediate_size}){_of(shape)}; pick a divisor"
         )
+    if shape.moe_intermediate_size % tp:  # expert TP follows TP
+        raise ValueError(
+            f"actor.tp={tp} must divide the experts' intermediate size ({shape.moe_intermediate_size}){_of(shape)}; "
+            "pick a divisor"
+        )
     if shape.num_layers % (pp * (vpp or 1)):
         raise ValueError(
             f"actor.pp x actor.vpp = {pp}x{vpp or 1} must divide the {shape.num_layers} layers{_of(shape)}"
@@ -52,6 +58,46 @@ def check_rollout_split(shape: ModelShape, tp: int) -> None:
         raise ValueError(
             f"rollout.tp={tp} must divide the intermediate size ({shape.intermediate_size}){_of(shape)}; pick a divisor"
         )
+    if shape.moe_intermediate_size % tp:  # vLLM's TP splits every expert by its intermediate dim
+        raise ValueError(
+            f"rollout.tp={tp} must divide the experts' intermediate size ({shape.moe_intermediate_size}){_of(shape)}; "
+            "pick a divisor"
+        )
+
+
+def check_world(world_size: int, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
+    """megatron's two grids over one world: tp x dp x pp (attention, dense MLP) and etp x ep x expert-dp x pp
+    (experts); both must tile it. ValueError naming the fields."""
+    etp = tp if etp is None else etp
+    if world_size % (tp * pp):
+        raise ValueError(f"world size {world_size} is not divisible by actor.tp x actor.pp = {tp} x {pp}")
+    if world_size % (etp * ep * pp):
+        raise ValueError(
+            f"world size {world_size} is not divisible by actor.etp x actor.ep x actor.pp = {etp} x {ep} x {pp} "
+            f"(actor.etp null follows actor.tp); use a world that is a multiple of it, or smaller actor.ep / actor.etp"
+        )
+
+
+def min_world_size(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> int:
+    """The fewest ranks that hold both grids: pp x lcm(tp, etp x ep) (TP2 x EP2 with etp = tp: 4)."""
+    etp = tp if etp is None else etp
+    return pp * math.lcm(tp, etp * ep)
+
+
+def check_expert_split(shape: ModelShape, ep: int, etp: int) -> None:
+    """The one check that actor EP x expert TP can split this MoE model's experts (nothing to check for a
+    dense model); ValueError naming the key and the fix."""
+    if not shape.is_moe:
+        if ep > 1:
+            raise ValueError(f"actor.ep={ep} needs a mixture-of-experts model{_of(shape)} (it has no experts); set 1")
+        return
+    if shape.num_experts % ep:
+        raise ValueError(f"actor.ep={ep} must divide the {shape.num_experts} experts{_of(shape)}; pick a divisor")
+    if shape.moe_intermediate_size % etp:
+        raise ValueError(
+            f"actor.etp={etp} (null: actor.tp) must divide the experts' intermediate size "
+            f"({shape.moe_intermediate_size}){_of(shape)}; pick a divisor"
+        )
 
 
 @dataclass(frozen=True)
@@ -59,6 +105,10 @@ class ActorCoords:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    # megatron's expert grid (MoE): expert TP, EP and expert-DP ranks (0, 0, dp_rank-like for a dense model)
+    ep_rank: int = 0
+    etp_rank: int = 0
+    expert_dp_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -70,6 +120,8 @@ class ColocatedMesh:
     actor_pp: int = 1
     actor_vpp: int | None = None
     rollout_tp: int = 1
+    actor_ep: int = 1  # MoE: expert parallel; experts grid etp x ep x expert-dp x pp over the same ranks
+    actor_etp: int | None = None  # expert tensor parallel; None = actor_tp
 
     def __post_init__(self) -> None:
         for name in ("world_size", "actor_tp", "actor_pp", "rollout_tp"):
@@ -82,6 +134,7 @@ class ColocatedMesh:
                 f"cluster.procs_per_node); pick actor.tp and actor.pp whose product divides {world}, or change "
                 "cluster.procs_per_node"
             )
+        check_world(world, tp, pp, self.actor_ep, self.actor_expert_tp)
         if world % self.rollout_tp:
             raise ValueError(
                 f"rollout.tp={self.rollout_tp} does not divide the world size {world}; pick a divisor of {world}"
@@ -90,6 +143,7 @@ class ColocatedMesh:
     def check(self, shape: ModelShape) -> None:
         """Whether both sides' layouts can split ``shape`` (:func:`check_actor_split`, :func:`check_rollout_split`)."""
         check_actor_split(shape, self.actor_tp, self.actor_pp, self.actor_vpp)
+        check_expert_split(shape, self.actor_ep, self.actor_expert_tp)
         check_rollout_split(shape, self.rollout_tp)
 
     # ------------------------------------------------------------------ actor
@@ -97,9 +151,22 @@ class ColocatedMesh:
     def actor_dp(self) -> int:
         return self.world_size // (self.actor_tp * self.actor_pp)
 
+    @property
+    def actor_expert_tp(self) -> int:
+        return self.actor_etp if self.actor_etp is not None else self.actor_tp
+
     def actor_coords(self, rank: int) -> ActorCoords:
-        tp, dp = self.actor_tp, self.actor_dp
-        return ActorCoords(tp_rank=rank % tp, pp_rank=rank // (tp * dp), dp_rank=(rank // tp) % dp)
+        """megatron's rank orders: tp-dp-pp for the dense grid, tp-ep-dp-pp (etp fastest) for the expert grid."""
+        tp, dp, etp, ep = self.actor_tp, self.actor_dp, self.actor_expert_tp, self.actor_ep
+        in_stage = rank % (tp * dp)  # the same ranks form a PP stage in both grids
+        return ActorCoords(
+            tp_rank=rank % tp,
+            pp_rank=rank // (tp * dp),
+            dp_rank=(rank // tp) % dp,
+            ep_rank=(in_stage // etp) % ep,
+            etp_rank=in_stage % etp,
+            expert_dp_rank=in_stage // (etp * ep),
+        )
 
     def actor_ranks(self, tp_rank: int | None = None, pp_rank: int | None = None, dp_rank: int | None = None):
         """Global ranks whose actor coordinates match the given ones (None: any)."""

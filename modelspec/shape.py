@@ -89,7 +89,12 @@ class ModelShape:
     """The sizes of a decoder of one of :data:`FAMILIES` (h hidden, I intermediate, d head_dim, V vocab).
 
     ``qkv_bias`` and ``qk_norm`` are the family's answers for this config (its data decides them, see
-    :attr:`family`), kept as fields for megatron's TransformerConfig and for readers."""
+    :attr:`family`), kept as fields for megatron's TransformerConfig and for readers.
+
+    Mixture of experts (a family with ``moe``; all zero / empty for a dense model): ``num_experts`` routed
+    experts E, ``moe_top_k`` of them per token, each a SwiGLU MLP of ``moe_intermediate_size`` m, their
+    softmax probabilities renormalised over the top-k when ``norm_topk_prob``; ``moe_layers`` the sparse
+    layers' indices (the others have the dense MLP of ``intermediate_size``)."""
 
     model_type: str
     num_layers: int
@@ -106,6 +111,11 @@ class ModelShape:
     rope: RopeParams = field(default_factory=RopeParams)
     max_position_embeddings: int = 2048
     eos_token_id: int | None = None
+    num_experts: int = 0
+    moe_top_k: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
     source: str = ""  # where it was read from, for error messages
 
     @classmethod
@@ -119,6 +129,17 @@ class ModelShape:
         eos = c.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
+        moe = family.moe
+        moe_fields = {}
+        if moe:
+            norm = moe.norm_topk_prob
+            moe_fields = dict(
+                num_experts=moe.num_experts(c),
+                moe_top_k=int(c[moe.top_k_key]),
+                moe_intermediate_size=int(c[moe.intermediate_key]),
+                norm_topk_prob=norm if isinstance(norm, bool) else bool(c.get(norm, False)),
+                moe_layers=family.sparse_layers(c),
+            )
         return cls(
             model_type=model_type,
             num_layers=c["num_hidden_layers"],
@@ -136,6 +157,7 @@ class ModelShape:
             max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
             eos_token_id=eos,
             source=source,
+            **moe_fields,
         )
 
     @classmethod
@@ -174,8 +196,22 @@ class ModelShape:
         """This model's family: its HF tensors and quirks (:mod:`modelspec.families`)."""
         return FAMILIES[self.model_type]
 
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Decoder layer ``layer`` is sparse (router + experts) rather than a dense MLP."""
+        return layer in self.moe_layers
+
     def param_count(self) -> int:
         """Parameters of the full (unsharded) model."""
         h, v = self.hidden_size, self.vocab_size
         embeddings = v * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer_param_count(self, full_sizes(self)) + embeddings + h
+        sizes = full_sizes(self)
+        return sum(layer_param_count(self, sizes, layer) for layer in range(self.num_layers)) + embeddings + h
+
+    def active_param_count(self) -> int:
+        """Parameters one token runs through: every parameter but the experts it is not routed to."""
+        per_expert = 3 * self.hidden_size * self.moe_intermediate_size
+        return self.param_count() - len(self.moe_layers) * (self.num_experts - self.moe_top_k) * per_expert

@@ -10,7 +10,10 @@ run in vLLM's CPU build.
 All share a character-level tokenizer over printable ASCII, saved as ``tokenizer.json`` for
 ``PreTrainedTokenizerFast``. Weights come from ``from_config`` under a fixed seed, then every norm
 weight and bias is drawn at random too (HF init leaves them at 1 and 0, where a tensor written to the
-wrong place or not at all changes nothing), so the bytes are identical on every machine. ``python -m modelspec.tiny --out DIR`` (or ``make tiny-models``) writes
+wrong place or not at all changes nothing), so the bytes are identical on every machine. An MoE family's
+routers are redrawn with a large std (:data:`ROUTER_STD`): HF's init (std 0.02) gives near-uniform routing,
+where top-k margins are so small that rounding differences between implementations pick other experts, and
+the routing hardly depends on the token; sharp routers make routing matter and parity meaningful. ``python -m modelspec.tiny --out DIR`` (or ``make tiny-models``) writes
 them; ``resolve_model_path("tiny:<family>")`` builds one on demand.
 """
 
@@ -33,6 +36,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TINY_DIR = Path(os.environ.get("RLMEM_TINY_DIR", REPO_ROOT / "tiny_models"))
 TINY_PREFIX = "tiny:"
 SEED = 1234
+# std of an MoE tiny model's router weights [E, h=128]: the router's input is RMSNorm'd (elements ~1), so its
+# logits have std ~ 0.3 x sqrt(128) ~ 3.4 and top-k margins are mostly far above float rounding
+ROUTER_STD = 0.3
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 # 4 specials + 95 printable ASCII characters = 99 tokens.
@@ -122,7 +128,27 @@ def _save_tiny_model(family: str, out_dir: Path, seed: int, **overrides) -> None
     randomize_norms_and_biases(model, seed)
     hf_logging.disable_progress_bar()  # a progress bar on stderr would bury the one-line errors of the CLIs
     model.save_pretrained(out_dir)
+    if family in FAMILIES and FAMILIES[family].moe:
+        sharpen_routers(out_dir, FAMILIES[family].moe.router.name, seed)
     build_tokenizer().save_pretrained(out_dir)
+
+
+def sharpen_routers(out_dir: Path, router_name: str, seed: int) -> None:
+    """Redraw every ``<router_name>.weight`` [E, h] of the saved checkpoint as N(0, ROUTER_STD^2) (module doc).
+    On the saved file, by the checkpoint's names: transformers renames some MoE blocks in memory (Mixtral's
+    ``block_sparse_moe`` is ``mlp`` there)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = Path(out_dir) / "model.safetensors"
+    tensors = load_file(path)
+    gen = torch.Generator().manual_seed(seed + 2)
+    routers = sorted(name for name in tensors if name.endswith(f".{router_name}.weight"))
+    if not routers:
+        raise ValueError(f"{path} has no {router_name}.weight tensors to sharpen")
+    for name in routers:
+        tensors[name] = ROUTER_STD * torch.randn(tensors[name].shape, generator=gen, dtype=tensors[name].dtype)
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def publish_dir(

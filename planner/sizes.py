@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from modelspec.family import dims_size, hf_tensor_shapes, layer_param_count, layer_parts, rank_sizes
+from modelspec.family import dims_size, even_split_sizes, hf_tensor_shapes, layer_param_count, layer_parts, rank_sizes
 from modelspec.shape import ModelShape
 
 MEGATRON_VOCAB_DIVISOR = 128  # megatron_backend.layout.MAKE_VOCAB_SIZE_DIVISIBLE_BY
@@ -33,21 +33,27 @@ def vllm_padded_vocab(vocab_size: int) -> int:
     return math.ceil(vocab_size / VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
 
 
-def _layer_params(shape: ModelShape, q_heads: int, kv_heads: int, intermediate: int) -> int:
-    """One decoder layer's parameters on one TP rank holding ``q_heads`` / ``kv_heads`` / ``intermediate``: the
-    sum over the tensors its family has (qkv, bias, q/k norms, ...), replicated norms whole."""
-    return layer_param_count(shape, rank_sizes(shape, q_heads, kv_heads, intermediate))
+def actor_rank_sizes(shape: ModelShape, tp: int, ep: int = 1) -> dict[str, int]:
+    """Dim sizes on one actor rank (megatron layout): heads and rows split by TP, experts by EP (E / ep local
+    experts), each expert's rows by expert TP (which follows TP)."""
+    return even_split_sizes(shape, tp, ep)
 
 
-def actor_stage_param_count(shape: ModelShape, tp: int, pp: int, stage: int) -> int:
-    """Parameters one actor rank of pipeline stage ``stage`` holds (megatron layout, VPP chunks summed)."""
+def stage_layers(shape: ModelShape, pp: int, stage: int) -> range:
+    """The layers pipeline stage ``stage`` holds without VPP (with VPP its chunks hold as many, interleaved:
+    the same count, and the same parameters unless dense and sparse layers mix)."""
+    per_stage = shape.num_layers // pp
+    return range(stage * per_stage, (stage + 1) * per_stage)
+
+
+def actor_stage_param_count(shape: ModelShape, tp: int, pp: int, stage: int, ep: int = 1) -> int:
+    """Parameters one actor rank of pipeline stage ``stage`` holds (megatron layout, VPP chunks summed); an MoE
+    layer's experts E / ep of them, the router whole."""
     if not 0 <= stage < pp:
         raise ValueError(f"stage={stage} is outside [0, {pp})")
     h = shape.hidden_size
-    layers = shape.num_layers // pp
-    count = layers * _layer_params(
-        shape, shape.num_heads // tp, shape.num_kv_heads // tp, shape.intermediate_size // tp
-    )
+    sizes = actor_rank_sizes(shape, tp, ep)
+    count = sum(layer_param_count(shape, sizes, layer) for layer in stage_layers(shape, pp, stage))
     vocab_rows = megatron_padded_vocab(shape.vocab_size, tp) // tp * h
     if stage == 0:
         count += vocab_rows  # embedding
@@ -63,12 +69,24 @@ def engine_kv_heads_per_rank(shape: ModelShape, rollout_tp: int) -> int:
     return max(1, shape.num_kv_heads // rollout_tp)
 
 
+def engine_rank_sizes(shape: ModelShape, rollout_tp: int) -> dict[str, int]:
+    """Dim sizes on one engine rank (vLLM layout): heads with KV replication, every expert's rows split by TP."""
+    t = rollout_tp
+    return rank_sizes(
+        shape,
+        shape.num_heads // t,
+        engine_kv_heads_per_rank(shape, t),
+        shape.intermediate_size // t,
+        moe_intermediate=shape.moe_intermediate_size // t,
+        experts=shape.num_experts,
+    )
+
+
 def engine_param_count(shape: ModelShape, rollout_tp: int) -> int:
     """Parameters one engine rank holds (vLLM layout: KV-head replication, vocab padded to 64, tied once)."""
     h, t = shape.hidden_size, rollout_tp
-    layers = shape.num_layers * _layer_params(
-        shape, shape.num_heads // t, engine_kv_heads_per_rank(shape, t), shape.intermediate_size // t
-    )
+    sizes = engine_rank_sizes(shape, t)
+    layers = sum(layer_param_count(shape, sizes, layer) for layer in range(shape.num_layers))
     vocab_rows = vllm_padded_vocab(shape.vocab_size) // t * h
     return layers + vocab_rows * (1 if shape.tie_word_embeddings else 2) + h
 
@@ -191,6 +209,8 @@ def largest_actor_weight_elements(shape: ModelShape, tp: int, pp: int, stage: in
     """
     h, d, t = shape.hidden_size, shape.head_dim, tp
     largest = max((shape.num_heads + 2 * shape.num_kv_heads) * d // t * h, 2 * shape.intermediate_size // t * h)
+    # MoE: the router [E, h] and one expert's fc1 [2m / t, h] (megatron keeps a tensor per local expert)
+    largest = max(largest, shape.num_experts * h, 2 * shape.moe_intermediate_size // t * h)
     if stage == 0 or stage == pp - 1:
         largest = max(largest, megatron_padded_vocab(shape.vocab_size, tp) // tp * h)
     return largest
@@ -205,14 +225,19 @@ def largest_hf_tensor_elements(shape: ModelShape) -> int:
 def actor_stage_fc1_elements(shape: ModelShape, tp: int, pp: int) -> int:
     """Elements of the gated MLP's ``linear_fc1`` weights ([2I / t, h], gate and up stacked) one actor rank of a
     stage holds (every stage has L / pp layers). megatron's checkpoint saves each as its two halves
-    (``apply_swiglu_sharded_factory``: ``torch.chunk`` views of the weight); 0 without a gated MLP."""
-    sizes = rank_sizes(shape, shape.num_heads // tp, shape.num_kv_heads // tp, shape.intermediate_size // tp)
-    fc1 = [
-        math.prod(dims_size(part.kind_dims(kind), sizes))
-        for part, kind in layer_parts(shape)
-        if part.megatron == "mlp.linear_fc1"
-    ]
-    return sum(fc1) * (shape.num_layers // pp) if len(fc1) > 1 else 0
+    (``apply_swiglu_sharded_factory``: ``torch.chunk`` views of the weight); 0 without a gated MLP. An MoE layer's
+    experts' fc1 ([2m / t, h] each, E local experts at EP 1) are saved the same way. The largest stage's."""
+    sizes = actor_rank_sizes(shape, tp)
+    fc1_modules = ("mlp.linear_fc1", "mlp.experts.linear_fc1")
+
+    def fc1_elements(layer: int) -> int:
+        parts = [(part, kind) for part, kind in layer_parts(shape, layer) if part.megatron in fc1_modules]
+        return sum(
+            math.prod(dims_size(part.kind_dims(kind), sizes)) * (sizes["experts"] if part.expert else 1)
+            for part, kind in parts
+        )
+
+    return max(sum(fc1_elements(layer) for layer in stage_layers(shape, pp, stage)) for stage in range(pp))
 
 
 def in_flight_layers(num_layers: int, pp: int, vpp: int | None, stage: int, num_micro_batches: int) -> int:
@@ -268,7 +293,9 @@ def largest_engine_tensor_elements(shape: ModelShape, rollout_tp: int) -> int:
     """Elements of the largest tensor one engine rank holds: a vocab table, gate_up or qkv (vLLM layout)."""
     h, d, t = shape.hidden_size, shape.head_dim, rollout_tp
     qkv = (shape.num_heads // t + 2 * engine_kv_heads_per_rank(shape, t)) * d * h
-    return max(vllm_padded_vocab(shape.vocab_size) // t * h, 2 * shape.intermediate_size // t * h, qkv)
+    # MoE: FusedMoE's w13 [E, 2m / t, h] holds every expert in one tensor
+    w13 = shape.num_experts * 2 * shape.moe_intermediate_size // t * h
+    return max(vllm_padded_vocab(shape.vocab_size) // t * h, 2 * shape.intermediate_size // t * h, qkv, w13)
 
 
 # weight_sync.verify checksums each slice as int64: its bits, the position weights and their product are
@@ -276,21 +303,34 @@ def largest_engine_tensor_elements(shape: ModelShape, rollout_tp: int) -> int:
 VERIFY_BYTES_PER_ELEMENT = 24
 
 
-def _layer_tensor_elements(shape: ModelShape, sizes: dict[str, int], module_of) -> list[int]:
-    """Elements of each parameter tensor of one decoder layer whose dims have ``sizes``, parts stacked into the
-    module ``module_of(part)`` names (megatron's linear_qkv / linear_fc1, vLLM's qkv_proj / gate_up_proj)."""
+def _layer_tensor_elements(
+    shape: ModelShape, sizes: dict[str, int], layer: int, module_of, experts_fused: bool
+) -> list[int]:
+    """Elements of each parameter tensor of decoder layer ``layer`` whose dims have ``sizes``, parts stacked into
+    the module ``module_of(part)`` names (megatron's linear_qkv / linear_fc1, vLLM's qkv_proj / gate_up_proj /
+    w13). Expert parts: one tensor for all ``sizes["experts"]`` experts when ``experts_fused`` (vLLM's
+    FusedMoE), else one per expert (megatron's SequentialMLP)."""
     tensors: dict[str, int] = {}
-    for part, kind in layer_parts(shape):
+    per_expert: dict[str, int] = {}
+    for part, kind in layer_parts(shape, layer):
+        elements = math.prod(dims_size(part.kind_dims(kind), sizes))
         key = f"{module_of(part)}.{kind}"
-        tensors[key] = tensors.get(key, 0) + math.prod(dims_size(part.kind_dims(kind), sizes))
-    return list(tensors.values())
+        if part.expert and not experts_fused:
+            per_expert[key] = per_expert.get(key, 0) + elements
+            continue
+        tensors[key] = tensors.get(key, 0) + elements * (sizes["experts"] if part.expert else 1)
+    return list(tensors.values()) + [n for n in per_expert.values() for _ in range(sizes["experts"])]
 
 
-def actor_stage_tensor_elements(shape: ModelShape, tp: int, pp: int, stage: int) -> list[int]:
+def actor_stage_tensor_elements(shape: ModelShape, tp: int, pp: int, stage: int, ep: int = 1) -> list[int]:
     """Elements of each parameter tensor one actor rank of stage ``stage`` holds (megatron layout; sums to
     :func:`actor_stage_param_count`): what a checkpoint save stages one host buffer for, each."""
-    sizes = rank_sizes(shape, shape.num_heads // tp, shape.num_kv_heads // tp, shape.intermediate_size // tp)
-    out = _layer_tensor_elements(shape, sizes, lambda part: part.megatron) * (shape.num_layers // pp)
+    sizes = actor_rank_sizes(shape, tp, ep)
+    out = [
+        n
+        for layer in stage_layers(shape, pp, stage)
+        for n in _layer_tensor_elements(shape, sizes, layer, lambda part: part.megatron, experts_fused=False)
+    ]
     vocab_rows = megatron_padded_vocab(shape.vocab_size, tp) // tp * shape.hidden_size
     if stage == 0:
         out.append(vocab_rows)
@@ -304,8 +344,12 @@ def actor_stage_tensor_elements(shape: ModelShape, tp: int, pp: int, stage: int)
 def engine_tensor_elements(shape: ModelShape, rollout_tp: int) -> list[int]:
     """Elements of each parameter tensor one engine rank holds (vLLM layout; sums to :func:`engine_param_count`)."""
     t = rollout_tp
-    sizes = rank_sizes(shape, shape.num_heads // t, engine_kv_heads_per_rank(shape, t), shape.intermediate_size // t)
-    out = _layer_tensor_elements(shape, sizes, lambda part: part.vllm) * shape.num_layers
+    sizes = engine_rank_sizes(shape, t)
+    out = [
+        n
+        for layer in range(shape.num_layers)
+        for n in _layer_tensor_elements(shape, sizes, layer, lambda part: part.vllm, experts_fused=True)
+    ]
     vocab_rows = vllm_padded_vocab(shape.vocab_size) // t * shape.hidden_size
     out += [vocab_rows] * (1 if shape.tie_word_embeddings else 2) + [shape.hidden_size]
     return out

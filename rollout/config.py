@@ -23,6 +23,10 @@ class RolloutConfig:
 
     engine: str = "native"
     tp: int = 1
+    # MoE: engine expert parallelism (each engine rank holding E / ep whole experts instead of m / tp rows of
+    # every expert). Only 1 today: vLLM's CPU build has none (its CPU experts ignore expert_map), and neither
+    # the native engine nor the weight sync's engine layout splits experts yet.
+    ep: int = 1
     # float in (0, 1]: fraction of device memory the engine may hold (weights + KV cache + reserve);
     # "auto" (AUTO): the planner picks the KV cache (run.memory_plan.choose_kv_cache, the one place that resolves it).
     gpu_memory_utilization: float | int | str = 0.5  # composed as written (1, 0.5, auto); a float or AUTO after checks
@@ -66,6 +70,16 @@ class RolloutConfig:
         engine_profile(self.engine)  # ValueError naming the engines there are
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"rollout.tp={self.tp!r} must be a positive integer")
+        if self.ep != 1:
+            why = (
+                "vLLM's CPU build has no expert parallelism (its CPU experts ignore expert_map) and, on GPU, the "
+                "weight sync has no expert-parallel engine layout yet"
+                if self.engine == "vllm"
+                else "the native engine and the weight sync have no expert-parallel engine layout yet"
+            )
+            raise ValueError(
+                f"rollout.ep={self.ep!r}: {why}; use rollout.ep=1 (rollout.tp splits every expert by its intermediate dim)"
+            )
         util = self.gpu_memory_utilization
         if util != AUTO:
             try:

@@ -21,6 +21,12 @@ Layout (h = hidden, d = head_dim, Hq / Hkv = q / KV heads, I = intermediate, V =
 - ``mlp.gate_up_proj.weight`` [2*I/T, h]: rows [gate shard; up shard].
 - ``mlp.down_proj.weight`` [h, I/T]: columns.
 - ``input_layernorm.weight``, ``post_attention_layernorm.weight``, ``model.norm.weight`` [h]: replicated.
+- MoE layers (E experts of intermediate m; ``<block>`` is ``mlp`` or Mixtral's ``block_sparse_moe``):
+  ``<block>.gate.weight`` [E, h] replicated; FusedMoE's ``<block>.experts.routed_experts.w13_weight`` [E, 2*m/T, h], per
+  expert rows [w1 = gate shard; w3 = up shard], and ``w2_weight`` [E, h, m/T], per expert the columns of its
+  down_proj: TP splits every expert by its intermediate dim. A slice of an expert part lands in
+  ``local[expert]`` (``SliceSpec.expert``). These are the shapes vLLM loads into; its CPU experts then repack
+  them (the weight sync writes through that post-load step, as for dense layers on CPU).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class TPShape:
     num_kv_heads: int  # KV heads on this rank: Hkv / T, or 1 when T > Hkv
     kv_head_start: int  # first global KV head on this rank
     intermediate_size: int  # I / T
+    moe_intermediate_size: int  # m / T: each expert's share
     vocab_padded: int  # P
     vocab_per_rank: int  # P / T
     vocab_start: int  # first (padded) vocab row on this rank
@@ -78,6 +85,7 @@ def tp_shape(shape: ModelShape, tp: int, tp_rank: int) -> TPShape:
         num_kv_heads=kv,
         kv_head_start=kv_start,
         intermediate_size=shape.intermediate_size // tp,
+        moe_intermediate_size=shape.moe_intermediate_size // tp,
         vocab_padded=vocab_padded,
         vocab_per_rank=per_rank,
         vocab_start=tp_rank * per_rank,
@@ -88,7 +96,8 @@ def tp_shape(shape: ModelShape, tp: int, tp_rank: int) -> TPShape:
 class SliceSpec:
     """local[dim, local_start : local_start + (hf_stop - hf_start)] = hf_tensor[dim, hf_start:hf_stop].
 
-    ``dim`` is the same on both sides (0 = rows, 1 = columns); every other dim is taken whole.
+    ``dim`` is the same on both sides (0 = rows, 1 = columns); every other dim is taken whole. ``expert``: the
+    HF tensor is one routed expert's, written into ``local[expert]`` (a FusedMoE parameter [E, ...]).
     """
 
     hf_name: str
@@ -96,6 +105,7 @@ class SliceSpec:
     hf_start: int
     hf_stop: int
     local_start: int
+    expert: int | None = None
 
     @property
     def length(self) -> int:
@@ -141,26 +151,34 @@ def vllm_param_layouts(shape: ModelShape, tp: int = 1, tp_rank: int = 0) -> list
         "q": (tp_rank * t.num_heads * d, t.num_heads * d),
         "kv": (t.kv_head_start * d, t.num_kv_heads * d),
         "i": (tp_rank * t.intermediate_size, t.intermediate_size),
+        "m": (tp_rank * t.moe_intermediate_size, t.moe_intermediate_size),
     }
-    local_sizes = {symbol: rows for symbol, (_, rows) in rank_rows.items()} | dict(h=h, d=d)
+    local_sizes = {symbol: rows for symbol, (_, rows) in rank_rows.items()} | dict(h=h, d=d, E=shape.num_experts)
     out.append(vocab_rows(family.embed, "model.embed_tokens.weight"))
     for layer in range(shape.num_layers):
         params: dict[str, tuple[tuple[int, ...], list[SliceSpec], bool]] = {}  # vLLM name -> shape, slices, replicated
-        for part, kind in layer_parts(shape):  # in vLLM's order; parts of one module stack along rows
-            hf_name, offset = family.hf_slot(part, kind, layer, sizes)
-            name = f"model.layers.{layer}.{part.vllm}.{kind}"
+        for part, kind in layer_parts(shape, layer):  # in vLLM's order; parts of one module stack along rows
+            name = f"model.layers.{layer}.{part.vllm_param(kind)}"
             rows, *rest = dims_size(part.kind_dims(kind), local_sizes)
-            local_start = params[name][0][0] if name in params else 0
-            if part.vllm_split == "columns":  # e.g. o_proj [h, Hq/T*d], down_proj [h, I/T]
-                first, cols = rank_rows[part.dims[1]]
-                spec = SliceSpec(hf_name, 1, first, first + cols, 0)
-            elif part.vllm_split == "rows":  # e.g. qkv_proj [q shard; k shard; v shard], gate_up [gate; up]
-                first, _ = rank_rows[part.dims[0]]
-                spec = SliceSpec(hf_name, 0, offset + first, offset + first + rows, local_start)
-            else:
-                spec = SliceSpec(hf_name, 0, offset, offset + rows, 0)
-            slices = params[name][1] if name in params else []
-            params[name] = ((local_start + rows, *rest), [*slices, spec], part.vllm_split == "replicate")
+            experts = range(shape.num_experts) if part.expert else (None,)
+            prior = params.get(name)
+            local_start = (prior[0][1] if part.expert else prior[0][0]) if prior else 0
+            specs = []
+            for expert in experts:
+                hf_name, offset = family.hf_slot(part, kind, layer, sizes, expert)
+                if part.vllm_split == "columns":  # e.g. o_proj [h, Hq/T*d], down_proj [h, I/T], w2 [E, h, m/T]
+                    first, cols = rank_rows[part.dims[1]]
+                    specs.append(SliceSpec(hf_name, 1, first, first + cols, 0, expert))
+                elif part.vllm_split == "rows":  # e.g. qkv_proj [q; k; v], gate_up [gate; up], w13 [E, gate; up]
+                    first, _ = rank_rows[part.dims[0]]
+                    specs.append(SliceSpec(hf_name, 0, offset + first, offset + first + rows, local_start, expert))
+                else:
+                    specs.append(SliceSpec(hf_name, 0, offset, offset + rows, 0, expert))
+            slices = prior[1] if prior else []
+            local = (local_start + rows, *rest)
+            if part.expert:
+                local = (shape.num_experts, *local)
+            params[name] = (local, [*slices, *specs], part.vllm_split == "replicate")
         out += [ParamLayout(name, local, tuple(slices), rep) for name, (local, slices, rep) in params.items()]
     out.append(replicated(family.final_norm, "model.norm.weight", h))
     if not shape.tie_word_embeddings:
@@ -179,8 +197,12 @@ def hf_to_vllm_index(layouts: list[ParamLayout]) -> dict[str, list[tuple[ParamLa
 
 def copy_hf_into_local(local, layout: ParamLayout, spec: SliceSpec, hf_tensor) -> None:
     """Write ``spec``'s slice of the full ``hf_tensor`` into the local parameter tensor ``local``."""
-    src = hf_tensor.narrow(spec.dim, spec.hf_start, spec.length)
-    local.narrow(spec.dim, spec.local_start, spec.length).copy_(src)
+    local_view(local, spec).copy_(hf_tensor.narrow(spec.dim, spec.hf_start, spec.length))
+
+
+def local_view(local, spec: SliceSpec):
+    """The block of the local parameter tensor ``local`` that ``spec`` fills (in ``local[expert]`` for an expert)."""
+    return (local if spec.expert is None else local[spec.expert]).narrow(spec.dim, spec.local_start, spec.length)
 
 
 def assemble_local(layout: ParamLayout, hf_tensors: dict, dtype=None):

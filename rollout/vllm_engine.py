@@ -320,6 +320,7 @@ class _CpuPlatform:
 
     def open_weights(self) -> None:
         """Give every repacked layer its unprocessed parameters back (vLLM's reload metadata), zeroed."""
+        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
         from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
 
@@ -329,7 +330,17 @@ class _CpuPlatform:
             info = get_layerwise_info(module)
             loaded = info.restore_metadata[0]  # name -> meta tensor in the loaded layout, with its loader
             weight = getattr(module, "weight", None)
-            if "weight" in loaded and (weight is None or weight.shape != loaded["weight"].shape):
+            # MoE experts: padded (m/T to a multiple of 32) and prepacked in place, maybe of the same shape
+            # (cpu_moe.py's process_weights_after_loading): always back to the loaded layout
+            repacked = isinstance(module, RoutedExperts) or (
+                "weight" in loaded and (weight is None or weight.shape != loaded["weight"].shape)
+            )
+            if isinstance(module, RoutedExperts):
+                # vLLM treats a second processing as an in-place update (UnquantizedFusedMoEMethod._setup_kernel:
+                # copy into the storage, skip the experts' own step); these are unprocessed again, so let
+                # close_weights run the first-load path, which pads and prepacks them (CPUUnquantizedExperts)
+                module.quant_method.moe_kernel = None
+            if repacked:
                 restore_layer_on_meta(module, info)
                 materialize_layer(module, info)
                 for name in loaded:

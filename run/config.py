@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from colocation.phases import StepFlags
 from megatron_backend.config import ActorConfig
 from modelspec import DTYPE_NAMES, ColocatedMesh, ModelShape
+from modelspec.mesh import check_world
 from modelspec.tiny import TINY_FAMILIES, TINY_PREFIX
 from rl.data import DataConfig
 from rl.evaluation import EvalConfig
@@ -197,6 +198,7 @@ class RunConfig:
 
     def _check_actor_dp(self) -> None:
         world, tp, pp = self.cluster.world_size, self.actor.tp, self.actor.pp
+        check_world(world, tp, pp, self.actor.ep, self.actor.expert_tp)
         if self.actor.dp is not None and tp * pp * self.actor.dp != world:
             raise ValueError(
                 f"actor.tp x actor.pp x actor.dp = {tp}x{pp}x{self.actor.dp} != world size {world}; "
@@ -227,4 +229,6 @@ class RunConfig:
             actor_pp=self.actor.pp,
             actor_vpp=self.actor.vpp,
             rollout_tp=self.rollout.tp,
+            actor_ep=self.actor.ep,
+            actor_etp=self.actor.etp,
         )

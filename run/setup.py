@@ -162,7 +162,13 @@ def init_rank(cfg: RunConfig) -> ParallelDims:
         # the process's memory is the device's here: keep it from creeping with allocator fragmentation
         configure_host_allocator()
     return initialize_model_parallel(
-        cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp, seed=cfg.actor.seed, timeout_s=cfg.cluster.timeout_s
+        cfg.actor.tp,
+        cfg.actor.pp,
+        cfg.actor.vpp,
+        seed=cfg.actor.seed,
+        timeout_s=cfg.cluster.timeout_s,
+        ep=cfg.actor.ep,
+        etp=cfg.actor.expert_tp,
     )
 
 
@@ -174,8 +180,11 @@ def setup(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None) -> Ran
     mesh = cfg.mesh()
     dims = init_rank(cfg)
     coords = mesh.actor_coords(dims.rank)
-    if (coords.tp_rank, coords.pp_rank, coords.dp_rank) != (dims.tp_rank, dims.pp_rank, dims.dp_rank):
-        raise RuntimeError("megatron's rank order is not tp-dp-pp; the weight-sync plan would be wrong")
+    planned = (coords.tp_rank, coords.pp_rank, coords.dp_rank, coords.ep_rank, coords.etp_rank)
+    if planned != (dims.tp_rank, dims.pp_rank, dims.dp_rank, dims.ep_rank, dims.etp_rank):
+        raise RuntimeError(
+            "megatron's rank order is not tp-dp-pp (experts tp-ep-dp-pp); the weight-sync plan would be wrong"
+        )
     groups = rollout_groups(mesh)
     checkpoint = _checkpoint_to_resume(cfg, run_dir, dims.rank)
     resumed_state = RLState.read(checkpoint) if checkpoint else None

@@ -16,6 +16,14 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
     return {family: str(write_tiny_model(family, root / family)) for family in families}
 
 
+@pytest.fixture(scope="session")
+def dense_model_dirs(tiny_model_dirs) -> dict[str, str]:
+    """The tiny checkpoints of the dense families (tests of paths that do not run MoE layers yet)."""
+    from tests.family_helpers import DENSE_FAMILIES
+
+    return {family: path for family, path in tiny_model_dirs.items() if family in DENSE_FAMILIES}
+
+
 def _vllm_importable() -> bool:
     try:
         import vllm  # noqa: F401

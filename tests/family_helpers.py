@@ -5,7 +5,11 @@ from __future__ import annotations
 import torch
 
 from modelspec import ModelShape
+from modelspec.families import FAMILIES
 from modelspec.family import Part, full_sizes
+
+DENSE_FAMILIES = tuple(name for name, family in FAMILIES.items() if not family.moe)
+MOE_FAMILIES = tuple(name for name, family in FAMILIES.items() if family.moe)
 
 
 def hf_part(hf: dict[str, torch.Tensor], shape: ModelShape, part: Part, layer: int, kind: str = "weight"):

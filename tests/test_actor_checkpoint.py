@@ -48,9 +48,12 @@ def _save_then_load_elsewhere(rank, world_size, hf_dir, ckpt_dir, save_layout, l
     loss_fn = PolicyLoss(PolicyLossConfig(clip_eps_low=0.5, clip_eps_high=0.5, loss_agg="token-mean"))
 
     def build(layout):
-        tp, pp, vpp = layout
-        dims = initialize_model_parallel(tp=tp, pp=pp, vpp=vpp)
-        config = ActorConfig(tp=tp, pp=pp, vpp=vpp, micro_batch_size=1 if vpp else 2, lr=1e-3)
+        tp, pp, vpp, ep = (*layout, 1)[:4]  # (tp, pp, vpp[, ep])
+        dims = initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, ep=ep)
+        # an MoE model trains with its router's aux and z losses
+        config = ActorConfig(
+            tp=tp, pp=pp, vpp=vpp, ep=ep, micro_batch_size=1 if vpp else 2, lr=1e-3, moe_aux_loss_coef=1e-2
+        )
         return Actor(hf_dir, config, dims)
 
     def step(actor):
@@ -133,17 +136,33 @@ SCENARIOS = {  # name -> (family, save layout (tp, pp, vpp), load layout)
 }
 
 
-def _all_scenarios(rank, world_size, model_dirs, root):
+MOE_SCENARIOS = {  # (family, save layout (tp, pp, vpp, ep), load layout)
+    # each EP rank writes its own experts (megatron's expert-sharded ShardedTensors)
+    "qwen3_moe_ep2_same": ("qwen3_moe", (1, 1, None, 2), (1, 1, None, 2)),
+    # EP=2 -> EP=1 (each rank all experts, DP=2): the experts reshard on load
+    "mixtral_ep2_to_ep1": ("mixtral", (1, 1, None, 2), (1, 1, None, 1)),
+}
+
+
+def _all_scenarios(rank, world_size, model_dirs, root, scenarios):
     return {
         name: _save_then_load_elsewhere(rank, world_size, model_dirs[family], f"{root}/{name}", save, load)
-        for name, (family, save, load) in SCENARIOS.items()
+        for name, (family, save, load) in scenarios.items()
     }
 
 
 @pytest.mark.numeric
 def test_checkpoint_reloads_bit_exact_and_reshards_tp_and_pp(tiny_model_dirs, tmp_path):
-    results = run_ranks(_all_scenarios, 2, tiny_model_dirs, str(tmp_path))[0]
+    results = run_ranks(_all_scenarios, 2, tiny_model_dirs, str(tmp_path), SCENARIOS)[0]
     for name, result in results.items():
+        _check(result, same_layout=name.endswith("_same"))
+
+
+@pytest.mark.numeric
+def test_moe_checkpoint_at_ep2_reloads_bit_exact_and_reshards_experts(tiny_model_dirs, tmp_path):
+    results = run_ranks(_all_scenarios, 2, tiny_model_dirs, str(tmp_path), MOE_SCENARIOS)[0]
+    for name, result in results.items():
+        assert "moe/load_balancing_loss" in result["reference"], result["reference"]
         _check(result, same_layout=name.endswith("_same"))
 
 

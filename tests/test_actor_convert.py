@@ -64,9 +64,9 @@ def _convert_all(rank, world_size, model_dirs):
     return report
 
 
-def test_roundtrip_bit_exact_and_logprob_parity_all_layouts(tiny_model_dirs):
-    report = run_ranks(_convert_all, 4, tiny_model_dirs, timeout_s=600)[0]
-    assert len(report) == len(LAYOUTS) * len(tiny_model_dirs)  # every layout of every tiny family
+def test_roundtrip_bit_exact_and_logprob_parity_all_layouts(dense_model_dirs):
+    report = run_ranks(_convert_all, 4, dense_model_dirs, timeout_s=600)[0]
+    assert len(report) == len(LAYOUTS) * len(dense_model_dirs)  # every layout of every tiny family
     for row in report:
         assert not row["mismatched"] and not row["extra"], row
         assert row["max_abs_logprob_diff"] <= 1e-4, row

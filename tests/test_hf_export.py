@@ -67,9 +67,9 @@ def _train_save_all(rank, world_size, model_dirs, root):
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_model_dirs, tmp_path_factory) -> list[dict]:
+def trained(dense_model_dirs, tmp_path_factory) -> list[dict]:
     root = tmp_path_factory.mktemp("export_ckpts")
-    return run_ranks(_train_save_all, 4, tiny_model_dirs, str(root), timeout_s=900)[0]
+    return run_ranks(_train_save_all, 4, dense_model_dirs, str(root), timeout_s=900)[0]
 
 
 def _source_tensors(hf_dir: str) -> dict[str, torch.Tensor]:

@@ -14,8 +14,8 @@ from megatron_backend.layout import (
     rank_pieces,
 )
 from modelspec import ModelShape
-from modelspec.families import FAMILIES
 from modelspec.family import GATE, O_PROJ, UP, K, Q, V, hf_tensor_shapes
+from tests.family_helpers import DENSE_FAMILIES as FAMILIES
 from tests.family_helpers import hf_part
 
 LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2), (2, 2, 2)]

@@ -12,6 +12,25 @@ from tests.dist import run_ranks
 SEQ_LEN, MICRO_BATCH, NUM_MICROBATCHES = 16, 2, 4
 
 
+def random_batches(vocab_size: int, seed: int, num: int = NUM_MICROBATCHES) -> list[torch.Tensor]:
+    """``num`` micro-batches of random tokens [MICRO_BATCH, SEQ_LEN + 1] (inputs and next-token labels)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (MICRO_BATCH, SEQ_LEN + 1), generator=gen) for _ in range(num)]
+
+
+def lm_forward_step(data_iterator, model):
+    """megatron's forward_step_func: mean next-token cross entropy of one micro-batch from ``random_batches``."""
+    tokens = next(data_iterator)
+    position_ids = torch.arange(SEQ_LEN).unsqueeze(0).expand(tokens.shape[0], -1)
+    per_token_loss = model(tokens[:, :-1], position_ids, attention_mask=None, labels=tokens[:, 1:])
+
+    def loss_func(output):
+        loss = output.float().mean()
+        return loss, {"loss": loss.detach().clone()}  # the schedule divides `loss` in place
+
+    return per_token_loss, loss_func
+
+
 def _train_once(rank: int, world_size: int, tp: int, pp: int, vpp):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -22,26 +41,12 @@ def _train_once(rank: int, world_size: int, tp: int, pp: int, vpp):
     dims = initialize_model_parallel(tp=tp, pp=pp, vpp=vpp)
     hf = ModelShape.from_pretrained("tiny:qwen2")
     chunks = build_gpt_chunks(hf, dims)
-    gen = torch.Generator().manual_seed(0)  # identical batches on every rank
-    batches = [
-        torch.randint(0, hf.vocab_size, (MICRO_BATCH, SEQ_LEN + 1), generator=gen) for _ in range(NUM_MICROBATCHES)
-    ]
-    position_ids = torch.arange(SEQ_LEN).unsqueeze(0).expand(MICRO_BATCH, -1)
-
-    def forward_step(data_iterator, model):
-        tokens = next(data_iterator)
-        per_token_loss = model(tokens[:, :-1], position_ids, attention_mask=None, labels=tokens[:, 1:])
-
-        def loss_func(output):
-            loss = output.float().mean()
-            return loss, {"loss": loss.detach().clone()}  # the schedule divides `loss` in place
-
-        return per_token_loss, loss_func
+    batches = random_batches(hf.vocab_size, seed=0)  # identical batches on every rank
 
     def run(forward_only: bool) -> float:
         iterators = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
         outputs = get_forward_backward_func()(
-            forward_step_func=forward_step,
+            forward_step_func=lm_forward_step,
             data_iterator=iterators,
             model=chunks if len(chunks) > 1 else chunks[0],
             num_microbatches=NUM_MICROBATCHES,

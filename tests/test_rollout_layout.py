@@ -7,9 +7,10 @@ import torch
 
 from modelspec import ModelShape
 from modelspec.families import FAMILIES
+from modelspec.family import hf_tensor_shapes
 from modelspec.tiny import tiny_hf_config
 from rollout.config import RolloutConfig
-from rollout.layout import assemble_local, padded_vocab_size, tp_shape, vllm_param_layouts
+from rollout.layout import assemble_local, local_view, padded_vocab_size, tp_shape, vllm_param_layouts
 
 
 def _shape(family: str) -> ModelShape:
@@ -17,11 +18,10 @@ def _shape(family: str) -> ModelShape:
 
 
 def _random_hf_state(family: str) -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
+    """Random tensors under the checkpoint's names (hf_tensor_shapes, pinned to the saved tiny checkpoints by
+    test_moe_family; transformers 5 fuses MoE experts in memory, so its state_dict has other names)."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_hf_config(family))
-    return {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    return {name: torch.randn(dims) for name, dims in hf_tensor_shapes(_shape(family)).items()}
 
 
 def test_padded_vocab_and_shapes():
@@ -75,8 +75,8 @@ def test_shards_reassemble_to_hf(family, tp):
             assert tuple(local.shape) == layout.local_shape
             covered = torch.zeros(local.shape, dtype=torch.bool)
             for s in layout.slices:
-                piece = local.narrow(s.dim, s.local_start, s.length)
-                covered.narrow(s.dim, s.local_start, s.length).fill_(True)
+                piece = local_view(local, s)
+                local_view(covered, s).fill_(True)
                 target = rebuilt[s.hf_name].narrow(s.dim, s.hf_start, s.length)
                 if not target.isnan().any():  # already written by another rank: replicas must agree
                     assert torch.equal(target, piece), (layout.name, rank)

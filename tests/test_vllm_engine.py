@@ -18,12 +18,12 @@ import torch
 
 from colocation.host_memory import release_freed_host_memory
 from modelspec import ModelShape
-from modelspec.families import FAMILIES
 from modelspec.mesh import ColocatedMesh
 from modelspec.tiny import write_tiny_model
 from rollout.config import RolloutConfig
 from rollout.engine import SamplingParams, derive_seed
 from tests.dist import run_ranks
+from tests.family_helpers import DENSE_FAMILIES as FAMILIES
 from tests.rollout_helpers import MAX_NEW_TOKENS, PROMPTS, hf_greedy, max_abs_diff
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)

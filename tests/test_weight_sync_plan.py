@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from modelspec import ColocatedMesh, ModelShape
-from modelspec.families import FAMILIES
 from modelspec.family import DOWN, GATE, O_PROJ, UP, K, Q, V
+from tests.family_helpers import DENSE_FAMILIES as FAMILIES
 from tests.family_helpers import hf_part
 from weight_sync.layouts import actor_sources, engine_destinations
 from weight_sync.transfers import plan_sync

@@ -1,9 +1,11 @@
-"""``make verify-sync``: a HF checkpoint -> the actor (TP x PP) -> planned reshard -> the engine (native or vLLM).
+"""``make verify-sync``: a HF checkpoint -> the actor (TP x PP [x EP]) -> planned reshard -> the engine (native or vLLM).
 
-    python -m tools.verify_sync --hf DIR --train-tp T --train-pp P --rollout-tp R [--bucket-mb B]
+    python -m tools.verify_sync --hf DIR --train-tp T --train-pp P [--train-ep E [--train-etp X]] --rollout-tp R
+        [--bucket-mb B]
 
-Checks its input first (one line, exit 2, before any process starts), then runs lcm(T*P, R) local
-ranks: the actor loads the checkpoint into its shards, the engine starts with EMPTY weights and gets
+Checks its input first (one line, exit 2, before any process starts), then runs lcm(actor world, R) local
+ranks, the actor world being the fewest ranks that hold both of megatron's grids (P x lcm(T, X*E), X = T
+unless set; :func:`modelspec.mesh.min_world_size`): the actor loads the checkpoint into its shards, the engine starts with EMPTY weights and gets
 them only through the weight sync (verified by checksums), then generates greedily from fixed prompts.
 Rank 0 scores the generated tokens with transformers and prints one JSON line:
 ``max_abs_logprob_diff`` (engine vs transformers log-probs of the same tokens), ``num_tokens``,
@@ -31,7 +33,7 @@ def check_input(args: argparse.Namespace) -> str | None:
     from rollout.layout import tp_shape
     from tools.parity import check_input as check_actor_input
 
-    problem = check_actor_input(args.hf, args.train_tp, args.train_pp, None)
+    problem = check_actor_input(args.hf, args.train_tp, args.train_pp, None, args.train_ep, args.train_etp)
     if problem:
         return problem
     try:
@@ -56,11 +58,12 @@ def _rank_main(args: argparse.Namespace) -> None:
     from run.setup import rollout_groups
     from weight_sync import WeightSyncConfig
 
-    dims = initialize_model_parallel(args.train_tp, args.train_pp)
+    tp, pp, ep, etp = args.train_tp, args.train_pp, args.train_ep, args.train_etp
+    dims = initialize_model_parallel(tp, pp, ep=ep, etp=etp)
     rank, world = dims.rank, dims.world_size
-    actor = Actor(args.hf, ActorConfig(tp=args.train_tp, pp=args.train_pp), dims, train=False)
+    actor = Actor(args.hf, ActorConfig(tp=tp, pp=pp, ep=ep, etp=etp), dims, train=False)
     rtp = args.rollout_tp
-    mesh = ColocatedMesh(world_size=world, actor_tp=args.train_tp, actor_pp=args.train_pp, rollout_tp=rtp)
+    mesh = ColocatedMesh(world_size=world, actor_tp=tp, actor_pp=pp, actor_ep=ep, actor_etp=etp, rollout_tp=rtp)
     groups = rollout_groups(mesh)
     tokenizer = AutoTokenizer.from_pretrained(args.hf)
     prompt_ids = [tokenizer(p).input_ids for p in PROMPTS]
@@ -126,6 +129,8 @@ def _rank_main(args: argparse.Namespace) -> None:
                     hf=args.hf,
                     train_tp=args.train_tp,
                     train_pp=args.train_pp,
+                    train_ep=args.train_ep,
+                    train_etp=dims.etp,
                     rollout_tp=rtp,
                     world_size=world,
                     engine=args.engine,
@@ -146,12 +151,15 @@ def _rank_main(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     import warnings
 
+    from modelspec.mesh import min_world_size
     from run.launch import spawn_local
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hf", required=True, help="Hugging Face checkpoint directory (Qwen2 / Llama / Qwen3)")
+    parser.add_argument("--hf", required=True, help="Hugging Face checkpoint directory (a family of modelspec.families)")
     parser.add_argument("--train-tp", type=int, default=1)
     parser.add_argument("--train-pp", type=int, default=1)
+    parser.add_argument("--train-ep", type=int, default=1, help="actor expert parallel (MoE models)")
+    parser.add_argument("--train-etp", type=int, default=None, help="actor expert tensor parallel (default: TP)")
     parser.add_argument("--rollout-tp", type=int, default=1)
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--max-new-tokens", type=int, default=16)
@@ -164,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"verify-sync: {problem}", file=sys.stderr)
         return 2
-    world = math.lcm(args.train_tp * args.train_pp, args.rollout_tp)
+    world = math.lcm(min_world_size(args.train_tp, args.train_pp, args.train_ep, args.train_etp), args.rollout_tp)
     return spawn_local(_rank_main, world, (args,))
 
 

@@ -37,8 +37,10 @@ def _src_view(src: dict, t: Transfer) -> torch.Tensor:
     return src[t.src_key].narrow(t.dim, t.src_start, t.length)
 
 
-def _dst_view(dst: dict, t: Transfer) -> torch.Tensor:
-    return dst[t.dst_name].narrow(t.dim, t.dst_start, t.length)
+def dst_view(dst: dict, t: Transfer) -> torch.Tensor:
+    """The block of the engine parameter ``t`` writes (in ``[dst_expert]`` of a FusedMoE parameter)."""
+    param = dst[t.dst_name] if t.dst_expert is None else dst[t.dst_name][t.dst_expert]
+    return param.narrow(t.dim, t.dst_start, t.length)
 
 
 @torch.no_grad()
@@ -69,7 +71,7 @@ def execute_sync(
         for t in bucket:
             if t.is_local:
                 if t.dst_rank == rank:
-                    _dst_view(dst_tensors, t).copy_(_src_view(src_tensors, t))
+                    dst_view(dst_tensors, t).copy_(_src_view(src_tensors, t))
                     stats.bytes_local += t.numel * plan.element_bytes
             elif t.src_rank == rank:
                 sends[t.dst_rank].append(t)
@@ -101,14 +103,14 @@ def execute_sync(
                 unpack.append((buffer, packed))
             for t in recvs[peer]:
                 if is_direct(t, plan.element_bytes, direct_min_bytes):
-                    transport.submit_recv(_dst_view(dst_tensors, t), peer)
+                    transport.submit_recv(dst_view(dst_tensors, t), peer)
             stats.bytes_received += sum(t.numel for t in recvs[peer]) * plan.element_bytes
         stats.peak_extra_bytes = max(stats.peak_extra_bytes, extra)
         stats.num_messages += transport.run()
         for buffer, packed in unpack:
             offset = 0
             for t in packed:
-                view = _dst_view(dst_tensors, t)
+                view = dst_view(dst_tensors, t)
                 view.copy_(buffer[offset : offset + t.numel].view(view.shape))
                 offset += t.numel
         # drop every reference to this bucket's buffers before the next allocates its own

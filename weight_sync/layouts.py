@@ -18,7 +18,17 @@ def actor_sources(shape: ModelShape, mesh: ColocatedMesh, te_norms: bool = False
     for rank in range(mesh.world_size):
         c = mesh.actor_coords(rank)
         layout = actor_layout.RankLayout(
-            mesh.actor_tp, mesh.actor_pp, mesh.actor_vpp, c.tp_rank, c.pp_rank, te_norms=te_norms
+            mesh.actor_tp,
+            mesh.actor_pp,
+            mesh.actor_vpp,
+            c.tp_rank,
+            c.pp_rank,
+            te_norms=te_norms,
+            ep=mesh.actor_ep,
+            etp=mesh.actor_expert_tp,
+            ep_rank=c.ep_rank,
+            etp_rank=c.etp_rank,
+            grouped_experts=te_norms,  # Transformer Engine: its norms fused and its grouped experts
         )
         out[rank] = actor_layout.rank_pieces(shape, layout)
     return out

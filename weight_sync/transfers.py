@@ -7,7 +7,8 @@ and engine rank of one device share a global rank):
   (:class:`megatron_backend.layout.SlicePiece`: ``local[vp_stage][megatron_name].narrow(dim,
   local_start, length) == hf[hf_name].narrow(dim, hf_start, length)``);
 - ``destinations[rank]``: what the engine rank needs, as vLLM parameter layouts
-  (:class:`rollout.layout.ParamLayout` with ``SliceSpec(hf_name, dim, hf_start, hf_stop, local_start)``).
+  (:class:`rollout.layout.ParamLayout` with ``SliceSpec(hf_name, dim, hf_start, hf_stop, local_start)``; an
+  MoE expert's slice lands in ``param[expert]`` of a FusedMoE parameter [E, ...], ``SliceSpec.expert``).
 
 Both sides speak in slices of the full HF tensors along one dim (0 rows, 1 columns), so the layout
 transforms (grouped-interleaved QKV -> [q; k; v] with KV-head replication, fc1 [gate; up] ->
@@ -40,7 +41,8 @@ DIRECT_MIN_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class Transfer:
-    """``dst[dst_name].narrow(dim, dst_start, length) <- src[src_key].narrow(dim, src_start, length)``."""
+    """``dst[dst_name].narrow(dim, dst_start, length) <- src[src_key].narrow(dim, src_start, length)``; with a
+    ``dst_expert``, into ``dst[dst_name][dst_expert]`` (one routed expert of a FusedMoE parameter)."""
 
     src_rank: int
     dst_rank: int
@@ -52,6 +54,7 @@ class Transfer:
     dst_start: int
     length: int
     numel: int  # length x the other dims
+    dst_expert: int | None = None
 
     @property
     def is_local(self) -> bool:
@@ -133,9 +136,16 @@ def _split(transfer: Transfer, max_numel: int) -> list[Transfer]:
                 transfer.dst_start + offset,
                 n,
                 n * per_index,
+                transfer.dst_expert,
             )
         )
     return out
+
+
+def slice_numel_per_index(param: Any, spec: Any) -> int:
+    """Elements of one index of ``spec``'s dim in the block it fills (an expert's slice: in ``param[expert]``)."""
+    shape = param.local_shape[1:] if spec.expert is not None else param.local_shape
+    return math.prod(s for i, s in enumerate(shape) if i != spec.dim)
 
 
 def plan_sync(
@@ -160,7 +170,7 @@ def plan_sync(
         for param in destinations[dst_rank]:
             dst_numel[(dst_rank, param.name)] = math.prod(param.local_shape)
             for spec in param.slices:
-                per_index = math.prod(s for i, s in enumerate(param.local_shape) if i != spec.dim)
+                per_index = slice_numel_per_index(param, spec)
                 transfers += _cover(spec, param.name, dst_rank, per_index, holders.get(spec.hf_name, []), send_load)
     max_numel = bucket_bytes // element_bytes
     pieces: list[Transfer] = []
@@ -201,6 +211,7 @@ def _cover(spec, dst_name: str, dst_rank: int, per_index: int, candidates, send_
                 dst_start=spec.local_start + (start - spec.hf_start),
                 length=length,
                 numel=length * per_index,
+                dst_expert=spec.expert,
             )
         )
         start = end
@@ -246,7 +257,7 @@ def min_sync_bytes(
             held[(p.hf_name, p.dim)].append((p.hf_start, p.hf_start + p.length))
         for param in params:
             for spec in param.slices:
-                per_index = math.prod(s for i, s in enumerate(param.local_shape) if i != spec.dim)
+                per_index = slice_numel_per_index(param, spec)
                 covered = _union_length(held.get((spec.hf_name, spec.dim), []), spec.hf_start, spec.hf_stop)
                 total += (spec.hf_stop - spec.hf_start - covered) * per_index
     return total * element_bytes

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from weight_sync.execute import dst_view
 from weight_sync.transfers import SyncPlan
 
 _BITS = {
@@ -48,7 +49,7 @@ def verify_sync(
             if t.src_rank == rank:
                 sent[key] = checksum(src_tensors[t.src_key].narrow(t.dim, t.src_start, t.length).to(dst_dtype))
             if t.dst_rank == rank:
-                held[key] = checksum(dst_tensors[t.dst_name].narrow(t.dim, t.dst_start, t.length))
+                held[key] = checksum(dst_view(dst_tensors, t))
     world_size = dist.get_world_size(group)
     gathered: list = [None] * world_size
     dist.all_gather_object(gathered, (sent, held), group=group)
@@ -57,8 +58,9 @@ def verify_sync(
     for (bucket_index, i), value in all_held.items():
         if all_sent.get((bucket_index, i)) != value:
             t = plan.buckets[bucket_index][i]
+            expert = "" if t.dst_expert is None else f"[expert {t.dst_expert}]"
             raise WeightSyncMismatch(
-                f"weight sync verify failed: engine rank {t.dst_rank} {t.dst_name}[dim {t.dim}, "
+                f"weight sync verify failed: engine rank {t.dst_rank} {t.dst_name}{expert}[dim {t.dim}, "
                 f"{t.dst_start}:{t.dst_start + t.length}] != actor rank {t.src_rank} {t.src_key[1]} "
                 f"(from {t.hf_name}); checksum {value} vs {all_sent.get((bucket_index, i))}"
             )

@@ -18,14 +18,18 @@ from modelspec.family import (
     V,
 )
 
-# Qwen2's and Qwen3's checkpoints name their tensors as Llama's does (Qwen3 adds q/k norms).
-LLAMA_LAYER_TENSORS = (
+# Qwen2's and Qwen3's checkpoints name their tensors as Llama's does (Qwen3 adds q/k norms); Mixtral's attention
+# and norms too (its MLPs are experts).
+LLAMA_ATTENTION_TENSORS = (
     HfTensor("input_layernorm", (INPUT_NORM,)),
     HfTensor("self_attn.q_proj", (Q,)),
     HfTensor("self_attn.k_proj", (K,)),
     HfTensor("self_attn.v_proj", (V,)),
     HfTensor("self_attn.o_proj", (O_PROJ,)),
     HfTensor("post_attention_layernorm", (POST_NORM,)),
+)
+LLAMA_LAYER_TENSORS = (
+    *LLAMA_ATTENTION_TENSORS,
     HfTensor("mlp.gate_proj", (GATE,)),
     HfTensor("mlp.up_proj", (UP,)),
     HfTensor("mlp.down_proj", (DOWN,)),

@@ -14,7 +14,21 @@ Quirks this repo does not implement (``check_config`` refuses them): partial RoP
 
 from __future__ import annotations
 
-from modelspec.family import DOWN, GATE, INPUT_NORM, O_PROJ, POST_NORM, TINY_COMMON, UP, Family, HfTensor, K, Q, V
+from modelspec.family import (
+    DOWN,
+    GATE,
+    INPUT_NORM,
+    O_PROJ,
+    POST_NORM,
+    TINY_COMMON,
+    UP,
+    Family,
+    HfTensor,
+    K,
+    Q,
+    V,
+    check_sliding_window,
+)
 
 
 def check_phi3_config(config: dict, source: str) -> None:
@@ -26,12 +40,7 @@ def check_phi3_config(config: dict, source: str) -> None:
             f"{source}: partial_rotary_factor={partial} (RoPE on part of each head) is not implemented here "
             "(megatron actor, native engine); only 1.0 is supported"
         )
-    window, context = config.get("sliding_window"), config.get("max_position_embeddings")
-    if window is not None and context is not None and window < context:
-        raise ValueError(
-            f"{source}: sliding_window={window} < max_position_embeddings={context}: sliding-window attention "
-            "is not implemented here; set sliding_window to null in config.json if no sequence is longer than it"
-        )
+    check_sliding_window(config, source)
 
 
 FAMILY = Family(

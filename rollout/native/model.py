@@ -6,7 +6,12 @@ vocab-parallel lm_head (all-gather). h hidden, d head_dim, Hq/T q heads and kv K
 
 - prefill: B prompts padded to one length, causal attention (SDPA), k/v written into each prompt's blocks;
 - decode: one token for each of B running sequences in one batched forward whose attention gathers each
-  sequence's KV blocks; at TP=1 in fp32 the layer loop runs as TorchScript (:mod:`rollout.native.decode_tp1`).
+  sequence's KV blocks; at TP=1 in fp32 the layer loop of a dense model runs as TorchScript
+  (:mod:`rollout.native.decode_tp1`).
+- MoE layers (:meth:`NativeModel.moe`): transformers' routing (softmax over the router's E logits in fp32,
+  top-k, renormalised when ``norm_topk_prob``), then each routed expert's SwiGLU over its tokens from FusedMoE's
+  ``w13`` [E, 2m/T, h] / ``w2`` [E, h, m/T]; under TP every rank holds m/T rows of every expert, so the
+  weighted sum is row-parallel (one all-reduce, like a dense MLP's down projection).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from modelspec import ModelShape
+from modelspec.family import MOE_PART_NAMES, layer_parts
 from rollout.layout import TPShape
 from rollout.native.decode_tp1 import scripted_decode_layers
 from rollout.native.kv_cache import KVCache
@@ -49,8 +55,16 @@ class LayerWeights(NamedTuple):
     qk_norm: torch.Tensor | None  # [Hq/T + kv, d] scaled: q_norm repeated over the q heads, then k_norm (Qwen3)
     o_w_t: torch.Tensor  # [Hq/T * d, h]
     post_norm: torch.Tensor  # [h] scaled
-    gate_up_w: torch.Tensor  # [2 * I/T, h]
-    down_w_t: torch.Tensor  # [I/T, h]
+    gate_up_w: torch.Tensor  # [2 * I/T, h]; empty in an MoE layer (its MoeWeights instead)
+    down_w_t: torch.Tensor  # [I/T, h]; empty in an MoE layer
+
+
+class MoeWeights(NamedTuple):
+    """One MoE layer's tensors (views of the parameters)."""
+
+    router_w: torch.Tensor  # [E, h]
+    w13: torch.Tensor  # [E, 2 * m/T, h]: per expert [gate shard; up shard]
+    w2: torch.Tensor  # [E, h, m/T]
 
 
 class NativeModel:
@@ -72,6 +86,8 @@ class NativeModel:
         self.group, self.tp = group, tps.tp
         self.device, self.dtype = device, dtype
         self._eps_terms: dict[int, torch.Tensor] = {}
+        # when a list: every MoE layer appends (layer, top-k expert ids [N, k]) of each forward (routing replay)
+        self.routing_log: list[tuple[int, torch.Tensor]] | None = None
         self._cos_sin = self._rope_table(max_model_len)
         self._positions = torch.arange(max_model_len + kv_cache.block_size, device=device)
         self.refresh_weights()
@@ -93,8 +109,13 @@ class NativeModel:
         """Rebuild the per-layer tensors (and scaled norm copies) from the parameters; call after every write."""
         p, t = self.weights.params, self.tps
         self.layers: list[LayerWeights] = []
+        self.moe_layers: dict[int, MoeWeights] = {}  # layer index -> its MoE block's tensors
+        no_mlp = torch.empty(0, device=self.device, dtype=self.dtype)
         for i in range(self.shape.num_layers):
             pre = f"model.layers.{i}"
+            if self.shape.is_moe_layer(i):
+                router, w13, w2 = (p[f"{pre}.{part.vllm_param('weight')}"] for part, _ in self._moe_parts(i))
+                self.moe_layers[i] = MoeWeights(router, w13, w2)
             qk_norm = None
             if f"{pre}.self_attn.q_norm.weight" in p:  # the layout has what the family has
                 qk_norm = scaled_norm_weight(
@@ -113,8 +134,8 @@ class NativeModel:
                     qk_norm=qk_norm,
                     o_w_t=p[f"{pre}.self_attn.o_proj.weight"].t(),
                     post_norm=scaled_norm_weight(p[f"{pre}.post_attention_layernorm.weight"]),
-                    gate_up_w=p[f"{pre}.mlp.gate_up_proj.weight"],
-                    down_w_t=p[f"{pre}.mlp.down_proj.weight"].t(),
+                    gate_up_w=no_mlp if i in self.moe_layers else p[f"{pre}.mlp.gate_up_proj.weight"],
+                    down_w_t=no_mlp if i in self.moe_layers else p[f"{pre}.mlp.down_proj.weight"].t(),
                 )
             )
         self.final_norm = scaled_norm_weight(p["model.norm.weight"])
@@ -122,6 +143,11 @@ class NativeModel:
         self.lm_head = p.get("lm_head.weight", self.embed_table)  # tied embeddings: the layout has no lm_head
         # the TorchScript decode takes one list per field of LayerWeights (empty: the model has no such tensor)
         self._tp1_weight_lists = [[t for t in field if t is not None] for field in zip(*self.layers)]
+
+    def _moe_parts(self, layer: int) -> list:
+        """The (router, w13, w2) parts of an MoE layer, one per vLLM parameter (w13 holds gate and up)."""
+        parts = [(part, kind) for part, kind in layer_parts(self.shape, layer) if part.name in MOE_PART_NAMES]
+        return [(part, kind) for part, kind in parts if part.name != "expert_up"]
 
     # ------------------------------------------------------------------ building blocks
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -188,9 +214,44 @@ class NativeModel:
             qk = torch.addcmul(qk * cos, qk.roll(half_d, dims=-1), sin)
             q, k = qk.split_with_sizes((t.num_heads, t.num_kv_heads), dim=1)
             x = self._row_parallel_add(x, attend(i, q, k, v), o_w_t)
+            if i in self.moe_layers:
+                x = x + self._all_reduce(self.moe(self.rms_norm(x, ln2), self.moe_layers[i], i))
+                continue
             gate, up = F.linear(self.rms_norm(x, ln2), gate_up_w).chunk(2, dim=-1)
             x = self._row_parallel_add(x, F.silu(gate) * up, down_w_t)
         return self.rms_norm(x, self.final_norm)
+
+    def route(self, x: torch.Tensor, router_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, h] (post-attention-normed) -> (top-k weights [N, k] in the dtype, top-k expert ids [N, k]), as
+        transformers routes: softmax of the logits in fp32, top-k, renormalised when ``norm_topk_prob``."""
+        probs = F.linear(x, router_w).float().softmax(dim=-1)  # [N, E]
+        top_weights, top_ids = probs.topk(self.shape.moe_top_k, dim=-1)
+        if self.shape.norm_topk_prob:
+            top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+        return top_weights.to(x.dtype), top_ids
+
+    def moe(self, x: torch.Tensor, w: MoeWeights, layer: int) -> torch.Tensor:
+        """x [N, h] normed -> this rank's partial MoE output [N, h] (sum over TP ranks = the block's output)."""
+        top_weights, top_ids = self.route(x, w.router_w)
+        if self.routing_log is not None:
+            self.routing_log.append((layer, top_ids))
+        out = torch.zeros_like(x)
+        rows = w.w13.shape[1] // 2  # m/T
+        flat_ids = top_ids.flatten()  # [N * k]: token n's j-th choice at n * k + j
+        order = flat_ids.argsort(stable=True)
+        counts = torch.bincount(flat_ids, minlength=w.w13.shape[0]).tolist()
+        token_of = order // self.shape.moe_top_k
+        weight_of = top_weights.flatten()[order]
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            tokens = token_of[start : start + count]
+            gate_up = F.linear(x[tokens], w.w13[expert])  # [n_e, 2 m/T]
+            act = F.silu(gate_up[:, :rows]) * gate_up[:, rows:]
+            out.index_add_(0, tokens, F.linear(act, w.w2[expert]) * weight_of[start : start + count, None])
+            start += count
+        return out
 
     # ------------------------------------------------------------------ prefill / decode
     def prefill(self, prompts: list[list[int]], block_table: torch.Tensor) -> torch.Tensor:
@@ -240,7 +301,7 @@ class NativeModel:
         if mask.dtype != self.dtype:
             mask = mask.to(self.dtype)
         scale = 1.0 / math.sqrt(d)
-        if self.group is None and self.dtype == torch.float32:
+        if self.group is None and self.dtype == torch.float32 and not self.moe_layers:
             hidden = self._decode_layers_tp1(last_tokens, ctx_lens, new_rows, ctx_block_rows, mask, span, scale)
             return self._logits(self.rms_norm(hidden, self.final_norm))
 

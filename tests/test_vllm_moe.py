@@ -1,0 +1,80 @@
+"""vLLM's CPU build on the tiny MoE checkpoints: greedy log-probs against transformers, and a weight update
+through this repo's layout (FusedMoE's w13 / w2 written in place, vLLM's CPU experts padded and prepacked again
+at finish) equal to a fresh engine of the new weights, at TP 1 and TP 2 (experts split by their intermediate
+dim). One spawned world per TP size serves every test (see test_vllm_engine.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist import run_ranks
+from tests.family_helpers import MOE_FAMILIES
+from tests.rollout_helpers import PROMPTS, hf_greedy, max_abs_diff
+from tests.test_vllm_engine import GREEDY, KV_MB, NEW_SEED, _build, _tokens_and_logprobs, _write_slices
+
+pytestmark = pytest.mark.vllm
+
+
+def _ranks(rank: int, world_size: int, checkpoints: dict) -> dict:
+    import torch.distributed as dist
+
+    from rollout.config import RolloutConfig
+
+    dist.init_process_group("gloo")
+    cfg = RolloutConfig(engine="vllm", tp=world_size, kv_cache_bytes=KV_MB << 20, max_model_len=128)
+    out: dict = {}
+    for family, (path_a, path_b) in checkpoints.items():
+        engine = _build(cfg, path_a, rank, world_size)
+        r = {"greedy": _tokens_and_logprobs(engine.generate(PROMPTS, GREEDY))}
+        # one layer's experts through the fallback (vLLM's own expert loader, per-expert HF tensors), the rest
+        # in place; then the full checkpoint A through load_weights (the gather-and-reload baseline)
+        block = "mlp" if family == "qwen3_moe" else "block_sparse_moe"
+        fallback = (f"model.layers.1.{block}.experts.routed_experts.w13_weight", "model.norm.weight")
+        r["update"] = _write_slices(engine, path_b, world_size, rank, fallback=fallback)
+        r["updated"] = _tokens_and_logprobs(engine.generate(PROMPTS, GREEDY))
+        fresh = _build(cfg, path_b, rank, world_size)
+        r["fresh"] = _tokens_and_logprobs(fresh.generate(PROMPTS, GREEDY))
+        out[family] = r
+        engine.shutdown()
+        fresh.shutdown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, tuple[str, str]]:
+    from modelspec.tiny import write_tiny_model
+
+    root = tmp_path_factory.mktemp("vllm_moe")
+    return {
+        family: (
+            str(write_tiny_model(family, root / family)),
+            str(write_tiny_model(family, root / f"{family}_b", seed=NEW_SEED)),
+        )
+        for family in MOE_FAMILIES
+    }
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def ranks(request, checkpoints):
+    return run_ranks(_ranks, request.param, checkpoints, timeout_s=900)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_greedy_matches_transformers(ranks, checkpoints, family):
+    for rank_result in ranks:
+        for (hf_tokens, hf_lps), ((tokens, lps),) in zip(
+            hf_greedy(checkpoints[family][0]), rank_result[family]["greedy"]
+        ):
+            assert tokens == hf_tokens
+            assert max_abs_diff(lps, hf_lps) < 1e-5
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_update_through_the_layout_equals_a_fresh_engine(ranks, family):
+    for r in (rank_result[family] for rank_result in ranks):
+        update = r["update"]
+        assert {n: s for n, (s, _) in update["begin"].items()} == update["expected"]  # rollout.layout is vLLM's
+        assert update["readable_matches"]
+        assert len(update["fell_back"]) == 2
+        assert r["updated"] == r["fresh"]  # exactly
+        assert r["updated"] != r["greedy"]
