@@ -47,10 +47,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from colocation.phases import EXPORT_PHASE
-from planner.plan import PHASES, Plan, _stage, hf_file_writing_bytes, optimizer_host_bytes
+from planner.plan import PHASES, Plan, _stage, actor_stage_counts, hf_file_writing_bytes, optimizer_host_bytes
 from planner.sizes import (
     FP32_BYTES,
-    actor_stage_param_count,
     actor_stage_tensor_elements,
     engine_tensor_elements,
     optimizer_bytes_per_param,
@@ -123,16 +122,20 @@ def checkpoint_staging_bytes(plan: Plan, params_only: bool = False) -> int:
     (``params_only``: an HF export's params-only save)."""
     inp = plan.inputs
     e = inp.element_bytes
-    shard = inp.actor_dp if inp.distributed_optimizer else 1
     main = optimizer_bytes_per_param(e) // FP32_BYTES - 2  # fp32 main params of a 16-bit model
     # exp_avg and exp_avg_sq; the hybrid optimizer's host fraction is already host tensors of their own: not
     # views, so megatron's writer neither clones nor pins them (filesystem_async.py _clone_if_needed)
     moments = 2 * (1 - inp.optimizer_offload_fraction)
     total = 0
-    for n in actor_stage_tensor_elements(inp.shape, inp.actor_tp, inp.actor_pp, plan.pp_stage):
-        total += power_of_two_bytes(n * e)
-        if not params_only:
-            total += round((main + moments) * power_of_two_bytes(-(-n * FP32_BYTES // shard)))
+    # the routed experts' optimizer states shard over the expert-DP group, the others' over DP (plan._optimizer_shards)
+    for experts, group in ((False, inp.actor_dp), (True, inp.expert_dp)):
+        shard = group if inp.distributed_optimizer else 1
+        for n in actor_stage_tensor_elements(
+            inp.shape, inp.actor_tp, inp.actor_pp, plan.pp_stage, inp.actor_ep, inp.expert_tp, experts
+        ):
+            total += power_of_two_bytes(n * e)
+            if not params_only:
+                total += round((main + moments) * power_of_two_bytes(-(-n * FP32_BYTES // shard)))
     return total
 
 
@@ -164,9 +167,7 @@ def host_plan(plan: Plan) -> HostPlan:
             staging = checkpoint_staging_bytes(plan, params_only=True)
         runtime = int(inp.constants.value("host_runtime_bytes"))
         base = dict.fromkeys(HOST_COMPONENTS, 0)
-        hybrid = optimizer_host_bytes(
-            inp, actor_stage_param_count(inp.shape, inp.actor_tp, inp.actor_pp, plan.pp_stage)
-        )
+        hybrid = optimizer_host_bytes(inp, *actor_stage_counts(inp, plan.pp_stage))
         base.update(
             offload_pinned=pinned,
             hybrid_optimizer=hybrid,

@@ -69,6 +69,10 @@ class PlanInputs:
     actor_pp: int = 1
     actor_vpp: int | None = None
     actor_dp: int = 1
+    # expert parallel (MoE): each MoE layer's experts over actor_ep ranks, each expert's rows over actor_etp (None:
+    # actor_tp, megatron's default); the experts' grads and optimizer states shard over the expert-DP group
+    actor_ep: int = 1
+    actor_etp: int | None = None
     distributed_optimizer: bool = False  # megatron's distributed optimizer shards optimizer states over DP
     # megatron's optimizer CPU offload (HybridDeviceOptimizer, distributed optimizer only): this fraction of the
     # parameters keep their Adam moments on the host (their fp32 main params stay on the device: the step copies
@@ -182,6 +186,19 @@ class PlanInputs:
         if not set(self.recompute_modules) <= set(RECOMPUTE_MODULES):
             raise ValueError(f"recompute_modules={self.recompute_modules} must be drawn from {RECOMPUTE_MODULES}")
         check_actor_split(s, self.actor_tp, self.actor_pp, self.actor_vpp)
+        if self.actor_ep < 1 or (self.actor_etp is not None and self.actor_etp < 1):
+            raise ValueError(f"actor_ep={self.actor_ep}, actor_etp={self.actor_etp} must be >= 1 (actor_etp None: TP)")
+        if (self.actor_ep > 1 or self.actor_etp is not None) and not s.num_experts:
+            raise ValueError(f"actor_ep={self.actor_ep} / actor_etp={self.actor_etp} need an MoE model; set 1 / None")
+        if s.num_experts and s.num_experts % self.actor_ep:
+            raise ValueError(f"actor_ep={self.actor_ep} must divide the model's {s.num_experts} experts")
+        if s.num_experts and s.moe_intermediate_size % self.expert_tp:
+            raise ValueError(f"actor_etp={self.expert_tp} must divide moe_intermediate_size={s.moe_intermediate_size}")
+        if (self.actor_tp * self.actor_dp) % (self.actor_ep * self.expert_tp):
+            raise ValueError(
+                f"actor_ep={self.actor_ep} x expert TP {self.expert_tp} must divide actor_tp x actor_dp ="
+                f" {self.actor_tp * self.actor_dp} (megatron carves expert parallel out of TP x DP)"
+            )
         if self.actor_vpp is not None and self.actor_vpp > 1 and self.actor_pp < 2:
             raise ValueError(f"actor_vpp={self.actor_vpp} needs actor_pp >= 2; set actor_vpp=None")
         check_rollout_split(s, self.rollout_tp)
@@ -219,6 +236,16 @@ class PlanInputs:
     @property
     def element_bytes(self) -> int:
         return element_bytes(self.dtype)
+
+    @property
+    def expert_tp(self) -> int:
+        """Expert TP: actor_etp, else actor_tp (megatron's expert_tensor_parallel_size default)."""
+        return self.actor_etp or self.actor_tp
+
+    @property
+    def expert_dp(self) -> int:
+        """The expert-data-parallel group's size (megatron: TP x DP = expert TP x EP x expert DP per stage)."""
+        return self.actor_tp * self.actor_dp // (self.actor_ep * self.expert_tp)
 
     @property
     def seq_len(self) -> int:

@@ -27,6 +27,7 @@ from planner.inputs import PlanInputs
 from planner.sizes import (
     FP32_BYTES,
     VERIFY_BYTES_PER_ELEMENT,
+    actor_stage_expert_param_count,
     actor_stage_fc1_elements,
     actor_stage_param_count,
     engine_activation_bytes,
@@ -39,6 +40,7 @@ from planner.sizes import (
     layer_activation_bytes_per_token,
     layer_forward_bytes_per_token,
     logits_bytes,
+    moe_layer_kinds,
     optimizer_bytes_per_param,
     unfused_attention_bytes,
 )
@@ -106,11 +108,16 @@ class _Stage:
 def _layer_bytes(inp: PlanInputs, mb, recomputed: tuple[str, ...] = (), train: bool = True) -> int:
     """What one layer keeps for backward for micro-batch ``mb`` (``recomputed``: selective modules); with
     ``train=False``, one layer's working set in a forward without grad (counted, not scaled: nothing is kept)."""
-    s, e, tp = inp.shape, inp.element_bytes, inp.actor_tp
+    s, e, tp, etp = inp.shape, inp.element_bytes, inp.actor_tp, inp.expert_tp
+    # an MoE model's layers: the larger of a dense and a sparse layer's when they mix (mlp_only_layers)
     if train:
-        per_layer = mb.model_tokens * layer_activation_bytes_per_token(s, tp, e, inp.attention, recomputed)
+        per_token = max(
+            layer_activation_bytes_per_token(s, tp, e, inp.attention, recomputed, sparse, etp)
+            for sparse in moe_layer_kinds(s)
+        )
     else:
-        per_layer = mb.model_tokens * layer_forward_bytes_per_token(s, tp, e)
+        per_token = max(layer_forward_bytes_per_token(s, tp, e, sparse, etp) for sparse in moe_layer_kinds(s))
+    per_layer = mb.model_tokens * per_token
     scores = 0
     if inp.attention == "unfused" and "core_attn" not in recomputed:
         # without grad nothing is kept: packed sequences go through the attention one at a time
@@ -188,8 +195,8 @@ def logprob_pass_bytes(inp: PlanInputs, train: bool) -> int:
 
 
 def _stage(inp: PlanInputs, stage: int) -> _Stage:
-    s, e, tp, pp = inp.shape, inp.element_bytes, inp.actor_tp, inp.actor_pp
-    count = actor_stage_param_count(s, tp, pp, stage)
+    s, e, pp = inp.shape, inp.element_bytes, inp.actor_pp
+    count, expert_count = actor_stage_counts(inp, stage)
     params = count * e
     layers = in_flight_layers(s.num_layers, pp, inp.actor_vpp, stage, inp.num_micro_batches)
     layers_per_chunk = s.num_layers // (pp * (inp.actor_vpp or 1))
@@ -207,8 +214,8 @@ def _stage(inp: PlanInputs, stage: int) -> _Stage:
     # m, v and of the fp32 main params of 16-bit params (fp32 params are their own, viewed; optimizer_device_bytes);
     # its DDP buffers also pad each param to
     # 64 elements and a bucket to lcm(DP, 128) (distributed/param_and_grad_buffer.py): < 64 x (e + 4) bytes a
-    # tensor, not counted
-    optimizer = optimizer_device_bytes(inp, count)
+    # tensor, not counted. An MoE model's routed experts (E / ep per rank) shard over the expert-DP group instead
+    optimizer = optimizer_device_bytes(inp, count, expert_count)
     train_activations = train_activation_bytes(inp, layers, layers_per_chunk, micro_batches_in_flight)
     train_activations += train_backward_bytes(inp, stage, layers, train_logits)
     # the DistributedOptimizer's grad sync (DDP finish_grad_sync, after the last backward: activations and
@@ -231,22 +238,41 @@ def _stage(inp: PlanInputs, stage: int) -> _Stage:
     )
 
 
-def optimizer_device_bytes(inp: PlanInputs, count: int) -> int:
-    """The optimizer's bytes on one rank's device for ``count`` params: Adam's moments and (16-bit models) fp32
-    main params, sharded over DP by the distributed optimizer; with ``optimizer_offload_fraction`` f the moments
+def actor_stage_counts(inp: PlanInputs, stage: int) -> tuple[int, int]:
+    """(params, routed-expert params among them) one actor rank of ``stage`` holds (planner/sizes.py)."""
+    s, tp, pp, ep, etp = inp.shape, inp.actor_tp, inp.actor_pp, inp.actor_ep, inp.expert_tp
+    return (
+        actor_stage_param_count(s, tp, pp, stage, ep, etp),
+        actor_stage_expert_param_count(s, tp, pp, stage, ep, etp),
+    )
+
+
+def _optimizer_shards(inp: PlanInputs, count: int, expert_count: int) -> list[tuple[int, int]]:
+    """(params, the group the distributed optimizer shards them over): the dense params over DP, the routed experts
+    over the expert-DP group (megatron/core/optimizer/__init__.py: a second optimizer over the expert params with
+    ``intra_expt_dp_group``); unsharded without the distributed optimizer."""
+    if not inp.distributed_optimizer:
+        return [(count, 1)]
+    return [(count - expert_count, inp.actor_dp), (expert_count, inp.expert_dp)]
+
+
+def optimizer_device_bytes(inp: PlanInputs, count: int, expert_count: int = 0) -> int:
+    """The optimizer's bytes on one rank's device for ``count`` params (``expert_count`` of them routed experts):
+    Adam's moments and (16-bit models) fp32 main params, sharded by the distributed optimizer (:func:`_optimizer_shards`);
+    with ``optimizer_offload_fraction`` f the moments
     of a fraction f of them are on the host (megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py: the
     offloaded params' fp32 main copies stay on the device, their moments go to the host's CPUAdam)."""
-    shard = inp.actor_dp if inp.distributed_optimizer else 1
     moments = 2 * FP32_BYTES
     main = optimizer_bytes_per_param(inp.element_bytes) - moments
-    return round(count * (main + moments * (1 - inp.optimizer_offload_fraction))) // shard
+    per_param = main + moments * (1 - inp.optimizer_offload_fraction)
+    return sum(round(n * per_param) // shard for n, shard in _optimizer_shards(inp, count, expert_count))
 
 
-def optimizer_host_bytes(inp: PlanInputs, count: int) -> int:
+def optimizer_host_bytes(inp: PlanInputs, count: int, expert_count: int = 0) -> int:
     """What the hybrid optimizer holds on the host for ``count`` params (hybrid_optimizer.py): a fraction f of
-    the DP shard as a pinned fp32 param copy, a pinned fp32 gradient and CPUAdam's two fp32 moments."""
-    shard = inp.actor_dp if inp.distributed_optimizer else 1
-    return round(count * inp.optimizer_offload_fraction * 4 * FP32_BYTES) // shard
+    the shard as a pinned fp32 param copy, a pinned fp32 gradient and CPUAdam's two fp32 moments."""
+    per_param = inp.optimizer_offload_fraction * 4 * FP32_BYTES
+    return sum(round(n * per_param) // shard for n, shard in _optimizer_shards(inp, count, expert_count))
 
 
 def step_flags(inp: PlanInputs) -> StepFlags:
@@ -404,6 +430,7 @@ def engine_rollout_activation_bytes(inp: PlanInputs, sequences: int | None = Non
             prefill,
             seqs,
             inp.engine_profile.sampler_tensors(inp.device.kind),
+            engine_moe_workspace(inp.engine),
         )
         constants = inp.constants
         return round(working * constants.value("engine_activation_factor")) + int(
@@ -416,7 +443,13 @@ def engine_rollout_activation_bytes(inp: PlanInputs, sequences: int | None = Non
         inp.vllm_batched_tokens,
         inp.max_num_seqs,
         inp.engine_profile.sampler_tensors(inp.device.kind),
+        engine_moe_workspace(inp.engine),
     )
+
+
+def engine_moe_workspace(engine: str) -> str:
+    """The MoE path an engine runs (sizes.engine_moe_bytes_per_token): the native engine's own, vLLM's fused_moe."""
+    return "native" if engine == "native" else "fused_moe"
 
 
 @dataclass(frozen=True)
@@ -558,6 +591,7 @@ def _sizing(inp: PlanInputs, profile: EngineProfile, weights: int) -> KvSizing:
             inp.vllm_batched_tokens,
             inp.max_num_seqs,
             profile.sampler_tensors(inp.device.kind),
+            engine_moe_workspace(profile.name),
         )
     return KvSizing(
         device_kind=inp.device.kind,

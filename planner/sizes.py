@@ -33,10 +33,10 @@ def vllm_padded_vocab(vocab_size: int) -> int:
     return math.ceil(vocab_size / VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
 
 
-def actor_rank_sizes(shape: ModelShape, tp: int, ep: int = 1) -> dict[str, int]:
+def actor_rank_sizes(shape: ModelShape, tp: int, ep: int = 1, etp: int | None = None) -> dict[str, int]:
     """Dim sizes on one actor rank (megatron layout): heads and rows split by TP, experts by EP (E / ep local
-    experts), each expert's rows by expert TP (which follows TP)."""
-    return even_split_sizes(shape, tp, ep)
+    experts), each expert's rows by expert TP ``etp`` (TP unless set)."""
+    return even_split_sizes(shape, tp, ep, etp)
 
 
 def stage_layers(shape: ModelShape, pp: int, stage: int) -> range:
@@ -46,13 +46,15 @@ def stage_layers(shape: ModelShape, pp: int, stage: int) -> range:
     return range(stage * per_stage, (stage + 1) * per_stage)
 
 
-def actor_stage_param_count(shape: ModelShape, tp: int, pp: int, stage: int, ep: int = 1) -> int:
+def actor_stage_param_count(
+    shape: ModelShape, tp: int, pp: int, stage: int, ep: int = 1, etp: int | None = None
+) -> int:
     """Parameters one actor rank of pipeline stage ``stage`` holds (megatron layout, VPP chunks summed); an MoE
-    layer's experts E / ep of them, the router whole."""
+    layer's experts E / ep of them (each expert's rows over ``etp``), the router whole."""
     if not 0 <= stage < pp:
         raise ValueError(f"stage={stage} is outside [0, {pp})")
     h = shape.hidden_size
-    sizes = actor_rank_sizes(shape, tp, ep)
+    sizes = actor_rank_sizes(shape, tp, ep, etp)
     count = sum(layer_param_count(shape, sizes, layer) for layer in stage_layers(shape, pp, stage))
     vocab_rows = megatron_padded_vocab(shape.vocab_size, tp) // tp * h
     if stage == 0:
@@ -62,6 +64,27 @@ def actor_stage_param_count(shape: ModelShape, tp: int, pp: int, stage: int, ep:
         if not shape.tie_word_embeddings or pp > 1:
             count += vocab_rows  # output layer (tied + PP > 1: the last stage keeps its own copy)
     return count
+
+
+def actor_stage_expert_param_count(
+    shape: ModelShape, tp: int, pp: int, stage: int, ep: int = 1, etp: int | None = None
+) -> int:
+    """The routed experts' share of :func:`actor_stage_param_count` (E / ep experts, their rows over ``etp``): the
+    params megatron keeps in its expert-parallel buffers (distributed/distributed_data_parallel.py,
+    ``expert_parallel_buffers``), whose grads reduce and whose optimizer states shard over the expert-data-parallel
+    group, not DP (optimizer/__init__.py builds their optimizer on ``intra_expt_dp_group``). 0 for a dense model."""
+    sizes = actor_rank_sizes(shape, tp, ep, etp)
+    return sum(
+        math.prod(dims_size(part.kind_dims(kind), sizes)) * sizes["experts"]
+        for layer in stage_layers(shape, pp, stage)
+        for part, kind in layer_parts(shape, layer)
+        if part.expert
+    )
+
+
+def moe_layer_kinds(shape: ModelShape) -> tuple[bool, ...]:
+    """Which kinds of decoder layer the model has: (False,) dense only, (True,) MoE only, (False, True) mixed."""
+    return tuple(sorted({shape.is_moe_layer(layer) for layer in range(shape.num_layers)}))
 
 
 def engine_kv_heads_per_rank(shape: ModelShape, rollout_tp: int) -> int:
@@ -97,7 +120,13 @@ def kv_bytes_per_token(shape: ModelShape, rollout_tp: int, element_bytes: int) -
 
 
 def layer_activation_bytes_per_token(
-    shape: ModelShape, tp: int, element_bytes: int, attention: str, recomputed: tuple[str, ...] = ()
+    shape: ModelShape,
+    tp: int,
+    element_bytes: int,
+    attention: str,
+    recomputed: tuple[str, ...] = (),
+    sparse: bool = False,
+    etp: int | None = None,
 ) -> int:
     """Bytes one decoder layer keeps for backward per token (megatron, no sequence parallelism).
 
@@ -108,17 +137,51 @@ def layer_activation_bytes_per_token(
     on CPU) adds the per-token share of the [Hq/t, s, s] scores and probabilities: see
     :func:`unfused_attention_bytes`. ``recomputed`` (megatron's selective ``recompute_modules``) drops
     what those modules recompute: ``layernorm`` the two norm outputs (2h), ``mlp`` the MLP's
-    internals (3I / t), ``core_attn`` the log-sum-exp (and the unfused scores, by the caller).
+    internals (3I / t), ``core_attn`` the log-sum-exp (and the unfused scores, by the caller). ``sparse``: an MoE
+    layer, its router and experts in place of the dense MLP (:func:`moe_activation_bytes_per_token`; ``mlp`` or
+    ``moe`` recomputes them).
     """
     h, d, t = shape.hidden_size, shape.head_dim, tp
     norms = 4 * h - (2 * h if "layernorm" in recomputed else 0)
-    mlp = 0 if "mlp" in recomputed else 3 * shape.intermediate_size // t
+    mlp = 0 if "mlp" in recomputed or sparse else 3 * shape.intermediate_size // t
     elements = norms + 3 * (shape.num_heads + shape.num_kv_heads) * d // t + mlp
     lse = FP32_BYTES * shape.num_heads // t if attention == "flash" and "core_attn" not in recomputed else 0
-    return elements * element_bytes + lse
+    moe = 0
+    if sparse and not {"mlp", "moe"} & set(recomputed):
+        moe = moe_activation_bytes_per_token(shape, etp or t, element_bytes)
+    return elements * element_bytes + lse + moe
 
 
-def layer_forward_bytes_per_token(shape: ModelShape, tp: int, element_bytes: int) -> int:
+def moe_activation_bytes_per_token(shape: ModelShape, etp: int, element_bytes: int) -> int:
+    """What one MoE layer keeps for backward per token of the rank's micro-batch (megatron-core 0.16, alltoall
+    dispatcher, balanced routing: a rank's E / ep experts receive on average N k of the EP group's routed copies).
+
+    The router (transformer/moe/router.py, moe_utils.py ``topk_softmax_with_capacity``): the logits [N, E] and their
+    softmax scores [N, E], fp32 (``moe_router_dtype`` fp32 / the softmax's saved output). The dispatcher
+    (transformer/moe/token_dispatcher.py ``MoEAlltoAllTokenDispatcher``: ``permute`` then the all-to-all then
+    ``sort_chunks_by_idxs``; moe_utils.py ``permute`` is an ``index_select``, which keeps only its indices): one
+    permuted copy of each routed token survives to backward, the experts' fc1 input [N k, h]; the other copies
+    (the pre-all-to-all one, the all-to-all's output) are transients of the forward. The experts
+    (transformer/moe/experts.py, ``activation_func_with_probs``): fc1's output [N k, 2m / etp] (kept by SwiGLU),
+    SwiGLU x probs [N k, m / etp] (kept by fc2). The unpermute's ``scatter_add`` keeps only its indices.
+    """
+    k, m, h = shape.moe_top_k, shape.moe_intermediate_size // etp, shape.hidden_size
+    router = 2 * shape.num_experts * FP32_BYTES
+    return router + k * (h + 2 * m + m) * element_bytes
+
+
+def moe_forward_bytes_per_token(shape: ModelShape, etp: int, element_bytes: int) -> int:
+    """Peak bytes per token of an MoE layer's forward without grad beside the residual stream, at the experts' fc1
+    (same sources as :func:`moe_activation_bytes_per_token`): the normed input (h), the router's fp32 logits and
+    scores (2E), the dispatcher's token copies still referenced (the all-to-all's output and the chunk-sorted fc1
+    input, k h each), fc1's output (2k m / etp) and SwiGLU's (k m / etp)."""
+    k, m, h = shape.moe_top_k, shape.moe_intermediate_size // etp, shape.hidden_size
+    return 2 * shape.num_experts * FP32_BYTES + (h + k * (2 * h + 3 * m)) * element_bytes
+
+
+def layer_forward_bytes_per_token(
+    shape: ModelShape, tp: int, element_bytes: int, sparse: bool = False, etp: int | None = None
+) -> int:
     """Peak bytes per token of one decoder layer's forward without grad (old/ref_logprob), beside the residual
     stream [N, h] (the caller counts it): nothing is kept, so the peak is the larger of the two blocks' live
     tensors at their widest moment, in the dtype.
@@ -131,6 +194,8 @@ def layer_forward_bytes_per_token(shape: ModelShape, tp: int, element_bytes: int
     h, d, t = shape.hidden_size, shape.head_dim, tp
     attention = h + (2 * shape.num_heads + 3 * shape.num_kv_heads) * d // t + shape.num_heads * d // t
     mlp = h + 4 * shape.intermediate_size // t
+    if sparse:  # an MoE layer: its router and experts in place of the dense MLP
+        return max(attention * element_bytes, moe_forward_bytes_per_token(shape, etp or t, element_bytes))
     return max(attention, mlp) * element_bytes
 
 
@@ -266,20 +331,48 @@ def engine_activation_bytes(
     max_batched_tokens: int,
     max_num_seqs: int,
     sampler_vocab_tensors: int,
+    moe_workspace: str = "fused_moe",
 ) -> int:
     """vLLM's profiled activation peak: one layer's working set for ``max_batched_tokens`` tokens plus the
     sampler's full-vocab fp32 tensors for ``max_num_seqs`` sequences (:func:`sampler_bytes`).
 
     Per token and rank: residual, normed input and o_proj output (3h), qkv and attention output
-    ((2 Hq / t + 2 KV heads per rank) d), gate/up and SwiGLU output (3I / t), in the dtype.
+    ((2 Hq / t + 2 KV heads per rank) d), gate/up and SwiGLU output (3I / t), in the dtype. An MoE layer has its
+    experts' working set in place of the dense MLP's (:func:`engine_moe_bytes_per_token`, ``moe_workspace`` the
+    engine's MoE path), the larger of the two kinds of layer when they mix.
     """
     h, d, t = shape.hidden_size, shape.head_dim, rollout_tp
-    per_token = (
-        3 * h
-        + (2 * shape.num_heads // t + 2 * engine_kv_heads_per_rank(shape, t)) * d
-        + 3 * shape.intermediate_size // t
+    common = 3 * h + (2 * shape.num_heads // t + 2 * engine_kv_heads_per_rank(shape, t)) * d
+    kinds = moe_layer_kinds(shape)
+    per_token = max(
+        (common * element_bytes + engine_moe_bytes_per_token(shape, t, element_bytes, moe_workspace))
+        if sparse
+        else (common + 3 * shape.intermediate_size // t) * element_bytes
+        for sparse in kinds
     )
-    return max_batched_tokens * per_token * element_bytes + sampler_bytes(shape, max_num_seqs, sampler_vocab_tensors)
+    return max_batched_tokens * per_token + sampler_bytes(shape, max_num_seqs, sampler_vocab_tensors)
+
+
+def engine_moe_bytes_per_token(shape: ModelShape, rollout_tp: int, element_bytes: int, moe_workspace: str) -> int:
+    """One MoE layer's working set per token on an engine rank (every expert's m / t rows, no expert parallel).
+
+    ``fused_moe`` (vLLM, vllm/model_executor/layers/fused_moe/fused_moe.py ``fused_experts_impl``, the triton path
+    on CUDA): the gate's logits [M, E] (dtype), top-k weights and ids [M, k] (fp32, int32), ``cache13``
+    [M k max(2m / t, h)] (intermediate_cache1 [M, k, 2m / t] and intermediate_cache3 [M, k, h] share it) and
+    intermediate_cache2 [M k, m / t] (SwiGLU halves N), the output [M, h].
+    ``native`` (rollout/native/model.py ``moe``): the fp32 router probabilities and the logits (E each), the
+    output [N, h], the flattened ids, their argsort and token index (int64, k each) and the sorted weights
+    (k), and one expert's SwiGLU at a time, counted for the worst case of every token in one expert: its
+    gathered input (h), gate/up (2m / t), silu and the product (m / t each), fc2's output and its weighted copy
+    (h each).
+    """
+    k, m, h, e = shape.moe_top_k, shape.moe_intermediate_size // rollout_tp, shape.hidden_size, element_bytes
+    if moe_workspace == "fused_moe":
+        return shape.num_experts * e + k * 2 * FP32_BYTES + (k * max(2 * m, h) + k * m + h) * e
+    if moe_workspace == "native":
+        routing = shape.num_experts * (FP32_BYTES + e) + k * (3 * 8 + e)
+        return routing + (h + h + 2 * m + m + m + h + h) * e
+    raise ValueError(f"moe_workspace={moe_workspace!r} must be 'fused_moe' or 'native'")
 
 
 def sampler_bytes(shape: ModelShape, num_seqs: int, vocab_tensors: int) -> int:
@@ -304,15 +397,18 @@ VERIFY_BYTES_PER_ELEMENT = 24
 
 
 def _layer_tensor_elements(
-    shape: ModelShape, sizes: dict[str, int], layer: int, module_of, experts_fused: bool
+    shape: ModelShape, sizes: dict[str, int], layer: int, module_of, experts_fused: bool, experts: bool | None = None
 ) -> list[int]:
     """Elements of each parameter tensor of decoder layer ``layer`` whose dims have ``sizes``, parts stacked into
     the module ``module_of(part)`` names (megatron's linear_qkv / linear_fc1, vLLM's qkv_proj / gate_up_proj /
     w13). Expert parts: one tensor for all ``sizes["experts"]`` experts when ``experts_fused`` (vLLM's
-    FusedMoE), else one per expert (megatron's SequentialMLP)."""
+    FusedMoE), else one per expert (megatron's SequentialMLP). ``experts`` True / False: only the routed experts'
+    tensors / only the others (None: all)."""
     tensors: dict[str, int] = {}
     per_expert: dict[str, int] = {}
     for part, kind in layer_parts(shape, layer):
+        if experts is not None and part.expert != experts:
+            continue
         elements = math.prod(dims_size(part.kind_dims(kind), sizes))
         key = f"{module_of(part)}.{kind}"
         if part.expert and not experts_fused:
@@ -322,15 +418,20 @@ def _layer_tensor_elements(
     return list(tensors.values()) + [n for n in per_expert.values() for _ in range(sizes["experts"])]
 
 
-def actor_stage_tensor_elements(shape: ModelShape, tp: int, pp: int, stage: int, ep: int = 1) -> list[int]:
+def actor_stage_tensor_elements(
+    shape: ModelShape, tp: int, pp: int, stage: int, ep: int = 1, etp: int | None = None, experts: bool | None = None
+) -> list[int]:
     """Elements of each parameter tensor one actor rank of stage ``stage`` holds (megatron layout; sums to
-    :func:`actor_stage_param_count`): what a checkpoint save stages one host buffer for, each."""
-    sizes = actor_rank_sizes(shape, tp, ep)
+    :func:`actor_stage_param_count`): what a checkpoint save stages one host buffer for, each. ``experts`` True /
+    False: only the routed experts' tensors / only the others (None: all)."""
+    sizes = actor_rank_sizes(shape, tp, ep, etp)
     out = [
         n
         for layer in stage_layers(shape, pp, stage)
-        for n in _layer_tensor_elements(shape, sizes, layer, lambda part: part.megatron, experts_fused=False)
+        for n in _layer_tensor_elements(shape, sizes, layer, lambda part: part.megatron, False, experts)
     ]
+    if experts:
+        return out
     vocab_rows = megatron_padded_vocab(shape.vocab_size, tp) // tp * shape.hidden_size
     if stage == 0:
         out.append(vocab_rows)

@@ -25,6 +25,7 @@ from rl.evaluation import eval_record, evaluate
 from rl.generation import generate_samples, sampling_seed
 from rollout import SamplingParams
 from run.config import RunConfig
+from run.memory_plan import LaunchPlan
 from run.preflight import nothing_left
 from run.save_and_stop import (
     StopBeforeTrain,
@@ -181,11 +182,12 @@ def report_end_of_finished_steps(ctx: RankContext, run_dir: Path) -> None:
 
 
 @stops_on_storage_faults
-def run_rank(cfg: RunConfig, run_dir: str) -> int:
+def run_rank(cfg: RunConfig, run_dir: str, launch: LaunchPlan | None = None) -> int:
     """Everything one rank does for a run: set up (resuming if there is a checkpoint), warm up, hand the
-    engine the weights, then the steps. Returns the exit code (0; PREEMPTED_EXIT_CODE after a stop)."""
+    engine the weights, then the steps. ``launch``: the launch's memory plan (run/main.py; None: made at the
+    engine start, for callers outside run.main). Returns the exit code (0; PREEMPTED_EXIT_CODE after a stop)."""
     stop = StopRequest(int(os.environ.get("RANK", "0"))).install()  # before the slow setup: a signal then still counts
-    ctx = setup(cfg, Path(run_dir), stop)
+    ctx = setup(cfg, Path(run_dir), stop, launch)
     steps = cfg.trainer.steps
     done = nothing_left(ctx.start_step, steps, Path(run_dir)) if ctx.resumed_from is not None else None
     if done is not None:  # the launcher said so before starting the ranks; a rank started otherwise says it too

@@ -34,6 +34,7 @@ from run.launch import (
     run_launched,
     spawn_local,
 )
+from run.memory_plan import LaunchPlan, plan_launch
 from run.preflight import find_unfinished_run, hold_run_dir, nothing_left, preflight, resume_point
 
 
@@ -86,15 +87,13 @@ def pick_run_dir(cfg: RunConfig, given: str | None) -> Path | None:
     return None
 
 
-def check_launch(cfg: RunConfig, run_dir: str | None) -> None:
-    """What the launcher itself cannot do with this config (raises ConfigError)."""
-    if cfg.rollout.planner_sizes_kv_cache:
-        from run.memory_plan import check_auto_kv_cache
-
-        try:
-            check_auto_kv_cache(cfg)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+def check_launch(cfg: RunConfig, run_dir: str | None) -> LaunchPlan:
+    """What the launcher itself cannot do with this config (raises ConfigError); else the launch's memory plan,
+    made here once and handed to every rank (``rollout.gpu_memory_utilization=auto`` resolved)."""
+    try:
+        launch = plan_launch(cfg)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if launched_externally() and run_dir is None:
         raise ConfigError("--run-dir is required under torchrun/srun so all ranks share one")
     if not launched_externally() and cfg.cluster.num_nodes > 1:
@@ -102,9 +101,10 @@ def check_launch(cfg: RunConfig, run_dir: str | None) -> None:
             f"cluster.num_nodes={cfg.cluster.num_nodes} needs a multi-node launcher; "
             "use `make sbatch` (Slurm) or torchrun on each node"
         )
+    return launch
 
 
-def run_launched_rank(cfg: RunConfig, run_dir: str) -> int:
+def run_launched_rank(cfg: RunConfig, run_dir: str, launch: LaunchPlan) -> int:
     """One rank under torchrun / srun: gloo on the interface that reaches the master (several nodes), every
     rank's host and address known to all, so that a rank whose peer dies names it before it fails."""
     import torch.distributed as dist
@@ -120,7 +120,7 @@ def run_launched_rank(cfg: RunConfig, run_dir: str) -> int:
     rank_hosts: list = [None] * dist.get_world_size()
     dist.all_gather_object(rank_hosts, (socket.gethostname(), interface_to(os.environ["MASTER_ADDR"])[1]))
     try:
-        return run_rank(cfg, run_dir)
+        return run_rank(cfg, run_dir, launch)
     except Exception as exc:
         line = lost_peer_line(str(exc), rank_hosts, dist.get_rank())
         if line is not None:
@@ -142,12 +142,12 @@ def main(argv: list[str] | None = None) -> int:
         problem = missing_devices(cfg.cluster, launched_externally())
         if problem is not None:
             return needs_devices(cfg, args.overrides, problem)
-        check_launch(cfg, args.run_dir)
+        launch = check_launch(cfg, args.run_dir)  # the launch's one memory plan
         cfg.model.path = resolve_model_path(resolve_path(cfg.model.path))
         run_dir = pick_run_dir(cfg, args.run_dir)
         # one live run per directory (under torchrun/srun rank 0 holds it for the job)
         lock = hold_run_dir(run_dir) if run_dir is not None and int(os.environ.get("RANK", "0")) == 0 else None
-        preflight(cfg, run_dir)
+        preflight(cfg, run_dir, launch)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
@@ -159,12 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = prepare(cfg, run_dir)
     lock = lock or (hold_run_dir(run_dir) if int(os.environ.get("RANK", "0")) == 0 else None)  # a new directory
     if launched_externally():
-        return run_launched(run_launched_rank, cfg.cluster, cfg, str(run_dir))
+        return run_launched(run_launched_rank, cfg.cluster, cfg, str(run_dir), launch)
     resuming = f"; resuming after step {state.completed_steps}" if state is not None else ""
     print(f"run directory: {run_dir}{resuming}", flush=True)
     from run.loop import run_rank
 
-    return spawn_local(run_rank, cfg.cluster.world_size, (cfg, str(run_dir)), rank_environ(cfg.cluster))
+    return spawn_local(run_rank, cfg.cluster.world_size, (cfg, str(run_dir), launch), rank_environ(cfg.cluster))
 
 
 if __name__ == "__main__":

@@ -47,40 +47,30 @@ def plan_inputs(
         actor_pp=actor.pp,
         actor_vpp=actor.vpp,
         actor_dp=cfg.dp,
+        actor_ep=actor.ep,
+        actor_etp=actor.etp,
         # megatron_backend.actor: megatron-core's optimizer on every device, its DistributedOptimizer when DP > 1
         # or when it offloads (megatron wires its HybridDeviceOptimizer into the distributed optimizer only)
         distributed_optimizer=cfg.dp > 1 or actor.optimizer_offload_fraction > 0,
-        optimizer_offload_fraction=actor.optimizer_offload_fraction,
         **asdict(cfg.step_flags()),  # the offload flags, a reference actor, the wake strategy (the step's table)
-        micro_batch_size=actor.micro_batch_size,
-        remove_padding=actor.remove_padding,
-        max_tokens_per_micro_batch=actor.max_tokens_per_micro_batch,
-        max_tokens_per_forward_micro_batch=actor.max_tokens_per_forward_micro_batch,
-        recompute=actor.recompute,
-        recompute_method=actor.recompute_method,
-        recompute_num_layers=actor.recompute_num_layers,
+        # actor.* and rollout.* fields the planner names alike (micro-batching, recompute, engine, max_num_seqs,
+        # max_model_len, block_size, sleep_level, kv_cache_bytes, ...): declared once, by the component's config
+        **same_named_fields(actor, exclude=("recompute_modules",)),
+        **same_named_fields(rollout, exclude=("gpu_memory_utilization", "wake_strategy")),
         recompute_modules=tuple(actor.recompute_modules or ("core_attn",)),
-        logprob_chunk_tokens=actor.logprob_chunk_tokens,
         entropy_grad=cfg.algorithm.entropy_coef > 0,
-        entropy_recompute=actor.entropy_recompute,
         attention="flash" if on_cuda else "unfused",  # Transformer Engine on CUDA, megatron's local spec on CPU
         sequences_per_step=cfg.trainer.prompts_per_step * rollout.n_samples_per_prompt,
         eval_sequences=eval_sequences(cfg),
         hf_exports=cfg.trainer.export_every > 0 or cfg.trainer.export_at_end,
         prompt_tokens=max(1, prompt_tokens),
         response_tokens=rollout.max_new_tokens,
-        engine=rollout.engine,
         rollout_tp=rollout.tp,
         gpu_memory_utilization=rollout.utilization,  # None: auto
-        kv_cache_bytes=rollout.kv_cache_bytes,
         engine_capacity_bytes=int(rollout.cpu_capacity_gb * 2**30),
-        max_num_seqs=rollout.max_num_seqs,
         vllm_max_batched_tokens=rollout.max_num_batched_tokens,  # None: vLLM's per-device default
         native_max_batched_tokens=rollout.max_num_batched_tokens,
-        max_model_len=rollout.max_model_len,
-        block_size=rollout.block_size,
         native_activation_reserve_bytes=rollout.activation_reserve_mb * MIB,
-        sleep_level=rollout.sleep_level,
         ranks_per_node=cfg.cluster.procs_per_node,
         checkpoint_saves=cfg.trainer.save_every > 0,
         data_host_bytes=_data_file_bytes(cfg.data.path),
@@ -93,6 +83,13 @@ def plan_inputs(
     staged = sync_staged_bytes(shape, cfg.mesh(), inputs.sync_bucket_bytes, inputs.element_bytes)
     peers = sync_peers(shape, cfg.mesh(), inputs.sync_bucket_bytes, inputs.element_bytes)
     return dataclasses.replace(inputs, sync_staged_bytes=staged, sync_peers=peers)
+
+
+def same_named_fields(config, *, exclude: tuple[str, ...] = ()) -> dict:
+    """``config``'s fields that :class:`PlanInputs` has under the same name and meaning (``exclude``: the same
+    name in another form, converted by the caller), so each such setting is declared once, by its component."""
+    planned = {f.name for f in dataclasses.fields(PlanInputs)} - set(exclude)
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name in planned}
 
 
 def _data_file_bytes(path: str | None) -> int:
@@ -262,18 +259,89 @@ def engine_config(cfg, choice: KvCacheChoice):
     )
 
 
-def check_auto_kv_cache(cfg) -> None:
-    """``rollout.gpu_memory_utilization=auto`` before any rank starts: the plan must fit and pick a KV cache
-    (``choose_kv_cache`` without a measurement, what a CPU rank will do). ValueError in one line."""
+@dataclass(frozen=True)
+class LaunchPlan:
+    """The launch's one memory plan: made by the launcher (run/main.py) before any rank starts and handed to every
+    rank with the config (spawn's arguments; under torchrun / srun each process makes it before its process group).
+    Preflight's KV check, the engine's KV cache and the wake checks all read it; no rank plans again (except a CUDA
+    rank whose measured free memory bounds an ``auto`` KV cache below the plan's, :func:`bounded_by_free_memory`)."""
+
+    plan: Plan | None  # made with the KV cache the engine gets; None: not plannable (``problem`` says why)
+    kv_choice: KvCacheChoice | None  # what the engine gets (None with ``plan``)
+    problem: str | None = None
+
+    def engine_rollout(self, cfg):
+        """``cfg.rollout`` as the engine gets it (:func:`engine_config` with this plan's choice)."""
+        return cfg.rollout if self.kv_choice is None else engine_config(cfg, self.kv_choice)
+
+
+def launch_prompt_tokens(cfg) -> int | None:
+    """The longest prompt the run's engine sees, in tokens: the task's and, when the run evaluates, the eval
+    problems', tokenized as the rank tokenizes them. None where the data or the tokenizer is not on this machine."""
+    tokens = data_prompt_length(cfg).tokens
+    if tokens is None or not cfg.eval.enabled:
+        return tokens
+    from rl.evaluation import eval_problems
+
+    tokenizer = _tokenizer(_resolved(cfg.model.path))
+    return max([tokens, *(len(tokenizer(p.prompt).input_ids) for p in eval_problems(cfg))])
+
+
+def _resolved(path: str) -> str:
+    from run.compose import resolve_path
+
+    return resolve_path(path)
+
+
+def _engine_inputs(inputs: PlanInputs, choice: KvCacheChoice) -> PlanInputs:
+    """The plan's inputs with the KV cache ``choice`` hands the engine (bytes and their utilization)."""
+    return dataclasses.replace(
+        inputs, kv_cache_bytes=choice.kv_cache_bytes, gpu_memory_utilization=min(1.0, choice.gpu_memory_utilization)
+    )
+
+
+def plan_launch(cfg) -> LaunchPlan:
+    """The launch's :class:`LaunchPlan` (``rollout.gpu_memory_utilization=auto`` resolved: ``choose_kv_cache``
+    without a measurement). ValueError in one line when ``auto`` has no plan, or none that fits."""
     from planner import make_plan
     from planner.report import verdict
 
+    auto = cfg.rollout.utilization is None
     try:
-        plan = make_plan(plan_inputs(cfg, data_prompt_length(cfg).tokens))
+        plan = make_plan(plan_inputs(cfg, launch_prompt_tokens(cfg)))
     except ValueError as exc:
-        raise ValueError(f"rollout.gpu_memory_utilization=auto needs a memory plan: {exc}") from None
-    if not plan.fits:
+        if auto:
+            raise ValueError(f"rollout.gpu_memory_utilization=auto needs a memory plan: {exc}") from None
+        return LaunchPlan(None, None, str(exc))  # e.g. a device without a preset: the run goes unplanned
+    if auto and not plan.fits:
         raise ValueError(
             f"rollout.gpu_memory_utilization=auto: {verdict(plan)} (`make plan EXP={cfg.exp}` shows every phase)"
         )
-    choose_kv_cache(cfg, plan)
+    choice = choose_kv_cache(cfg, plan)
+    if engine_config(cfg, choice) is not cfg.rollout:  # plan with the KV cache the engine gets
+        plan = make_plan(_engine_inputs(plan.inputs, choice))
+    return LaunchPlan(plan, choice)
+
+
+def bounded_by_free_memory(cfg, launch: LaunchPlan, measured_free_bytes: int) -> LaunchPlan:
+    """On a CUDA rank with ``auto``: ``launch`` with its KV cache bounded by the free memory measured after the actor
+    is built and offloaded (the least over ranks); the same object when the bound leaves the plan's KV cache."""
+    from planner import make_plan
+
+    choice = choose_kv_cache(cfg, launch.plan, measured_free_bytes)
+    if choice.kv_cache_bytes == launch.kv_choice.kv_cache_bytes:
+        return launch
+    return LaunchPlan(make_plan(_engine_inputs(launch.plan.inputs, choice)), choice)
+
+
+def with_launch_runtime(launch: LaunchPlan, runtime_bytes: int) -> LaunchPlan:
+    """On a CPU rank: ``launch`` planned again with the runtime level the rank measured before its engine
+    (run/setup.py::launch_runtime_bytes, the most over ranks), so the wake checks and the calibration compare with
+    this machine's level; the engine keeps the launch's KV cache (``kv_choice``), so every rank starts the same engine
+    the launcher checked."""
+    from planner import make_plan
+
+    if launch.plan is None:
+        return launch
+    inputs = dataclasses.replace(launch.plan.inputs, launch_runtime_bytes=runtime_bytes)
+    return dataclasses.replace(launch, plan=make_plan(inputs))

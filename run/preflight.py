@@ -27,12 +27,11 @@ from checkpointing.checkpoint import (
 )
 from megatron_backend.dist_checkpoint import saved_param_dtype
 from modelspec import ModelShape
-from planner import make_plan
 from rl.evaluation import eval_problems
 from rl.generation import sampling_seed
 from run.compose import ConfigError
 from run.config import RunConfig
-from run.memory_plan import plan_inputs
+from run.memory_plan import LaunchPlan
 from telemetry.tracking import SUMMARY_FILE
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -40,13 +39,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer
 RESUMABLE_CHANGES = ("resume", "trainer.steps")
 
 
-def preflight(cfg: RunConfig, run_dir: Path | None) -> None:
-    """Every file-level check; ``cfg.model.path`` must already be resolved (tiny checkpoints written)."""
+def preflight(cfg: RunConfig, run_dir: Path | None, launch: LaunchPlan) -> None:
+    """Every file-level check; ``cfg.model.path`` must already be resolved (tiny checkpoints written). ``launch``:
+    the launch's memory plan (run.memory_plan.plan_launch), whose KV cache is checked."""
     check_engine_installed(cfg)
     shape = cfg.model.shape()
     check_tokenizer(cfg, shape)
     check_model_files(cfg, shape)
-    check_kv_budget(cfg)
+    check_kv_budget(cfg, launch)
     check_data(cfg)
     check_resume(cfg, run_dir, shape)
 
@@ -100,17 +100,16 @@ def check_tokenizer(cfg: RunConfig, shape: ModelShape) -> None:
         )
 
 
-def check_kv_budget(cfg: RunConfig) -> None:
+def check_kv_budget(cfg: RunConfig, launch: LaunchPlan) -> None:
     """The engine's KV cache must hold at least one ``max_model_len`` sequence (what the native engine and
-    vLLM both refuse to start without). The KV cache is the one the memory plan gives this config's engine
-    (``planner.plan``: each engine's own sizing rule), so launch and ``make plan`` agree."""
+    vLLM both refuse to start without). The KV cache is the one the launch's memory plan gives this config's
+    engine (``planner.plan``: each engine's own sizing rule), so launch and ``make plan`` agree."""
     rollout = cfg.rollout
     if rollout.planner_sizes_kv_cache:
-        return  # the planner picks it (run.memory_plan.check_auto_kv_cache, at launch, refuses a plan where none fits)
-    try:
-        plan = make_plan(plan_inputs(cfg))
-    except ValueError as exc:
-        raise ConfigError(f"the memory plan of this config failed: {exc}") from None
+        return  # the planner picks it (run.memory_plan.plan_launch refuses a plan where none fits)
+    plan = launch.plan
+    if plan is None:
+        raise ConfigError(f"the memory plan of this config failed: {launch.problem}")
     if not plan.kv_cache_too_small:
         return
     kv, needed = plan.kv_cache_bytes, plan.min_kv_cache_bytes

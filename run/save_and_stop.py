@@ -135,9 +135,9 @@ def stops_on_storage_faults(run_rank):
     launcher stops the others)."""
 
     @functools.wraps(run_rank)
-    def wrapper(cfg, run_dir: str) -> int:
+    def wrapper(cfg, run_dir: str, launch=None) -> int:
         try:
-            return run_rank(cfg, run_dir)
+            return run_rank(cfg, run_dir, launch)
         except BaseException as exc:  # torch's CheckpointException is a BaseException
             line = None
             if not isinstance(exc, (KeyboardInterrupt, SystemExit)):

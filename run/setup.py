@@ -32,7 +32,7 @@ from rl.evaluation import eval_problems
 from rl.generation import sampling_seed
 from rl.losses import PolicyLoss, sft_loss
 from run.config import RunConfig
-from run.memory_plan import KvCacheChoice
+from run.memory_plan import KvCacheChoice, LaunchPlan, with_launch_runtime
 from run.shared_device import SharedDevice
 from telemetry.memory_timeline import TAGS, MemoryProbe, MemoryTimeline
 from telemetry.tracking import RunWriter
@@ -70,8 +70,14 @@ class RankContext:
     resumed_state: RLState | None = None
     resumed_rank_state: dict | None = None
     t0: float = field(default_factory=time.monotonic)
-    # start_rollout(): the KV cache chosen for the engine (the engine and its plan are the device's)
-    kv_choice: KvCacheChoice | None = None
+    # the launch's memory plan (run/main.py, handed to every rank); after start_rollout(): the engine's (the same
+    # object unless a CUDA rank's measured free memory bounded an ``auto`` KV cache)
+    launch: LaunchPlan | None = None
+
+    @property
+    def kv_choice(self) -> KvCacheChoice | None:
+        """The KV cache the engine gets (None: not planned)."""
+        return self.launch.kv_choice if self.launch is not None else None
 
     @property
     def actor(self) -> Actor:
@@ -172,7 +178,9 @@ def init_rank(cfg: RunConfig) -> ParallelDims:
     )
 
 
-def setup(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None) -> RankContext:
+def setup(
+    cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None, launch: LaunchPlan | None = None
+) -> RankContext:
     from transformers import AutoTokenizer
 
     from megatron_backend.actor import Actor
@@ -254,6 +262,7 @@ def setup(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None) -> Ran
         resumed_from=checkpoint,
         resumed_state=resumed_state,
         resumed_rank_state=load_rank_state(checkpoint, dims.rank) if checkpoint else None,
+        launch=launch,
     )
     freeze_long_lived_objects()
     return ctx
@@ -264,36 +273,40 @@ def plan_and_build_engine(ctx: RankContext) -> RankContext:
     offloaded what its flags say, so that what the engine sees at start-up (vLLM checks free memory against
     its utilization and sizes the KV cache from it) is what the step leaves it at the KV-cache wake.
 
-    The KV cache: ``rollout.kv_cache_bytes``, else for ``gpu_memory_utilization=auto`` the planner's
-    recommendation (on CUDA bounded by the free memory measured now, the least over ranks), handed to the
-    engine as bytes; a float utilization is the engine's to apply. The plan, made with that KV cache, is
-    kept for the wake checks and the predicted-vs-measured calibration (the device's ``plan``, ``ctx.kv_choice``)."""
+    The KV cache and the plan are the launch's (``ctx.launch``, run.memory_plan.plan_launch: made once before the
+    ranks started; on CUDA an ``auto`` KV cache is bounded by the free memory measured now, the least over ranks).
+    The plan is kept for the wake checks and the predicted-vs-measured calibration (the device's ``plan``)."""
     cfg, dims = ctx.cfg, ctx.dims
-    # sequences as long as the longest prompt (the task's, the eval's) + max_new_tokens (not max_model_len)
+    if ctx.launch is None:  # set up outside run.main (tests, tools): the launch's plan, made here
+        from run.memory_plan import plan_launch
+
+        ctx = dataclasses.replace(ctx, launch=plan_launch(cfg))
+    # the plan covers sequences as long as the longest prompt (the task's, the eval's) + max_new_tokens
     eval_tokens = [len(ctx.tokenizer(p.prompt).input_ids) for p in ctx.eval_problems]
     prompt_tokens = max([longest_prompt_tokens(ctx.task, ctx.tokenizer), *eval_tokens])
-    engine, plan, kv_choice = build_engine(
-        cfg,
-        dims,
-        ctx.mesh,
-        ctx.rollout_group,
-        prompt_tokens,
-        launch_runtime_bytes(
-            ctx.timeline.probe,
-            dims.device,
-            ctx.actor.shape,
-            cfg.model.dtype,
-            # the engine decodes a step's sequences at once, up to its max_num_seqs
-            min(cfg.trainer.prompts_per_step * cfg.rollout.n_samples_per_prompt, cfg.rollout.max_num_seqs or 2**31),
-            cfg.rollout.tp,
-            native_decode_tp1=cfg.rollout.engine == "native" and cfg.rollout.tp == 1 and cfg.model.dtype == "float32",
-        ),
+    plan = ctx.launch.plan
+    if plan is not None and prompt_tokens > plan.inputs.prompt_tokens:
+        raise RuntimeError(
+            f"rank {dims.rank}: the longest prompt has {prompt_tokens} tokens but the launch planned "
+            f"{plan.inputs.prompt_tokens}: the launcher and the rank read different data or tokenizers"
+        )
+    launch_runtime = launch_runtime_bytes(
+        ctx.timeline.probe,
+        dims.device,
+        ctx.actor.shape,
+        cfg.model.dtype,
+        # the engine decodes a step's sequences at once, up to its max_num_seqs
+        min(cfg.trainer.prompts_per_step * cfg.rollout.n_samples_per_prompt, cfg.rollout.max_num_seqs or 2**31),
+        cfg.rollout.tp,
+        native_decode_tp1=cfg.rollout.engine == "native" and cfg.rollout.tp == 1 and cfg.model.dtype == "float32",
     )
+    launch = ctx.launch if launch_runtime is None else with_launch_runtime(ctx.launch, launch_runtime)
+    engine, launch = build_engine(cfg, dims, ctx.mesh, ctx.rollout_group, launch)
     ctx.timeline.probe.add_ledger(lambda: _tagged(engine.memory(), dims.device))
-    if ctx.writer is not None and plan is not None:
-        ctx.writer.predicted_bytes = {name: plan.measurable_bytes(name) for name in plan.names}
-    ctx.device.attach_engine(engine, plan)
-    return dataclasses.replace(ctx, kv_choice=kv_choice)
+    if ctx.writer is not None and launch.plan is not None:
+        ctx.writer.predicted_bytes = {name: launch.plan.measurable_bytes(name) for name in launch.plan.names}
+    ctx.device.attach_engine(engine, launch.plan)
+    return dataclasses.replace(ctx, launch=launch)
 
 
 def launch_runtime_bytes(
@@ -354,47 +367,24 @@ def first_use_of_kernels(
 
 
 def build_engine(
-    cfg: RunConfig,
-    dims: ParallelDims,
-    mesh: ColocatedMesh,
-    group: dist.ProcessGroup | None,
-    prompt_tokens: int,
-    launch_runtime: int | None = None,
-) -> tuple[RolloutEngine, Plan | None, KvCacheChoice | None]:
-    """The engine with empty weights, its KV cache as :func:`plan_and_build_engine` says, and the plan made with it
-    (``prompt_tokens``: the longest prompt it will see; ``launch_runtime``: the runtime level measured at launch,
-    :func:`launch_runtime_bytes`)."""
-    from planner import make_plan
+    cfg: RunConfig, dims: ParallelDims, mesh: ColocatedMesh, group: dist.ProcessGroup | None, launch: LaunchPlan
+) -> tuple[RolloutEngine, LaunchPlan]:
+    """The engine with empty weights, its KV cache as ``launch`` says (:func:`plan_and_build_engine`), and the plan
+    it was started with (``launch`` itself unless the measured free memory bounded it)."""
     from rollout import make_engine
-    from run.memory_plan import choose_kv_cache, engine_config, plan_inputs
+    from run.memory_plan import bounded_by_free_memory
 
-    auto = cfg.rollout.utilization is None
-    try:
-        plan = make_plan(plan_inputs(cfg, prompt_tokens, launch_runtime_bytes=launch_runtime))
-    except ValueError as exc:  # e.g. a device the planner has no preset for: run unplanned unless asked to plan
-        if auto:
-            raise
-        print(f"rank {dims.rank}: no memory plan ({exc}); no wake checks or calibration", flush=True)
-        plan = None
-    rollout_cfg, kv_choice = cfg.rollout, None
-    if plan is not None:
-        free = None
-        if auto and dims.device.type == "cuda":
+    if launch.plan is None:
+        print(f"rank {dims.rank}: no memory plan ({launch.problem}); no wake checks or calibration", flush=True)
+    else:
+        if cfg.rollout.utilization is None and dims.device.type == "cuda":
             least = torch.tensor([torch.cuda.mem_get_info(dims.device)[0]], dtype=torch.int64, device=dims.device)
             dist.all_reduce(least, op=dist.ReduceOp.MIN)
-            free = int(least)
-        kv_choice = choose_kv_cache(cfg, plan, free)
-        rollout_cfg = engine_config(cfg, kv_choice)
-        if rollout_cfg is not cfg.rollout:  # plan again with the KV cache the engine gets
-            plan = make_plan(
-                plan_inputs(
-                    dataclasses.replace(cfg, rollout=rollout_cfg), prompt_tokens, launch_runtime_bytes=launch_runtime
-                )
-            )
+            launch = bounded_by_free_memory(cfg, launch, int(least))
         if dims.rank == 0:
-            print(kv_choice.line(), flush=True)
+            print(launch.kv_choice.line(), flush=True)
     engine = make_engine(
-        rollout_cfg,
+        launch.engine_rollout(cfg),
         cfg.model.path,
         mesh=mesh,
         rank=dims.rank,
@@ -404,7 +394,7 @@ def build_engine(
         load=False,
         shape=cfg.model.shape(),
     )
-    return engine, plan, kv_choice
+    return engine, launch
 
 
 def start_rollout(ctx: RankContext) -> RankContext:

@@ -163,7 +163,9 @@ class RunWriter:
         if self._deferred is not None:
             self._deferred.append(record)
             return
-        self.wandb_run.log(record, step=self.wandb_step)
+        # every record is a whole row of its own step: commit it now (with an explicit step wandb otherwise keeps
+        # the row open until a later step or finish() flushes it)
+        self.wandb_run.log(record, step=self.wandb_step, commit=True)
         self.wandb_step += 1
 
     def flush_wandb(self) -> None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from planner import make_plan
+from planner.report import headroom_beyond_uncertainty_bytes
 from run.compose import compose, list_experiments
 from run.launch import missing_devices
 from run.main import main
@@ -25,6 +26,7 @@ def test_the_cluster_experiments_are_there():
         "llama3.1_8b_8xh100",
         "qwen32b_8xh100",
         "qwen32b_16xh100",
+        "qwen3_30b_a3b_8xh100",
     } <= set(CLUSTER_EXPERIMENTS)
 
 
@@ -57,6 +59,15 @@ def test_qwen32b_on_two_nodes_shards_the_optimizer_and_trains_longer_sequences()
         make_plan(two).phase("train").components["optimizer"] * 2
         == make_plan(one).phase("train").components["optimizer"]
     )
+
+
+def test_qwen3_moe_on_one_node_plans_experts_over_ep():
+    """EP=8 at TP=1 x DP=8: a rank holds 16 of each layer's 128 experts, their optimizer states unsharded (expert
+    DP 1), the dense params' over DP=8."""
+    inp = plan_inputs(compose("qwen3_30b_a3b_8xh100"))
+    assert (inp.actor_tp, inp.actor_dp, inp.actor_ep, inp.expert_dp) == (1, 8, 8, 1)
+    plan = make_plan(inp)
+    assert plan.peak_phase == "train" and headroom_beyond_uncertainty_bytes(plan) >= 4 * GIB
 
 
 def test_cpu_experiments_need_no_device():

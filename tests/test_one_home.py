@@ -165,7 +165,7 @@ def test_auto_is_one_value_resolved_in_one_place():
     from rollout.config import AUTO
     from run.compose import ConfigError, compose
     from run.main import check_launch
-    from run.memory_plan import check_auto_kv_cache, choose_kv_cache, engine_config, plan_inputs
+    from run.memory_plan import choose_kv_cache, engine_config, plan_inputs, plan_launch
 
     cfg = compose("qwen7b_1xh200", [])  # gpu_memory_utilization: auto
     assert cfg.rollout.gpu_memory_utilization == AUTO and cfg.rollout.utilization is None
@@ -181,7 +181,7 @@ def test_auto_is_one_value_resolved_in_one_place():
     offloads = [f"actor.offload.{what}=false" for what in ("params", "grads", "optimizer")]
     tight = compose("qwen7b_1xh200", offloads)
     with pytest.raises(ValueError) as planned:
-        check_auto_kv_cache(tight)
+        plan_launch(tight)
     with pytest.raises(ConfigError) as launched:
         check_launch(tight, None)
     assert str(launched.value) == str(planned.value)
@@ -225,9 +225,9 @@ def test_the_shape_is_read_once_per_run_and_passed_down(tmp_path, monkeypatch):
     overrides += ["actor.micro_batch_size=16", "algorithm.kl_coef=0.01", "wandb.mode=disabled"]
     cfg = compose("tiny_cpu", [*overrides, f"output_dir={tmp_path}"])
     assert reads == ["tiny:qwen2"]  # composition (RunConfig's layout check): the tiny config, in memory
-    check_launch(cfg, None)
+    launch = check_launch(cfg, None)
     cfg.model.path = resolve_model_path(resolve_path(cfg.model.path))
-    preflight(cfg, None)
+    preflight(cfg, None, launch)
     plan_inputs(cfg)
     run_dir = prepare(cfg, tmp_path / "run")
     assert reads == ["tiny:qwen2", cfg.model.path]  # the checkpoint directory's config.json, once

@@ -76,8 +76,19 @@ def namespace_processes(node: str) -> list[str]:
     return found
 
 
+def parent_command(pid: str) -> str:
+    try:
+        ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+        return Path(f"/proc/{ppid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except (FileNotFoundError, IndexError):  # ended meanwhile
+        return ""
+
+
 def rank_processes(node: str) -> list[str]:
-    return [p for p in namespace_processes(node) if " -m run.main " in p and "torch.distributed.run" not in p]
+    """The ranks: torchrun's children. A save's writer processes (megatron's filesystem_async forks them) carry
+    their rank's command line too, so the parent tells them apart."""
+    found = [p for p in namespace_processes(node) if " -m run.main " in p and "torch.distributed.run" not in p]
+    return [p for p in found if "torch.distributed.run" in parent_command(p.split()[0])]
 
 
 def test_two_node_job_preempted_and_requeued_equals_four_ranks_on_one_node(tmp_path):

@@ -127,6 +127,7 @@ def _rank_main(cfg, checkpoint: Path | None, step: int | None) -> None:
     from checkpointing.checkpoint import ACTOR_DIR
     from megatron_backend.actor import Actor
     from rl.evaluation import eval_problems, evaluate, reference_logprob_mean
+    from run.memory_plan import plan_launch
     from run.setup import build_engine, init_rank, rollout_groups
     from run.shared_device import sync_actor_into_engine
 
@@ -156,10 +157,9 @@ def _rank_main(cfg, checkpoint: Path | None, step: int | None) -> None:
     offload = cfg.actor.offload.params
     if offload:
         actor.offload("params")
-    prompt_tokens = max(len(tokenizer(p.prompt).input_ids) for p in problems)
     progress(f"the {cfg.rollout.engine} engine (rollout TP {cfg.rollout.tp})")
-    engine, _, _ = build_engine(
-        cfg, dims, mesh, groups[mesh.replica(dims.rank)] if mesh.rollout_tp > 1 else None, prompt_tokens
+    engine, _ = build_engine(
+        cfg, dims, mesh, groups[mesh.replica(dims.rank)] if mesh.rollout_tp > 1 else None, plan_launch(cfg)
     )
     if offload:
         actor.onload("params")

@@ -1,0 +1,160 @@
+"""The planner on mixture-of-experts models: experts over EP (their optimizer states over the expert-DP group), the
+MoE layers' kept activations (router, dispatched copies, expert fc1 / SwiGLU), the engines' MoE working sets, each
+against a hand count on tiny:qwen3_moe (4 experts, top-2, layers 0, 1, 3 sparse, layer 2 dense)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from modelspec import ModelShape
+from modelspec.tiny import tiny_hf_config
+from planner import make_plan
+from planner.devices import device_preset
+from planner.inputs import PlanInputs
+from planner.plan import _layer_bytes, _stage
+from planner.sizes import (
+    FP32_BYTES,
+    actor_stage_param_count,
+    engine_activation_bytes,
+    layer_activation_bytes_per_token,
+    layer_forward_bytes_per_token,
+    sampler_bytes,
+)
+
+TINY_MOE = ModelShape.from_hf_config(tiny_hf_config("qwen3_moe"))
+BF16 = 2
+
+
+def tiny_moe_inputs(**overrides) -> PlanInputs:
+    """tiny:qwen3_moe, actor EP=2 x DP=2 (TP=1) with the distributed optimizer, bfloat16 (fp32 main params)."""
+    base = dict(
+        shape=TINY_MOE,
+        device=device_preset("H100-80GB"),
+        actor_dp=2,
+        actor_ep=2,
+        distributed_optimizer=True,
+        sequences_per_step=8,
+        prompt_tokens=16,
+        response_tokens=16,
+        kv_cache_bytes=2**20,
+    )
+    return PlanInputs(**{**base, **overrides})
+
+
+def _expert_elements(shape: ModelShape) -> int:
+    """One expert's gate, up and down: 3 x h x m."""
+    return 3 * shape.hidden_size * shape.moe_intermediate_size
+
+
+def test_experts_split_over_ep_and_their_optimizer_over_expert_dp():
+    s = TINY_MOE
+    inp = tiny_moe_inputs()
+    assert inp.expert_tp == 1 and inp.expert_dp == 1  # TP x DP = 2 = ETP x EP: each expert lives on one rank
+    all_experts = len(s.moe_layers) * s.num_experts * _expert_elements(s)
+    dense = actor_stage_param_count(s, 1, 1, 0) - all_experts  # attention, norms, routers, layer 2's MLP, vocab
+    local_experts = len(s.moe_layers) * (s.num_experts // 2) * _expert_elements(s)
+    st = _stage(inp, 0)
+    assert st.actor_params == (dense + local_experts) * BF16
+    assert st.actor_grads == (dense + local_experts) * FP32_BYTES  # DDP's fp32 main_grad buffers, unsharded
+    # Adam's m, v and fp32 main params (12 B): the dense params over DP=2, the local experts over expert DP=1
+    assert st.optimizer == dense * 12 // 2 + local_experts * 12
+    # at EP=1 (DP=2) every rank holds every expert and the expert-DP group is DP: all of it over 2
+    one = _stage(tiny_moe_inputs(actor_ep=1), 0)
+    assert one.optimizer == (dense + all_experts) * 12 // 2
+
+
+def test_expert_tp_splits_each_experts_rows():
+    s = TINY_MOE
+    inp = tiny_moe_inputs(actor_dp=1, actor_tp=2, actor_ep=1, actor_etp=2)
+    halves = len(s.moe_layers) * s.num_experts * _expert_elements(s) // 2
+    assert _stage(inp, 0).actor_params < _stage(tiny_moe_inputs(actor_dp=1, actor_ep=1), 0).actor_params
+    assert actor_stage_param_count(s, 2, 1, 0, 1, 2) - actor_stage_param_count(s, 2, 1, 0, 1, 1) == -halves
+
+
+def test_moe_layer_keeps_router_dispatched_tokens_and_expert_activations():
+    s, e = TINY_MOE, BF16
+    h, d, hq, hkv = s.hidden_size, s.head_dim, s.num_heads, s.num_kv_heads
+    k, m, E = s.moe_top_k, s.moe_intermediate_size, s.num_experts
+    attention_and_norms = (4 * h + 3 * (hq + hkv) * d) * e + FP32_BYTES * hq  # flash's log-sum-exp
+    router = 2 * E * FP32_BYTES  # fp32 logits and softmax scores [N, E]
+    dispatched = k * h * e  # the experts' fc1 input: one permuted copy per routed token
+    experts = k * (2 * m + m) * e  # fc1's output [N k, 2m] and SwiGLU x probs [N k, m]
+    sparse = layer_activation_bytes_per_token(s, 1, e, "flash", sparse=True)
+    assert sparse == attention_and_norms + router + dispatched + experts
+    dense = layer_activation_bytes_per_token(s, 1, e, "flash")
+    assert dense == attention_and_norms + 3 * s.intermediate_size * e
+    # recomputing the MoE (megatron's recompute_modules "moe") drops all of it
+    assert layer_activation_bytes_per_token(s, 1, e, "flash", ("moe",), sparse=True) == attention_and_norms
+    # the plan's layer: the larger of the dense layer 2 and a sparse one, per token of the micro-batch
+    inp = tiny_moe_inputs(attention="flash")
+    mb = inp.micro_batches(train=True)
+    assert _layer_bytes(inp, mb) == round(mb.model_tokens * max(sparse, dense) * inp.activation_factor)
+
+
+def test_moe_forward_without_grad_counts_the_dispatched_copies():
+    s, e = TINY_MOE, BF16
+    h, k, m, E = s.hidden_size, s.moe_top_k, s.moe_intermediate_size, s.num_experts
+    moe = 2 * E * FP32_BYTES + (h + k * (2 * h + 3 * m)) * e
+    assert layer_forward_bytes_per_token(s, 1, e, sparse=True) == max(moe, (h + 3 * 4 * 32 + 4 * 32) * e)
+    assert layer_forward_bytes_per_token(s, 1, e, sparse=True) == moe  # tiny: the MoE block is the wider
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_engine_moe_workspace(tp):
+    s, e = TINY_MOE, BF16
+    h, d, k, m, E = s.hidden_size, s.head_dim, s.moe_top_k, s.moe_intermediate_size // tp, s.num_experts
+    common = (3 * h + (2 * s.num_heads // tp + 2 * max(1, s.num_kv_heads // tp)) * d) * e
+    dense = common + 3 * s.intermediate_size // tp * e
+    # vLLM's fused_experts: gate logits, top-k weights / ids, cache13 (k max(2m, h)), cache2 (k m), the output
+    fused = common + E * e + k * 2 * FP32_BYTES + (k * max(2 * m, h) + k * m + h) * e
+    # the native engine: fp32 probs + logits, int64 ids / argsort / token index, sorted weights, one expert's SwiGLU
+    native = common + E * (FP32_BYTES + e) + k * (3 * 8 + e) + (4 * h + 4 * m) * e
+    tokens, seqs = 100, 3
+    sampler = sampler_bytes(s, seqs, 3)
+    assert engine_activation_bytes(s, tp, e, tokens, seqs, 3) == tokens * max(dense, fused) + sampler
+    assert engine_activation_bytes(s, tp, e, tokens, seqs, 3, "native") == tokens * max(dense, native) + sampler
+    with pytest.raises(ValueError, match="moe_workspace"):
+        engine_activation_bytes(s, tp, e, tokens, seqs, 3, "triton")
+
+
+def test_the_plan_holds_the_moe_terms():
+    """The plan's train activations, optimizer and engine reserve move with the MoE fields they are counted from."""
+    base = make_plan(tiny_moe_inputs(engine="vllm", rollout_tp=1))
+    wider = dataclasses.replace(TINY_MOE, moe_top_k=4)
+    more = make_plan(tiny_moe_inputs(shape=wider, engine="vllm", rollout_tp=1))
+    train = base.phase("train").components, more.phase("train").components
+    assert train[1]["activations"] > train[0]["activations"]
+    rollout = base.phase("rollout").components, more.phase("rollout").components
+    assert rollout[1]["engine_reserve"] > rollout[0]["engine_reserve"]
+
+
+def test_bad_expert_layouts_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="actor_ep=3 must divide"):
+        tiny_moe_inputs(actor_ep=3, actor_dp=3, sequences_per_step=9)
+    with pytest.raises(ValueError, match="need an MoE model"):
+        tiny_moe_inputs(shape=ModelShape.from_hf_config(tiny_hf_config("qwen2")), actor_ep=2)
+    with pytest.raises(ValueError, match="must divide actor_tp x actor_dp"):
+        tiny_moe_inputs(actor_ep=4)
+
+
+def test_checkpoint_staging_shards_expert_optimizer_states_over_expert_dp():
+    from planner.host import checkpoint_staging_bytes
+    from planner.sizes import actor_stage_tensor_elements, power_of_two_bytes
+
+    s, e = TINY_MOE, BF16
+    h, m = s.hidden_size, s.moe_intermediate_size
+    plan = make_plan(tiny_moe_inputs())  # EP=2 x DP=2: expert DP 1, every state of the local experts whole
+    everything = actor_stage_tensor_elements(s, 1, 1, 0, 2)
+    others = actor_stage_tensor_elements(s, 1, 1, 0, 2, experts=False)
+    experts = actor_stage_tensor_elements(s, 1, 1, 0, 2, experts=True)
+    assert sorted(everything) == sorted(others + experts)
+    # megatron's SequentialMLP: per local expert fc1 [2m, h] and fc2 [h, m], 2 of the 4 experts in 3 sparse layers
+    assert sorted(experts) == sorted([2 * m * h, h * m] * 2 * len(s.moe_layers))
+
+    def staged(n: int, shard: int) -> int:  # the param in the dtype, fp32 main + 2 moments of its shard
+        return power_of_two_bytes(n * e) + 3 * power_of_two_bytes(-(-n * FP32_BYTES // shard))
+
+    hand = sum(staged(n, 2) for n in others) + sum(staged(n, 1) for n in experts)
+    assert checkpoint_staging_bytes(plan) == hand
