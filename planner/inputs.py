@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -49,6 +50,20 @@ class MicroBatches:
     model_tokens: int  # tokens the model runs on: sequences x padded length, or their real tokens packed
     response_tokens: int  # rows of the log-prob pass
     attention_span: float  # each sequence's attention length: the padded length, or (packed) its mean
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepLengths:
+    """The token lengths one step's sequences had, as the run records them (telemetry/metrics.py::step_lengths, per
+    step in metrics.jsonl): the plan at launch assumes the longest prompt and ``max_new_tokens`` responses (a bound,
+    since that is what can run out of memory); evaluated at these it predicts what the step held (the model that
+    ``make validate-plan`` checks)."""
+
+    longest_prompt: int
+    longest_response: int
+    longest_sequence: int  # prompt + response of the longest row: the padded width [B, S] of the rank's batch
+    mean_prompt: float
+    mean_response: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -268,6 +283,22 @@ class PlanInputs:
         if self.max_tokens_per_forward_micro_batch is not None:
             return self.max_tokens_per_forward_micro_batch
         return None if self.max_tokens_per_micro_batch is None else 2 * self.max_tokens_per_micro_batch
+
+    def at_lengths(self, lengths: StepLengths, kv_cache_bytes: int) -> PlanInputs:
+        """These inputs with a step's recorded lengths in place of the planned ones, the KV cache fixed at
+        ``kv_cache_bytes`` (the engine's, sized at launch). The padded width is the longest row's prompt + response
+        (rl/batching.py pads to it), so the prompt part is that width less the longest response; the means give
+        the packed micro-batches' real tokens and the log-prob pass's rows."""
+        response = max(1, lengths.longest_response)
+        prompt = max(1, lengths.longest_sequence - response)
+        return dataclasses.replace(
+            self,
+            prompt_tokens=prompt,
+            response_tokens=response,
+            mean_prompt_tokens=max(1, min(prompt, round(lengths.mean_prompt))),
+            mean_response_tokens=max(1, min(response, round(lengths.mean_response))),
+            kv_cache_bytes=kv_cache_bytes,
+        )
 
     def micro_batches(self, train: bool) -> MicroBatches:
         """The micro-batches of a train (or forward-only) pass, as megatron_backend.packing forms them."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from colocation.engines import ENGINE_PROFILES, EngineProfile, KvSizing
 from colocation.phases import EVAL_PHASE, EXPORT_PHASE, StepFlags, phase_names, step_phases, wake_window_phases
-from planner.inputs import PlanInputs
+from planner.inputs import PlanInputs, StepLengths
 from planner.sizes import (
     FP32_BYTES,
     VERIFY_BYTES_PER_ELEMENT,
@@ -476,6 +476,10 @@ class Plan:
     engine_weight_bytes: int
     rollout_engine_reserve_bytes: int
     notes: tuple[str, ...] = field(default=())
+
+    def at_lengths(self, lengths: StepLengths) -> Plan:
+        """This plan evaluated at a step's recorded lengths (:meth:`PlanInputs.at_lengths`), the same KV cache."""
+        return make_plan(self.inputs.at_lengths(lengths, self.kv_cache_bytes))
 
     # ------------------------------------------------------------ device budget
     @property

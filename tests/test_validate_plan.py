@@ -1,4 +1,4 @@
-"""`make validate-plan` end to end (slow: runs the validation set, 4 steps each as users run them) and the
+"""`make validate-plan` end to end (slow: runs the validation set, 3 steps each as users run them) and the
 mutation check over the runs it leaves (tools/mutate_plan.py).
 
 Exactly the documented tolerance (docs/plan-validation.md; tools/plan_runs.py::check: peak 10%, rise 20%, or

@@ -4,7 +4,8 @@ For each term (params, grads, Adam states, activations, logits, attention scores
 activations, KV bytes per token, sync bucket) doubled, each transient zeroed, and the runtime level (the one
 each run measured at launch) and every fitted constant of the calibration scaled by 0.5 and 1.5, the
 validation set's runs (``runs/validation/<name>/``, from ``make validate-plan``; nothing is run here) are
-planned again with the mutation and checked as ``make validate-plan`` checks them. Prints one JSON line per
+planned again with the mutation and checked as ``make validate-plan`` checks them (the model at each run's recorded
+lengths, and the launch plan's bound). Prints one JSON line per
 mutation (term, factor, the checks it fails that the unmutated plan passes, the largest move of a prediction
 as a fraction of that check's allowance) and a table.
 
@@ -35,6 +36,7 @@ from tools.plan_runs import (
     check,
     launch_runtime_of,
     measured_phases,
+    model_phases,
     plan_for,
     predicted_phases,
     run_dir_for,
@@ -80,29 +82,34 @@ def _scaled_function(name: str, factor: float):
         yield
 
 
-def mutated_phases(term: str, factor: float, spec) -> dict:
+def _checked(plan, run_dir, mutate=None) -> tuple[dict, dict]:
+    """(the model's phases: the plan at the run's recorded lengths; the launch plan's phases: its bound)."""
+    return model_phases(plan, run_dir, mutate), predicted_phases(plan, mutate)
+
+
+def mutated_phases(term: str, factor: float, spec) -> tuple[dict, dict]:
     kind, target = TERMS.get(term, ("constant", term))  # a term not listed is a fitted constant's name
     run_dir = run_dir_for(spec, SET_NAME)
     if kind == "function":
         with _scaled_function(target, factor):
-            return predicted_phases(plan_for(spec, run_dir=run_dir))
+            return _checked(plan_for(spec, run_dir=run_dir), run_dir)
     if kind == "constant":
         calibration = load("cpu")
-        return predicted_phases(
-            plan_for(spec, calibration.with_values(**{target: calibration.value(target) * factor}), run_dir)
-        )
+        scaled = calibration.with_values(**{target: calibration.value(target) * factor})
+        return _checked(plan_for(spec, scaled, run_dir), run_dir)
     if kind == "launch":
         launch = launch_runtime_of(run_dir)
         if launch is None:  # a run that measured no launch level: the fitted level is what the plan uses
             calibration = load("cpu")
             name = "runtime_overhead_bytes"
-            return predicted_phases(plan_for(spec, calibration.with_values(**{name: calibration.value(name) * factor})))
-        return predicted_phases(plan_for(spec, run_dir=run_dir, launch_runtime_bytes=round(launch * factor)))
+            scaled = calibration.with_values(**{name: calibration.value(name) * factor})
+            return _checked(plan_for(spec, scaled), run_dir)
+        return _checked(plan_for(spec, run_dir=run_dir, launch_runtime_bytes=round(launch * factor)), run_dir)
 
     def mutate(components, target=target):
         return {k: round(v * factor) if k == target else v for k, v in components.items()}
 
-    return predicted_phases(plan_for(spec, run_dir=run_dir), mutate)
+    return _checked(plan_for(spec, run_dir=run_dir), run_dir, mutate)
 
 
 def _largest_move(predicted: dict, mutated: dict, measured: dict) -> tuple[float, int]:
@@ -128,12 +135,13 @@ def evaluate(term: str, factor: float, runs: dict, baseline: frozenset = frozens
     it moves the predictions."""
     failures, ratio, moved = [], 0.0, 0
     for spec, measured in runs.items():
-        predicted = mutated_phases(term, factor, spec)
-        unmutated = predicted_phases(plan_for(spec, run_dir=run_dir_for(spec, SET_NAME)))
+        predicted, bound = mutated_phases(term, factor, spec)
+        run_dir = run_dir_for(spec, SET_NAME)
+        unmutated = model_phases(plan_for(spec, run_dir=run_dir), run_dir)
         r, m = _largest_move(unmutated, predicted, measured)
         if r > ratio:
             ratio, moved = r, m
-        result = check(spec.name, predicted, measured)
+        result = check(spec.name, predicted, measured, bound)
         failures += [f"{spec.name}: {f}" for f in result["failures"] if f"{spec.name}: {f}" not in baseline]
     return {
         "term": term,
@@ -156,9 +164,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {run_dir} has no finished run; run `make validate-plan` first", file=sys.stderr)
             return 2
         runs[spec] = measured_phases(run_dir)
-    baseline = [
-        check(s.name, predicted_phases(plan_for(s, run_dir=run_dir_for(s, SET_NAME))), m) for s, m in runs.items()
-    ]
+    baseline = []
+    for s, m in runs.items():
+        model, bound = _checked(plan_for(s, run_dir=run_dir_for(s, SET_NAME)), run_dir_for(s, SET_NAME))
+        baseline.append(check(s.name, model, m, bound))
     already = frozenset(f"{r['config']}: {f}" for r in baseline for f in r["failures"])
     if already:  # those checks cannot tell a mutation apart: a mutation counts only by the checks it newly fails
         print(f"note: the unmutated plan already fails: {'; '.join(sorted(already))}", file=sys.stderr)

@@ -2,7 +2,7 @@
 (tools/calibrate.py), ``make validate-plan`` (tools/validate_plan.py) and tools/mutate_plan.py.
 
 A :class:`RunSpec` is an experiment plus overrides, run as users run it, only shorter (:data:`SHORT_RUN`:
-4 steps; the experiment's own SFT warm-up, W&B mode and checkpoints, a save after every step where the
+3 steps; the experiment's own SFT warm-up, W&B mode and checkpoints, a save after every step where the
 experiment saves at all, so every steady step follows one) into ``runs/<set>/<name>/`` by ``python -m run.main --run-dir``; an existing run
 directory whose ``spec.json`` matches is read instead (``--rerun`` runs it again). The fit set and the
 validation set share no configuration (``tests/test_plan_runs.py``).
@@ -33,9 +33,9 @@ MIB = 2**20
 PEAK_TOLERANCE = 0.10  # relative, of the measured peak
 RISE_TOLERANCE = 0.20  # relative, of the measured rise
 FLOOR_BYTES = 8 * MIB  # absolute allowance where the relative one is smaller (RSS moves by a few MiB)
-# runs as users run them, only shorter: 4 steps (steps 1-3 are the steady ones); the experiment's own warm-up,
+# runs as users run them, only shorter: 3 steps (steps 1-2 are the steady ones); the experiment's own warm-up,
 # W&B mode and checkpoints (RunSpec.all_overrides saves after every step where the experiment saves)
-SHORT_RUN = ("trainer.steps=4", "resume=never")
+SHORT_RUN = ("trainer.steps=3", "resume=never")
 SAVE_EVERY_STEP = "trainer.save_every=1"
 
 
@@ -102,6 +102,19 @@ FIT_SET = (
             IGNORE_EOS,
         ),
         "large tensors (16k vocabulary): the activation terms where they are mostly big allocations",
+    ),
+    RunSpec(
+        "tiny_cpu_long_rows",
+        "tiny_cpu",
+        ("rollout.max_new_tokens=64", "trainer.prompts_per_step=8", "actor.micro_batch_size=16", IGNORE_EOS),
+        "the train terms at ~70-token rows and 16-sequence micro-batches (the others: 8-20 tokens, 32-64 sequences), "
+        "so the train fit's three unknowns have more rows than unknowns and rows that tell them apart",
+    ),
+    RunSpec(
+        "tiny_cpu_small_micro_batches",
+        "tiny_cpu",
+        ("rollout.max_new_tokens=32", "trainer.prompts_per_step=8", "actor.micro_batch_size=8", IGNORE_EOS),
+        "the train terms at 8-sequence micro-batches of ~38-token rows: the workspace against the per-token factor",
     ),
 )
 
@@ -355,13 +368,58 @@ def predicted_phases(plan, mutate: Callable[[dict[str, int]], dict[str, int]] | 
     return out
 
 
+def recorded_lengths_of(run_dir: Path | None) -> dict:
+    """step -> :class:`planner.StepLengths` the run in ``run_dir`` recorded (metrics.jsonl; {}: none)."""
+    from telemetry.metrics import recorded_lengths
+
+    path = run_dir / "metrics.jsonl" if run_dir is not None else None
+    if path is None or not path.exists():
+        return {}
+    return recorded_lengths([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+
+
+def model_phases(plan, run_dir: Path | None, mutate=None) -> dict[str, Predicted]:
+    """What the model predicts the run held: per phase, the median over the steady steps of :func:`predicted_phases`
+    of ``plan`` at each step's recorded lengths (telemetry.memory_timeline.plans_at_recorded_lengths); ``plan``
+    itself (the launch's bound) for a run that recorded none."""
+    from telemetry.memory_timeline import plans_at_recorded_lengths, read_timeline_csv
+
+    lengths = recorded_lengths_of(run_dir)
+    plans = (
+        plans_at_recorded_lengths(plan, lengths, read_timeline_csv(run_dir / "memory_timeline.csv")) if lengths else []
+    )
+    if not plans:
+        return predicted_phases(plan, mutate)
+    per_step = [predicted_phases(p, mutate) for p in plans]
+    return {
+        name: Predicted(
+            peak_bytes=int(statistics.median(s[name].peak_bytes for s in per_step)),
+            rise_bytes=int(statistics.median(s[name].rise_bytes for s in per_step)),
+            components=per_step[len(per_step) // 2][name].components,
+        )
+        for name in per_step[0]
+    }
+
+
 # ---------------------------------------------------------------- the checks
 def within(predicted: int, measured: int, relative: float) -> bool:
     return abs(predicted - measured) <= max(relative * abs(measured), FLOOR_BYTES)
 
 
-def check(config: str, predicted: dict[str, Predicted], measured: dict[str, Measured]) -> dict:
-    """One validation line: every phase the run measured, predicted vs measured peak and rise."""
+def bounds(planned: int, measured: int, relative: float) -> bool:
+    """The launch plan bounds the measurement: measured <= planned + the same allowance as :func:`within`."""
+    return measured - planned <= max(relative * abs(measured), FLOOR_BYTES)
+
+
+def check(
+    config: str,
+    predicted: dict[str, Predicted],
+    measured: dict[str, Measured],
+    bound: dict[str, Predicted] | None = None,
+) -> dict:
+    """One validation line: every phase the run measured, the model's predicted vs measured peak and rise
+    (``predicted``: the plan at the run's recorded lengths, :func:`model_phases`), and with ``bound`` (the launch
+    plan's phases) whether the launch plan's peak bounds the measured one."""
     phases, failures = {}, []
     for name, m in measured.items():
         if name not in predicted or m.peak_bytes <= 0:
@@ -383,6 +441,11 @@ def check(config: str, predicted: dict[str, Predicted], measured: dict[str, Meas
             failures.append(f"{name} peak")
         if not rise_ok:
             failures.append(f"{name} rise")
+        if bound is not None and name in bound:
+            bound_ok = bounds(bound[name].peak_bytes, m.peak_bytes, PEAK_TOLERANCE)
+            phases[name].update(launch_planned_bytes=bound[name].peak_bytes, bound_ok=bound_ok)
+            if not bound_ok:
+                failures.append(f"{name} launch bound")
     worst = max(phases, key=lambda n: abs(phases[n]["relative_error"])) if phases else None
     return {
         "config": config,
