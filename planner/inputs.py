@@ -375,8 +375,10 @@ class PlanInputs:
 
     @property
     def activation_factor(self) -> float:
-        """What a layer keeps per token over the fused count: megatron's local (unfused, CPU) spec's (calibrated);
-        Transformer Engine's on CUDA (``fused_activation_factor``: 1, never measured, with its uncertainty)."""
+        """What the train phase holds per token over a layer's counted saved tensors: on CPU over megatron's local
+        spec's count (planner.sizes.local_layer_activation_elements_per_token; calibrated: backward's buffers and
+        the allocator, in RSS); Transformer Engine's on CUDA (``fused_activation_factor``: 1, never measured, with
+        its uncertainty)."""
         if self.attention == "unfused":
             return self.constants.value("local_spec_activation_factor")
         return self.constants.value("fused_activation_factor") if self.on_cuda else 1.0

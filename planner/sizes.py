@@ -134,22 +134,52 @@ def layer_activation_bytes_per_token(
     without sequence parallelism), the qkv output, RoPE'd q and k and the attention output
     (3(Hq + Hkv)d / t), the gate/up output and SwiGLU output (3I / t), all in the dtype, plus the fp32
     log-sum-exp per q head of flash attention. ``attention="unfused"`` (megatron's local spec, used
-    on CPU) adds the per-token share of the [Hq/t, s, s] scores and probabilities: see
-    :func:`unfused_attention_bytes`. ``recomputed`` (megatron's selective ``recompute_modules``) drops
+    on CPU): its own count (:func:`local_layer_activation_elements_per_token`); the [Hq/t, s, s] scores and
+    probabilities are counted by the caller (:func:`unfused_attention_bytes`). ``recomputed`` (megatron's selective ``recompute_modules``) drops
     what those modules recompute: ``layernorm`` the two norm outputs (2h), ``mlp`` the MLP's
     internals (3I / t), ``core_attn`` the log-sum-exp (and the unfused scores, by the caller). ``sparse``: an MoE
     layer, its router and experts in place of the dense MLP (:func:`moe_activation_bytes_per_token`; ``mlp`` or
     ``moe`` recomputes them).
     """
     h, d, t = shape.hidden_size, shape.head_dim, tp
-    norms = 4 * h - (2 * h if "layernorm" in recomputed else 0)
-    mlp = 0 if "mlp" in recomputed or sparse else 3 * shape.intermediate_size // t
-    elements = norms + 3 * (shape.num_heads + shape.num_kv_heads) * d // t + mlp
+    if attention == "unfused":
+        elements = local_layer_activation_elements_per_token(shape, tp, recomputed, sparse)
+    else:
+        norms = 4 * h - (2 * h if "layernorm" in recomputed else 0)
+        mlp = 0 if "mlp" in recomputed or sparse else 3 * shape.intermediate_size // t
+        elements = norms + 3 * (shape.num_heads + shape.num_kv_heads) * d // t + mlp
     lse = FP32_BYTES * shape.num_heads // t if attention == "flash" and "core_attn" not in recomputed else 0
     moe = 0
     if sparse and not {"mlp", "moe"} & set(recomputed):
         moe = moe_activation_bytes_per_token(shape, etp or t, element_bytes)
     return elements * element_bytes + lse + moe
+
+
+def local_layer_activation_elements_per_token(
+    shape: ModelShape, tp: int, recomputed: tuple[str, ...] = (), sparse: bool = False
+) -> int:
+    """Elements one decoder layer of megatron's local spec (CPU: no Transformer Engine, no Apex) keeps for backward per
+    token, counted with ``torch.autograd.graph.saved_tensors_hooks`` on the tiny Qwen2 (TP 1; at head_dim 32 and 48,
+    intermediate 256 and 384, exactly): parameters and the [Hq/t, s, s] scores and mask
+    (:func:`unfused_attention_bytes`) apart.
+
+    - two RMSNorms, torch's (megatron/core/transformer/torch_norm.py falls back to ``torch.nn.RMSNorm``, composite):
+      each keeps its input, ``x * rsqrt`` and its output (the next linear's input), 3h, and the rsqrt [s, b, 1];
+    - RoPE, unfused (megatron/core/models/common/embeddings/rope_utils.py ``_apply_rotary_pos_emb_bshd``, no rope
+      fusion): cos and sin [s, 1, 1, d] for q and again for k, 4d;
+    - attention (megatron/core/transformer/dot_product_attention.py): q, k and v with k and v repeated to the
+      Hq/t query heads (``repeat_interleave`` for GQA) for the bmm's, and the context (linear_proj's input), 4 Hq d/t;
+    - the MLP (megatron/core/transformer/mlp.py, unfused ``glu``): fc1's output [s, b, 2I/t] and three I/t tensors
+      of SwiGLU's chunk / SiLU / product.
+    ``recomputed`` (not measured on the local spec): ``layernorm`` keeps the norms' inputs only (2h), ``mlp`` nothing
+    of the MLP, ``core_attn`` drops only the scores (the caller); ``sparse``: an MoE layer's router and experts in
+    place of the MLP (:func:`moe_activation_bytes_per_token`, added by the caller)."""
+    h, d, t = shape.hidden_size, shape.head_dim, tp
+    norms = 2 * h if "layernorm" in recomputed else 6 * h + 2
+    heads = shape.num_heads * d // t
+    attention = 4 * heads + 4 * d  # with core_attn recomputed too (the scores apart): an upper bound, not measured
+    mlp = 0 if "mlp" in recomputed or sparse else 5 * shape.intermediate_size // t
+    return norms + attention + mlp
 
 
 def moe_activation_bytes_per_token(shape: ModelShape, etp: int, element_bytes: int) -> int:

@@ -10,8 +10,9 @@ constants being fitted zeroed (or 1 for a factor), and fits, in this order:
    level; the middle of their range. ``runtime_overhead_bytes`` is the same without the launch level: what
    ``make plan`` uses before a launch (the run replaces it with its measurement).
 2. ``local_spec_activation_factor``, ``local_attention_sequence_bytes`` and ``train_workspace_bytes`` (CPU):
-   what megatron's local layer (unfused RMSNorm, RoPE, SwiGLU and attention) keeps per token over the fused
-   count, what its attention loop keeps per packed sequence and in-flight layer beside its tensors, and the
+   what the train phase's RSS holds per token over the counted saved tensors of megatron's local layer
+   (``planner.sizes.local_layer_activation_elements_per_token``: unfused RMSNorm, RoPE, SwiGLU and attention,
+   counted), what its attention loop keeps per packed sequence and in-flight layer beside its tensors, and the
    fixed workspace the train phase takes beside them. Least squares of the measured rises of ``train``
    (workspace + factor x planned activations + per_sequence x sequence-layers), less what the plan counts
    (logits, attention scores, the largest weight gradient). A forward without grad (old/ref_logprob) keeps nothing: its working set is counted
@@ -123,8 +124,9 @@ WHY_FITTED = {
     "runtime_after_launch_bytes": "what the first steps add beside the tensors (autograd, gloo and thread-pool "
     "buffers created lazily, heap the step leaves): no library reports it",
     "vllm_runtime_bytes": "vLLM's CPU build's Python objects, compiled kernels and oneDNN caches beside its tensors",
-    "local_spec_activation_factor": "megatron's local layer keeps more per token than the fused count; the extra "
-    "depends on which eager intermediates autograd saves",
+    "local_spec_activation_factor": "RSS over the counted saved tensors of megatron's local layer "
+    "(planner.sizes.local_layer_activation_elements_per_token): backward's per-token buffers and the allocator's "
+    "rounding, which no library reports",
     "train_workspace_bytes": "the train phase's fixed temporaries beside its counted tensors",
     "local_attention_sequence_bytes": "megatron's local attention loop's per-sequence autograd nodes (host objects)",
     "engine_activation_factor": "the native engine's eager ops free some of a layer's tensors before others exist",
