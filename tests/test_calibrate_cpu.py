@@ -48,7 +48,8 @@ def test_cpu_fit_recovers_the_train_terms_the_timelines_were_made_with(tmp_path,
     # guessed; except where the DistributedOptimizer's gloo grad-sync copy sets train's peak (memory_cpu, DP=2:
     # the whole fp32 grad buffer, more than its activations), which hides the per-sequence term
     rises = {s.name: evidence[s.name]["train_rise"] for s in FIT_SET if s.fits_transients}
-    assert rises["memory_cpu"]["planned_activations"] == 0 and rises["memory_cpu"]["sequence_layers"] == 0
+    bound = rises["memory_cpu"]  # skipped, or a row with nothing to fit
+    assert isinstance(bound, str) or bound["planned_activations"] == bound["sequence_layers"] == 0
     assert all(r["sequence_layers"] > 0 for name, r in rises.items() if name != "memory_cpu")
 
 
