@@ -71,6 +71,7 @@ def test_short_run_writes_every_output_and_a_readable_wandb_run(tmp_path):
     # every phase the run measured has the plan's prediction beside it
     planned = set(plan["phases"])
     assert planned == {EVAL_PHASE, *PHASES} and all(p["predicted_bytes"] > 0 for p in plan["phases"].values())
+    assert set(plan["phases_at_recorded_lengths"]) == planned  # the model beside the launch plan (the bound)
     # every phase, the eval at the step boundaries, and the checkpoint saved after the last step (save_every > 0)
     assert set(summary["memory"]["phase_peak_bytes"]) == {EVAL_PHASE, *PHASES, SAVE_PHASE}
     rows = read_timeline_csv(run_dir / "memory_timeline.csv")
@@ -241,7 +242,9 @@ def assert_plan_within(summary: dict, tolerance: float, floor_bytes: int = 0, mi
     """The memory plan made before the engine started predicts every phase the run measured above
     ``min_bytes`` (steady median, worst rank) within ``tolerance`` of the measurement, or within
     ``floor_bytes`` where that is more (an absolute allowance for a fitted constant)."""
-    phases = {k: v for k, v in summary["memory_plan"]["phases"].items() if v["measured_bytes"] >= min_bytes}
+    # the model: the plan at the lengths each step recorded (the launch plan, "phases", is the bound)
+    model = summary["memory_plan"]["phases_at_recorded_lengths"]
+    phases = {k: v for k, v in model.items() if v["measured_bytes"] >= min_bytes}
     assert len(phases) >= 14, phases
     off = {
         k: (round(v["relative_error"], 3), v["predicted_bytes"] - v["measured_bytes"])
