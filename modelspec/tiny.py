@@ -128,8 +128,9 @@ def _save_tiny_model(family: str, out_dir: Path, seed: int, **overrides) -> None
     randomize_norms_and_biases(model, seed)
     hf_logging.disable_progress_bar()  # a progress bar on stderr would bury the one-line errors of the CLIs
     model.save_pretrained(out_dir)
-    if family in FAMILIES and FAMILIES[family].moe:
-        sharpen_routers(out_dir, FAMILIES[family].moe.router.name, seed)
+    moe = FAMILIES[config.model_type].moe if config.model_type in FAMILIES else None  # sized ones too
+    if moe:
+        sharpen_routers(out_dir, moe.router.name, seed)
     build_tokenizer().save_pretrained(out_dir)
 
 
@@ -257,5 +258,29 @@ SIZED_FAMILIES: dict[str, tuple[str, dict]] = {
 SIZED_FAMILIES["qwen2_memory_kv4"] = (
     "Qwen2Config",
     dict(SIZED_FAMILIES["qwen2_memory"][1], num_key_value_heads=4),
+)
+# ``make bench-sync``'s MoE layouts (ep2->tp2, tp2ep2->tp2): a Qwen3-MoE of 123 MB in fp32, 92% of it routed
+# experts (16 per layer, m = 384: m / 2 = 192 is a multiple of the 32 vLLM's CPU experts pad to), every layer
+# sparse, 4 KV heads of head_dim 64 (TP=2 splits them on both sides), top-2 normalised as Qwen3-30B-A3B.
+SIZED_FAMILIES["qwen3_moe_memory"] = (
+    "Qwen3MoeConfig",
+    dict(
+        TINY_COMMON,
+        hidden_size=512,
+        intermediate_size=1024,  # unused: no dense layer
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        vocab_size=128,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
+        num_local_experts=16,
+        num_experts_per_tok=2,
+        moe_intermediate_size=384,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    ),
 )
 TINY_FAMILIES.update(SIZED_FAMILIES)

@@ -70,7 +70,14 @@ STEPS: tuple[Step, ...] = (
         json_keys=("planned_bytes", "baseline_bytes", "speedup"),
         json_true=("same_outputs",),
         files=("tiny_models/qwen2/model.safetensors",),
-        why="2 ranks and the tiny Qwen2 instead of 3 layouts of memory_cpu's 126 MB model, one repeat",
+        why="2 ranks and the tiny Qwen2 instead of every layout of the ~125 MB models, one repeat",
+    ),
+    Step(
+        "bench-sync",
+        "LAYOUT=paper EXP=qwen3_30b_a3b_8xh100",
+        json_keys=("planned_bytes", "baseline_bytes", "total_s"),
+        json_true=("estimate",),
+        label="bench-sync paper",
     ),
     Step("tiny-models", TINY, expect=r"/tiny_models/qwen2$", files=("tiny_models/llama/config.json",)),
     Step(
