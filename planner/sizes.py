@@ -229,13 +229,54 @@ def layer_forward_bytes_per_token(
     return max(attention, mlp) * element_bytes
 
 
+def local_layer_forward_bytes(
+    shape: ModelShape,
+    tp: int,
+    element_bytes: int,
+    num_tokens: int,
+    attending_tokens: float,
+    scores_bytes: int,
+    sparse: bool = False,
+    etp: int | None = None,
+) -> int:
+    """Peak bytes of one decoder layer of megatron's local spec (CPU) in a forward without grad (old/ref_logprob),
+    beyond its input (the residual stream [N, h], the caller's): the live tensors at the layer's widest moment,
+    counted per aten op with a ``TorchDispatchMode`` on the tiny Qwen2 (exact at Hq/Hkv 4/2 and 8/2, head_dim 32 and
+    48, intermediate 256 and 384, 1-8 packed sequences: tests/test_local_layer_count.py).
+
+    - attention (megatron/core/transformer/attention.py ``get_query_key_value_tensors``, dot_product_attention.py),
+      for the whole micro-batch: the normed input (h), the qkv output ((Hq + 2Hkv) d / t), the query regrouped
+      [s, b, Hkv, Hq/Hkv d] and copied [s, b, Hq, d] (2 Hq d / t) and the key (Hkv d / t), and the contexts of the
+      sequences already attended (Hq d / t); for the ``attending_tokens`` of the sequences attending at once
+      (megatron_backend/model.py ``VarlenDotProductAttention``: one packed sequence at a time) the key and value
+      repeated to the Hq query heads, the bmm's context and its contiguous copy (3 Hq d / t beyond the context
+      counted above), with ``scores_bytes`` (:func:`unfused_attention_bytes`); at the contexts' ``torch.cat``
+      the whole micro-batch's contexts twice (the widest moment when many short sequences are packed);
+    - the MLP (mlp.py, unfused ``glu``): the attention's residual sum and the normed input (2h), fc1's output
+      (2I / t), SiLU, ``x_linear + glu_linear_offset`` and the product (I / t each), beside megatron's global
+      memory buffer the scores were computed in (a third of ``scores_bytes``, kept across calls);
+    - ``sparse``: the MoE block (:func:`moe_forward_bytes_per_token`) in place of the MLP.
+    """
+    h, t = shape.hidden_size, tp
+    q, kv = shape.num_heads * shape.head_dim // t, shape.num_kv_heads * shape.head_dim // t
+    attention = max(
+        num_tokens * (h + 4 * q + 3 * kv) + round(3 * attending_tokens * q), num_tokens * (h + 5 * q + 3 * kv)
+    )
+    if sparse:
+        block = num_tokens * moe_forward_bytes_per_token(shape, etp or t, element_bytes)
+    else:
+        block = num_tokens * (2 * h + 5 * shape.intermediate_size // t) * element_bytes
+    return max(attention * element_bytes + scores_bytes, block + scores_bytes // 3)
+
+
 def unfused_attention_bytes(
     shape: ModelShape, tp: int, element_bytes: int, micro_batch_size: float, seq_len: float, kept: bool = False
 ) -> int:
     """One layer's unfused attention (megatron's local DotProductAttention) over b sequences of length s.
 
-    At its softmax it holds the scores and the probabilities [b, Hq/t, s, s] in the dtype (``kept=False``: the
-    forward's peak). For backward (``kept=True``) autograd keeps the probabilities and the [s, s] bool causal
+    Without grad (``kept=False``: the forward's peak) it holds three [b, Hq/t, s, s] tensors in the dtype:
+    megatron's global memory buffer ``baddbmm`` reads (``get_global_memory_buffer``, kept across calls), the
+    scores ``baddbmm`` returns and the probabilities (counted per aten op: tests/test_local_layer_count.py). For backward (``kept=True``) autograd keeps the probabilities and the [s, s] bool causal
     mask the scores were ``masked_fill_``'d with (megatron's ``get_default_causal_mask``, built per call): one
     of each per sequence and layer, counted with ``torch.autograd.graph.saved_tensors_hooks`` on a tiny Qwen2
     at TP 1 and 2. Packed sequences attend within themselves: b sequences of (mean) length s, not b x the
@@ -245,7 +286,7 @@ def unfused_attention_bytes(
     heads = shape.num_heads // tp
     if kept:
         return int(square * (heads * element_bytes + 1))
-    return int(2 * square * heads * element_bytes)
+    return int(3 * square * heads * element_bytes)
 
 
 def logits_bytes(

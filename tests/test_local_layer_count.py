@@ -60,3 +60,98 @@ def test_the_local_layer_count_is_what_autograd_keeps(tp, head_dim, intermediate
     saved = run_ranks(_saved_bytes_of_first_layer, tp, head_dim, intermediate)[0]
     scores = unfused_attention_bytes(shape, tp, 4, 1, TOKENS, kept=True)  # fp32 tiny model
     assert saved - scores == TOKENS * layer_activation_bytes_per_token(shape, tp, 4, "unfused")
+
+
+class _LiveBytes:
+    """The bytes of tensors an aten op created and something still references, at their widest moment: each op's new
+    storages counted once, released when their last tensor is collected (views share their base's storage; storages
+    from before the count, the layer's input and parameters, are not counted)."""
+
+    def __init__(self):
+        import weakref
+
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        count = self
+        self.live, self.now, self.peak = {}, 0, 0
+
+        def release(key):
+            entry = count.live[key]
+            entry[1] -= 1
+            if entry[1] == 0:
+                count.now -= entry[0]
+                del count.live[key]
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                inputs = {i.untyped_storage().data_ptr() for i in tree_flatten((args, kwargs))[0] if torch.is_tensor(i)}
+                for tensor in (o for o in tree_flatten(out)[0] if torch.is_tensor(o)):
+                    key = tensor.untyped_storage().data_ptr()
+                    if key == 0 or (key not in count.live and key in inputs):
+                        continue  # empty, or a view of a tensor from before the count
+                    entry = count.live.setdefault(key, [tensor.untyped_storage().nbytes(), 0])
+                    if entry[1] == 0:
+                        count.now += entry[0]
+                    entry[1] += 1
+                    weakref.finalize(tensor, release, key)
+                count.peak = max(count.peak, count.now)
+                return out
+
+        self.mode = Mode()
+
+
+def _forward_peak_of_first_layer(rank: int, world_size: int, dims: dict, sequences: int) -> int:
+    import dataclasses
+
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_backend.model import build_gpt_chunks
+    from megatron_backend.parallel import initialize_model_parallel
+    from modelspec import ModelShape
+
+    shape = dataclasses.replace(ModelShape.from_pretrained("tiny:qwen2"), **dims)
+    [model] = build_gpt_chunks(shape, initialize_model_parallel(tp=world_size, pp=1, vpp=None))
+    layer = next(m for m in model.modules() if type(m).__name__ == "TransformerLayer")
+    live = _LiveBytes()
+    layer.register_forward_pre_hook(lambda *_: [live.mode.__enter__(), None][1])  # a hook's result replaces the args
+    layer.register_forward_hook(lambda *_: live.mode.__exit__(None, None, None))
+    length = FORWARD_TOKENS // sequences
+    cu = torch.arange(0, FORWARD_TOKENS + 1, length, dtype=torch.int32)
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=length, max_seqlen_kv=length
+    )
+    ids = torch.randint(0, shape.vocab_size, (1, FORWARD_TOKENS), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids, torch.arange(length).repeat(sequences).unsqueeze(0), attention_mask=None, packed_seq_params=params)
+    return live.peak
+
+
+FORWARD_TOKENS = 384
+
+
+@pytest.mark.parametrize(
+    ("dims", "sequences"),
+    [
+        ({"head_dim": 32, "intermediate_size": 256}, 1),  # the attention's widest moment (one long sequence)
+        ({"head_dim": 48, "intermediate_size": 384}, 2),
+        ({"head_dim": 32, "intermediate_size": 256, "num_heads": 8, "num_kv_heads": 2}, 3),
+        ({"head_dim": 32, "intermediate_size": 512}, 8),  # the MLP's (short sequences)
+    ],
+)
+def test_the_local_layer_forward_count_is_its_live_peak(dims, sequences):
+    """old/ref_logprob's layer (planner/sizes.py::local_layer_forward_bytes): the live tensors' peak of one layer's
+    forward under torch.no_grad, counted per aten op, at four shapes (the attention's and the MLP's moments)."""
+    import dataclasses
+
+    from modelspec import ModelShape
+    from planner.sizes import local_layer_forward_bytes, unfused_attention_bytes
+
+    shape = dataclasses.replace(ModelShape.from_pretrained("tiny:qwen2"), **dims)
+    peak = run_ranks(_forward_peak_of_first_layer, 1, dims, sequences)[0]
+    length = FORWARD_TOKENS // sequences
+    scores = unfused_attention_bytes(shape, 1, 4, 1, length)  # fp32 tiny model, one packed sequence at a time
+    assert peak == local_layer_forward_bytes(shape, 1, 4, FORWARD_TOKENS, length, scores)
