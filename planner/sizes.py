@@ -22,6 +22,7 @@ from modelspec.shape import ModelShape
 MEGATRON_VOCAB_DIVISOR = 128  # megatron_backend.layout.MAKE_VOCAB_SIZE_DIVISIBLE_BY
 VLLM_VOCAB_PADDING = 64  # rollout.layout.VOCAB_PADDING (vLLM's DEFAULT_VOCAB_PADDING_SIZE)
 FP32_BYTES = 4
+INT64_BYTES = 8
 
 
 def megatron_padded_vocab(vocab_size: int, tp: int) -> int:
@@ -151,7 +152,7 @@ def layer_activation_bytes_per_token(
     lse = FP32_BYTES * shape.num_heads // t if attention == "flash" and "core_attn" not in recomputed else 0
     moe = 0
     if sparse and not {"mlp", "moe"} & set(recomputed):
-        moe = moe_activation_bytes_per_token(shape, etp or t, element_bytes)
+        moe = moe_activation_bytes_per_token(shape, etp or t, element_bytes, local=attention == "unfused")
     return elements * element_bytes + lse + moe
 
 
@@ -182,7 +183,9 @@ def local_layer_activation_elements_per_token(
     return norms + attention + mlp
 
 
-def moe_activation_bytes_per_token(shape: ModelShape, etp: int, element_bytes: int) -> int:
+def moe_activation_bytes_per_token(
+    shape: ModelShape, etp: int, element_bytes: int, local: bool = False, received_per_token: float | None = None
+) -> int:
     """What one MoE layer keeps for backward per token of the rank's micro-batch (megatron-core 0.16, alltoall
     dispatcher, balanced routing: a rank's E / ep experts receive on average N k of the EP group's routed copies).
 
@@ -194,18 +197,45 @@ def moe_activation_bytes_per_token(shape: ModelShape, etp: int, element_bytes: i
     (the pre-all-to-all one, the all-to-all's output) are transients of the forward. The experts
     (transformer/moe/experts.py, ``activation_func_with_probs``): fc1's output [N k, 2m / etp] (kept by SwiGLU),
     SwiGLU x probs [N k, m / etp] (kept by fc2). The unpermute's ``scatter_add`` keeps only its indices.
+
+    ``local``: megatron's local spec (CPU: SequentialMLP, each expert an unfused ``MLP``), counted with
+    ``saved_tensors_hooks`` on the tiny Qwen3-MoE at EP 2 with the router's aux and z losses on
+    (tests/test_local_layer_count.py, exact given the copies a rank received): the router keeps four fp32 [N, E]
+    (the logits, the softmax, the aux loss's scores, the transposed map's scores), a bool [E, N] routing map, three
+    int64 [N, k] (the top-k indices twice, the permutation's), the z loss's fp32 log-sum-exp [N]; per routed copy
+    received, the fc1 input (h), fc1's output (2m / etp), four m / etp tensors of the unfused SwiGLU with probs
+    (SiLU, ``x_linear + glu_linear_offset``, the product, the product x probs: fc2's input) and the fp32 prob.
+    ``received_per_token``: the routed copies the rank received per token of its micro-batch (balanced: k).
     """
     k, m, h = shape.moe_top_k, shape.moe_intermediate_size // etp, shape.hidden_size
+    received = k if received_per_token is None else received_per_token
+    if local:
+        router = 4 * shape.num_experts * FP32_BYTES + shape.num_experts + 3 * k * INT64_BYTES + FP32_BYTES
+        return round(router + received * ((h + 6 * m) * element_bytes + FP32_BYTES))
     router = 2 * shape.num_experts * FP32_BYTES
-    return router + k * (h + 2 * m + m) * element_bytes
+    return round(router + received * (h + 2 * m + m) * element_bytes)
 
 
-def moe_forward_bytes_per_token(shape: ModelShape, etp: int, element_bytes: int) -> int:
+def moe_forward_bytes_per_token(
+    shape: ModelShape, etp: int, element_bytes: int, local: bool = False, received_per_token: float | None = None
+) -> int:
     """Peak bytes per token of an MoE layer's forward without grad beside the residual stream, at the experts' fc1
     (same sources as :func:`moe_activation_bytes_per_token`): the normed input (h), the router's fp32 logits and
     scores (2E), the dispatcher's token copies still referenced (the all-to-all's output and the chunk-sorted fc1
-    input, k h each), fc1's output (2k m / etp) and SwiGLU's (k m / etp)."""
+    input, k h each), fc1's output (2k m / etp) and SwiGLU's (k m / etp).
+
+    ``local`` (megatron's local spec, EP > 1; beyond the block's input, the caller's): the live tensors at
+    SequentialMLP's ``torch.cat`` of its experts' outputs, counted per aten op on the tiny Qwen3-MoE at EP 2
+    (tests/test_local_layer_count.py, exact given the copies received): the permuted copy sent (k h), and per copy
+    received the all-to-all's output, the chunk-sorted experts' input, the experts' outputs and their cat (4h),
+    with the router's fp32 [N, E] scores and bool [N, E] map, and per copy received two fp32 probs and an int64
+    index.
+    One expert's SwiGLU at a time is narrower while m / etp is at most h."""
     k, m, h = shape.moe_top_k, shape.moe_intermediate_size // etp, shape.hidden_size
+    received = k if received_per_token is None else received_per_token
+    if local:
+        router = 5 * shape.num_experts
+        return round(router + k * h * element_bytes + received * (4 * h * element_bytes + 2 * FP32_BYTES + INT64_BYTES))
     return 2 * shape.num_experts * FP32_BYTES + (h + k * (2 * h + 3 * m)) * element_bytes
 
 
@@ -255,7 +285,8 @@ def local_layer_forward_bytes(
     - the MLP (mlp.py, unfused ``glu``): the attention's residual sum and the normed input (2h), fc1's output
       (2I / t), SiLU, ``x_linear + glu_linear_offset`` and the product (I / t each), beside megatron's global
       memory buffer the scores were computed in (a third of ``scores_bytes``, kept across calls);
-    - ``sparse``: the MoE block (:func:`moe_forward_bytes_per_token`) in place of the MLP.
+    - ``sparse``: the residual sum and the normed input (2h) and the MoE block beyond them
+      (:func:`moe_forward_bytes_per_token`, ``local``) in place of the MLP.
     """
     h, t = shape.hidden_size, tp
     q, kv = shape.num_heads * shape.head_dim // t, shape.num_kv_heads * shape.head_dim // t
@@ -263,7 +294,7 @@ def local_layer_forward_bytes(
         num_tokens * (h + 4 * q + 3 * kv) + round(3 * attending_tokens * q), num_tokens * (h + 5 * q + 3 * kv)
     )
     if sparse:
-        block = num_tokens * moe_forward_bytes_per_token(shape, etp or t, element_bytes)
+        block = num_tokens * (2 * h * element_bytes + moe_forward_bytes_per_token(shape, etp or t, element_bytes, True))
     else:
         block = num_tokens * (2 * h + 5 * shape.intermediate_size // t) * element_bytes
     return max(attention * element_bytes + scores_bytes, block + scores_bytes // 3)
