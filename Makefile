@@ -26,6 +26,7 @@ TRAIN_PP    ?= 1
 TRAIN_EP    ?=
 TRAIN_ETP   ?=
 ROLLOUT_TP  ?= 1
+ROLLOUT_EP  ?=
 ENGINE      ?= native
 LAYOUT      ?=
 PYTEST_ARGS ?=
@@ -144,8 +145,8 @@ lint: $(STAMP) ## ruff over the whole repo
 tiny-models: $(STAMP) ## write the tiny HF checkpoint of every family (modelspec/families/) to $(TINY_DIR)/
 	$(PY) -m modelspec.tiny --out $(TINY_DIR)
 
-verify-sync: $(STAMP) $(TINY_HF) ## HF=<dir> -> actor TRAIN_TP x TRAIN_PP [x TRAIN_EP [TRAIN_ETP]] -> reshard -> engine ROLLOUT_TP; engine vs transformers (one JSON line)
-	@$(PY) -m tools.verify_sync --hf $(HF) --train-tp $(TRAIN_TP) --train-pp $(TRAIN_PP) $(if $(TRAIN_EP),--train-ep $(TRAIN_EP)) $(if $(TRAIN_ETP),--train-etp $(TRAIN_ETP)) --rollout-tp $(ROLLOUT_TP) --engine $(ENGINE) $(ARGS)
+verify-sync: $(STAMP) $(TINY_HF) ## HF=<dir> -> actor TRAIN_TP x TRAIN_PP [x TRAIN_EP [TRAIN_ETP]] -> reshard -> engine ROLLOUT_TP [x ROLLOUT_EP]; engine vs transformers (one JSON line)
+	@$(PY) -m tools.verify_sync --hf $(HF) --train-tp $(TRAIN_TP) --train-pp $(TRAIN_PP) $(if $(TRAIN_EP),--train-ep $(TRAIN_EP)) $(if $(TRAIN_ETP),--train-etp $(TRAIN_ETP)) --rollout-tp $(ROLLOUT_TP) $(if $(ROLLOUT_EP),--rollout-ep $(ROLLOUT_EP)) --engine $(ENGINE) $(ARGS)
 
 bench-sync: $(STAMP) ## planned reshard vs the peers' gather + load_weights into ENGINE (native|vllm), LAYOUT=tp4-tp2|tp2pp2-tp2|tp2-tp1|ep2-tp2|tp2ep2-tp2 (default all): one JSON line each; LAYOUT=paper [EXP=]: the GPU refit estimate
 	@$(PY) -m tools.bench_sync --engine $(ENGINE) $(if $(LAYOUT),--layout '$(LAYOUT)') $(if $(call given,EXP),--exp $(EXP)) $(ARGS)

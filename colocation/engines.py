@@ -44,6 +44,12 @@ class EngineProfile:
     # device kind -> [seqs, V] fp32 tensors its sampler holds at once (temperature sampling, log-probs of the
     # sampled tokens), as the device's allocator sees them
     sampler_vocab_tensors: dict[str, int] = field(default_factory=lambda: {"cpu": 4, "cuda": 4})
+    # MoE: whether its experts split over every engine rank of every replica (vLLM flattens TP across DP in its
+    # MoE layers, rollout/layout.py) rather than within each replica
+    experts_span_replicas: bool = False
+    # device kinds on which it runs an MoE model with more than one engine replica, and why not elsewhere
+    moe_replicas_on: tuple[str, ...] = ("cpu", "cuda")
+    moe_replicas_refused_because: str = ""
 
     def __post_init__(self) -> None:
         kinds = (
@@ -55,6 +61,15 @@ class EngineProfile:
         for kind in kinds:
             if kind not in DEVICE_KINDS:
                 raise ValueError(f"engine {self.name}: device kind {kind!r} is not one of {DEVICE_KINDS}")
+
+    def check_moe_replicas(self, device_kind: str, num_replicas: int, is_moe: bool) -> None:
+        """ValueError (one line) when this engine cannot run an MoE model as ``num_replicas`` replicas here."""
+        if is_moe and num_replicas > 1 and device_kind not in self.moe_replicas_on:
+            raise ValueError(
+                f"rollout.engine={self.name} on {device_kind} cannot run an MoE model as {num_replicas} engine "
+                f"replicas: {self.moe_replicas_refused_because}; set rollout.tp to the world size (one replica) "
+                "or use rollout.engine=native"
+            )
 
     def default_block_size(self, device_kind: str) -> int:
         return self.default_block_sizes[device_kind]
@@ -128,6 +143,14 @@ ENGINE_PROFILES: dict[str, EngineProfile] = {
             # vllm/v1/sample/sampler.py with logprobs requested: the logits, their raw log_softmax (kept to
             # gather the sampled token's), the probabilities and the exponential draws (topk_topp_sampler.py)
             sampler_vocab_tensors={"cpu": 4, "cuda": 4},
+            experts_span_replicas=True,
+            # several replicas run FusedMoE data parallel: its naive dispatch all-gathers the replicas' tokens
+            # (all2all.py AgRsAll2AllManager.dispatch -> all_gatherv), which vLLM's CPU communicator lacks
+            moe_replicas_on=("cuda",),
+            moe_replicas_refused_because=(
+                "vLLM's CPU build has no all_gatherv / reduce_scatterv in its CPU communicator, which its "
+                "data-parallel MoE layers need (NotImplementedError at the first forward)"
+            ),
         ),
     )
 }

@@ -83,11 +83,12 @@ class Actor:
         self.shape = shape if shape is not None else ModelShape.from_pretrained(hf_dir)
         check_actor_split(self.shape, dims.tp, dims.pp, dims.vpp)
         check_expert_split(self.shape, dims.ep, dims.etp)
-        if train and dims.tp > 1 and self.shape.is_moe:
+        self.sequence_parallel = config.sequence_parallel_for(self.shape.is_moe)
+        if train and dims.tp > 1 and self.shape.is_moe and not self.sequence_parallel:
             raise ValueError(
-                f"actor.tp={dims.tp} with an MoE model ({self.shape.source}): megatron-core trains MoE layers at "
-                "TP > 1 only with sequence parallelism, which the actor does not enable; use actor.tp=1 and split "
-                "the experts with actor.ep (forward-only passes, e.g. make parity, run at any TP)"
+                f"actor.sequence_parallel=false with actor.tp={dims.tp} and an MoE model ({self.shape.source}): "
+                "megatron-core trains MoE layers at TP > 1 only with sequence parallelism; set "
+                "actor.sequence_parallel to null or true"
             )
         self.layout = RankLayout(
             dims.tp,
@@ -120,7 +121,13 @@ class Actor:
                 self.shape, dims, config.moe_aux_loss_coef, config.moe_z_loss_coef, config.moe_token_dispatcher
             )
             self.chunks = build_gpt_chunks(
-                self.shape, dims, dtype, recompute=recompute, variable_seq_lengths=variable, moe=moe
+                self.shape,
+                dims,
+                dtype,
+                recompute=recompute,
+                variable_seq_lengths=variable,
+                moe=moe,
+                sequence_parallel=self.sequence_parallel,
             )
             self.num_bytes_loaded = load_hf_into_chunks(self.chunks, hf_dir, self.shape, self.layout)
             self.ledger.set("actor_params", resident_bytes=storage_bytes(self._param_tensors()))
@@ -189,7 +196,9 @@ class Actor:
                 f"lower actor.micro_batch_size / the token budget or send more sequences"
             )
         device = self.dims.device
-        return [build_micro_batch(batch, g, lengths, packed, device, response_only) for g in groups]
+        # sequence parallelism splits the model's token dim over TP: pad it to a multiple of TP
+        pad_to = self.dims.tp if self.sequence_parallel else 1
+        return [build_micro_batch(batch, g, lengths, packed, device, response_only, pad_to) for g in groups]
 
     def _run_schedule(self, micro_batches: list[MicroBatch], loss_func_factory, forward_only: bool) -> list[dict]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -202,7 +211,7 @@ class Actor:
 
         many = len(self.models) > 1
         # forward-only passes in eval mode: megatron's MoE router then neither computes nor tracks its aux
-        # losses (no backward to carry them), and its TP > 1 MoE layers run without sequence parallelism
+        # losses (no backward to carry them)
         for chunk in self.chunks:
             chunk.train(not forward_only)
         # fixed-shape pipelines size their p2p buffers from these; variable ones send shapes first

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from modelspec.mesh import uses_sequence_parallel
+
 
 @dataclass
 class OffloadConfig:
@@ -83,6 +85,11 @@ class ActorConfig:
     moe_z_loss_coef: float = 0.0
     # megatron's token dispatcher: alltoall (tokens to their experts' EP ranks) | allgather
     moe_token_dispatcher: str = "alltoall"
+    # megatron's sequence parallelism at actor.tp > 1: the norms, residual stream and dropout of each layer
+    # hold S / tp of the tokens (all-gather before the column-parallel linears, reduce-scatter after the
+    # row-parallel ones, instead of the all-reduce). null: on where megatron requires it (an MoE model at
+    # tp > 1, see sequence_parallel_for), off for a dense one; true: on at any tp > 1 (dense too)
+    sequence_parallel: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep", "micro_batch_size"):
@@ -97,6 +104,13 @@ class ActorConfig:
         if self.moe_token_dispatcher not in MOE_TOKEN_DISPATCHERS:
             raise ValueError(
                 f"actor.moe_token_dispatcher={self.moe_token_dispatcher!r} is not one of {MOE_TOKEN_DISPATCHERS}"
+            )
+        if self.sequence_parallel not in (None, True, False):
+            raise ValueError(f"actor.sequence_parallel={self.sequence_parallel!r} must be true, false or null")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError(
+                "actor.sequence_parallel=true needs actor.tp > 1 (it shards the sequence over the TP group); "
+                "set it to null or raise actor.tp"
             )
         if self.vpp is not None:
             if self.vpp < 1:
@@ -147,6 +161,11 @@ class ActorConfig:
     def expert_tp(self) -> int:
         """Expert tensor parallel size: ``actor.etp``, or ``actor.tp`` when null (megatron's default)."""
         return self.etp if self.etp is not None else self.tp
+
+    def sequence_parallel_for(self, is_moe: bool) -> bool:
+        """Whether the actor runs megatron's sequence parallelism for this model (``modelspec.mesh``; megatron's
+        ``MoELayer.forward`` refuses training at TP > 1 without it)."""
+        return uses_sequence_parallel(self.sequence_parallel, self.tp, is_moe)
 
     @property
     def forward_max_tokens(self) -> int | None:

@@ -35,13 +35,17 @@ MoE (megatron's router, experts, token dispatchers): their modules get the proxy
 on ``current_device()``, the alltoall dispatcher's side stream), its split sizes become numpy arrays as
 they do from CUDA (:func:`_host_split_sizes_as_on_cuda`), and ``moe_utils.te_general_gemm``, which
 megatron reads but defines only when Transformer Engine imports, is defined as None
-(:func:`_define_missing_te_gemm`). Their scalars (``found_inf``, the loss scale,
+(:func:`_define_missing_te_gemm`); at expert TP > 1 with sequence parallelism the dispatcher gathers unequal
+token counts over TP, which gloo's all-gather refuses (:func:`_gather_uneven_by_padding`). Sequence
+parallelism on the local spec: torch's norms refuse it unless built as megatron's own norms are
+(:func:`_torch_norms_under_sequence_parallel`). Their scalars (``found_inf``, the loss scale,
 the norm buffers) come from the modules' ``torch`` proxy like the others.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib
 import logging
@@ -69,6 +73,7 @@ PATCHED_MODULES = {
     "megatron.core.transformer.moe.moe_utils": 'aux-loss tracker values on device="cuda"',
     "megatron.core.transformer.moe.token_dispatcher": "alltoall dispatcher's D2H torch.cuda.Stream() and its events",
     "megatron.core.tensor_parallel.mappings": "all-gather / all-to-all outputs on torch.cuda.current_device()",
+    "megatron.core.tensor_parallel.layers": "sequence parallel's reduce-scatter output on torch.cuda.current_device()",
 }
 
 # dtype -> the name ``Tensor.type()`` gives on CUDA, which megatron's optimizers compare with
@@ -287,6 +292,50 @@ def _host_split_sizes_as_on_cuda() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
+def _gather_uneven_by_padding() -> None:
+    """Sequence parallelism with the alltoall dispatcher at expert TP > 1: ``token_permutation`` gathers each
+    TP rank's tokens, as many as it received, with ``mappings._gather_along_first_dim(output_split_sizes=...)``,
+    a ``torch.distributed.all_gather`` of unequal tensors, which gloo refuses ("invalid tensor size"; NCCL
+    takes it). Rebind that name in ``mappings`` (its gather autograd functions call it there) to one that pads
+    each rank's rows to the largest share, gathers equal tensors and drops the pad rows: the same values. Its
+    backward, the reduce-scatter of unequal splits, runs on gloo as it is."""
+    mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
+    original = mappings._gather_along_first_dim
+
+    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or len(set(output_split_sizes)) <= 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        rows = max(output_split_sizes)
+        padded = torch.nn.functional.pad(input_, (0, 0) * (input_.dim() - 1) + (0, rows - input_.shape[0]))
+        gathered = original(padded, group)  # [world * rows, ...]
+        return torch.cat([part[:n] for part, n in zip(gathered.split(rows), output_split_sizes)])
+
+    mappings._gather_along_first_dim = _gather_along_first_dim
+
+
+def _torch_norms_under_sequence_parallel() -> None:
+    """Without Transformer Engine or Apex the local spec's norms are ``WrappedTorchNorm`` (torch's RMSNorm),
+    which asserts ``not config.sequence_parallel`` because it does not mark its weight for sequence
+    parallelism: each TP rank's norm then sees S / tp of the tokens, so its weight grad is a partial sum that
+    ``finalize_model_grads`` must all-reduce over TP, and it does so for params with ``sequence_parallel``
+    set. Build the torch norm as megatron would without SP and set that attribute on its params, as
+    megatron's ``FusedLayerNorm`` and TE's norms do."""
+    torch_norm = importlib.import_module("megatron.core.transformer.torch_norm")
+    original = torch_norm.WrappedTorchNorm.__new__
+
+    def __new__(cls, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original(cls, config, *args, **kwargs)
+        without_sp = copy.copy(config)
+        without_sp.sequence_parallel = False
+        norm = original(cls, without_sp, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
+
+
 def is_active() -> bool:
     return _applied
 
@@ -308,5 +357,7 @@ def apply() -> bool:
     _patch_optimizer_type_checks()
     _define_missing_te_gemm()
     _host_split_sizes_as_on_cuda()
+    _gather_uneven_by_padding()
+    _torch_norms_under_sequence_parallel()
     _applied = True
     return True

@@ -112,19 +112,27 @@ def clear_router_losses() -> None:
 def router_losses(dims: ParallelDims, names: list[str], num_moe_layers: int, num_micro_batches: int) -> dict:
     """The router losses of the last pass as ``moe/<name>``: megatron's tracker holds, per MoE layer on the
     stage that has it, the loss before its coefficient summed over micro-batches; this is its mean over MoE
-    layers, micro-batches and DP ranks. Collective over the PP and DP groups: every rank calls it."""
+    layers, micro-batches and DP ranks. Collective over the PP, DP and TP groups: every rank calls it."""
     if not names or not num_moe_layers:
         return {}
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     tracker = get_moe_layer_wise_logging_tracker()
-    # [len(names)]: this stage's layers (a stage without MoE layers has no tracker entry)
-    values = (
-        torch.stack(
-            [tracker[n]["values"].sum() if n in tracker else torch.zeros((), device=dims.device) for n in names]
-        ).to(torch.float32)
-        / num_micro_batches
-    )
+
+    def stage_sum(name: str) -> torch.Tensor:
+        """This stage's layers' sum (a stage without MoE layers has no tracker entry). A loss megatron tracks
+        with a ``reduce_group`` (the load-balancing loss under sequence parallelism: each TP rank's value is its
+        S / tp tokens' share) is summed over that group first, as its ``reduce_aux_losses_tracker_across_ranks``
+        does."""
+        if name not in tracker:
+            return torch.zeros((), device=dims.device)
+        value = tracker[name]["values"].sum()
+        group = tracker[name].get("reduce_group")
+        if group is not None and group.size() > 1:
+            torch.distributed.all_reduce(value, group=group)
+        return value
+
+    values = torch.stack([stage_sum(n) for n in names]).to(torch.float32) / num_micro_batches  # [len(names)]
     if dims.pp > 1:
         torch.distributed.all_reduce(values, group=dims.pp_group)
     if dims.dp > 1:
@@ -140,12 +148,15 @@ def transformer_config(
     recompute: dict | None = None,
     variable_seq_lengths: bool = False,
     moe: dict | None = None,
+    sequence_parallel: bool = False,
 ):
     """Map the model's shape onto megatron's TransformerConfig.
 
     ``recompute``: :func:`recompute_kwargs`. ``variable_seq_lengths``: micro-batches differ in shape
     (packed sequences, token-budget micro-batches), so pipeline stages send each other the shape first.
-    ``moe``: :func:`moe_kwargs` (an MoE model; the dispatcher defaults to alltoall).
+    ``moe``: :func:`moe_kwargs` (an MoE model; the dispatcher defaults to alltoall). ``sequence_parallel``:
+    megatron's (``ActorConfig.sequence_parallel_for``); the model's input length must then divide by TP
+    (``megatron_backend.packing`` pads it).
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -174,7 +185,7 @@ def transformer_config(
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vpp,
-        sequence_parallel=False,
+        sequence_parallel=sequence_parallel and dims.tp > 1,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -263,13 +274,14 @@ def build_gpt_chunks(
     recompute: dict | None = None,
     variable_seq_lengths: bool = False,
     moe: dict | None = None,
+    sequence_parallel: bool = False,
 ):
     """One GPTModel per virtual pipeline stage held by this rank (a list of length vpp or 1).
-    ``moe``: :func:`moe_kwargs` for an MoE shape."""
+    ``moe``: :func:`moe_kwargs` for an MoE shape; ``sequence_parallel``: see :func:`transformer_config`."""
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(shape, dims, dtype, recompute, variable_seq_lengths, moe)
+    config = transformer_config(shape, dims, dtype, recompute, variable_seq_lengths, moe, sequence_parallel)
     num_chunks = dims.vpp or 1
     chunks = []
     for vp_stage in range(num_chunks):

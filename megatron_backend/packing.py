@@ -16,6 +16,11 @@ Layouts (:func:`build_micro_batch`):
   restarting at 0 per sequence, ``PackedSeqParams(qkv_format="thd", cu_seqlens_q/kv [b+1] int32,
   max_seqlen_q/kv)``; logits [1, T, V_local].
 
+With ``pad_to`` > 1 (megatron's sequence parallelism splits the model's token dim over TP ranks) the
+model's token count becomes a multiple of it: padded rows get pad columns on the right (S rounded up),
+a packed micro-batch one more THD sequence of pad tokens (T rounded up; its own attention span, positions
+from 0). Causal attention keeps either from reaching a real token; no row reads them.
+
 Either way ``rows`` [M] are the rows of the flattened logits whose next-token log-prob is wanted
 (every real target, or with ``response_only`` those under ``loss_mask``), ``targets``
 [M] the next tokens, and ``dense_index`` [M] where each value goes in the micro-batch's
@@ -153,8 +158,10 @@ def build_micro_batch(
     packed: bool,
     device: torch.device,
     response_only: bool,
+    pad_to: int = 1,
 ) -> MicroBatch:
-    """The micro-batch of batch rows ``index`` in the padded or packed layout (see the module doc)."""
+    """The micro-batch of batch rows ``index`` in the padded or packed layout, the model's token count a
+    multiple of ``pad_to`` (see the module doc)."""
     idx = torch.tensor(index, dtype=torch.long)
     data = batch.select(idx, device)
     input_ids = batch.input_ids[idx.to(batch.input_ids.device)].cpu()  # [b, S]
@@ -171,17 +178,20 @@ def build_micro_batch(
         offsets = torch.zeros(num_seqs, dtype=torch.long)
         offsets[1:] = torch.cumsum(lens, 0)[:-1]
         keep = torch.arange(width).unsqueeze(0) < lens.unsqueeze(1)  # [b, S]
-        tokens = input_ids[keep].unsqueeze(0)  # [1, T]
-        positions = torch.cat([torch.arange(int(n)) for n in lens]).unsqueeze(0)  # [1, T]
         rows = offsets[seq_of_row] + pos_of_row
-        params = _packed_seq_params(lens, device)
-        num_model_tokens = int(lens.sum())
+        num_pad = -int(lens.sum()) % pad_to
+        spans = torch.cat([lens, torch.tensor([num_pad])]) if num_pad else lens  # [b] or [b+1]
+        tokens = torch.cat([input_ids[keep], input_ids.new_zeros(num_pad)]).unsqueeze(0)  # [1, T]
+        positions = torch.cat([torch.arange(int(n)) for n in spans]).unsqueeze(0)  # [1, T]
+        params = _packed_seq_params(spans, device)
+        num_model_tokens = int(spans.sum())
     else:
-        tokens = input_ids
-        positions = torch.arange(width).unsqueeze(0).expand(num_seqs, width)
-        rows = seq_of_row * width + pos_of_row
+        padded_width = width + (-width % pad_to)
+        tokens = torch.nn.functional.pad(input_ids, (0, padded_width - width))  # [b, S'] pad id 0
+        positions = torch.arange(padded_width).unsqueeze(0).expand(num_seqs, padded_width)
+        rows = seq_of_row * padded_width + pos_of_row
         params = None
-        num_model_tokens = num_seqs * width
+        num_model_tokens = num_seqs * padded_width
     return MicroBatch(
         index=idx,
         input_ids=tokens.to(device),

@@ -5,8 +5,10 @@ Built once in setup from the config and passed explicitly (in the spirit of torc
 
 - Actor: megatron-core's default order tp-cp-ep-dp-pp with CP = EP = 1, i.e. TP fastest, then DP,
   then PP: ``tp_rank = r % TP``, ``dp_rank = (r // TP) % DP``, ``pp_rank = r // (TP * DP)``.
-- Rollout: consecutive ranks form one engine TP group (vLLM's external-launcher layout):
-  replica ``r // rollout_tp``, rollout TP rank ``r % rollout_tp``.
+- Rollout: consecutive ranks form one engine replica (vLLM's external-launcher layout): TP fastest, then
+  engine EP (``rollout.ep``, native engine: a replica of TP x EP ranks whose EP ranks hold different
+  experts): replica ``r // (rollout_tp * rollout_ep)``, rollout TP rank ``r % rollout_tp``, rollout EP rank
+  ``(r // rollout_tp) % rollout_ep``.
 """
 
 from __future__ import annotations
@@ -65,6 +67,16 @@ def check_rollout_split(shape: ModelShape, tp: int) -> None:
         )
 
 
+def check_rollout_experts(shape: ModelShape, ep: int) -> None:
+    """The one check that engine expert parallel (``rollout.ep``) can split this model's experts."""
+    if ep == 1:
+        return
+    if not shape.is_moe:
+        raise ValueError(f"rollout.ep={ep} needs a mixture-of-experts model{_of(shape)} (it has no experts); set 1")
+    if shape.num_experts % ep:
+        raise ValueError(f"rollout.ep={ep} must divide the {shape.num_experts} experts{_of(shape)}; pick a divisor")
+
+
 def check_world(world_size: int, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
     """megatron's two grids over one world: tp x dp x pp (attention, dense MLP) and etp x ep x expert-dp x pp
     (experts); both must tile it. ValueError naming the fields."""
@@ -100,6 +112,14 @@ def check_expert_split(shape: ModelShape, ep: int, etp: int) -> None:
         )
 
 
+def uses_sequence_parallel(setting: bool | None, tp: int, is_moe: bool) -> bool:
+    """``actor.sequence_parallel`` resolved for a model (the actor and the planner both ask here): never at
+    TP 1; null: on for an MoE model (megatron-core trains MoE layers at TP > 1 only with it), off for a dense one."""
+    if tp == 1:
+        return False
+    return is_moe if setting is None else bool(setting)
+
+
 @dataclass(frozen=True)
 class ActorCoords:
     tp_rank: int
@@ -122,9 +142,13 @@ class ColocatedMesh:
     rollout_tp: int = 1
     actor_ep: int = 1  # MoE: expert parallel; experts grid etp x ep x expert-dp x pp over the same ranks
     actor_etp: int | None = None  # expert tensor parallel; None = actor_tp
+    rollout_ep: int = 1  # engine expert parallel (native engine): a replica is rollout_tp x rollout_ep ranks
+    # vLLM: FusedMoE splits the experts over every engine rank of every replica (FusedMoEParallelConfig.make
+    # flattens TP across DP), not within one replica (rollout.layout.engine_expert_split)
+    rollout_experts_span_replicas: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "actor_tp", "actor_pp", "rollout_tp"):
+        for name in ("world_size", "actor_tp", "actor_pp", "rollout_tp", "rollout_ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"mesh {name}={getattr(self, name)} must be >= 1")
         world, tp, pp = self.world_size, self.actor_tp, self.actor_pp
@@ -139,12 +163,18 @@ class ColocatedMesh:
             raise ValueError(
                 f"rollout.tp={self.rollout_tp} does not divide the world size {world}; pick a divisor of {world}"
             )
+        if world % (self.rollout_tp * self.rollout_ep):
+            raise ValueError(
+                f"rollout.tp x rollout.ep = {self.rollout_tp} x {self.rollout_ep} does not divide the world size "
+                f"{world}; pick rollout.ep so that the product divides {world}"
+            )
 
     def check(self, shape: ModelShape) -> None:
         """Whether both sides' layouts can split ``shape`` (:func:`check_actor_split`, :func:`check_rollout_split`)."""
         check_actor_split(shape, self.actor_tp, self.actor_pp, self.actor_vpp)
         check_expert_split(shape, self.actor_ep, self.actor_expert_tp)
         check_rollout_split(shape, self.rollout_tp)
+        check_rollout_experts(shape, self.rollout_ep)
 
     # ------------------------------------------------------------------ actor
     @property
@@ -179,17 +209,25 @@ class ColocatedMesh:
 
     # ------------------------------------------------------------------ rollout
     @property
+    def replica_size(self) -> int:
+        """Engine ranks of one replica: rollout TP x rollout EP."""
+        return self.rollout_tp * self.rollout_ep
+
+    @property
     def num_replicas(self) -> int:
-        return self.world_size // self.rollout_tp
+        return self.world_size // self.replica_size
 
     def replica(self, rank: int) -> int:
-        return rank // self.rollout_tp
+        return rank // self.replica_size
 
     def rollout_tp_rank(self, rank: int) -> int:
         return rank % self.rollout_tp
 
+    def rollout_ep_rank(self, rank: int) -> int:
+        return (rank // self.rollout_tp) % self.rollout_ep
+
     def replica_ranks(self, replica: int) -> list[int]:
-        return list(range(replica * self.rollout_tp, (replica + 1) * self.rollout_tp))
+        return list(range(replica * self.replica_size, (replica + 1) * self.replica_size))
 
     def prompts_of_replica(self, replica: int, num_prompts: int) -> list[int]:
         """Replica i generates prompts i, i + R, i + 2R, ... (round robin over replicas)."""

@@ -144,7 +144,7 @@ def engine_sleep_copy_bytes(plan: Plan) -> int:
     inp = plan.inputs
     e = inp.element_bytes
     total = 0
-    for n in engine_tensor_elements(inp.shape, inp.rollout_tp):
+    for n in engine_tensor_elements(inp.shape, inp.rollout_tp, *inp.engine_expert_split):
         segment = -(-n * e // CUDA_SEGMENT_BYTES) * CUDA_SEGMENT_BYTES
         total += power_of_two_bytes(segment)
     return total

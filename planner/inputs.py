@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from colocation.engines import EngineProfile, engine_profile
 from colocation.phases import WAKE_STRATEGIES  # the step's table owns them (colocation/phases.py)
 from modelspec.dtypes import DTYPE_NAMES, element_bytes
-from modelspec.mesh import check_actor_split, check_rollout_split
+from modelspec.mesh import check_actor_split, check_rollout_experts, check_rollout_split, uses_sequence_parallel
 from modelspec.shape import ModelShape
 from planner.calibration import Calibration, load
 from planner.devices import GIB, MIB, DeviceSpec
@@ -88,6 +88,9 @@ class PlanInputs:
     # actor_tp, megatron's default); the experts' grads and optimizer states shard over the expert-DP group
     actor_ep: int = 1
     actor_etp: int | None = None
+    # actor.sequence_parallel (megatron's at actor_tp > 1; null: on for an MoE model): the residual stream, norms
+    # and the MoE router hold S / tp of the tokens (sequence_parallel_on)
+    sequence_parallel: bool | None = None
     distributed_optimizer: bool = False  # megatron's distributed optimizer shards optimizer states over DP
     # megatron's optimizer CPU offload (HybridDeviceOptimizer, distributed optimizer only): this fraction of the
     # parameters keep their Adam moments on the host (their fp32 main params stay on the device: the step copies
@@ -129,6 +132,7 @@ class PlanInputs:
     # rollout engine
     engine: str = "vllm"
     rollout_tp: int = 1
+    rollout_ep: int = 1  # engine expert parallel (native engine): E / rollout_ep experts per engine rank
     wake_strategy: str = "staged"
     gpu_memory_utilization: float | None = None
     kv_cache_bytes: int | None = None
@@ -217,6 +221,7 @@ class PlanInputs:
         if self.actor_vpp is not None and self.actor_vpp > 1 and self.actor_pp < 2:
             raise ValueError(f"actor_vpp={self.actor_vpp} needs actor_pp >= 2; set actor_vpp=None")
         check_rollout_split(s, self.rollout_tp)
+        check_rollout_experts(s, self.rollout_ep)
         if self.eval_sequences < 0:
             raise ValueError(f"eval_sequences={self.eval_sequences} must be >= 0 (0: the run does not evaluate)")
         if self.sequences_per_step % self.actor_dp:
@@ -258,9 +263,27 @@ class PlanInputs:
         return self.actor_etp or self.actor_tp
 
     @property
+    def sequence_parallel_on(self) -> bool:
+        """Whether the actor runs megatron's sequence parallelism (modelspec.mesh.uses_sequence_parallel)."""
+        return uses_sequence_parallel(self.sequence_parallel, self.actor_tp, self.shape.is_moe)
+
+    @property
+    def sequence_parallel_split(self) -> int:
+        """What the sequence-parallel region's per-token tensors are divided by: TP under it, else 1."""
+        return self.actor_tp if self.sequence_parallel_on else 1
+
+    @property
     def expert_dp(self) -> int:
         """The expert-data-parallel group's size (megatron: TP x DP = expert TP x EP x expert DP per stage)."""
         return self.actor_tp * self.actor_dp // (self.actor_ep * self.expert_tp)
+
+    @property
+    def engine_expert_split(self) -> tuple[int, int]:
+        """(rollout EP, expert TP) of one engine rank's routed experts: E / rollout_ep experts, m / expert TP rows
+        of each; an engine whose experts span its replicas (vLLM) splits every expert over all its ranks."""
+        if self.engine_profile.experts_span_replicas:
+            return 1, self.actor_tp * self.actor_pp * self.actor_dp
+        return self.rollout_ep, self.rollout_tp
 
     @property
     def seq_len(self) -> int:

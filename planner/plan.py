@@ -123,7 +123,7 @@ def _layer_bytes(inp: PlanInputs, mb, recomputed: tuple[str, ...] = (), train: b
         )
     if train:
         per_token = max(
-            layer_activation_bytes_per_token(s, tp, e, inp.attention, recomputed, sparse, etp)
+            layer_activation_bytes_per_token(s, tp, e, inp.attention, recomputed, sparse, etp, inp.sequence_parallel_on)
             for sparse in moe_layer_kinds(s)
         )
     else:
@@ -149,7 +149,7 @@ def train_activation_bytes(inp: PlanInputs, layers: int, layers_per_chunk: int, 
     """
     mb = inp.micro_batches(train=True)
     full = _layer_bytes(inp, mb)
-    stage_input = mb.model_tokens * inp.shape.hidden_size * inp.element_bytes
+    stage_input = mb.model_tokens * inp.shape.hidden_size * inp.element_bytes // inp.sequence_parallel_split
     if inp.recompute == "selective":
         kept = _layer_bytes(inp, mb, tuple(inp.recompute_modules))
         activations = layers * kept + (full - kept)
@@ -209,7 +209,7 @@ def _stage(inp: PlanInputs, stage: int) -> _Stage:
     layers_per_chunk = s.num_layers // (pp * (inp.actor_vpp or 1))
     micro_batches_in_flight = max(1, layers // (s.num_layers // pp))
     forward_mb = inp.micro_batches(train=False)
-    forward_input = forward_mb.model_tokens * s.hidden_size * e
+    forward_input = forward_mb.model_tokens * s.hidden_size * e // inp.sequence_parallel_split
     last = stage == pp - 1
     # a forward without grad holds the residual stream and one layer's working set, then (last stage) the
     # log-prob pass beside the final hidden state: one after the other, so the activations count what the
@@ -290,7 +290,7 @@ def step_flags(inp: PlanInputs) -> StepFlags:
 def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan, ...]:
     """Every phase's components for one stage, walking the step's table (colocation.phases.step_phases):
     its state changes, and the bytes of each phase's transients."""
-    weights = engine_param_count(inp.shape, inp.rollout_tp) * inp.element_bytes
+    weights = engine_param_count(inp.shape, inp.rollout_tp, *inp.engine_expert_split) * inp.element_bytes
     sizes = {
         "actor_params": st.actor_params,
         "actor_grads": st.actor_grads,
@@ -410,7 +410,7 @@ def sync_staging_bytes(inp: PlanInputs, st: _Stage, engine_weight_bytes: int) ->
         staged = min(inp.sync_bucket_bytes, st.actor_params + engine_weight_bytes)
     if not inp.verify_sync:
         return staged
-    return max(staged, VERIFY_BYTES_PER_ELEMENT * largest_engine_tensor_elements(inp.shape, inp.rollout_tp))
+    return max(staged, VERIFY_BYTES_PER_ELEMENT * largest_engine_tensor_elements(inp.shape, inp.rollout_tp, *inp.engine_expert_split))
 
 
 def engine_rollout_activation_bytes(inp: PlanInputs, sequences: int | None = None) -> int:
@@ -616,7 +616,7 @@ def _sizing(inp: PlanInputs, profile: EngineProfile, weights: int) -> KvSizing:
 
 def make_plan(inp: PlanInputs) -> Plan:
     """Predict every phase on the worst rank and size the KV cache (see the module doc)."""
-    weights = engine_param_count(inp.shape, inp.rollout_tp) * inp.element_bytes
+    weights = engine_param_count(inp.shape, inp.rollout_tp, *inp.engine_expert_split) * inp.element_bytes
     rollout_reserve = inp.engine_persistent_bytes + engine_rollout_activation_bytes(inp)
     per_token = kv_bytes_per_token(inp.shape, inp.rollout_tp, inp.element_bytes)
     block = per_token * inp.kv_block_size

@@ -93,23 +93,28 @@ def engine_kv_heads_per_rank(shape: ModelShape, rollout_tp: int) -> int:
     return max(1, shape.num_kv_heads // rollout_tp)
 
 
-def engine_rank_sizes(shape: ModelShape, rollout_tp: int) -> dict[str, int]:
-    """Dim sizes on one engine rank (vLLM layout): heads with KV replication, every expert's rows split by TP."""
+def engine_rank_sizes(
+    shape: ModelShape, rollout_tp: int, rollout_ep: int = 1, expert_tp: int | None = None
+) -> dict[str, int]:
+    """Dim sizes on one engine rank (vLLM layout): heads with KV replication, E / ``rollout_ep`` experts (engine
+    expert parallel, native engine), each expert's rows split over ``expert_tp`` ranks (None: rollout TP; vLLM
+    with several replicas: every engine rank, ``PlanInputs.engine_expert_split``)."""
     t = rollout_tp
     return rank_sizes(
         shape,
         shape.num_heads // t,
         engine_kv_heads_per_rank(shape, t),
         shape.intermediate_size // t,
-        moe_intermediate=shape.moe_intermediate_size // t,
-        experts=shape.num_experts,
+        moe_intermediate=shape.moe_intermediate_size // (expert_tp or t),
+        experts=shape.num_experts // rollout_ep,
     )
 
 
-def engine_param_count(shape: ModelShape, rollout_tp: int) -> int:
-    """Parameters one engine rank holds (vLLM layout: KV-head replication, vocab padded to 64, tied once)."""
+def engine_param_count(shape: ModelShape, rollout_tp: int, rollout_ep: int = 1, expert_tp: int | None = None) -> int:
+    """Parameters one engine rank holds (vLLM layout: KV-head replication, vocab padded to 64, tied once;
+    E / ``rollout_ep`` experts, m / ``expert_tp`` rows of each: :func:`engine_rank_sizes`)."""
     h, t = shape.hidden_size, rollout_tp
-    sizes = engine_rank_sizes(shape, t)
+    sizes = engine_rank_sizes(shape, t, rollout_ep, expert_tp)
     layers = sum(layer_param_count(shape, sizes, layer) for layer in range(shape.num_layers))
     vocab_rows = vllm_padded_vocab(shape.vocab_size) // t * h
     return layers + vocab_rows * (1 if shape.tie_word_embeddings else 2) + h
@@ -128,31 +133,36 @@ def layer_activation_bytes_per_token(
     recomputed: tuple[str, ...] = (),
     sparse: bool = False,
     etp: int | None = None,
+    sequence_parallel: bool = False,
 ) -> int:
-    """Bytes one decoder layer keeps for backward per token (megatron, no sequence parallelism).
+    """Bytes one decoder layer keeps for backward per token (megatron).
 
-    Kept per token: the inputs and outputs of the two fused RMSNorm+linear blocks (4h, not split by TP
-    without sequence parallelism), the qkv output, RoPE'd q and k and the attention output
-    (3(Hq + Hkv)d / t), the gate/up output and SwiGLU output (3I / t), all in the dtype, plus the fp32
-    log-sum-exp per q head of flash attention. ``attention="unfused"`` (megatron's local spec, used
-    on CPU): its own count (:func:`local_layer_activation_elements_per_token`); the [Hq/t, s, s] scores and
-    probabilities are counted by the caller (:func:`unfused_attention_bytes`). ``recomputed`` (megatron's selective ``recompute_modules``) drops
+    Kept per token: the inputs and outputs of the two fused RMSNorm+linear blocks (4h), the qkv output, RoPE'd
+    q and k and the attention output (3(Hq + Hkv)d / t), the gate/up output and SwiGLU output (3I / t), all in
+    the dtype, plus the fp32 log-sum-exp per q head of flash attention. ``sequence_parallel`` (megatron's, at
+    t > 1): the 4h are the sequence-parallel region's, each rank holding S / t of the tokens there
+    (transformer_layer.py's norms and residual adds run on the [S / t, b, h] shard; tensor_parallel/layers.py
+    ``LinearWithGradAccumulationAndAsyncCommunication`` saves its local input shard and all-gathers it again in
+    backward), so 4h / t; without it they are not split by TP. ``attention="unfused"`` (megatron's local spec,
+    used on CPU, no sequence parallelism): its own count (:func:`local_layer_activation_elements_per_token`); the
+    [Hq/t, s, s] scores and probabilities are counted by the caller (:func:`unfused_attention_bytes`). ``recomputed`` (megatron's selective ``recompute_modules``) drops
     what those modules recompute: ``layernorm`` the two norm outputs (2h), ``mlp`` the MLP's
     internals (3I / t), ``core_attn`` the log-sum-exp (and the unfused scores, by the caller). ``sparse``: an MoE
     layer, its router and experts in place of the dense MLP (:func:`moe_activation_bytes_per_token`; ``mlp`` or
     ``moe`` recomputes them).
     """
     h, d, t = shape.hidden_size, shape.head_dim, tp
+    sp = t if sequence_parallel else 1  # the sequence-parallel region's split
     if attention == "unfused":
         elements = local_layer_activation_elements_per_token(shape, tp, recomputed, sparse)
     else:
-        norms = 4 * h - (2 * h if "layernorm" in recomputed else 0)
+        norms = (4 * h - (2 * h if "layernorm" in recomputed else 0)) // sp
         mlp = 0 if "mlp" in recomputed or sparse else 3 * shape.intermediate_size // t
         elements = norms + 3 * (shape.num_heads + shape.num_kv_heads) * d // t + mlp
     lse = FP32_BYTES * shape.num_heads // t if attention == "flash" and "core_attn" not in recomputed else 0
     moe = 0
     if sparse and not {"mlp", "moe"} & set(recomputed):
-        moe = moe_activation_bytes_per_token(shape, etp or t, element_bytes, local=attention == "unfused")
+        moe = moe_activation_bytes_per_token(shape, etp or t, element_bytes, sp, local=attention == "unfused")
     return elements * element_bytes + lse + moe
 
 
@@ -184,7 +194,12 @@ def local_layer_activation_elements_per_token(
 
 
 def moe_activation_bytes_per_token(
-    shape: ModelShape, etp: int, element_bytes: int, local: bool = False, received_per_token: float | None = None
+    shape: ModelShape,
+    etp: int,
+    element_bytes: int,
+    sequence_parallel_tp: int = 1,
+    local: bool = False,
+    received_per_token: float | None = None,
 ) -> int:
     """What one MoE layer keeps for backward per token of the rank's micro-batch (megatron-core 0.16, alltoall
     dispatcher, balanced routing: a rank's E / ep experts receive on average N k of the EP group's routed copies).
@@ -198,6 +213,10 @@ def moe_activation_bytes_per_token(
     (transformer/moe/experts.py, ``activation_func_with_probs``): fc1's output [N k, 2m / etp] (kept by SwiGLU),
     SwiGLU x probs [N k, m / etp] (kept by fc2). The unpermute's ``scatter_add`` keeps only its indices.
 
+    ``sequence_parallel_tp`` = t under megatron's sequence parallelism (1 without): the router sees the rank's
+    N / t tokens ([N / t, E] logits and scores), and the dispatcher gathers the routed copies over the expert TP
+    group after the all-to-all (``token_dispatcher.py`` ``dispatch_postprocess``:
+    ``gather_from_sequence_parallel_region(group=tp_group)``), so the experts run on N k etp / t of them.
     ``local``: megatron's local spec (CPU: SequentialMLP, each expert an unfused ``MLP``), counted with
     ``saved_tensors_hooks`` on the tiny Qwen3-MoE at EP 2 with the router's aux and z losses on
     (tests/test_local_layer_count.py, exact given the copies a rank received): the router keeps four fp32 [N, E]
@@ -205,15 +224,15 @@ def moe_activation_bytes_per_token(
     int64 [N, k] (the top-k indices twice, the permutation's), the z loss's fp32 log-sum-exp [N]; per routed copy
     received, the fc1 input (h), fc1's output (2m / etp), four m / etp tensors of the unfused SwiGLU with probs
     (SiLU, ``x_linear + glu_linear_offset``, the product, the product x probs: fc2's input) and the fp32 prob.
-    ``received_per_token``: the routed copies the rank received per token of its micro-batch (balanced: k).
+    ``received_per_token`` (``local``): the routed copies the rank received per token of its micro-batch (balanced: k).
     """
-    k, m, h = shape.moe_top_k, shape.moe_intermediate_size // etp, shape.hidden_size
-    received = k if received_per_token is None else received_per_token
-    if local:
+    k, m, h, sp = shape.moe_top_k, shape.moe_intermediate_size // etp, shape.hidden_size, sequence_parallel_tp
+    if local:  # no sequence parallelism on the local spec
+        received = k if received_per_token is None else received_per_token
         router = 4 * shape.num_experts * FP32_BYTES + shape.num_experts + 3 * k * INT64_BYTES + FP32_BYTES
         return round(router + received * ((h + 6 * m) * element_bytes + FP32_BYTES))
-    router = 2 * shape.num_experts * FP32_BYTES
-    return round(router + received * (h + 2 * m + m) * element_bytes)
+    router = 2 * shape.num_experts * FP32_BYTES // sp
+    return router + k * (h + 2 * m + m) * element_bytes * (etp if sp > 1 else 1) // sp
 
 
 def moe_forward_bytes_per_token(
@@ -484,12 +503,14 @@ def sampler_bytes(shape: ModelShape, num_seqs: int, vocab_tensors: int) -> int:
     return vocab_tensors * num_seqs * vllm_padded_vocab(shape.vocab_size) * FP32_BYTES
 
 
-def largest_engine_tensor_elements(shape: ModelShape, rollout_tp: int) -> int:
+def largest_engine_tensor_elements(
+    shape: ModelShape, rollout_tp: int, rollout_ep: int = 1, expert_tp: int | None = None
+) -> int:
     """Elements of the largest tensor one engine rank holds: a vocab table, gate_up or qkv (vLLM layout)."""
     h, d, t = shape.hidden_size, shape.head_dim, rollout_tp
     qkv = (shape.num_heads // t + 2 * engine_kv_heads_per_rank(shape, t)) * d * h
-    # MoE: FusedMoE's w13 [E, 2m / t, h] holds every expert in one tensor
-    w13 = shape.num_experts * 2 * shape.moe_intermediate_size // t * h
+    # MoE: FusedMoE's w13 [E / ep, 2m / expert_tp, h] holds every local expert in one tensor
+    w13 = shape.num_experts // rollout_ep * 2 * shape.moe_intermediate_size // (expert_tp or t) * h
     return max(vllm_padded_vocab(shape.vocab_size) // t * h, 2 * shape.intermediate_size // t * h, qkv, w13)
 
 
@@ -544,10 +565,12 @@ def actor_stage_tensor_elements(
     return out
 
 
-def engine_tensor_elements(shape: ModelShape, rollout_tp: int) -> list[int]:
+def engine_tensor_elements(
+    shape: ModelShape, rollout_tp: int, rollout_ep: int = 1, expert_tp: int | None = None
+) -> list[int]:
     """Elements of each parameter tensor one engine rank holds (vLLM layout; sums to :func:`engine_param_count`)."""
     t = rollout_tp
-    sizes = engine_rank_sizes(shape, t)
+    sizes = engine_rank_sizes(shape, t, rollout_ep, expert_tp)
     out = [
         n
         for layer in range(shape.num_layers)

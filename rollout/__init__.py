@@ -26,7 +26,7 @@ def make_engine(
 ) -> RolloutEngine:
     """The engine of ``cfg.engine`` for the HF checkpoint at ``model_path``, on global ``rank`` of ``mesh``.
 
-    native: ``group`` is the rollout TP process group of this rank's replica (None for TP=1); kwargs
+    native: ``group`` is the process group of this rank's replica, its rollout TP x EP ranks (None for one rank); kwargs
     ``device``, ``dtype``, ``load``, ``shape`` (the run's :class:`~modelspec.ModelShape`; None: read it). vllm: runs inside the training ranks (external_launcher; vLLM makes its
     own TP / DP groups from ``mesh``, ``group`` is not used); kwargs ``dtype``, ``load``, ``device`` and
     ``shape`` and EngineArgs fields.

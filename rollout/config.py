@@ -23,9 +23,9 @@ class RolloutConfig:
 
     engine: str = "native"
     tp: int = 1
-    # MoE: engine expert parallelism (each engine rank holding E / ep whole experts instead of m / tp rows of
-    # every expert). Only 1 today: vLLM's CPU build has none (its CPU experts ignore expert_map), and neither
-    # the native engine nor the weight sync's engine layout splits experts yet.
+    # MoE: engine expert parallelism, native engine: a replica is tp x ep ranks, each EP rank holding E / ep
+    # whole experts (m / tp rows of each) and running attention as its TP peers do; the MoE output is one
+    # all-reduce over the replica. vLLM: refused (see __post_init__).
     ep: int = 1
     # float in (0, 1]: fraction of device memory the engine may hold (weights + KV cache + reserve);
     # "auto" (AUTO): the planner picks the KV cache (run.memory_plan.choose_kv_cache, the one place that resolves it).
@@ -70,15 +70,19 @@ class RolloutConfig:
         engine_profile(self.engine)  # ValueError naming the engines there are
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"rollout.tp={self.tp!r} must be a positive integer")
-        if self.ep != 1:
-            why = (
-                "vLLM's CPU build has no expert parallelism (its CPU experts ignore expert_map) and, on GPU, the "
-                "weight sync has no expert-parallel engine layout yet"
-                if self.engine == "vllm"
-                else "the native engine and the weight sync have no expert-parallel engine layout yet"
-            )
+        if not isinstance(self.ep, int) or self.ep < 1:
+            raise ValueError(f"rollout.ep={self.ep!r} must be a positive integer")
+        if self.ep > 1 and self.engine == "vllm":
             raise ValueError(
-                f"rollout.ep={self.ep!r}: {why}; use rollout.ep=1 (rollout.tp splits every expert by its intermediate dim)"
+                f"rollout.ep={self.ep}: vLLM's CPU build has no expert parallelism (its CPU experts ignore "
+                "expert_map) and its GPU expert parallel (enable_expert_parallel, experts over every rank of every "
+                "replica) has no engine path here yet; use rollout.ep=1 (rollout.tp splits every expert by its "
+                "intermediate dim) or rollout.engine=native"
+            )
+        if self.ep > 1 and self.tp > 1:
+            raise ValueError(
+                f"rollout.ep={self.ep} with rollout.tp={self.tp}: the native engine's expert parallel runs with "
+                "rollout.tp=1 only (no TP subgroup inside an expert-parallel replica yet); set rollout.tp=1"
             )
         util = self.gpu_memory_utilization
         if util != AUTO:

@@ -27,13 +27,18 @@ Layout (h = hidden, d = head_dim, Hq / Hkv = q / KV heads, I = intermediate, V =
   down_proj: TP splits every expert by its intermediate dim. A slice of an expert part lands in
   ``local[expert]`` (``SliceSpec.expert``). These are the shapes vLLM loads into; its CPU experts then repack
   them (the weight sync writes through that post-load step, as for dense layers on CPU).
+  Who holds which experts is an :class:`ExpertSplit` (:func:`engine_expert_split`): E/ep whole experts
+  [ep_rank*E/ep, (ep_rank+1)*E/ep) (local index = expert - first), m/etp rows of each. vLLM 0.32 with R > 1
+  replicas (data parallel) flattens TP across DP in its MoE layers (``FusedMoEParallelConfig.make``:
+  tp = R*T, rank = replica*T + tp_rank), so there w13 is [E, 2*m/(R*T), h]; the native engine's replica of
+  T x ep ranks (``rollout.ep``) holds E/ep experts per EP rank, m/T rows of each.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from modelspec import ModelShape
+from modelspec import ColocatedMesh, ModelShape
 from modelspec.family import dims_size, full_sizes, layer_parts
 from modelspec.mesh import check_rollout_split
 
@@ -125,14 +130,55 @@ class ParamLayout:
     replicated: bool = False  # every TP rank holds the same full tensor
 
 
-def vllm_param_layouts(shape: ModelShape, tp: int = 1, tp_rank: int = 0) -> list[ParamLayout]:
-    """Every vLLM parameter of rank ``tp_rank`` at rollout TP ``tp``, in vLLM's order (see module doc)."""
+@dataclass(frozen=True)
+class ExpertSplit:
+    """Which routed experts one engine rank holds: experts [ep_rank*E/ep, (ep_rank+1)*E/ep), rows
+    [etp_rank*m/etp, (etp_rank+1)*m/etp) of each expert's intermediate dim."""
+
+    etp: int = 1
+    etp_rank: int = 0
+    ep: int = 1
+    ep_rank: int = 0
+
+    def check(self, shape: ModelShape) -> None:
+        if shape.num_experts % self.ep:
+            raise ValueError(f"engine expert parallel {self.ep} must divide the {shape.num_experts} experts")
+        if shape.moe_intermediate_size % self.etp:
+            raise ValueError(
+                f"the engine splits each expert over {self.etp} ranks (vLLM: rollout.tp x replicas), which must "
+                f"divide the experts' intermediate size {shape.moe_intermediate_size}; pick another rollout.tp or world"
+            )
+
+    def experts(self, shape: ModelShape) -> range:
+        per_rank = shape.num_experts // self.ep
+        return range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
+
+
+def engine_expert_split(mesh: ColocatedMesh, rank: int) -> ExpertSplit:
+    """The experts global ``rank``'s engine holds (see the module doc): within its replica (native engine: EP x
+    TP), or over every engine rank of every replica (vLLM with several replicas)."""
+    tp, tp_rank = mesh.rollout_tp, mesh.rollout_tp_rank(rank)
+    if mesh.rollout_experts_span_replicas:  # vLLM: FusedMoEParallelConfig.flatten_tp_across_dp_and_pcp
+        return ExpertSplit(etp=tp * mesh.num_replicas, etp_rank=mesh.replica(rank) * tp + tp_rank)
+    return ExpertSplit(etp=tp, etp_rank=tp_rank, ep=mesh.rollout_ep, ep_rank=mesh.rollout_ep_rank(rank))
+
+
+def vllm_param_layouts(
+    shape: ModelShape, tp: int = 1, tp_rank: int = 0, experts: ExpertSplit | None = None
+) -> list[ParamLayout]:
+    """Every vLLM parameter of rank ``tp_rank`` at rollout TP ``tp``, in vLLM's order (see module doc);
+    ``experts``: which routed experts it holds (None: all, m/tp rows of each)."""
     if not isinstance(shape, ModelShape):
         raise TypeError(
             f"vllm_param_layouts takes a modelspec.ModelShape, got {type(shape).__name__}; build one with "
             "ModelShape.from_pretrained(path) or ModelShape.from_hf_config(config)"
         )
     t = tp_shape(shape, tp, tp_rank)
+    experts = experts or ExpertSplit(etp=tp, etp_rank=tp_rank)
+    if shape.is_moe:
+        experts.check(shape)
+    expert_rows = shape.moe_intermediate_size // experts.etp
+    local_experts = experts.experts(shape)
     h, d = shape.hidden_size, shape.head_dim
     out: list[ParamLayout] = []
 
@@ -151,7 +197,7 @@ def vllm_param_layouts(shape: ModelShape, tp: int = 1, tp_rank: int = 0) -> list
         "q": (tp_rank * t.num_heads * d, t.num_heads * d),
         "kv": (t.kv_head_start * d, t.num_kv_heads * d),
         "i": (tp_rank * t.intermediate_size, t.intermediate_size),
-        "m": (tp_rank * t.moe_intermediate_size, t.moe_intermediate_size),
+        "m": (experts.etp_rank * expert_rows, expert_rows),
     }
     local_sizes = {symbol: rows for symbol, (_, rows) in rank_rows.items()} | dict(h=h, d=d, E=shape.num_experts)
     out.append(vocab_rows(family.embed, "model.embed_tokens.weight"))
@@ -160,24 +206,27 @@ def vllm_param_layouts(shape: ModelShape, tp: int = 1, tp_rank: int = 0) -> list
         for part, kind in layer_parts(shape, layer):  # in vLLM's order; parts of one module stack along rows
             name = f"model.layers.{layer}.{part.vllm_param(kind)}"
             rows, *rest = dims_size(part.kind_dims(kind), local_sizes)
-            experts = range(shape.num_experts) if part.expert else (None,)
+            experts_here = local_experts if part.expert else (None,)
             prior = params.get(name)
             local_start = (prior[0][1] if part.expert else prior[0][0]) if prior else 0
             specs = []
-            for expert in experts:
+            for expert in experts_here:
                 hf_name, offset = family.hf_slot(part, kind, layer, sizes, expert)
+                local_expert = None if expert is None else expert - local_experts.start
                 if part.vllm_split == "columns":  # e.g. o_proj [h, Hq/T*d], down_proj [h, I/T], w2 [E, h, m/T]
                     first, cols = rank_rows[part.dims[1]]
-                    specs.append(SliceSpec(hf_name, 1, first, first + cols, 0, expert))
+                    specs.append(SliceSpec(hf_name, 1, first, first + cols, 0, local_expert))
                 elif part.vllm_split == "rows":  # e.g. qkv_proj [q; k; v], gate_up [gate; up], w13 [E, gate; up]
                     first, _ = rank_rows[part.dims[0]]
-                    specs.append(SliceSpec(hf_name, 0, offset + first, offset + first + rows, local_start, expert))
+                    specs.append(
+                        SliceSpec(hf_name, 0, offset + first, offset + first + rows, local_start, local_expert)
+                    )
                 else:
-                    specs.append(SliceSpec(hf_name, 0, offset, offset + rows, 0, expert))
+                    specs.append(SliceSpec(hf_name, 0, offset, offset + rows, 0, local_expert))
             slices = prior[1] if prior else []
             local = (local_start + rows, *rest)
             if part.expert:
-                local = (shape.num_experts, *local)
+                local = (len(local_experts), *local)
             params[name] = (local, [*slices, *specs], part.vllm_split == "replicate")
         out += [ParamLayout(name, local, tuple(slices), rep) for name, (local, slices, rep) in params.items()]
     out.append(replicated(family.final_norm, "model.norm.weight", h))

@@ -115,6 +115,14 @@ def engine_args(
         raise ValueError(f"platform={platform!r} must be 'cpu' or 'cuda'")
     if cfg.tp != mesh.rollout_tp:
         raise ValueError(f"rollout.tp={cfg.tp} differs from the mesh's rollout_tp={mesh.rollout_tp}")
+    if mesh.num_replicas > 1:
+        shape = shape if shape is not None else ModelShape.from_pretrained(model_path)
+        cfg.profile.check_moe_replicas(platform, mesh.num_replicas, shape.is_moe)
+        if shape.is_moe and not mesh.rollout_experts_span_replicas:
+            raise ValueError(
+                "vLLM splits an MoE model's experts over every rank of its replicas: build the mesh with "
+                "rollout_experts_span_replicas=True (RunConfig.mesh does), else the weight sync writes the wrong rows"
+            )
     kwargs: dict[str, Any] = dict(
         model=model_path,
         dtype=dtype,

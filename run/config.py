@@ -163,7 +163,10 @@ class RunConfig:
     def __post_init__(self) -> None:
         mesh = self.mesh()  # the world size against actor TP x PP and rollout TP
         self._check_actor_dp()
-        mesh.check(self.model.shape())  # both layouts against the model: modelspec.mesh, the one layout check
+        shape = self.model.shape()
+        mesh.check(shape)  # both layouts against the model: modelspec.mesh, the one layout check
+        device_kind = "cpu" if self.cluster.device == "cpu" else "cuda"
+        self.rollout.profile.check_moe_replicas(device_kind, mesh.num_replicas, shape.is_moe)
         dp = self.dp
         if self.trainer.prompts_per_step % dp:
             raise ValueError(
@@ -231,4 +234,6 @@ class RunConfig:
             rollout_tp=self.rollout.tp,
             actor_ep=self.actor.ep,
             actor_etp=self.actor.etp,
+            rollout_ep=self.rollout.ep,
+            rollout_experts_span_replicas=self.rollout.profile.experts_span_replicas,
         )

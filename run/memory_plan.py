@@ -66,6 +66,7 @@ def plan_inputs(
         prompt_tokens=max(1, prompt_tokens),
         response_tokens=rollout.max_new_tokens,
         rollout_tp=rollout.tp,
+        rollout_ep=rollout.ep,
         gpu_memory_utilization=rollout.utilization,  # None: auto
         engine_capacity_bytes=int(rollout.cpu_capacity_gb * 2**30),
         vllm_max_batched_tokens=rollout.max_num_batched_tokens,  # None: vLLM's per-device default

@@ -61,7 +61,7 @@ class RankContext:
     loss: PolicyLoss
     timeline: MemoryTimeline
     writer: RunWriter | None  # rank 0 only
-    rollout_group: dist.ProcessGroup | None  # this rank's engine replica (native engine's TP group)
+    rollout_group: dist.ProcessGroup | None  # this rank's engine replica (native engine: its TP x EP ranks)
     checkpointer: Checkpointer
     stop: StopRequest
     eval_problems: list[Problem]  # the eval phase's problems (rl/evaluation.py; empty when the run does not evaluate)
@@ -255,7 +255,7 @@ def setup(
         loss=PolicyLoss(cfg.algorithm),
         timeline=timeline,
         writer=writer,
-        rollout_group=groups[mesh.replica(dims.rank)] if mesh.rollout_tp > 1 else None,
+        rollout_group=groups[mesh.replica(dims.rank)] if mesh.replica_size > 1 else None,
         checkpointer=checkpointer,
         stop=stop or StopRequest(dims.rank),
         eval_problems=eval_problems(cfg) if cfg.eval.enabled else [],

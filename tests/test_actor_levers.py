@@ -1,7 +1,8 @@
 """Train-phase levers on CPU gloo: packing (THD) equals the padded path, any micro-batch split gives the
 same gradient, recomputation changes nothing numerically; the micro-batch partition and config checks.
 
-Real megatron-core on 2 ranks (TP=2, PP=2 with variable-length p2p, DP=2), tiny Qwen2 (vocab 128).
+Real megatron-core on 2 ranks (TP=2, with and without sequence parallelism; PP=2 with variable-length p2p;
+DP=2), tiny Qwen2 (vocab 128).
 """
 
 from __future__ import annotations
@@ -54,13 +55,19 @@ VARIANTS = {
     "selective_recompute": dict(recompute="selective", recompute_modules=["core_attn", "mlp"]),
     "block_recompute": dict(recompute="full", recompute_method="block", recompute_num_layers=1),
     "entropy_kept": dict(entropy_recompute=False, max_tokens_per_micro_batch=64),
+    # megatron's sequence parallelism on a dense model (odd packed lengths: padded to a multiple of TP)
+    "sequence_parallel": dict(remove_padding=True, micro_batch_size=2, sequence_parallel=True),
 }
 
 
 # layout -> (tp, pp, the variants that exercise it)
 LAYOUTS = {
     # vocab-parallel chunked log-prob/entropy, packing under TP, recomputation
-    "tp2": (2, 1, ("padded", "packed", "packed_budget", "unchunked", "entropy_kept", "selective_recompute")),
+    "tp2": (
+        2,
+        1,
+        ("padded", "packed", "packed_budget", "unchunked", "entropy_kept", "selective_recompute", "sequence_parallel"),
+    ),
     # variable-shape p2p between stages (packed THD rows, budgeted padded micro-batches)
     "pp2": (1, 2, ("padded", "packed_budget", "padded_budget", "block_recompute")),
     # DP ranks with different lengths agree on the number of budgeted micro-batches
@@ -144,6 +151,25 @@ def test_partition_respects_the_budget_and_balances():
     assert partition(lengths, 5) == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
     with pytest.raises(ValueError, match="micro_batch_size=3"):
         partition(lengths, 3)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_micro_batch_pads_the_model_tokens_to_a_multiple_of_tp(packed):
+    """Sequence parallelism splits the model's token dim over TP: the micro-batch pads it (a pad sequence when
+    packed, pad columns when padded) and its rows still point at the same tokens."""
+    from megatron_backend.packing import build_micro_batch, sequence_lengths
+
+    batch = _batch(128, lengths=[13, 6, 9])  # 28 real tokens, padded width 13
+    lengths = sequence_lengths(batch)
+    plain = build_micro_batch(batch, [0, 1, 2], lengths, packed, torch.device("cpu"), response_only=True)
+    padded = build_micro_batch(batch, [0, 1, 2], lengths, packed, torch.device("cpu"), True, pad_to=8)
+    assert plain.num_model_tokens == (28 if packed else 39) and padded.num_model_tokens == (32 if packed else 48)
+    assert padded.input_ids.numel() == padded.num_model_tokens
+    assert torch.equal(padded.input_ids.flatten()[padded.rows], plain.input_ids.flatten()[plain.rows])
+    assert torch.equal(padded.targets, plain.targets) and torch.equal(padded.dense_index, plain.dense_index)
+    if packed:  # the pad tokens are one more sequence, positions from 0, attending only to themselves
+        assert padded.packed_seq_params.cu_seqlens_q.tolist() == [0, 13, 19, 28, 32]
+        assert padded.position_ids[0, 28:].tolist() == [0, 1, 2, 3]
 
 
 def test_balanced_dp_shares():

@@ -123,6 +123,12 @@ def test_expert_layout_bad_input_names_the_field():
             ActorConfig(**bad)
     with pytest.raises(ValueError, match="actor.moe_token_dispatcher"):
         ActorConfig(moe_token_dispatcher="flex")
+    with pytest.raises(ValueError, match="actor.sequence_parallel=true needs actor.tp > 1"):
+        ActorConfig(sequence_parallel=True)
+    # null: megatron's sequence parallelism where it requires it (an MoE model at TP > 1)
+    assert ActorConfig(tp=2).sequence_parallel_for(is_moe=True) and not ActorConfig(tp=2).sequence_parallel_for(False)
+    assert not ActorConfig(tp=2, sequence_parallel=False).sequence_parallel_for(True)
+    assert not ActorConfig(tp=1).sequence_parallel_for(True)
     assert ActorConfig(tp=2).expert_tp == 2 and ActorConfig(tp=2, etp=1).expert_tp == 1
     # megatron's two grids: tp x dp x pp and etp x ep x expert-dp x pp over one world
     assert min_world_size(tp=2, pp=1, ep=2) == 4  # etp follows tp: 2 x 2
@@ -251,3 +257,89 @@ def test_mesh_expert_coords_are_megatrons(world, tp, pp, ep, etp):
             assert len(others) == 1, (group, ranks)
     with pytest.raises(ValueError, match="actor.etp x actor.ep x actor.pp"):
         ColocatedMesh(world_size=2, actor_tp=2, actor_ep=2)
+
+
+def _train_step_at(rank: int, world_size: int, hf_dir: str, layouts: list):
+    """At each (tp, ep) layout on these 4 ranks, from the same HF weights: log-probs of 4 sequences of odd lengths,
+    then one train step (router losses on) on 4 other sequences, each DP rank its share; the updated weights
+    gathered on rank 0, the step's metrics, and whether megatron ran sequence parallelism."""
+    from megatron_backend.actor import Actor
+    from megatron_backend.config import ActorConfig
+    from megatron_backend.parallel import initialize_model_parallel
+    from modelspec import TokenBatch
+    from rl.losses import PolicyLoss, PolicyLossConfig
+
+    loss_fn = PolicyLoss(PolicyLossConfig(clip_eps_low=0.5, clip_eps_high=0.5, loss_agg="token-mean"))
+    gen = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(0, 64, (4, 16), generator=gen)
+    # odd real lengths: under sequence parallelism the packed micro-batch is padded to a multiple of TP
+    odd_lens = torch.tensor([13, 16, 11, 15])
+    # training: even lengths (the pad tokens would join the router's load-balancing statistics) and the same 6
+    # response targets per sequence, so a DP rank's token-mean over its share averages to the batch's
+    seq_lens = torch.tensor([14, 16, 12, 10])
+    loss_mask = torch.zeros(4, 15)
+    for row, length in enumerate(seq_lens.tolist()):
+        loss_mask[row, length - 7 : length - 1] = 1.0
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    out = {}
+    for tp, ep in layouts:
+        dims = initialize_model_parallel(tp=tp, pp=1, ep=ep)
+        config = ActorConfig(tp=tp, ep=ep, micro_batch_size=1, lr=1e-4, moe_aux_loss_coef=1e-2, moe_z_loss_coef=1e-3)
+        actor = Actor(hf_dir, config, dims)
+        share = torch.arange(4).chunk(dims.dp)[dims.dp_rank]
+        odd_logprobs = actor.compute_logprobs(TokenBatch(input_ids=input_ids[share], seq_lens=odd_lens[share]))
+        batch = TokenBatch(input_ids=input_ids[share], seq_lens=seq_lens[share], loss_mask=loss_mask[share])
+        batch.old_logprobs = actor.compute_logprobs(batch)
+        batch.advantages = advantages[share]
+        metrics = actor.train_step(batch, loss_fn)
+        out[(tp, ep)] = dict(
+            share=share,
+            odd_logprobs=odd_logprobs,
+            weights=actor.export_hf(dst=0),
+            metrics=metrics,
+            sequence_parallel=actor.chunks[0].config.sequence_parallel,
+        )
+        del actor
+    try:  # training an MoE model at TP 2 without sequence parallelism: one line before anything is built
+        Actor(hf_dir, ActorConfig(tp=2, ep=2, sequence_parallel=False), dims)
+    except ValueError as exc:
+        out["refused"] = str(exc)
+    return out
+
+
+@pytest.mark.numeric
+def test_moe_train_step_at_tp2_with_sequence_parallelism_matches_tp1(tiny_model_dirs):
+    """TP2 x EP2 x DP2 (megatron's sequence parallelism: the norms, router and residual stream on S / 2 tokens per TP
+    rank, the dispatcher gathering unequal token counts over TP) gives TP1 x EP2 x DP4's log-probs, router losses, grad
+    norm and, after Adam's first step (about lr x sign(grad) per element), weights."""
+    from tests.test_hf_export import _source_tensors
+
+    hf_dir = tiny_model_dirs["qwen3_moe"]
+    ranks = run_ranks(_train_step_at, 4, hf_dir, [(1, 2), (2, 2)], timeout_s=900)
+    tp1, tp2 = ranks[0][(1, 2)], ranks[0][(2, 2)]
+    assert tp2["sequence_parallel"] and not tp1["sequence_parallel"]
+    assert "set actor.sequence_parallel to null or true" in ranks[0]["refused"]
+
+    def logprobs(layout):  # [4, 15]: each DP rank's share of the odd-length sequences
+        full = torch.zeros(4, 15)
+        for r in ranks:
+            full[r[layout]["share"]] = r[layout]["odd_logprobs"]
+        return full
+
+    assert (logprobs((2, 2)) - logprobs((1, 2))).abs().max().item() <= 1e-5
+    # the load-balancing loss per micro-batch (one sequence) over its TP ranks' shares: megatron's tracker value of
+    # each TP rank is a partial sum, reduced over its reduce group
+    for name in ("moe/load_balancing_loss", "grad_norm"):
+        assert math.isfinite(tp1["metrics"][name]) and tp1["metrics"][name] > 0.5, (name, tp1["metrics"])
+        assert abs(tp2["metrics"][name] - tp1["metrics"][name]) <= 1e-5 * tp1["metrics"][name], (
+            name,
+            tp1["metrics"][name],
+            tp2["metrics"][name],
+        )
+    source = _source_tensors(hf_dir)
+    assert set(tp2["weights"]) == set(tp1["weights"]) == set(source)
+    moved = max((tp1["weights"][n] - source[n]).abs().max().item() for n in source)
+    assert moved > 0.5e-4, moved  # lr 1e-4: Adam's first step moves every weight with a gradient by about lr
+    diffs = {n: (tp2["weights"][n] - tp1["weights"][n]).abs().max().item() for n in source}
+    worst = max(diffs, key=diffs.get)
+    assert diffs[worst] <= 1e-6, (worst, diffs[worst])

@@ -15,7 +15,7 @@ from modelspec.families import FAMILIES
 from modelspec.family import MOE_PART_NAMES, hf_tensor_shapes, layer_parts
 from modelspec.tiny import tiny_hf_config
 from planner.sizes import actor_stage_param_count, engine_param_count, engine_tensor_elements
-from rollout.layout import vllm_param_layouts
+from rollout.layout import ExpertSplit, vllm_param_layouts
 from tests.family_helpers import MOE_FAMILIES
 
 
@@ -118,6 +118,12 @@ def test_planner_counts_match_the_layouts(family):
         layouts = vllm_param_layouts(shape, tp, 0)
         assert engine_param_count(shape, tp) == sum(torch.Size(p.local_shape).numel() for p in layouts)
         assert sorted(engine_tensor_elements(shape, tp)) == sorted(torch.Size(p.local_shape).numel() for p in layouts)
+    # engine expert parallel (E / ep experts per rank) and vLLM's experts split over every rank of 2 replicas
+    for ep, etp in [(2, 1), (4, 1), (1, 2), (2, 2)]:
+        layouts = vllm_param_layouts(shape, 1, 0, ExpertSplit(etp=etp, etp_rank=etp - 1, ep=ep, ep_rank=ep - 1))
+        numels = [torch.Size(p.local_shape).numel() for p in layouts]
+        assert engine_param_count(shape, 1, ep, etp) == sum(numels)
+        assert sorted(engine_tensor_elements(shape, 1, ep, etp)) == sorted(numels)
     # the actor at EP 2: half the experts of every sparse layer, the router and everything else whole
     per_expert = 3 * shape.hidden_size * shape.moe_intermediate_size
     full = sum(actor_stage_param_count(shape, 1, 1, 0, ep=1) for _ in range(1))
@@ -148,12 +154,22 @@ def test_tiny_routers_are_sharp_and_used(tiny_model_dirs, family):
         assert (used > 0).all()
 
 
-@pytest.mark.parametrize("engine", ["native", "vllm"])
-def test_rollout_ep_is_refused_in_one_line(engine):
+def test_rollout_ep_refusals_are_one_line():
+    """vLLM: no engine expert parallel (its CPU experts ignore expert_map); native: rollout.ep with TP 1 only;
+    a dense model or an EP that does not divide the experts: named before any engine starts."""
+    from modelspec.mesh import check_rollout_experts
     from rollout.config import RolloutConfig
 
-    with pytest.raises(ValueError, match=r"rollout.ep=2: .*use rollout.ep=1") as info:
-        RolloutConfig(engine=engine, ep=2)
-    assert "\n" not in str(info.value)
-    if engine == "vllm":
-        assert "vLLM's CPU build has no expert parallelism" in str(info.value)
+    RolloutConfig(engine="native", ep=2)  # accepted
+    for kwargs, match in [
+        (dict(engine="vllm", ep=2), "vLLM's CPU build has no expert parallelism"),
+        (dict(engine="native", ep=2, tp=2), r"rollout.ep=2 with rollout.tp=2"),
+        (dict(engine="native", ep=0), "rollout.ep=0 must be a positive integer"),
+    ]:
+        with pytest.raises(ValueError, match=match) as info:
+            RolloutConfig(**kwargs)
+        assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="rollout.ep=3 must divide the 4 experts"):
+        check_rollout_experts(ModelShape.from_hf_config(tiny_hf_config("mixtral")), 3)
+    with pytest.raises(ValueError, match="rollout.ep=2 needs a mixture-of-experts model"):
+        check_rollout_experts(ModelShape.from_hf_config(tiny_hf_config("llama")), 2)

@@ -5,6 +5,7 @@ against a hand count on tiny:qwen3_moe (4 experts, top-2, layers 0, 1, 3 sparse,
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -93,6 +94,39 @@ def test_moe_layer_keeps_router_dispatched_tokens_and_expert_activations():
     assert _layer_bytes(inp, mb) == round(mb.model_tokens * max(sparse, dense) * inp.activation_factor)
 
 
+def test_sequence_parallelism_splits_the_norms_router_and_residual_stream_over_tp():
+    """megatron's sequence parallelism (on for an MoE model at TP 2): the norms' inputs and outputs (4h), the router's
+    fp32 logits and scores and the residual stream hold S / tp of the tokens per rank; the experts' tokens are
+    gathered over expert TP, so at etp = tp they are the TP group's N k as without it."""
+    s, e = TINY_MOE, BF16
+    h, d, hq, hkv = s.hidden_size, s.head_dim, s.num_heads, s.num_kv_heads
+    k, m, E = s.moe_top_k, s.moe_intermediate_size // 2, s.num_experts
+    attention = 3 * (hq + hkv) * d // 2 * e + FP32_BYTES * hq // 2
+    experts = k * (h + 3 * m) * e
+    assert layer_activation_bytes_per_token(s, 2, e, "flash", sparse=True, sequence_parallel=True) == (
+        attention + 4 * h // 2 * e + 2 * E * FP32_BYTES // 2 + experts
+    )
+    assert layer_activation_bytes_per_token(s, 2, e, "flash", sparse=True) == (
+        attention + 4 * h * e + 2 * E * FP32_BYTES + experts
+    )
+    # expert TP 1 under TP 2: each rank's experts run on the N k / 2 routed copies of its own S / 2 tokens
+    one = layer_activation_bytes_per_token(s, 2, e, "flash", sparse=True, etp=1, sequence_parallel=True)
+    assert one == attention + 4 * h // 2 * e + 2 * E * FP32_BYTES // 2 + k * (h + 3 * 2 * m) * e // 2
+    # the plan: an MoE model at TP 2 runs with it unless actor.sequence_parallel is false; a dense one only when true
+    on = tiny_moe_inputs(actor_tp=2, actor_dp=2, actor_ep=2, attention="flash")
+    off = dataclasses.replace(on, sequence_parallel=False)
+    assert on.sequence_parallel_on and not off.sequence_parallel_on
+    mb = on.micro_batches(train=True)
+    assert _layer_bytes(on, mb) < _layer_bytes(off, mb)
+    assert _stage(on, 0).train_activations < _stage(off, 0).train_activations
+    # the forward's residual stream [N, h] -> [N / 2, h]
+    assert _stage(off, 0).forward_activations - _stage(on, 0).forward_activations == (
+        on.micro_batches(train=False).model_tokens * h * e // 2
+    )
+    dense = dataclasses.replace(on, shape=ModelShape.from_pretrained("tiny:qwen3"), actor_ep=1)
+    assert not dense.sequence_parallel_on and dataclasses.replace(dense, sequence_parallel=True).sequence_parallel_on
+
+
 def test_moe_forward_without_grad_counts_the_dispatched_copies():
     s, e = TINY_MOE, BF16
     h, k, m, E = s.hidden_size, s.moe_top_k, s.moe_intermediate_size, s.num_experts
@@ -158,3 +192,24 @@ def test_checkpoint_staging_shards_expert_optimizer_states_over_expert_dp():
 
     hand = sum(staged(n, 2) for n in others) + sum(staged(n, 1) for n in experts)
     assert checkpoint_staging_bytes(plan) == hand
+
+
+def test_engine_weights_per_rank_follow_the_engines_expert_split():
+    """The native engine at rollout.ep: E / ep experts per rank; vLLM with several replicas: every expert split
+    over all its ranks (it flattens TP across DP); each equal to the layout's own count."""
+    from planner.sizes import engine_param_count
+    from rollout.layout import ExpertSplit, vllm_param_layouts
+
+    def engine_weights(**overrides) -> int:
+        return make_plan(tiny_moe_inputs(rollout_tp=1, **overrides)).phase("rollout").components["engine_weights"]
+
+    def layout_bytes(split: ExpertSplit) -> int:
+        return BF16 * sum(math.prod(p.local_shape) for p in vllm_param_layouts(TINY_MOE, 1, 0, split))
+
+    moe_layers, whole = len(TINY_MOE.moe_layers), engine_param_count(TINY_MOE, 1) * BF16
+    assert engine_weights(engine="native") == whole
+    assert engine_weights(engine="native", rollout_ep=2) == layout_bytes(ExpertSplit(ep=2, ep_rank=1))
+    assert whole - engine_weights(engine="native", rollout_ep=2) == moe_layers * 2 * _expert_elements(TINY_MOE) * BF16
+    assert engine_weights(engine="vllm") == layout_bytes(ExpertSplit(etp=2, etp_rank=1))  # 2 replicas
+    with pytest.raises(ValueError, match="rollout.ep=3 must divide the 4 experts"):
+        tiny_moe_inputs(engine="native", rollout_ep=3)

@@ -78,3 +78,58 @@ def test_update_through_the_layout_equals_a_fresh_engine(ranks, family):
         assert len(update["fell_back"]) == 2
         assert r["updated"] == r["fresh"]  # exactly
         assert r["updated"] != r["greedy"]
+
+
+@pytest.mark.parametrize("tp,replicas", [(1, 2), (2, 2), (1, 4)])
+def test_replicas_expert_layout_is_vllms(monkeypatch, tp, replicas):
+    """Several vLLM replicas: every engine rank's share of each expert is what vLLM's own FusedMoE parallel
+    config gives it (it flattens TP across DP), so rank (replica i, tp rank t) gets rows of m/(R*T)."""
+    from vllm.model_executor.layers.fused_moe import config as fused_moe_config
+
+    from modelspec import ColocatedMesh
+    from rollout.layout import engine_expert_split
+
+    mesh = ColocatedMesh(world_size=tp * replicas, rollout_tp=tp, rollout_experts_span_replicas=True)
+    for rank in range(mesh.world_size):
+        monkeypatch.setattr(fused_moe_config, "get_tensor_model_parallel_rank", lambda rank=rank: rank % tp)
+        flat = fused_moe_config.FusedMoEParallelConfig.flatten_tp_across_dp_and_pcp(tp, replicas, rank // tp, 1, 0)
+        split = engine_expert_split(mesh, rank)
+        assert (split.etp, split.etp_rank, split.ep) == (*flat, 1)
+
+
+def test_replicas_of_an_moe_model_are_refused_on_cpu_in_one_line(checkpoints):
+    """vLLM's CPU build cannot run data-parallel MoE layers (its CPU communicator has no all_gatherv): refused
+    before vLLM starts, naming why; one replica (rollout.tp = world) is fine."""
+    from modelspec import ColocatedMesh
+    from rollout.config import RolloutConfig
+    from rollout.vllm_engine import engine_args
+
+    cfg = RolloutConfig(engine="vllm", tp=1, kv_cache_bytes=KV_MB << 20)
+    path = checkpoints["qwen3_moe"][0]
+    mesh = ColocatedMesh(world_size=2, rollout_tp=1, rollout_experts_span_replicas=True)
+    with pytest.raises(ValueError, match="cannot run an MoE model as 2 engine replicas: vLLM's CPU build") as info:
+        engine_args(cfg, path, mesh, "cpu")
+    assert "\n" not in str(info.value)
+    engine_args(cfg, path, mesh, "cuda")  # on GPU vLLM runs them
+    one = ColocatedMesh(world_size=2, rollout_tp=2, rollout_experts_span_replicas=True)
+    engine_args(RolloutConfig(engine="vllm", tp=2, kv_cache_bytes=KV_MB << 20), path, one, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_verify_sync_into_two_vllm_replicas_on_gpu(tiny_model_dirs, family):
+    """GPU, 2 devices: actor EP 2 -> vLLM TP 1 x 2 replicas (experts split over both replicas' ranks)."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    cmd = [sys.executable, "-m", "tools.verify_sync", "--hf", tiny_model_dirs[family], "--train-ep", "2"]
+    proc = subprocess.run([*cmd, "--engine", "vllm"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    assert out["max_abs_logprob_diff"] <= 1e-4 and out["max_abs_logprob_diff_fresh"] <= 1e-5
+    assert out["verified"] is True

