@@ -237,13 +237,6 @@ VALIDATION_SET = (
         ),
         "long sequences: 262-token rows, where megatron's unfused [s, s] attention scores are a large transient",
     ),
-    RunSpec(
-        "tiny_cpu_moe",
-        "tiny_cpu_moe",
-        (),
-        "a mixture-of-experts model (tiny Qwen3-MoE, actor EP=2, two native engine replicas): no MoE run is in the fit "
-        "set, so its router, dispatcher and expert terms are counts only",
-    ),
 )
 
 
