@@ -20,10 +20,15 @@ the ``DistributedOptimizer`` when DP > 1, else ``Float16OptimizerWithFloat16Para
 or ``FP32Optimizer``; its CUDA assumptions are handled on CPU by :mod:`megatron_backend.cpu_compat`.
 ``train_step`` runs megatron's step in its parts (``prepare_grads``, the norm, clip, ``step_with_ready_grads``)
 so that the non-finite check reads the gradient the step applies.
+
+MoE routing (:mod:`megatron_backend.routing_replay`): when the batch carries the engine's ``routed_experts``,
+a pass with ``replay_routing`` routes those tokens to the engine's experts; a forward-only pass without it
+records the actor's own routing and counts where it differs (``take_routing_mismatch``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Iterable
@@ -130,6 +135,11 @@ class Actor:
                 sequence_parallel=self.sequence_parallel,
             )
             self.num_bytes_loaded = load_hf_into_chunks(self.chunks, hf_dir, self.shape, self.layout)
+            self.routing = None
+            if self.shape.is_moe:
+                from megatron_backend.routing_replay import ActorRouting  # megatron's, imported when used
+
+                self.routing = ActorRouting(self.chunks, self.shape, dims, self.sequence_parallel)
             self.ledger.set("actor_params", resident_bytes=storage_bytes(self._param_tensors()))
         self.models = self.chunks  # DDP-wrapped when training
         self.optimizer = None
@@ -200,13 +210,34 @@ class Actor:
         pad_to = self.dims.tp if self.sequence_parallel else 1
         return [build_micro_batch(batch, g, lengths, packed, device, response_only, pad_to) for g in groups]
 
-    def _run_schedule(self, micro_batches: list[MicroBatch], loss_func_factory, forward_only: bool) -> list[dict]:
+    def _routing_mode(self, batch: TokenBatch, replay: bool, forward_only: bool) -> tuple[bool, bool]:
+        """(replay the engine's routing, record the actor's own) for a pass over ``batch``."""
+        if replay and (self.routing is None or batch.routed_experts is None):
+            what = "the model has no MoE layers" if self.routing is None else "the batch has no routed_experts"
+            raise ValueError(f"replay_routing=True but {what} (algorithm.routing_replay needs the engine's routing)")
+        record = self.routing is not None and batch.routed_experts is not None and forward_only and not replay
+        return replay, record
+
+    def _run_schedule(
+        self,
+        micro_batches: list[MicroBatch],
+        loss_func_factory,
+        forward_only: bool,
+        routing: tuple[bool, bool] = (False, False),
+    ) -> list[dict]:
+        """``routing``: (replay, record) from :meth:`_routing_mode`."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        chunk_index = {id(model): i for i, model in enumerate(self.models)}
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            # last stage: logits [b, S, V_local] (padded) or [1, T, V_local] (packed)
-            output = model(mb.input_ids, mb.position_ids, attention_mask=None, packed_seq_params=mb.packed_seq_params)
+            routed = self.routing is not None and any(routing)
+            with self.routing.forward(chunk_index[id(model)], mb, *routing) if routed else contextlib.nullcontext():
+                # last stage: logits [b, S, V_local] (padded) or [1, T, V_local] (packed)
+                output = model(
+                    mb.input_ids, mb.position_ids, attention_mask=None, packed_seq_params=mb.packed_seq_params
+                )
             return output, loss_func_factory(mb)
 
         many = len(self.models) > 1
@@ -216,15 +247,27 @@ class Actor:
             chunk.train(not forward_only)
         # fixed-shape pipelines size their p2p buffers from these; variable ones send shapes first
         seq_len = max(mb.input_ids.shape[1] for mb in micro_batches)
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=[iter(micro_batches) for _ in self.models] if many else iter(micro_batches),
-            model=self.models if many else self.models[0],
-            num_microbatches=len(micro_batches),
-            seq_length=seq_len,
-            micro_batch_size=max(mb.input_ids.shape[0] for mb in micro_batches),
-            forward_only=forward_only,
-        )
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=[iter(micro_batches) for _ in self.models] if many else iter(micro_batches),
+                model=self.models if many else self.models[0],
+                num_microbatches=len(micro_batches),
+                seq_length=seq_len,
+                micro_batch_size=max(mb.input_ids.shape[0] for mb in micro_batches),
+                forward_only=forward_only,
+            )
+        finally:
+            if self.routing is not None:  # megatron's replay state is process-global: none outlives the pass
+                self.routing.clear()
+
+    def take_routing_mismatch(self) -> float | None:
+        """The fraction of (response token, MoE layer) pairs whose top-k expert set differs between the engine
+        and the actor's own routing, over the passes that recorded it since the last call, every PP stage and DP
+        rank (collective; None for a dense model)."""
+        if self.routing is None:
+            return None
+        return self.routing.take_mismatch_fraction()
 
     def _logprobs_entropy(self, logits: torch.Tensor, mb: MicroBatch, keep_softmax: bool = False):
         """(log-probs [M], entropy [M]) of the micro-batch's target rows (megatron_backend.logprobs)."""
@@ -243,14 +286,21 @@ class Actor:
         return dist.get_global_rank(self.dims.pp_group, self.dims.pp - 1)
 
     def compute_logprobs(
-        self, batch: TokenBatch, with_entropy: bool = False, phase: str = "logprob", response_only: bool = False
+        self,
+        batch: TokenBatch,
+        with_entropy: bool = False,
+        phase: str = "logprob",
+        response_only: bool = False,
+        replay_routing: bool = False,
     ):
         """Forward-only log-probs [B, S-1] (fp32, on every rank); with entropy: (logprobs, entropy).
 
         Values at every real target (``seq_lens``), or with ``response_only`` only at the response
         targets (``loss_mask``: all a loss reads, and less vocab-wide work); other positions are 0.
         Micro-batches follow ``actor.max_tokens_per_forward_micro_batch``. ``phase`` names the ledger
-        entry (the loop passes ``old_logprob`` / ``ref_logprob``).
+        entry (the loop passes ``old_logprob`` / ``ref_logprob``). MoE: ``replay_routing`` routes the tokens
+        the engine routed (``batch.routed_experts``) to its experts; without it, a batch with ``routed_experts``
+        has the actor's own routing compared with them (:meth:`take_routing_mismatch`).
         """
         self._require_onloaded("compute_logprobs", ("params",))
         if response_only and batch.loss_mask is None:
@@ -268,7 +318,8 @@ class Actor:
 
                 return loss_func
 
-            outputs = self._run_schedule(micro_batches, factory, forward_only=True)
+            routing = self._routing_mode(batch, replay_routing, forward_only=True)
+            outputs = self._run_schedule(micro_batches, factory, forward_only=True, routing=routing)
             num_seqs, seq_len = batch.input_ids.shape
             keys = ("logprobs", "entropy") if with_entropy else ("logprobs",)
             results = []
@@ -284,13 +335,15 @@ class Actor:
         return tuple(results) if with_entropy else results[0]
 
     # ---------------------------------------------------------------- training
-    def compute_grads(self, batch: TokenBatch, loss_fn: LossFn) -> dict[str, float]:
+    def compute_grads(self, batch: TokenBatch, loss_fn: LossFn, replay_routing: bool = False) -> dict[str, float]:
         """Forward + backward of ``batch`` over its micro-batches into the grad buffers (DP-reduced); metrics.
 
         The loss of each micro-batch is normalized by the whole batch's totals (``BatchTotals``), so the
         accumulated gradient does not depend on how the batch is split. When ``loss_fn.uses_entropy``
-        the micro-batch handed to it holds ``entropy`` [b, S-1] with gradient.
+        the micro-batch handed to it holds ``entropy`` [b, S-1] with gradient. ``replay_routing``: as in
+        :meth:`compute_logprobs`.
         """
+        routing = self._routing_mode(batch, replay_routing, forward_only=False)
         micro_batches = self._micro_batches(batch, self.config.max_tokens_per_micro_batch, response_only=True)
         num_micro = len(micro_batches)
         totals = BatchTotals(num_tokens=float(batch.loss_mask.sum()), num_seqs=batch.num_seqs)
@@ -315,7 +368,7 @@ class Actor:
 
             return loss_func
 
-        outputs = self._run_schedule(micro_batches, factory, forward_only=False)
+        outputs = self._run_schedule(micro_batches, factory, forward_only=False, routing=routing)
         metrics = {}
         if self.dims.is_last_stage:
             for out in outputs:
@@ -331,13 +384,14 @@ class Actor:
         metrics.update(router_losses(self.dims, logged, len(self.shape.moe_layers), num_micro))
         return metrics
 
-    def train_step(self, batch: TokenBatch, loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step over ``batch`` split in micro-batches (grad accumulation); returns metrics."""
+    def train_step(self, batch: TokenBatch, loss_fn: LossFn, replay_routing: bool = False) -> dict[str, float]:
+        """One optimizer step over ``batch`` split in micro-batches (grad accumulation); returns metrics.
+        ``replay_routing``: as in :meth:`compute_logprobs`."""
         if self.optimizer is None:
             raise RuntimeError("this Actor was built with train=False")
         self._require_onloaded("train_step")
         with self.ledger.op("train"):
-            metrics = self.compute_grads(batch, loss_fn)
+            metrics = self.compute_grads(batch, loss_fn, replay_routing)
             grad_norm = self._checked_step({k: v for k, v in metrics.items() if "loss" in k})
             metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
             self.ledger.set("optimizer", resident_bytes=storage_bytes(self._optimizer_tensors()))

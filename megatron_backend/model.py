@@ -93,6 +93,9 @@ def moe_kwargs(
         moe_z_loss_coeff=z_loss_coef or None,
         moe_token_dispatcher_type=token_dispatcher,
         moe_grouped_gemm=te_available(),
+        # every router gets a RouterReplay (megatron_backend.routing_replay): the actor records its routing to
+        # compare with the engine's, and replays the engine's with algorithm.routing_replay; no action: plain top-k
+        moe_enable_routing_replay=True,
         expert_model_parallel_size=dims.ep,
         expert_tensor_parallel_size=dims.etp,
     )

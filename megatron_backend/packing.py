@@ -51,6 +51,11 @@ class MicroBatch:
     dense_index: torch.Tensor  # [M] int64 positions in the flattened [b, S-1] output
     data: TokenBatch  # the batch's rows ([b, ...]): what the loss function reads
     num_model_tokens: int  # tokens the model runs on (b*S padded, T packed)
+    # MoE, when the batch has the engine's routing: [N, num_moe_layers, top_k] int64 in the router's token order
+    # (N = num_model_tokens: s*b + j padded, the packed order packed; -1 where the engine did not route), and
+    # [N] bool: the tokens whose output is a response log-prob (input positions under loss_mask)
+    routed_experts: torch.Tensor | None = None
+    routing_counted: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -192,6 +197,21 @@ def build_micro_batch(
         rows = seq_of_row * padded_width + pos_of_row
         params = None
         num_model_tokens = num_seqs * padded_width
+    routed, counted = None, None
+    if batch.routed_experts is not None:
+        routed = batch.routed_experts[idx.to(batch.routed_experts.device)].cpu().long()  # [b, S, layers, k]
+        counted = torch.zeros(num_seqs, width, dtype=torch.bool)  # [b, S]: input t predicts a response token
+        if batch.loss_mask is not None:
+            counted[:, :-1] = batch.loss_mask[idx.to(batch.loss_mask.device)].cpu() > 0
+        if packed:  # [T]: the sequences' tokens, then the TP padding (not routed by the engine)
+            routed = torch.cat([routed[keep], routed.new_full((num_pad, *routed.shape[2:]), -1)])
+            counted = torch.cat([counted[keep], counted.new_zeros(num_pad)])
+        else:  # megatron's [S', b] token order, the TP padding columns not routed by the engine
+            extra = padded_width - width
+            routed = torch.nn.functional.pad(routed, (0, 0, 0, 0, 0, extra), value=-1)
+            counted = torch.nn.functional.pad(counted, (0, extra))
+            routed, counted = routed.transpose(0, 1).flatten(0, 1), counted.t().flatten()
+        routed, counted = routed.to(device), counted.to(device)
     return MicroBatch(
         index=idx,
         input_ids=tokens.to(device),
@@ -202,4 +222,6 @@ def build_micro_batch(
         dense_index=dense_index.to(device),
         data=data,
         num_model_tokens=num_model_tokens,
+        routed_experts=routed,
+        routing_counted=counted,
     )

@@ -37,6 +37,9 @@ class TokenBatch:
     old_logprobs: torch.Tensor | None = None  # [B, S-1] fp32: the actor's before training (old_logprob)
     ref_logprobs: torch.Tensor | None = None  # [B, S-1] fp32: the reference actor's (ref_logprob)
     entropy: torch.Tensor | None = None  # [b, S-1] fp32 with gradient: a micro-batch's, for a loss that uses it
+    # MoE: the experts the engine routed input token t to, per MoE layer: [B, S, num_moe_layers, top_k] int16,
+    # -1 where it did not (the last token, padding); routing replay and the routing-mismatch metric read it
+    routed_experts: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -6,7 +6,9 @@ Shapes (B sequences of this DP rank, S = longest prompt + response):
 actor packs when ``actor.remove_padding``); ``loss_mask`` [B, S-1] (1 where the target
 ``input_ids[:, t+1]`` is a response token); ``engine_logprobs`` [B, S-1] (the engine's log-prob of
 each sampled token, 0 elsewhere; :func:`make_batch` refuses a sample whose engine log-probs are missing or
-of another count than its response); ``advantages`` [B].
+of another count than its response); ``advantages`` [B]; MoE, when the engine returned them:
+``routed_experts`` [B, S, num_moe_layers, top_k] int16 (the engine's experts for input token t, -1 where it
+did not route it: the last token, padding).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class Sample:
     response_logprobs: list[float]  # the engine's log-prob of each response token
     finish_reason: str
     reward: float
+    # MoE: [num_moe_layers, len(prompt) + len(response) - 1, top_k] (rollout.Completion.routed_experts)
+    routed_experts: torch.Tensor | None = None
 
 
 def pack_sequences(samples: list[Sample], pad_id: int) -> TokenBatch:
@@ -46,11 +50,18 @@ def pack_sequences(samples: list[Sample], pad_id: int) -> TokenBatch:
         loss_mask[i, len(s.prompt_ids) - 1 : len(tokens) - 1] = 1.0
         if s.response_logprobs:
             engine_logprobs[i, len(s.prompt_ids) - 1 : len(tokens) - 1] = torch.tensor(s.response_logprobs)
+    routed = None
+    if samples and all(s.routed_experts is not None for s in samples):
+        num_layers, _, top_k = samples[0].routed_experts.shape
+        routed = torch.full((len(samples), seq_len, num_layers, top_k), -1, dtype=torch.int16)
+        for i, s in enumerate(samples):  # token t's routing, for every token but the last
+            routed[i, : s.routed_experts.shape[1]] = s.routed_experts.permute(1, 0, 2)
     return TokenBatch(
         input_ids=input_ids,
         seq_lens=torch.tensor(lengths, dtype=torch.long),
         loss_mask=loss_mask,
         engine_logprobs=engine_logprobs,
+        routed_experts=routed,
     )
 
 
@@ -83,6 +94,12 @@ def make_batch(
             raise ValueError(
                 f"sample {index}: the engine returned {len(s.response_logprobs)} log-probs for {len(s.response_ids)} "
                 "response tokens; it must return the log-prob of every sampled token (rollout engine bug)"
+            )
+        routed_tokens = len(s.prompt_ids) + len(s.response_ids) - 1
+        if s.routed_experts is not None and s.routed_experts.shape[1] != routed_tokens:
+            raise ValueError(
+                f"sample {index}: the engine returned routed experts for {s.routed_experts.shape[1]} tokens, not the "
+                f"{routed_tokens} it ran (prompt and every sampled token but the last; rollout engine bug)"
             )
     rewards = torch.tensor([s.reward for s in samples])
     advantages = grpo_advantages(rewards, group_size=group_size)

@@ -39,7 +39,8 @@ def generate_samples(
         for c in per_prompt:
             text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
             reward = task.reward(text, problems[index].answer)
-            local.append(Sample(index, prompt, list(c.token_ids), list(c.logprobs), c.finish_reason, reward))
+            sample = Sample(index, prompt, list(c.token_ids), list(c.logprobs), c.finish_reason, reward, c.routed_experts)
+            local.append(sample)
     gathered: list = [None] * mesh.world_size
     dist.all_gather_object(gathered, (replica, local))
     by_replica = dict(gathered)  # TP ranks of one replica hold identical samples

@@ -30,6 +30,10 @@ class PolicyLossConfig:
     # entropy bonus: loss -= entropy_coef x entropy (aggregated like the loss); > 0 makes the actor
     # hand the loss the entropy with its gradient (actor.entropy_recompute decides what backward keeps)
     entropy_coef: float = 0.0
+    # MoE routing replay (R3): old_logprob, ref_logprob and train route each token the engine routed to the experts
+    # the engine chose (megatron_backend.routing_replay); RunConfig refuses it for a dense model or an engine that
+    # cannot return its routing
+    routing_replay: bool = False
 
     def __post_init__(self) -> None:
         if self.clip_eps_low < 0 or self.clip_eps_high < 0:

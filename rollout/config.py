@@ -17,6 +17,24 @@ WAKE_TAGS: dict[str, dict[str, tuple[str, ...]]] = {s: engine_wakes(s) for s in 
 MEMORY_SAVERS = ("auto", "portable", "torch_memory_saver")
 
 
+# Why an engine cannot return each completion's routed experts (SamplingParams.return_routed_experts), per
+# (engine, device kind); any other pair can. vLLM 0.32's enable_return_routed_experts needs Model Runner V2 and
+# prefix caching (vllm/config/vllm.py, _verify_aux_output_compatibility); its CPU build runs V2 only with
+# Triton's CPU backend, which it does not have (docs/DESIGN.md, "Routing replay").
+ROUTED_EXPERTS_UNSUPPORTED = {
+    ("vllm", "cpu"): (
+        "cannot return routed experts on vLLM's CPU build (enable_return_routed_experts needs Model Runner V2, "
+        "which needs Triton's CPU backend); use rollout.engine=native on CPU"
+    ),
+}
+
+
+def routed_experts_unsupported(engine: str, device_kind: str) -> str | None:
+    """Why ``rollout.engine=engine`` on ``device_kind`` ("cpu" / "cuda") cannot return routed experts (one
+    line), or None when it can."""
+    return ROUTED_EXPERTS_UNSUPPORTED.get((engine, device_kind))
+
+
 @dataclass
 class RolloutConfig:
     """Engine choice, its TP layout, memory budget and sampling (``rollout.*``)."""

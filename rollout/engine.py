@@ -37,6 +37,9 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False  # when False the checkpoint's eos_token_id also stops a sample
     seed: int | None = None
+    # MoE: each completion carries the experts every token was routed to (Completion.routed_experts); an engine
+    # that cannot return them refuses (vLLM's CPU build: rollout.vllm_engine.routed_experts_unsupported)
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -76,6 +79,11 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    # with SamplingParams.return_routed_experts, an MoE model's routing: [num_moe_layers, num_routed_tokens, top_k]
+    # int16, the top-k expert ids (in the engine's top-k order) of every token the engine ran through the model:
+    # the prompt's and every sampled token but the last (num_routed_tokens = len(prompt) + len(token_ids) - 1),
+    # as vLLM's ``CompletionOutput.routed_experts`` [seq_len, layers, top_k] holds them (layers first here)
+    routed_experts: torch.Tensor | None = None
 
 
 @runtime_checkable

@@ -75,7 +75,7 @@ from colocation.host_memory import release_freed_host_memory
 from modelspec.dtypes import element_bytes
 from modelspec.mesh import ColocatedMesh
 from modelspec.shape import ModelShape
-from rollout.config import RolloutConfig
+from rollout.config import RolloutConfig, routed_experts_unsupported
 from rollout.engine import Completion, SamplingParams, derive_seed
 from rollout.memory_saver import TAGS
 
@@ -230,6 +230,16 @@ def _zero_storage(storage: torch.UntypedStorage) -> None:
 def _the_worker(wrapper: Any) -> Any:
     """collective_rpc callable: vLLM passes this rank's WorkerWrapperBase (in-process with external_launcher)."""
     return wrapper.worker
+
+
+def routed_experts_of(out, prompt_len: int) -> torch.Tensor:
+    """vLLM's ``CompletionOutput.routed_experts`` [seq_len, layers, top_k] (the aux-output connector's rows of
+    tokens [0, num_tokens - 1): the prompt and every sampled token but the last) -> ours [layers, tokens, k]."""
+    expected = prompt_len + len(out.token_ids) - 1
+    if out.routed_experts is None or out.routed_experts.shape[0] != expected:
+        got = None if out.routed_experts is None else out.routed_experts.shape
+        raise RuntimeError(f"vLLM returned routed experts {got} for {expected} tokens (prompt + sampled - 1)")
+    return torch.from_numpy(out.routed_experts).permute(1, 0, 2).to(torch.int16)
 
 
 def to_vllm_sampling_params(params: SamplingParams, seed: int):
@@ -428,6 +438,13 @@ class VllmEngine:
         if device is not None and torch.device(device) not in (vllm_device, torch.device(vllm_device.type)):
             raise ValueError(f"device={device} but vLLM runs this rank on {vllm_device} (its platform, LOCAL_RANK)")
         _ensure_launcher_env(mesh, rank)
+        self.returns_routed_experts = bool(overrides.get("enable_return_routed_experts"))
+        if self.returns_routed_experts:
+            why = routed_experts_unsupported("vllm", self.platform)
+            if why is not None:
+                raise ValueError(f"enable_return_routed_experts: vLLM {why}")
+            # vLLM's routed-experts capture runs in Model Runner V2 only (its config check; prefix caching is on)
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         kwargs = engine_args(cfg, model_path, mesh, self.platform, dtype=dtype, load=load, shape=shape, **overrides)
         with _keep_process_settings():
             self.llm = LLM(**kwargs)
@@ -468,6 +485,10 @@ class VllmEngine:
                 "the engine's weights were never written (load=False) or were released by a level-2 sleep: "
                 "write them (begin_weight_update / finish_weight_update, or load_weights) before generating"
             )
+        if params.return_routed_experts and not self.returns_routed_experts:
+            raise ValueError(
+                "return_routed_experts: this vLLM engine was built without enable_return_routed_experts=True"
+            )
         call_seed = params.seed
         if call_seed is None:
             call_seed = derive_seed(self.cfg.seed, self.replica, self.num_generate_calls)
@@ -486,7 +507,10 @@ class VllmEngine:
                 token_ids = list(out.token_ids)
                 # out.logprobs: per token a {token_id: Logprob} holding (at least) the sampled token
                 logprobs = [float(step[t].logprob) for t, step in zip(token_ids, out.logprobs or [])]
-                samples.append(Completion(i, out.index, token_ids, logprobs, out.finish_reason))
+                completion = Completion(i, out.index, token_ids, logprobs, out.finish_reason)
+                if params.return_routed_experts:
+                    completion.routed_experts = routed_experts_of(out, len(prompts[i]))
+                samples.append(completion)
             results.append(samples)
         return results
 

@@ -20,7 +20,7 @@ from modelspec.tiny import TINY_FAMILIES, TINY_PREFIX
 from rl.data import DataConfig
 from rl.evaluation import EvalConfig
 from rl.losses import PolicyLossConfig
-from rollout.config import RolloutConfig
+from rollout.config import RolloutConfig, routed_experts_unsupported
 from run.launch import ClusterConfig
 from telemetry.tracking import WandbConfig
 from weight_sync import WeightSyncConfig
@@ -193,11 +193,43 @@ class RunConfig:
             )
         if not self.resume:
             raise ValueError("resume='' is empty; use resume=auto, resume=never or resume=<checkpoint path>")
+        self._check_routing_replay()
         if self.actor.optimizer_offload_fraction > 0 and self.cluster.device == "cpu":
             raise ValueError(
                 f"actor.optimizer_offload_fraction={self.actor.optimizer_offload_fraction} needs megatron's optimizer "
                 "on CUDA (its HybridDeviceOptimizer); on cluster.device=cpu the optimizer is on the host already: set 0"
             )
+
+    def _check_routing_replay(self) -> None:
+        if not self.algorithm.routing_replay:
+            return
+        shape = self.model.shape()
+        if not shape.is_moe:
+            raise ValueError(
+                f"algorithm.routing_replay=true but {self.model.path} has no MoE layers to route; set it to false"
+            )
+        why = routed_experts_unsupported(self.rollout.engine, self.device_kind)
+        if why is not None:
+            raise ValueError(f"algorithm.routing_replay=true but rollout.engine={self.rollout.engine} {why}")
+        reruns_router = self.actor.recompute == "full" or (
+            self.actor.recompute == "selective" and "moe" in (self.actor.recompute_modules or ())
+        )
+        if self.actor.pp > 1 and reruns_router:
+            raise ValueError(
+                f"algorithm.routing_replay=true with actor.pp={self.actor.pp} and actor.recompute={self.actor.recompute} "
+                "(recomputed routers rerun out of micro-batch order under 1F1B); use actor.recompute=none or actor.pp=1"
+            )
+
+    @property
+    def returns_routed_experts(self) -> bool:
+        """Whether the engine returns each completion's routing: an MoE model on an engine that can (the
+        routing-mismatch metric every step; routing replay when ``algorithm.routing_replay``)."""
+        return self.model.shape().is_moe and routed_experts_unsupported(self.rollout.engine, self.device_kind) is None
+
+    @property
+    def device_kind(self) -> str:
+        """ "cpu" or "cuda" (``cluster.device`` names a CUDA device preset or cpu)."""
+        return "cpu" if self.cluster.device == "cpu" else "cuda"
 
     def _check_actor_dp(self) -> None:
         world, tp, pp = self.cluster.world_size, self.actor.tp, self.actor.pp

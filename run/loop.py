@@ -37,6 +37,7 @@ from run.setup import RankContext, first_forward_backward, setup, start_rollout
 from run.warmup import StopDuringWarmup, exit_during_warmup, resume_or_warm_up
 from telemetry.memory_timeline import EXPORT_PHASE, SAVE_PHASE
 from telemetry.metrics import (
+    ROUTING_MISMATCH,
     RunFacts,
     check_finite,
     check_logprob_gap,
@@ -47,6 +48,7 @@ from telemetry.metrics import (
     non_finite_stops,
     step_metrics,
     summarize,
+    unreplayed_gap_metrics,
 )
 from telemetry.tracking import SUMMARY_FILE
 from weight_sync import SyncResult
@@ -70,7 +72,9 @@ def rl_step(ctx: RankContext, step: int) -> StepResult:
     actor, ref_actor, engine, phase = shared.actor, shared.ref_actor, shared.engine, shared.phase
     device = ctx.dims.device  # the default group's: a collective's tensors live there (CUDA under NCCL)
     stop_agreed = lambda: ctx.stop.agreed(device)  # noqa: E731 (a collective at a phase boundary)
-    params = SamplingParams.from_config(cfg.rollout, seed=sampling_seed(ctx.sampling_base_seed, step, ctx.replica))
+    seed = sampling_seed(ctx.sampling_base_seed, step, ctx.replica)
+    params = SamplingParams.from_config(cfg.rollout, seed=seed, return_routed_experts=cfg.returns_routed_experts)
+    replay = cfg.algorithm.routing_replay  # MoE: the actor's passes route as the engine did
     eval_metrics = {}
     if cfg.eval.runs_at(step, cfg.trainer.steps):
         with phase(EVAL_PHASE, step):  # the step boundary: the engine awake with the weights of `step` steps
@@ -89,21 +93,33 @@ def rl_step(ctx: RankContext, step: int) -> StepResult:
         check_finite(
             step, "rollout", {"reward": rewards, "engine log-prob": batch.engine_logprobs}, response, device=device
         )
-        batch.old_logprobs = actor.compute_logprobs(batch, phase="old_logprob", response_only=True)
+        routing_metrics = {}
+        if replay:  # the actor's own routing first: the mismatch below, and the gap it would have had
+            own = actor.compute_logprobs(batch, phase="old_logprob", response_only=True)
+            routing_metrics = unreplayed_gap_metrics(
+                engine_actor_logprob_gap(dataclasses.replace(batch, old_logprobs=own))
+            )
+        batch.old_logprobs = actor.compute_logprobs(
+            batch, phase="old_logprob", response_only=True, replay_routing=replay
+        )
+        if batch.routed_experts is not None:  # recorded by the pass without replay
+            routing_metrics[ROUTING_MISMATCH] = actor.take_routing_mismatch()
         check_finite(step, "old_logprob", {"old log-prob": batch.old_logprobs}, response, device=device)
         # the engine-vs-actor gap over all ranks (p99, max); too large: stop before training on wrong log-probs
         gap = engine_actor_logprob_gap(batch)
         check_logprob_gap(gap, step, logprob_gap_rule(cfg.trainer, cfg.model.dtype), cfg.model.dtype)
     with phase("ref_logprob", step):
         if ref_actor is not None:
-            batch.ref_logprobs = ref_actor.compute_logprobs(batch, phase="ref_logprob", response_only=True)
+            batch.ref_logprobs = ref_actor.compute_logprobs(
+                batch, phase="ref_logprob", response_only=True, replay_routing=replay
+            )
             check_finite(step, "ref_logprob", {"ref log-prob": batch.ref_logprobs}, response, device=device)
     shared.hand_offs(step, until="train")
     if stop_agreed():
         raise StopBeforeTrain
     with phase("train", step), non_finite_stops(step, "train"):
         for _ in range(cfg.trainer.ppo_epochs):
-            train_metrics = actor.train_step(batch, ctx.loss)
+            train_metrics = actor.train_step(batch, ctx.loss, replay_routing=replay)
     stop_after_step, pending_save = stop_agreed(), None
     if cfg.trainer.saves_after(step) or stop_after_step:
         with phase(SAVE_PHASE, step):  # everything resident, the engine asleep: no extra device memory
@@ -118,6 +134,7 @@ def rl_step(ctx: RankContext, step: int) -> StepResult:
     seconds = ctx.timeline.step_phase_seconds(step)
     metrics = step_metrics(samples, rewards, num_train_tokens, train_metrics, seconds, sync, gap)
     metrics.update(eval_metrics)
+    metrics.update(routing_metrics)
     # the sampled tokens in one number: a resumed run must sample exactly what the uninterrupted one did
     metrics["rollout/response_tokens_crc32"] = float(zlib.crc32(repr([s.response_ids for s in samples]).encode()))
     return StepResult(
@@ -228,7 +245,9 @@ def run_rank(cfg: RunConfig, run_dir: str, launch: LaunchPlan | None = None) -> 
             return stop_saving(step, rank_state)
         syncs.append(result.sync)
         logprob_gaps.append(result.logprob_gap)
-        with ctx.device.phase("log", step):  # the step's record, then its checkpoint completed (after the record is on disk)
+        with ctx.device.phase(
+            "log", step
+        ):  # the step's record, then its checkpoint completed (after the record is on disk)
             peak_bytes = log_step(ctx.timeline, ctx.writer, step, result.metrics)
             # after train (the step saved itself) or at the step's end (the engine is awake again)
             stopping = result.stop_after_step or ctx.stop.agreed(ctx.dims.device)

@@ -393,6 +393,11 @@ def build_engine(
         dtype=cfg.model.dtype,
         load=False,
         shape=cfg.model.shape(),
+        **(
+            {"enable_return_routed_experts": True}
+            if cfg.rollout.engine == "vllm" and cfg.returns_routed_experts
+            else {}
+        ),
     )
     return engine, launch
 

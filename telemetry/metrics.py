@@ -198,6 +198,20 @@ def logprob_gap_rule(trainer, dtype: str) -> LogprobGapRule:
     )
 
 
+# MoE: the fraction of (response token, MoE layer) pairs whose top-k expert set differs between the engine and the
+# actor's own routing (megatron_backend.routing_replay), every step the engine returns its routing
+ROUTING_MISMATCH = "rollout/moe/routing_mismatch_fraction"
+
+
+def unreplayed_gap_metrics(gap: LogprobGap) -> dict[str, float]:
+    """With routing replay on: the engine-vs-actor gap of the actor's own routing (the step's
+    ``rollout/engine_actor_logprob_diff_*`` are then the replayed pass's)."""
+    return {
+        "rollout/moe/engine_actor_logprob_diff_max_without_replay": gap.value,
+        "rollout/moe/engine_actor_logprob_diff_mean_without_replay": gap.mean,
+    }
+
+
 def step_metrics(
     samples: list[Sample],
     rewards: torch.Tensor,
