@@ -9,7 +9,7 @@ wakes. ``make plan EXP=<name>`` (tools/plan.py) prints and writes one.
 """
 
 from planner.devices import DEVICE_NAMES, DeviceSpec, device_preset
-from planner.inputs import PlanInputs
+from planner.inputs import PlanInputs, StepLengths
 from planner.plan import COMPONENTS, PHASES, FitCheck, PhasePlan, Plan, check_fits, make_plan, variants
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "PhasePlan",
     "Plan",
     "PlanInputs",
+    "StepLengths",
     "check_fits",
     "device_preset",
     "make_plan",

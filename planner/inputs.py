@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -49,6 +50,20 @@ class MicroBatches:
     model_tokens: int  # tokens the model runs on: sequences x padded length, or their real tokens packed
     response_tokens: int  # rows of the log-prob pass
     attention_span: float  # each sequence's attention length: the padded length, or (packed) its mean
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepLengths:
+    """The token lengths one step's sequences had, as the run records them (telemetry/metrics.py::step_lengths, per
+    step in metrics.jsonl): the plan at launch assumes the longest prompt and ``max_new_tokens`` responses (a bound,
+    since that is what can run out of memory); evaluated at these it predicts what the step held (the model that
+    ``make validate-plan`` checks)."""
+
+    longest_prompt: int
+    longest_response: int
+    longest_sequence: int  # prompt + response of the longest row: the padded width [B, S] of the rank's batch
+    mean_prompt: float
+    mean_response: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,7 +158,11 @@ class PlanInputs:
     sync_staged_bytes: tuple[int, ...] | None = None
     verify_sync: bool = False  # weight_sync.verify: int64 checksums of every slice after each sync
     margin_fraction: float | None = None  # None: the calibration's margin_fraction
-    runtime_overhead_bytes: int | None = None  # None: the calibration's runtime_overhead_bytes
+    runtime_overhead_bytes: int | None = None  # None: launch_runtime_bytes + runtime_after_launch_bytes, or the fit
+    # CPU: the rank's level beside its tensors as the run measured it at launch, before the first step
+    # (telemetry.memory_timeline.MemoryProbe.runtime_level_bytes, the max over ranks); the plan's runtime level is this plus the
+    # calibration's runtime_after_launch_bytes. None (make plan, before a launch): the fitted runtime_overhead_bytes
+    launch_runtime_bytes: int | None = None
     # None: the calibration's nccl_bytes_per_communicator, per NCCL communicator beyond its counted buffers (CPU: 0)
     comm_bytes_per_communicator: int | None = None
     calibration: Calibration | None = None  # None: planner/calibration/<device kind>.json
@@ -294,6 +313,22 @@ class PlanInputs:
             return self.max_tokens_per_forward_micro_batch
         return None if self.max_tokens_per_micro_batch is None else 2 * self.max_tokens_per_micro_batch
 
+    def at_lengths(self, lengths: StepLengths, kv_cache_bytes: int) -> PlanInputs:
+        """These inputs with a step's recorded lengths in place of the planned ones, the KV cache fixed at
+        ``kv_cache_bytes`` (the engine's, sized at launch). The padded width is the longest row's prompt + response
+        (rl/batching.py pads to it), so the prompt part is that width less the longest response; the means give
+        the packed micro-batches' real tokens and the log-prob pass's rows."""
+        response = max(1, lengths.longest_response)
+        prompt = max(1, lengths.longest_sequence - response)
+        return dataclasses.replace(
+            self,
+            prompt_tokens=prompt,
+            response_tokens=response,
+            mean_prompt_tokens=max(1, min(prompt, round(lengths.mean_prompt))),
+            mean_response_tokens=max(1, min(response, round(lengths.mean_response))),
+            kv_cache_bytes=kv_cache_bytes,
+        )
+
     def micro_batches(self, train: bool) -> MicroBatches:
         """The micro-batches of a train (or forward-only) pass, as megatron_backend.packing forms them."""
         n = self.sequences_per_rank
@@ -358,12 +393,21 @@ class PlanInputs:
     def runtime_bytes(self) -> int:
         if self.runtime_overhead_bytes is not None:
             return self.runtime_overhead_bytes
+        if self.measures_runtime_at_launch:
+            return self.launch_runtime_bytes + int(self.constants.value("runtime_after_launch_bytes"))
         return int(self.constants.value("runtime_overhead_bytes"))
 
     @property
+    def measures_runtime_at_launch(self) -> bool:
+        """The runtime level is the run's launch measurement (plus what the steps add), not the fitted level."""
+        return self.launch_runtime_bytes is not None and "runtime_after_launch_bytes" in self.constants.constants
+
+    @property
     def activation_factor(self) -> float:
-        """What a layer keeps per token over the fused count: megatron's local (unfused, CPU) spec's (calibrated);
-        Transformer Engine's on CUDA (``fused_activation_factor``: 1, never measured, with its uncertainty)."""
+        """What the train phase holds per token over a layer's counted saved tensors: on CPU over megatron's local
+        spec's count (planner.sizes.local_layer_activation_elements_per_token; calibrated: backward's buffers and
+        the allocator, in RSS); Transformer Engine's on CUDA (``fused_activation_factor``: 1, never measured, with
+        its uncertainty)."""
         if self.attention == "unfused":
             return self.constants.value("local_spec_activation_factor")
         return self.constants.value("fused_activation_factor") if self.on_cuda else 1.0

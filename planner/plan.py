@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from colocation.engines import ENGINE_PROFILES, EngineProfile, KvSizing
 from colocation.phases import EVAL_PHASE, EXPORT_PHASE, StepFlags, phase_names, step_phases, wake_window_phases
-from planner.inputs import PlanInputs
+from planner.inputs import PlanInputs, StepLengths
 from planner.sizes import (
     FP32_BYTES,
     VERIFY_BYTES_PER_ELEMENT,
@@ -39,6 +39,7 @@ from planner.sizes import (
     largest_hf_tensor_elements,
     layer_activation_bytes_per_token,
     layer_forward_bytes_per_token,
+    local_layer_forward_bytes,
     logits_bytes,
     moe_layer_kinds,
     optimizer_bytes_per_param,
@@ -110,6 +111,16 @@ def _layer_bytes(inp: PlanInputs, mb, recomputed: tuple[str, ...] = (), train: b
     ``train=False``, one layer's working set in a forward without grad (counted, not scaled: nothing is kept)."""
     s, e, tp, etp = inp.shape, inp.element_bytes, inp.actor_tp, inp.expert_tp
     # an MoE model's layers: the larger of a dense and a sparse layer's when they mix (mlp_only_layers)
+    if not train and inp.attention == "unfused":
+        # without grad nothing is kept: packed sequences go through the attention one at a time
+        # (megatron_backend/model.py, VarlenDotProductAttention) and free their [Hq/t, L, L] scores before the
+        # next; a padded micro-batch attends all its rows at once
+        at_once = 1 if inp.remove_padding else mb.sequences
+        scores = unfused_attention_bytes(s, tp, e, at_once, mb.attention_span)
+        return max(
+            local_layer_forward_bytes(s, tp, e, mb.model_tokens, at_once * mb.attention_span, scores, sparse, etp)
+            for sparse in moe_layer_kinds(s)
+        )
     if train:
         per_token = max(
             layer_activation_bytes_per_token(s, tp, e, inp.attention, recomputed, sparse, etp, inp.sequence_parallel_on)
@@ -120,11 +131,7 @@ def _layer_bytes(inp: PlanInputs, mb, recomputed: tuple[str, ...] = (), train: b
     per_layer = mb.model_tokens * per_token
     scores = 0
     if inp.attention == "unfused" and "core_attn" not in recomputed:
-        # without grad nothing is kept: packed sequences go through the attention one at a time
-        # (megatron_backend/model.py, VarlenDotProductAttention) and free their [Hq/t, L, L] scores before the
-        # next; a padded micro-batch attends all its rows at once
-        at_once = mb.sequences if train or not inp.remove_padding else 1
-        scores = unfused_attention_bytes(s, tp, e, at_once, mb.attention_span, kept=train)
+        scores = unfused_attention_bytes(s, tp, e, mb.sequences, mb.attention_span, kept=True)
     # megatron's local spec (CPU) runs RMSNorm, RoPE, SwiGLU and attention unfused: autograd keeps more per
     # token than the fused count above; the factor is fitted by `make calibrate` (planner/calibration/cpu.json)
     # on train rises of short sequences, so it covers the per-token tensors only: the [b, Hq/t, s, s] scores are
@@ -476,6 +483,10 @@ class Plan:
     engine_weight_bytes: int
     rollout_engine_reserve_bytes: int
     notes: tuple[str, ...] = field(default=())
+
+    def at_lengths(self, lengths: StepLengths) -> Plan:
+        """This plan evaluated at a step's recorded lengths (:meth:`PlanInputs.at_lengths`), the same KV cache."""
+        return make_plan(self.inputs.at_lengths(lengths, self.kv_cache_bytes))
 
     # ------------------------------------------------------------ device budget
     @property

@@ -178,7 +178,9 @@ def constants_used(plan: Plan) -> list[dict]:
     cal = inp.constants
     peak = plan.peak.components
     used: list[tuple[str, float, float]] = []  # name, the value this plan uses, bytes of the peak per unit of it
-    if inp.runtime_overhead_bytes is None:
+    if inp.runtime_overhead_bytes is None and inp.measures_runtime_at_launch:  # the launch level is measured
+        used.append(("runtime_after_launch_bytes", cal.value("runtime_after_launch_bytes"), 1.0))
+    elif inp.runtime_overhead_bytes is None:
         used.append(("runtime_overhead_bytes", plan.runtime_overhead_bytes, 1.0))
     reserve = inp.engine_profile.runtime_reserve_constant(inp.device.kind)
     if reserve is not None and not (inp.on_cuda and inp.cuda_graph_bytes is not None):

@@ -22,6 +22,7 @@ from modelspec.shape import ModelShape
 MEGATRON_VOCAB_DIVISOR = 128  # megatron_backend.layout.MAKE_VOCAB_SIZE_DIVISIBLE_BY
 VLLM_VOCAB_PADDING = 64  # rollout.layout.VOCAB_PADDING (vLLM's DEFAULT_VOCAB_PADDING_SIZE)
 FP32_BYTES = 4
+INT64_BYTES = 8
 
 
 def megatron_padded_vocab(vocab_size: int, tp: int) -> int:
@@ -143,8 +144,8 @@ def layer_activation_bytes_per_token(
     (transformer_layer.py's norms and residual adds run on the [S / t, b, h] shard; tensor_parallel/layers.py
     ``LinearWithGradAccumulationAndAsyncCommunication`` saves its local input shard and all-gathers it again in
     backward), so 4h / t; without it they are not split by TP. ``attention="unfused"`` (megatron's local spec,
-    used on CPU) adds the per-token share of the [Hq/t, s, s] scores and probabilities: see
-    :func:`unfused_attention_bytes`. ``recomputed`` (megatron's selective ``recompute_modules``) drops
+    used on CPU, no sequence parallelism): its own count (:func:`local_layer_activation_elements_per_token`); the
+    [Hq/t, s, s] scores and probabilities are counted by the caller (:func:`unfused_attention_bytes`). ``recomputed`` (megatron's selective ``recompute_modules``) drops
     what those modules recompute: ``layernorm`` the two norm outputs (2h), ``mlp`` the MLP's
     internals (3I / t), ``core_attn`` the log-sum-exp (and the unfused scores, by the caller). ``sparse``: an MoE
     layer, its router and experts in place of the dense MLP (:func:`moe_activation_bytes_per_token`; ``mlp`` or
@@ -152,18 +153,53 @@ def layer_activation_bytes_per_token(
     """
     h, d, t = shape.hidden_size, shape.head_dim, tp
     sp = t if sequence_parallel else 1  # the sequence-parallel region's split
-    norms = (4 * h - (2 * h if "layernorm" in recomputed else 0)) // sp
-    mlp = 0 if "mlp" in recomputed or sparse else 3 * shape.intermediate_size // t
-    elements = norms + 3 * (shape.num_heads + shape.num_kv_heads) * d // t + mlp
+    if attention == "unfused":
+        elements = local_layer_activation_elements_per_token(shape, tp, recomputed, sparse)
+    else:
+        norms = (4 * h - (2 * h if "layernorm" in recomputed else 0)) // sp
+        mlp = 0 if "mlp" in recomputed or sparse else 3 * shape.intermediate_size // t
+        elements = norms + 3 * (shape.num_heads + shape.num_kv_heads) * d // t + mlp
     lse = FP32_BYTES * shape.num_heads // t if attention == "flash" and "core_attn" not in recomputed else 0
     moe = 0
     if sparse and not {"mlp", "moe"} & set(recomputed):
-        moe = moe_activation_bytes_per_token(shape, etp or t, element_bytes, sp)
+        moe = moe_activation_bytes_per_token(shape, etp or t, element_bytes, sp, local=attention == "unfused")
     return elements * element_bytes + lse + moe
 
 
+def local_layer_activation_elements_per_token(
+    shape: ModelShape, tp: int, recomputed: tuple[str, ...] = (), sparse: bool = False
+) -> int:
+    """Elements one decoder layer of megatron's local spec (CPU: no Transformer Engine, no Apex) keeps for backward per
+    token, counted with ``torch.autograd.graph.saved_tensors_hooks`` on the tiny Qwen2 (TP 1; at head_dim 32 and 48,
+    intermediate 256 and 384, exactly): parameters and the [Hq/t, s, s] scores and mask
+    (:func:`unfused_attention_bytes`) apart.
+
+    - two RMSNorms, torch's (megatron/core/transformer/torch_norm.py falls back to ``torch.nn.RMSNorm``, composite):
+      each keeps its input, ``x * rsqrt`` and its output (the next linear's input), 3h, and the rsqrt [s, b, 1];
+    - RoPE, unfused (megatron/core/models/common/embeddings/rope_utils.py ``_apply_rotary_pos_emb_bshd``, no rope
+      fusion): cos and sin [s, 1, 1, d] for q and again for k, 4d;
+    - attention (megatron/core/transformer/dot_product_attention.py): q, k and v with k and v repeated to the
+      Hq/t query heads (``repeat_interleave`` for GQA) for the bmm's, and the context (linear_proj's input), 4 Hq d/t;
+    - the MLP (megatron/core/transformer/mlp.py, unfused ``glu``): fc1's output [s, b, 2I/t] and three I/t tensors
+      of SwiGLU's chunk / SiLU / product.
+    ``recomputed`` (not measured on the local spec): ``layernorm`` keeps the norms' inputs only (2h), ``mlp`` nothing
+    of the MLP, ``core_attn`` drops only the scores (the caller); ``sparse``: an MoE layer's router and experts in
+    place of the MLP (:func:`moe_activation_bytes_per_token`, added by the caller)."""
+    h, d, t = shape.hidden_size, shape.head_dim, tp
+    norms = 2 * h if "layernorm" in recomputed else 6 * h + 2
+    heads = shape.num_heads * d // t
+    attention = 4 * heads + 4 * d  # with core_attn recomputed too (the scores apart): an upper bound, not measured
+    mlp = 0 if "mlp" in recomputed or sparse else 5 * shape.intermediate_size // t
+    return norms + attention + mlp
+
+
 def moe_activation_bytes_per_token(
-    shape: ModelShape, etp: int, element_bytes: int, sequence_parallel_tp: int = 1
+    shape: ModelShape,
+    etp: int,
+    element_bytes: int,
+    sequence_parallel_tp: int = 1,
+    local: bool = False,
+    received_per_token: float | None = None,
 ) -> int:
     """What one MoE layer keeps for backward per token of the rank's micro-batch (megatron-core 0.16, alltoall
     dispatcher, balanced routing: a rank's E / ep experts receive on average N k of the EP group's routed copies).
@@ -181,18 +217,44 @@ def moe_activation_bytes_per_token(
     N / t tokens ([N / t, E] logits and scores), and the dispatcher gathers the routed copies over the expert TP
     group after the all-to-all (``token_dispatcher.py`` ``dispatch_postprocess``:
     ``gather_from_sequence_parallel_region(group=tp_group)``), so the experts run on N k etp / t of them.
+    ``local``: megatron's local spec (CPU: SequentialMLP, each expert an unfused ``MLP``), counted with
+    ``saved_tensors_hooks`` on the tiny Qwen3-MoE at EP 2 with the router's aux and z losses on
+    (tests/test_local_layer_count.py, exact given the copies a rank received): the router keeps four fp32 [N, E]
+    (the logits, the softmax, the aux loss's scores, the transposed map's scores), a bool [E, N] routing map, three
+    int64 [N, k] (the top-k indices twice, the permutation's), the z loss's fp32 log-sum-exp [N]; per routed copy
+    received, the fc1 input (h), fc1's output (2m / etp), four m / etp tensors of the unfused SwiGLU with probs
+    (SiLU, ``x_linear + glu_linear_offset``, the product, the product x probs: fc2's input) and the fp32 prob.
+    ``received_per_token`` (``local``): the routed copies the rank received per token of its micro-batch (balanced: k).
     """
     k, m, h, sp = shape.moe_top_k, shape.moe_intermediate_size // etp, shape.hidden_size, sequence_parallel_tp
+    if local:  # no sequence parallelism on the local spec
+        received = k if received_per_token is None else received_per_token
+        router = 4 * shape.num_experts * FP32_BYTES + shape.num_experts + 3 * k * INT64_BYTES + FP32_BYTES
+        return round(router + received * ((h + 6 * m) * element_bytes + FP32_BYTES))
     router = 2 * shape.num_experts * FP32_BYTES // sp
     return router + k * (h + 2 * m + m) * element_bytes * (etp if sp > 1 else 1) // sp
 
 
-def moe_forward_bytes_per_token(shape: ModelShape, etp: int, element_bytes: int) -> int:
+def moe_forward_bytes_per_token(
+    shape: ModelShape, etp: int, element_bytes: int, local: bool = False, received_per_token: float | None = None
+) -> int:
     """Peak bytes per token of an MoE layer's forward without grad beside the residual stream, at the experts' fc1
     (same sources as :func:`moe_activation_bytes_per_token`): the normed input (h), the router's fp32 logits and
     scores (2E), the dispatcher's token copies still referenced (the all-to-all's output and the chunk-sorted fc1
-    input, k h each), fc1's output (2k m / etp) and SwiGLU's (k m / etp)."""
+    input, k h each), fc1's output (2k m / etp) and SwiGLU's (k m / etp).
+
+    ``local`` (megatron's local spec, EP > 1; beyond the block's input, the caller's): the live tensors at
+    SequentialMLP's ``torch.cat`` of its experts' outputs, counted per aten op on the tiny Qwen3-MoE at EP 2
+    (tests/test_local_layer_count.py, exact given the copies received): the permuted copy sent (k h), and per copy
+    received the all-to-all's output, the chunk-sorted experts' input, the experts' outputs and their cat (4h),
+    with the router's fp32 [N, E] scores and bool [N, E] map, and per copy received two fp32 probs and an int64
+    index.
+    One expert's SwiGLU at a time is narrower while m / etp is at most h."""
     k, m, h = shape.moe_top_k, shape.moe_intermediate_size // etp, shape.hidden_size
+    received = k if received_per_token is None else received_per_token
+    if local:
+        router = 5 * shape.num_experts
+        return round(router + k * h * element_bytes + received * (4 * h * element_bytes + 2 * FP32_BYTES + INT64_BYTES))
     return 2 * shape.num_experts * FP32_BYTES + (h + k * (2 * h + 3 * m)) * element_bytes
 
 
@@ -216,13 +278,55 @@ def layer_forward_bytes_per_token(
     return max(attention, mlp) * element_bytes
 
 
+def local_layer_forward_bytes(
+    shape: ModelShape,
+    tp: int,
+    element_bytes: int,
+    num_tokens: int,
+    attending_tokens: float,
+    scores_bytes: int,
+    sparse: bool = False,
+    etp: int | None = None,
+) -> int:
+    """Peak bytes of one decoder layer of megatron's local spec (CPU) in a forward without grad (old/ref_logprob),
+    beyond its input (the residual stream [N, h], the caller's): the live tensors at the layer's widest moment,
+    counted per aten op with a ``TorchDispatchMode`` on the tiny Qwen2 (exact at Hq/Hkv 4/2 and 8/2, head_dim 32 and
+    48, intermediate 256 and 384, 1-8 packed sequences: tests/test_local_layer_count.py).
+
+    - attention (megatron/core/transformer/attention.py ``get_query_key_value_tensors``, dot_product_attention.py),
+      for the whole micro-batch: the normed input (h), the qkv output ((Hq + 2Hkv) d / t), the query regrouped
+      [s, b, Hkv, Hq/Hkv d] and copied [s, b, Hq, d] (2 Hq d / t) and the key (Hkv d / t), and the contexts of the
+      sequences already attended (Hq d / t); for the ``attending_tokens`` of the sequences attending at once
+      (megatron_backend/model.py ``VarlenDotProductAttention``: one packed sequence at a time) the key and value
+      repeated to the Hq query heads, the bmm's context and its contiguous copy (3 Hq d / t beyond the context
+      counted above), with ``scores_bytes`` (:func:`unfused_attention_bytes`); at the contexts' ``torch.cat``
+      the whole micro-batch's contexts twice (the widest moment when many short sequences are packed);
+    - the MLP (mlp.py, unfused ``glu``): the attention's residual sum and the normed input (2h), fc1's output
+      (2I / t), SiLU, ``x_linear + glu_linear_offset`` and the product (I / t each), beside megatron's global
+      memory buffer the scores were computed in (a third of ``scores_bytes``, kept across calls);
+    - ``sparse``: the residual sum and the normed input (2h) and the MoE block beyond them
+      (:func:`moe_forward_bytes_per_token`, ``local``) in place of the MLP.
+    """
+    h, t = shape.hidden_size, tp
+    q, kv = shape.num_heads * shape.head_dim // t, shape.num_kv_heads * shape.head_dim // t
+    attention = max(
+        num_tokens * (h + 4 * q + 3 * kv) + round(3 * attending_tokens * q), num_tokens * (h + 5 * q + 3 * kv)
+    )
+    if sparse:
+        block = num_tokens * (2 * h * element_bytes + moe_forward_bytes_per_token(shape, etp or t, element_bytes, True))
+    else:
+        block = num_tokens * (2 * h + 5 * shape.intermediate_size // t) * element_bytes
+    return max(attention * element_bytes + scores_bytes, block + scores_bytes // 3)
+
+
 def unfused_attention_bytes(
     shape: ModelShape, tp: int, element_bytes: int, micro_batch_size: float, seq_len: float, kept: bool = False
 ) -> int:
     """One layer's unfused attention (megatron's local DotProductAttention) over b sequences of length s.
 
-    At its softmax it holds the scores and the probabilities [b, Hq/t, s, s] in the dtype (``kept=False``: the
-    forward's peak). For backward (``kept=True``) autograd keeps the probabilities and the [s, s] bool causal
+    Without grad (``kept=False``: the forward's peak) it holds three [b, Hq/t, s, s] tensors in the dtype:
+    megatron's global memory buffer ``baddbmm`` reads (``get_global_memory_buffer``, kept across calls), the
+    scores ``baddbmm`` returns and the probabilities (counted per aten op: tests/test_local_layer_count.py). For backward (``kept=True``) autograd keeps the probabilities and the [s, s] bool causal
     mask the scores were ``masked_fill_``'d with (megatron's ``get_default_causal_mask``, built per call): one
     of each per sequence and layer, counted with ``torch.autograd.graph.saved_tensors_hooks`` on a tiny Qwen2
     at TP 1 and 2. Packed sequences attend within themselves: b sequences of (mean) length s, not b x the
@@ -232,7 +336,7 @@ def unfused_attention_bytes(
     heads = shape.num_heads // tp
     if kept:
         return int(square * (heads * element_bytes + 1))
-    return int(2 * square * heads * element_bytes)
+    return int(3 * square * heads * element_bytes)
 
 
 def logits_bytes(

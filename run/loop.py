@@ -33,7 +33,7 @@ from run.save_and_stop import (
     save_and_stop,
     stops_on_storage_faults,
 )
-from run.setup import RankContext, setup, start_rollout
+from run.setup import RankContext, first_forward_backward, setup, start_rollout
 from run.warmup import StopDuringWarmup, exit_during_warmup, resume_or_warm_up
 from telemetry.memory_timeline import EXPORT_PHASE, SAVE_PHASE
 from telemetry.metrics import (
@@ -226,6 +226,8 @@ def run_rank(cfg: RunConfig, run_dir: str, launch: LaunchPlan | None = None) -> 
 
     if ctx.resumed_state is None and ctx.stop.agreed(ctx.dims.device):  # signalled during setup or warm-up
         return stop_saving(0, capture_rank_state(ctx.task))
+    if ctx.dims.device.type == "cpu":  # before the launch measurement (plan_and_build_engine), while onloaded
+        first_forward_backward(ctx)
     ctx = start_rollout(ctx)  # the engine starts, sized with the actor offloaded, and takes the actor's weights
     if ctx.stop.agreed(ctx.dims.device):  # signalled while the engine started (vLLM's start can take minutes)
         return stop_saving(ctx.start_step, capture_rank_state(ctx.task))

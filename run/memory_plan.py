@@ -18,10 +18,14 @@ from planner.devices import MIB
 DEFAULT_PROMPT_TOKENS = 512
 
 
-def plan_inputs(cfg, prompt_tokens: int | None = None, calibration=None) -> PlanInputs:
+def plan_inputs(
+    cfg, prompt_tokens: int | None = None, calibration=None, launch_runtime_bytes: int | None = None
+) -> PlanInputs:
     """A composed RunConfig -> the planner's inputs for one rank (adapt here when run/config.py changes).
 
-    ``calibration``: a :class:`planner.calibration.Calibration` (None: the device kind's file)."""
+    ``calibration``: a :class:`planner.calibration.Calibration` (None: the device kind's file).
+    ``launch_runtime_bytes``: the runtime level the run measured at launch (run/setup.py::plan_and_build_engine; None:
+    not launched, the fitted level)."""
     rollout, actor = cfg.rollout, cfg.actor
     host_gib = cfg.cluster.host_memory_gib
     device = device_preset(
@@ -74,6 +78,7 @@ def plan_inputs(cfg, prompt_tokens: int | None = None, calibration=None) -> Plan
         sync_bucket_bytes=cfg.weight_sync.bucket_mb * MIB,
         verify_sync=cfg.weight_sync.verify,
         calibration=calibration,
+        launch_runtime_bytes=launch_runtime_bytes,
     )
     # after PlanInputs has checked the splits: the sync plan the run will execute, planned the same way
     staged = sync_staged_bytes(shape, cfg.mesh(), inputs.sync_bucket_bytes, inputs.element_bytes)
@@ -328,3 +333,16 @@ def bounded_by_free_memory(cfg, launch: LaunchPlan, measured_free_bytes: int) ->
     if choice.kv_cache_bytes == launch.kv_choice.kv_cache_bytes:
         return launch
     return LaunchPlan(make_plan(_engine_inputs(launch.plan.inputs, choice)), choice)
+
+
+def with_launch_runtime(launch: LaunchPlan, runtime_bytes: int) -> LaunchPlan:
+    """On a CPU rank: ``launch`` planned again with the runtime level the rank measured before its engine
+    (run/setup.py::launch_runtime_bytes, the most over ranks), so the wake checks and the calibration compare with
+    this machine's level; the engine keeps the launch's KV cache (``kv_choice``), so every rank starts the same engine
+    the launcher checked."""
+    from planner import make_plan
+
+    if launch.plan is None:
+        return launch
+    inputs = dataclasses.replace(launch.plan.inputs, launch_runtime_bytes=runtime_bytes)
+    return dataclasses.replace(launch, plan=make_plan(inputs))

@@ -25,14 +25,14 @@ from checkpointing.checkpoint import (
 )
 from colocation.host_memory import freeze_long_lived_objects
 from colocation.phases import HOLDERS
-from modelspec import ColocatedMesh, TokenBatch
-from rl.batching import Sample, make_batch
+from modelspec import ColocatedMesh, ModelShape, TokenBatch, torch_dtype
+from rl.batching import Sample, make_batch, pack_sequences
 from rl.data import DigitSumTask, Gsm8kTask, Problem, longest_prompt_tokens
 from rl.evaluation import eval_problems
 from rl.generation import sampling_seed
-from rl.losses import PolicyLoss
+from rl.losses import PolicyLoss, sft_loss
 from run.config import RunConfig
-from run.memory_plan import KvCacheChoice, LaunchPlan
+from run.memory_plan import KvCacheChoice, LaunchPlan, with_launch_runtime
 from run.shared_device import SharedDevice
 from telemetry.memory_timeline import TAGS, MemoryProbe, MemoryTimeline
 from telemetry.tracking import RunWriter
@@ -290,12 +290,80 @@ def plan_and_build_engine(ctx: RankContext) -> RankContext:
             f"rank {dims.rank}: the longest prompt has {prompt_tokens} tokens but the launch planned "
             f"{plan.inputs.prompt_tokens}: the launcher and the rank read different data or tokenizers"
         )
-    engine, launch = build_engine(cfg, dims, ctx.mesh, ctx.rollout_group, ctx.launch)
+    launch_runtime = launch_runtime_bytes(
+        ctx.timeline.probe,
+        dims.device,
+        ctx.actor.shape,
+        cfg.model.dtype,
+        # the engine decodes a step's sequences at once, up to its max_num_seqs
+        min(cfg.trainer.prompts_per_step * cfg.rollout.n_samples_per_prompt, cfg.rollout.max_num_seqs or 2**31),
+        cfg.rollout.tp,
+        native_decode_tp1=cfg.rollout.engine == "native" and cfg.rollout.tp == 1 and cfg.model.dtype == "float32",
+    )
+    launch = ctx.launch if launch_runtime is None else with_launch_runtime(ctx.launch, launch_runtime)
+    engine, launch = build_engine(cfg, dims, ctx.mesh, ctx.rollout_group, launch)
     ctx.timeline.probe.add_ledger(lambda: _tagged(engine.memory(), dims.device))
     if ctx.writer is not None and launch.plan is not None:
         ctx.writer.predicted_bytes = {name: launch.plan.measurable_bytes(name) for name in launch.plan.names}
     ctx.device.attach_engine(engine, launch.plan)
     return dataclasses.replace(ctx, launch=launch)
+
+
+def launch_runtime_bytes(
+    probe: MemoryProbe,
+    device: torch.device,
+    shape: ModelShape,
+    dtype: str,
+    decode_sequences: int,
+    rollout_tp: int,
+    native_decode_tp1: bool = False,
+) -> int | None:
+    """CPU: the runtime level every rank holds beside its tensors now, after setup and the warm-up and before the
+    engine and the first step (the most over ranks: the plan is the worst rank's), with torch's first-use costs
+    paid first (:func:`first_use_of_kernels`; with ``native_decode_tp1`` the native engine's TorchScript decode
+    too; megatron's first forward and backward were paid before the offloads, :func:`first_forward_backward`);
+    None on CUDA (the fitted level: no GPU run has validated a launch
+    measurement there)."""
+    if device.type != "cpu":
+        return None
+    first_use_of_kernels(shape, torch_dtype(dtype), decode_sequences, rollout_tp)
+    if native_decode_tp1:
+        from rollout.native.decode_tp1 import first_use
+
+        first_use(
+            shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate_size,
+            decode_sequences,
+        )  # fmt: skip
+    level = torch.tensor([probe.runtime_level_bytes()], dtype=torch.int64)
+    dist.all_reduce(level, op=dist.ReduceOp.MAX)
+    return int(level)
+
+
+def first_use_of_kernels(
+    shape: ModelShape, dtype: torch.dtype, decode_sequences: int, rollout_tp: int, tokens: int = 64
+) -> None:
+    """Run once, at the run's sizes, the kinds of kernel a step runs (a projection forward with and without grad,
+    its backward, the engine's decode attention over ``decode_sequences`` sequences, a softmax and a multinomial
+    draw over the vocabulary), building nothing that stays: what torch keeps once per process after their first
+    use (GEMM buffers and thread pools, autograd's worker, the CPU attention kernel's buffers, which grow with
+    the decode batch) is then part of the launch measurement, instead of appearing in the first step. Measured
+    in a fresh process at memory_cpu's sizes: ~11 MiB for the projections and sampler, +15 MiB for attention
+    over 512 decoding sequences."""
+    rng = torch.Generator().manual_seed(0)  # its own: the run's RNG streams are not advanced
+    x = torch.randn(tokens, shape.hidden_size, dtype=dtype, generator=rng, requires_grad=True)  # [tokens, hidden]
+    w = torch.randn(shape.intermediate_size, shape.hidden_size, dtype=dtype, generator=rng, requires_grad=True)
+    with torch.no_grad():
+        torch.nn.functional.linear(x, w)  # [tokens, ffn]
+    torch.nn.functional.linear(x, w).float().sum().backward()
+    heads, kv_heads = max(1, shape.num_heads // rollout_tp), max(1, shape.num_kv_heads // rollout_tp)
+    q = torch.randn(decode_sequences, heads, 1, shape.head_dim, dtype=dtype, generator=rng)  # [seqs, Hq/t, 1, d]
+    kv = torch.randn(decode_sequences, kv_heads, tokens, shape.head_dim, dtype=dtype, generator=rng)
+    mask = torch.ones(decode_sequences, 1, 1, tokens, dtype=torch.bool)  # as the native engine masks its pages
+    torch.nn.functional.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, enable_gqa=heads != kv_heads)
+    del q, kv, mask
+    logits = torch.randn(8, shape.vocab_size, generator=rng)  # [rows, V] fp32, as the samplers draw
+    torch.softmax(logits, dim=-1).multinomial(1, generator=rng)
+    del x, w, logits
 
 
 def build_engine(
@@ -353,6 +421,24 @@ def start_rollout(ctx: RankContext) -> RankContext:
         device.apply(phase)
     freeze_long_lived_objects()  # the engine's objects too
     return ctx
+
+
+def first_forward_backward(ctx: RankContext) -> None:
+    """One forward and backward of the actor over one train micro-batch of synthetic rows, no optimizer step
+    (the grad buffers are zeroed again): what megatron and autograd keep once per process after their first
+    pass is then paid before the launch measurement in every run, with or without a warm-up or a resume, so
+    the fitted remainder above that measurement is one population (docs/plan-validation.md). The rows are
+    synthetic: the task's RNG and data cursor do not move."""
+    cfg, dims = ctx.cfg, ctx.dims
+    per_rank = max(1, cfg.trainer.prompts_per_step * cfg.rollout.n_samples_per_prompt // dims.dp)
+    num_rows, half = min(cfg.actor.micro_batch_size, per_rank), 16  # rows of 16 prompt + 16 response tokens
+    ids = list(range(1, half + 1))
+    samples = [Sample(i, ids, ids, [], "length", 0.0) for i in range(num_rows)]
+    batch = pack_sequences(samples, pad_id=ctx.tokenizer.pad_token_id or 0)
+    ctx.actor.compute_grads(batch.to(dims.device), sft_loss)
+    for model in ctx.actor.models:
+        model.zero_grad_buffer()
+    ctx.actor._release_freed_host_memory()
 
 
 def _tagged(memory: dict[str, int], device: torch.device, rename: dict[str, str] | None = None) -> dict[str, int]:

@@ -64,7 +64,7 @@ from colocation.phases import (  # noqa: F401 (re-exported)
     released_tags,
     wake_window_phases,
 )
-from planner import Plan
+from planner import Plan, StepLengths
 
 # The step's phases (colocation/phases.py, the one table): PHASES run every step; the timeline records every
 # phase a step may run, in order: PHASES and, at the step boundaries that evaluate, the eval before rollout,
@@ -176,6 +176,18 @@ class MemoryProbe:
                 else:
                     tags[key] = tags.get(key, 0) + int(value)
         return tags, host_pinned
+
+    def runtime_level_bytes(self) -> int:
+        """CPU: what this rank holds beside the tensors its ledgers name, now (RSS over the baseline, freed heap
+        returned first, minus the tags): taken at launch, before the first step (run/setup.py::plan_and_build_engine), it
+        is the plan's runtime level for this run (``PlanInputs.launch_runtime_bytes``), so the model's Python
+        objects, the tokenizer, W&B's threads and what the warm-up left in the heap are measured on this
+        machine, not fitted elsewhere."""
+        from colocation.host_memory import release_freed_host_memory
+
+        release_freed_host_memory()
+        sample = self.read()
+        return sample["device_used"] - sum(v for k, v in sample.items() if k.startswith("tag/"))
 
     def read(self) -> dict[str, int]:
         tags, host_pinned = self.tags()
@@ -444,17 +456,36 @@ def measured_free_bytes(device: torch.device, ranks_per_node: int = 1) -> int:
     return int(psutil.virtual_memory().available) // max(1, ranks_per_node)
 
 
-def prediction_errors(plan: Plan, rows: list[dict], min_bytes: int = 0) -> dict[str, dict[str, float]]:
+def plans_at_recorded_lengths(plan: Plan, lengths: dict[int, StepLengths], rows: list[dict]) -> list[Plan]:
+    """``plan`` evaluated at each steady step's recorded lengths (``lengths``: step -> the lengths its sequences
+    had, telemetry/metrics.py::recorded_lengths); steps without a record are left out (none: [])."""
+    by_lengths: dict[StepLengths, Plan] = {}
+    for step in steady_steps(rows):
+        if step in lengths and lengths[step] not in by_lengths:
+            by_lengths[lengths[step]] = plan.at_lengths(lengths[step])
+    return [by_lengths[lengths[step]] for step in steady_steps(rows) if step in lengths]
+
+
+def prediction_errors(
+    plan: Plan, rows: list[dict], min_bytes: int = 0, lengths: dict[int, StepLengths] | None = None
+) -> dict[str, dict[str, float]]:
     """phase -> predicted (the plan's worst rank, plus its runtime overhead: the measurement includes the
     CUDA context or, on CPU, what the process allocates beside the tensors), measured (max over ranks of
     the median over the steady steps of the phase's measured peak) and their relative error (predicted /
-    measured - 1), for the phases the run measured at or above ``min_bytes``."""
+    measured - 1), for the phases the run measured at or above ``min_bytes``. With ``lengths`` (step -> the
+    lengths it recorded) the prediction is the median over the steady steps of the plan at each step's lengths
+    (:func:`plans_at_recorded_lengths`): the model of what the step held, where ``plan`` alone is the launch's
+    bound (the longest prompt, ``max_new_tokens`` responses)."""
+    at_lengths = plans_at_recorded_lengths(plan, lengths, rows) if lengths else []
     out = {}
     for phase in plan.phases:
         measured = steady_peak_over_ranks(rows, (phase.name,))
         if measured <= 0 or measured < min_bytes:
             continue
-        predicted = plan.measurable_bytes(phase.name)
+        if at_lengths:
+            predicted = int(statistics.median(p.measurable_bytes(phase.name) for p in at_lengths))
+        else:
+            predicted = plan.measurable_bytes(phase.name)
         out[phase.name] = {
             "predicted_bytes": predicted,
             "measured_bytes": measured,

@@ -7,13 +7,13 @@ import math
 import statistics
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
 
 from modelspec import TokenBatch
-from planner import Plan
+from planner import Plan, StepLengths
 from rl.batching import Sample
 from telemetry.memory_timeline import (
     FIGURES_KEY,
@@ -238,6 +238,40 @@ def step_metrics(
     }
     out.update({f"train/{k}": float(v) for k, v in train.items()})
     out.update({f"time/{k}": v for k, v in phase_seconds.items()})
+    out.update(step_lengths(samples))
+    return out
+
+
+LENGTHS_PREFIX = "lengths/"
+
+
+def step_lengths(samples: list[Sample]) -> dict[str, float]:
+    """The step's token lengths (``lengths/<field>`` of :class:`planner.StepLengths`), over all its samples (every
+    rank holds them all after the rollout): the longest is the worst DP rank's, whose batch is padded to its
+    longest row (rl/batching.py)."""
+    prompts = [len(s.prompt_ids) for s in samples]
+    responses = [len(s.response_ids) for s in samples]
+    lengths = StepLengths(
+        longest_prompt=max(prompts),
+        longest_response=max(responses),
+        longest_sequence=max(p + r for p, r in zip(prompts, responses, strict=True)),
+        mean_prompt=statistics.fmean(prompts),
+        mean_response=statistics.fmean(responses),
+    )
+    return {LENGTHS_PREFIX + k: float(v) for k, v in asdict(lengths).items()}
+
+
+def recorded_lengths(records: list[dict]) -> dict[int, StepLengths]:
+    """step -> :class:`planner.StepLengths` from metrics.jsonl's step records (:func:`step_lengths`); steps
+    recorded before the lengths were are left out."""
+    names = [f.name for f in fields(StepLengths)]
+    out = {}
+    for record in records:
+        if "trainer/step" in record and all(LENGTHS_PREFIX + n in record for n in names):
+            values = {n: record[LENGTHS_PREFIX + n] for n in names}
+            out[int(record["trainer/step"])] = StepLengths(
+                **{n: v if n.startswith("mean") else int(v) for n, v in values.items()}
+            )
     return out
 
 
@@ -358,8 +392,13 @@ def summarize(
             "peak_phase": plan.peak_phase,
             "peak_bytes": plan.peak_bytes,
             "fits": plan.fits,
+            # the runtime level measured at launch, before the first step (run/setup.py; None: the fitted level)
+            "launch_runtime_bytes": plan.inputs.launch_runtime_bytes,
             "kv_cache": facts.kv_cache,
+            # the launch plan is a bound (the longest prompt, max_new_tokens responses): measured <= planned
             "phases": prediction_errors(plan, rows),
+            # the model: the plan at each step's recorded lengths (metrics.jsonl's lengths/*), median over steps
+            "phases_at_recorded_lengths": prediction_errors(plan, rows, lengths=recorded_lengths(evals)),
         },
         # the figures a sweep compares, planned and measured alike (tools/sweep's table and chart; W&B's sweep views)
         FIGURES_KEY: memory_figures(plan, rows),

@@ -1,6 +1,7 @@
 """One memory plan per launch (run.memory_plan.plan_launch): ``python -m run.main`` plans before any rank starts and
-hands the plan down; the ranks do not plan again, and the engine gets the launch plan's KV cache (2 CPU ranks, the
-real launcher and loop, stopped once the engine is up)."""
+hands the plan down; the engine gets the launch plan's KV cache, and a rank plans again only to put in the runtime
+level it measured before its engine (CPU: run.memory_plan.with_launch_runtime, one plan) (2 CPU ranks, the real
+launcher and loop, stopped once the engine is up)."""
 
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ def test_the_launcher_plans_once_and_the_ranks_use_its_plan(tmp_path, monkeypatc
     overrides += ["actor.micro_batch_size=16", "rollout.gpu_memory_utilization=auto", f"output_dir={tmp_path}"]
     assert run.main.main(["--exp", "tiny_cpu", "--run-dir", str(run_dir), *overrides]) == 0
     ranks = [json.loads((run_dir / f"rank{r}_plan.json").read_text()) for r in range(2)]
-    assert [r["plan_calls"] for r in ranks] == [0, 0]  # no rank plans again
+    # on CPU each rank plans once more, with its measured runtime level and the launch's KV cache (no new choice)
+    assert [r["plan_calls"] for r in ranks] == [1, 1]
     [launch] = launches  # the launcher's one plan (auto: planned, then planned with the KV cache it chose)
     assert launch.kv_choice.kv_cache_bytes == launch.plan.kv_cache_bytes
     assert 1 <= len(calls) <= 2

@@ -245,3 +245,19 @@ def test_a_resumed_writer_keeps_the_completed_steps_rows_and_drops_a_row_cut_by_
     assert [(r["t_s"], r["phase"], r["device_used"]) for r in rows] == [(0.5, "rollout", 100), (1.0, "train", 200)]
     assert "tag/ref_params" not in rows[0] and rows[1]["tag/ref_params"] == 7
     assert writer.last_t_s == 1.0
+
+
+def test_the_runtime_level_is_what_the_rank_holds_beside_its_tagged_tensors():
+    """The launch measurement the plan's runtime level starts from (run/setup.py::launch_runtime_bytes): a 64 MB
+    buffer its ledger names moves RSS by 64 MB and the level by much less; one it does not name moves both."""
+    named = {"actor_params": 0}
+    probe = MemoryProbe(torch.device("cpu"), [lambda: dict(named)])
+    before = probe.runtime_level_bytes()
+    params = _touch(64 * MB)
+    named["actor_params"] = 64 * MB
+    tagged = probe.runtime_level_bytes()
+    unnamed = _touch(64 * MB)
+    untagged = probe.runtime_level_bytes()
+    del params, unnamed
+    assert abs(tagged - before) < 8 * MB
+    assert 56 * MB < untagged - tagged < 72 * MB

@@ -94,3 +94,127 @@ def test_check_fails_outside_tolerance_and_passes_inside():
     small = {"p": Measured(peak_bytes=40 * MIB, rise_bytes=4 * MIB, start_bytes=36 * MIB)}
     assert check("x", {"p": Predicted(peak_bytes=40 * MIB + FLOOR_BYTES, rise_bytes=4 * MIB)}, small)["passed"]
     assert not check("x", {"p": Predicted(peak_bytes=41 * MIB + FLOOR_BYTES, rise_bytes=4 * MIB)}, small)["passed"]
+
+
+def test_the_tolerance_is_the_documented_one():
+    """docs/plan-validation.md: peak 10%, rise 20%, or 8 MiB (issue 30)."""
+    from tools.plan_runs import PEAK_TOLERANCE, RISE_TOLERANCE
+
+    assert (PEAK_TOLERANCE, RISE_TOLERANCE, FLOOR_BYTES) == (0.10, 0.20, 8 * MIB)
+
+
+def test_runs_are_run_as_users_run_them():
+    """Fit and validation runs keep the experiment's own warm-up, W&B mode and checkpoints (a save after every
+    step where the experiment saves); only the step count is shorter."""
+    for spec in (*FIT_SET, *VALIDATION_SET):
+        cfg, own = spec_config(spec), spec_config(type(spec)(spec.name, spec.exp, spec.overrides))
+        assert cfg.trainer.steps == 3
+        assert cfg.trainer.sft_warmup_steps == own.trainer.sft_warmup_steps
+        assert cfg.wandb.mode == own.wandb.mode
+    tiny = spec_config(next(s for s in VALIDATION_SET if s.name == "tiny_cpu"))
+    assert tiny.trainer.sft_warmup_steps == 30 and tiny.wandb.mode == "offline" and tiny.trainer.save_every == 1
+
+
+def test_a_launched_run_plans_with_the_runtime_level_it_measured():
+    """The runtime level is the launch measurement plus what the steps add (fitted), not the fitted level."""
+    from run.compose import compose
+    from run.memory_plan import plan_inputs
+
+    cfg, cal = compose("tiny_cpu"), load("cpu")
+    assert plan_inputs(cfg, 6).runtime_bytes == int(cal.value("runtime_overhead_bytes"))
+    launched = plan_inputs(cfg, 6, launch_runtime_bytes=20 * MIB)
+    assert launched.runtime_bytes == 20 * MIB + int(cal.value("runtime_after_launch_bytes"))
+
+
+def test_the_launch_plan_bounds_and_the_model_predicts():
+    """check(): the model (the plan at the recorded lengths) within the tolerance, and the launch plan (the bound) not
+    exceeded by more than the peak's allowance; a launch plan far above the measurement is fine (it is a bound)."""
+    measured = {"train": Measured(peak_bytes=200 * MIB, rise_bytes=100 * MIB, start_bytes=100 * MIB)}
+    model = {"train": Predicted(peak_bytes=205 * MIB, rise_bytes=105 * MIB)}
+    far_above = check("x", model, measured, {"train": Predicted(peak_bytes=500 * MIB, rise_bytes=400 * MIB)})
+    assert far_above["passed"] and far_above["phases"]["train"]["launch_planned_bytes"] == 500 * MIB
+    below = check("x", model, measured, {"train": Predicted(peak_bytes=170 * MIB, rise_bytes=70 * MIB)})
+    assert below["failures"] == ["train launch bound"]
+    just = check("x", model, measured, {"train": Predicted(peak_bytes=181 * MIB, rise_bytes=81 * MIB)})
+    assert just["passed"]  # 19 MiB under the measurement: within its 10% (20 MiB)
+
+
+def _long_vocab_plan():
+    from tools.plan_runs import plan_for
+
+    return plan_for(next(s for s in VALIDATION_SET if s.name == "transients_long_vocab"))
+
+
+def test_the_plan_at_recorded_lengths():
+    """Plan.at_lengths: at the planned lengths the same plan; at shorter responses (what a warmed-up model answers)
+    smaller logits in old_logprob and train, the same KV cache and rollout (the engine is sized at launch)."""
+    from planner import StepLengths
+    from tools.plan_runs import predicted_phases
+
+    plan = _long_vocab_plan()
+    inp = plan.inputs
+    planned = StepLengths(
+        longest_prompt=inp.prompt_tokens,
+        longest_response=inp.response_tokens,
+        longest_sequence=inp.seq_len,
+        mean_prompt=inp.prompt_tokens,
+        mean_response=inp.response_tokens,
+    )
+    same, launch = predicted_phases(plan.at_lengths(planned)), predicted_phases(plan)
+    assert {n: p.peak_bytes for n, p in same.items()} == {n: p.peak_bytes for n, p in launch.items()}
+    short = StepLengths(
+        longest_prompt=inp.prompt_tokens,
+        longest_response=8,
+        longest_sequence=inp.prompt_tokens + 8,
+        mean_prompt=inp.prompt_tokens - 1,
+        mean_response=5.2,
+    )
+    at_short = plan.at_lengths(short)
+    assert at_short.kv_cache_bytes == plan.kv_cache_bytes
+    after = predicted_phases(at_short)
+    for phase in ("old_logprob", "train"):
+        assert after[phase].components["logits"] < launch[phase].components["logits"] / 2
+    assert after["rollout"].peak_bytes == launch["rollout"].peak_bytes
+
+
+def test_recorded_lengths_round_trip_through_the_step_record():
+    """telemetry.metrics.step_lengths -> metrics.jsonl's lengths/* -> recorded_lengths, per step."""
+    from rl.batching import Sample
+    from telemetry.metrics import recorded_lengths, step_lengths
+
+    samples = [
+        Sample(0, [1, 2, 3], [4] * 5, [0.0] * 5, "stop", 0.0),
+        Sample(1, [1, 2, 3, 4], [5, 6], [0.0] * 2, "stop", 1.0),
+    ]
+    records = [{"trainer/step": 2, **step_lengths(samples)}, {"trainer/step": 3, "reward/mean": 0.0}]
+    [(step, lengths)] = recorded_lengths(records).items()
+    assert step == 2
+    assert (lengths.longest_prompt, lengths.longest_response, lengths.longest_sequence) == (4, 5, 8)
+    assert (lengths.mean_prompt, lengths.mean_response) == (3.5, 3.5)
+
+
+def test_prediction_errors_at_recorded_lengths_take_the_median_over_steady_steps():
+    from planner import StepLengths
+    from telemetry.memory_timeline import prediction_errors
+
+    plan = _long_vocab_plan()
+    inp = plan.inputs
+    rows = [
+        {"t_s": float(step), "step": step, "phase": "old_logprob", "rank": 0, "device_used": 100 * MIB,
+         "device_peak": 150 * MIB}
+        for step in range(4)
+    ]  # fmt: skip
+
+    def at(response: int) -> StepLengths:
+        return StepLengths(
+            longest_prompt=inp.prompt_tokens,
+            longest_response=response,
+            longest_sequence=inp.prompt_tokens + response,
+            mean_prompt=inp.prompt_tokens,
+            mean_response=response,
+        )
+
+    lengths = {0: at(24), 1: at(4), 2: at(8), 3: at(12)}  # step 0 is not steady
+    errors = prediction_errors(plan, rows, lengths=lengths)["old_logprob"]
+    assert errors["predicted_bytes"] == plan.at_lengths(at(8)).measurable_bytes("old_logprob")
+    assert prediction_errors(plan, rows)["old_logprob"]["predicted_bytes"] == plan.measurable_bytes("old_logprob")

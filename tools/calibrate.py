@@ -4,12 +4,15 @@ Runs (or reads, when ``runs/calibration/<name>/`` holds a finished run of the sa
 :data:`tools.plan_runs.FIT_SET` (it shares no configuration with the validation set), plans each run with the
 constants being fitted zeroed (or 1 for a factor), and fits, in this order:
 
-1. ``runtime_overhead_bytes``: what a rank holds beside the planned tensors. For every phase of the native-
-   engine runs whose plan has no transient (sleep, on/offloads, wakes), measured peak - planned bytes; the
-   middle of their range, uncertainty = half the range (the largest deviation from it, as small as it can be).
+1. ``runtime_after_launch_bytes``: what the steps add to the runtime level each rank measured at launch
+   (``summary.json``'s ``memory_plan.launch_runtime_bytes``, run/setup.py): for every phase of the native-engine
+   runs whose plan has no transient (sleep, on/offloads, wakes), measured peak - planned bytes - the launch
+   level; the middle of their range. ``runtime_overhead_bytes`` is the same without the launch level: what
+   ``make plan`` uses before a launch (the run replaces it with its measurement).
 2. ``local_spec_activation_factor``, ``local_attention_sequence_bytes`` and ``train_workspace_bytes`` (CPU):
-   what megatron's local layer (unfused RMSNorm, RoPE, SwiGLU and attention) keeps per token over the fused
-   count, what its attention loop keeps per packed sequence and in-flight layer beside its tensors, and the
+   what the train phase's RSS holds per token over the counted saved tensors of megatron's local layer
+   (``planner.sizes.local_layer_activation_elements_per_token``: unfused RMSNorm, RoPE, SwiGLU and attention,
+   counted), what its attention loop keeps per packed sequence and in-flight layer beside its tensors, and the
    fixed workspace the train phase takes beside them. Least squares of the measured rises of ``train``
    (workspace + factor x planned activations + per_sequence x sequence-layers), less what the plan counts
    (logits, attention scores, the largest weight gradient). A forward without grad (old/ref_logprob) keeps nothing: its working set is counted
@@ -26,6 +29,10 @@ preset, and the CUDA constants are fitted on the same level residuals, one run e
 ``runtime_overhead_bytes`` (one GPU, native engine), ``vllm_cuda_graph_bytes`` (one GPU, vLLM: what it keeps
 beside weights and KV cache, its CUDA graphs and reserve) and ``nccl_bytes_per_communicator`` (two GPUs: the
 residual over the rank's communicators). The other CUDA constants are policies and stay as they are.
+Uncertainties are leave-one-out (:func:`fit`): each fit run left out in turn, the constants fitted on the others;
+a level's uncertainty is the largest error of the left-out fit on the left-out run's phases, another constant's
+the largest move of its value. ``make calibrate`` prints them per run left out. A constant only one run informs
+(vLLM's runtime) has no left-out fit: its uncertainty is its in-fit spread, and the evidence says so.
 Writes ``planner/calibration/<kind>.json`` with the provenance (runs, their configs, library versions,
 date, device) and prints the fitted values.
 """
@@ -48,6 +55,7 @@ from tools.plan_runs import (
     cuda_fit_set,
     ensure_run,
     inputs_for,
+    launch_runtime_of,
     measured_phases,
     plan_for,
     predicted_phases,
@@ -109,8 +117,28 @@ def device_description(kind: str = "cpu") -> dict:
     }
 
 
-def _residuals(spec, run_dir: Path, calibration) -> tuple[dict, dict]:
-    plan = plan_for(spec, calibration)
+# what cannot be counted, per fitted CPU constant (written into the calibration's reference)
+WHY_FITTED = {
+    "runtime_overhead_bytes": "make plan's level before a launch: what a rank holds beside its tensors differs by "
+    "machine and shape; a launched run measures it (runtime_after_launch_bytes)",
+    "runtime_after_launch_bytes": "what the first steps add beside the tensors (autograd, gloo and thread-pool "
+    "buffers created lazily, heap the step leaves): no library reports it",
+    "vllm_runtime_bytes": "vLLM's CPU build's Python objects, compiled kernels and oneDNN caches beside its tensors",
+    "local_spec_activation_factor": "RSS over the counted saved tensors of megatron's local layer "
+    "(planner.sizes.local_layer_activation_elements_per_token): backward's per-token buffers and the allocator's "
+    "rounding, which no library reports",
+    "train_workspace_bytes": "the train phase's fixed temporaries beside its counted tensors",
+    "local_attention_sequence_bytes": "megatron's local attention loop's per-sequence autograd nodes (host objects)",
+    "engine_activation_factor": "the native engine's eager ops free some of a layer's tensors before others exist",
+    "engine_workspace_bytes": "the native engine's fixed temporaries beside its counted working set",
+    "heap_retention_bytes": "what rollout leaves in the heap for engine_sleep (allocator state)",
+}
+LEVELS = ("runtime_overhead_bytes", "runtime_after_launch_bytes", "vllm_runtime_bytes")
+
+
+def _residuals(spec, run_dir: Path, calibration, launch: bool = True) -> tuple[dict, dict]:
+    """(predicted, measured) phases; ``launch``: with the runtime level the run measured at launch, if it did."""
+    plan = plan_for(spec, calibration, run_dir if launch else None)
     return predicted_phases(plan), measured_phases(run_dir)
 
 
@@ -175,10 +203,52 @@ def _actor_fit(rows: list[tuple[float, float, float]]) -> tuple[float, float, fl
 
 
 def fit(run_dirs: dict[str, Path]) -> tuple[dict[str, tuple[float, float]], dict]:
-    """name -> (value, uncertainty), and the per-run evidence."""
+    """name -> (value, leave-one-out uncertainty), and the per-run evidence (with each left-out fit)."""
+    values, evidence, level_residuals_of = _fit_values(run_dirs)
+    deviations: dict[str, list[float]] = {name: [] for name in values}
+    loo = {}
+    for left_out in run_dirs:
+        rest = {n: d for n, d in run_dirs.items() if n != left_out}
+        others, _, _ = _fit_values(rest)
+        loo[left_out] = {n: v for n, v in others.items() if v is not None}
+        for name, value in others.items():
+            if value is None or values[name] is None:
+                continue
+            if name in LEVELS:  # the left-out fit's error on the left-out run's own levels
+                own = level_residuals_of.get((left_out, name), [])
+                deviations[name] += [abs(r - value) for r in own]
+            else:
+                deviations[name].append(abs(value - values[name]))
+    evidence["leave_one_out"] = loo
+    out = {}
+    for name, (value, spread) in ((n, v) for n, v in _with_spreads(values, level_residuals_of).items()):
+        uncertainty = max(deviations[name], default=None)
+        if uncertainty is None:
+            uncertainty = spread
+            evidence.setdefault("in_fit_spread_only", []).append(name)
+        rounded = round if name.endswith("_factor") else (lambda v, _: int(v))
+        out[name] = (rounded(value, 3), rounded(uncertainty, 3))
+    return out, evidence
+
+
+def _with_spreads(values: dict, level_residuals_of: dict) -> dict[str, tuple[float, float]]:
+    """name -> (value, its in-fit spread: the largest deviation of its residuals), for the constants with data."""
+    out = {}
+    for name, value in values.items():
+        if value is None:
+            continue
+        residuals = [r for (_, n), rs in level_residuals_of.items() if n == name for r in rs]
+        out[name] = (value, max((abs(r - value) for r in residuals), default=0.0))
+    return out
+
+
+def _fit_values(run_dirs: dict[str, Path]) -> tuple[dict[str, float | None], dict, dict]:
+    """name -> fitted value (None: no run in ``run_dirs`` informs it), the per-run evidence, and
+    (run, level constant) -> that run's level residuals."""
     base = load("cpu")
     zero = base.with_values(
         runtime_overhead_bytes=0,
+        runtime_after_launch_bytes=0,
         vllm_runtime_bytes=0,
         local_spec_activation_factor=1.0,
         engine_activation_factor=1.0,
@@ -191,15 +261,22 @@ def fit(run_dirs: dict[str, Path]) -> tuple[dict[str, tuple[float, float]], dict
     native = [n for n in run_dirs if "rollout.engine=vllm" not in specs[n].overrides]
     vllm = [n for n in run_dirs if n not in native]
     evidence: dict = {name: {} for name in run_dirs}
+    levels: dict[tuple[str, str], list[int]] = {}
     planned = {name: _residuals(specs[name], run_dirs[name], zero) for name in run_dirs}
 
-    # 1. runtime beside the tensors (native engine runs)
-    residuals = []
+    # 1. runtime beside the tensors (native engine runs): after the launch level the run measured, and without it
+    residuals, after_launch = [], []
     for name in native:
-        r = level_residuals(*planned[name])
-        evidence[name]["level_residual_bytes"] = r
-        residuals += r
-    runtime, runtime_unc = _minimax(residuals)
+        without = level_residuals(*_residuals(specs[name], run_dirs[name], zero, launch=False))
+        evidence[name]["level_residual_bytes"] = levels[name, "runtime_overhead_bytes"] = without
+        residuals += without
+        if launch_runtime_of(run_dirs[name]) is not None:
+            r = level_residuals(*planned[name])
+            evidence[name]["launch_runtime_bytes"] = launch_runtime_of(run_dirs[name])
+            evidence[name]["after_launch_residual_bytes"] = levels[name, "runtime_after_launch_bytes"] = r
+            after_launch += r
+    runtime = _minimax(residuals)[0] if residuals else None
+    runtime_after_launch = _minimax(after_launch)[0] if after_launch else None
 
     # 2. the actor's transients (every fit run: the actor is the same with either engine):
     #    rise(train) = workspace + factor x activations + logits
@@ -253,11 +330,11 @@ def fit(run_dirs: dict[str, Path]) -> tuple[dict[str, tuple[float, float]], dict
             retained.append(measured["engine_sleep"].peak_bytes - measured["rollout"].start_bytes)
     engine_workspace, engine_factor, engine_residual = _line_fit(engine_points)
     retention = statistics.median(retained) if retained else 0
-    retention_unc = max((abs(r - retention) for r in retained), default=0)
 
     # 4. vLLM's CPU runtime (vLLM runs), with everything above fitted
     fitted = zero.with_values(
-        runtime_overhead_bytes=runtime,
+        runtime_overhead_bytes=runtime or 0,
+        runtime_after_launch_bytes=runtime_after_launch or 0,
         local_spec_activation_factor=factor,
         engine_activation_factor=engine_factor,
         train_workspace_bytes=train_workspace,
@@ -268,24 +345,22 @@ def fit(run_dirs: dict[str, Path]) -> tuple[dict[str, tuple[float, float]], dict
     v = []
     for name in vllm:
         r = level_residuals(*_residuals(specs[name], run_dirs[name], fitted))
-        evidence[name]["vllm_level_residual_bytes"] = r
+        evidence[name]["vllm_level_residual_bytes"] = levels[name, "vllm_runtime_bytes"] = r
         v += r
-    vllm_runtime, vllm_unc = (
-        _minimax(v) if v else (base.value("vllm_runtime_bytes"), base["vllm_runtime_bytes"].uncertainty)
-    )
-    mean_act = statistics.mean(x for x, _, _ in actor_rows) or 1
-    mean_seq = statistics.mean(x for _, x, _ in actor_rows) or 1
-    mean_eng = statistics.mean(x for x, _, _ in engine_points) if engine_points else 1
-    return {
-        "runtime_overhead_bytes": (int(runtime), int(runtime_unc)),
-        "local_spec_activation_factor": (round(factor, 3), round(actor_residual / mean_act, 3)),
-        "train_workspace_bytes": (int(train_workspace), int(actor_residual)),
-        "local_attention_sequence_bytes": (int(per_sequence), int(actor_residual / mean_seq)),
-        "engine_activation_factor": (round(engine_factor, 3), round(engine_residual / mean_eng, 3)),
-        "engine_workspace_bytes": (int(engine_workspace), int(engine_residual)),
-        "heap_retention_bytes": (int(retention), int(retention_unc)),
-        "vllm_runtime_bytes": (int(vllm_runtime), int(vllm_unc)),
-    }, evidence
+    has_actor, has_engine = bool(actor_rows), bool(engine_points)
+    values = {
+        "runtime_overhead_bytes": runtime,
+        "runtime_after_launch_bytes": runtime_after_launch,
+        "local_spec_activation_factor": factor if has_actor else None,
+        "train_workspace_bytes": train_workspace if has_actor else None,
+        "local_attention_sequence_bytes": per_sequence if has_actor else None,
+        "engine_activation_factor": engine_factor if has_engine else None,
+        "engine_workspace_bytes": engine_workspace if has_engine else None,
+        "heap_retention_bytes": retention if retained else None,
+        "vllm_runtime_bytes": _minimax(v)[0] if v else None,
+    }
+    evidence["in_fit_residuals"] = {"train_bytes": actor_residual, "rollout_bytes": engine_residual}
+    return values, evidence, levels
 
 
 def _median_and_spread(values: list[float]) -> tuple[int, int]:
@@ -360,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     constants = dict(base.constants)
     for name, (value, uncertainty) in values.items():
         unit = constants[name].unit
-        constants[name] = Constant(name, value, uncertainty, "fit", reference, unit)
+        why = f"; fitted, not counted: {WHY_FITTED[name]}" if name in WHY_FITTED else ""
+        constants[name] = Constant(name, value, uncertainty, "fit", reference + why, unit)
     calibration = type(base)(
         kind,
         constants,
@@ -374,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     path = write(calibration, Path(args.out) if args.out else None)
     print(json.dumps({name: {"value": v, "uncertainty": u} for name, (v, u) in values.items()}))
+    for left_out, others in evidence.get("leave_one_out", {}).items():  # what each left-out fit says (CPU)
+        print(json.dumps({"left_out": left_out, **others}))
     print(f"wrote {path}", file=sys.stderr)
     return 0
 

@@ -1,11 +1,17 @@
 """Can the plan's validation fail? Mutate one term of the model and re-check it against the stored runs.
 
 For each term (params, grads, Adam states, activations, logits, attention scores, engine weights, engine
-activations, KV bytes per token, sync bucket) doubled, and each transient zeroed, the validation set's runs
-(``runs/validation/<name>/``, from ``make validate-plan``; nothing is run here) are planned again with the
-mutation and checked as ``make validate-plan`` checks them. Prints one JSON line per mutation (term, factor,
-the checks it fails that the unmutated plan passes) and a table; exit 1 when some mutation fails no new
-check (a check that cannot fail).
+activations, KV bytes per token, sync bucket) doubled, each transient zeroed, and the runtime level (the one
+each run measured at launch) and every fitted constant of the calibration scaled by 0.5 and 1.5, the
+validation set's runs (``runs/validation/<name>/``, from ``make validate-plan``; nothing is run here) are
+planned again with the mutation and checked as ``make validate-plan`` checks them (the model at each run's recorded
+lengths, and the launch plan's bound). Prints one JSON line per
+mutation (term, factor, the checks it fails that the unmutated plan passes, the largest move of a prediction
+as a fraction of that check's allowance) and a table.
+
+A mutation that moves some check's prediction by more than that check's allowance must fail some check: exit 1
+when one does not (a check that cannot fail). One that moves no prediction that far is too small to be seen at
+this tolerance: listed with its largest move in MiB, not counted as uncaught.
 
 Component terms scale that component in every phase (and in the level the phase starts from); function
 terms (attention scores, engine activations, KV bytes per token) scale the planner's function, so what
@@ -21,10 +27,24 @@ import sys
 from unittest import mock
 
 import planner.plan as plan_module
-from tools.plan_runs import VALIDATION_SET, check, measured_phases, plan_for, predicted_phases, run_dir_for
+from planner.calibration import load
+from tools.plan_runs import (
+    FLOOR_BYTES,
+    PEAK_TOLERANCE,
+    RISE_TOLERANCE,
+    VALIDATION_SET,
+    check,
+    launch_runtime_of,
+    measured_phases,
+    model_phases,
+    plan_for,
+    predicted_phases,
+    run_dir_for,
+)
 from tools.validate_plan import SET_NAME
 
-# term -> ("component", name) | ("function", planner.plan attribute)
+# term -> ("component", name) | ("function", planner.plan attribute) | ("constant", calibration name)
+# | ("launch", None): the runtime level the run measured at launch
 TERMS = {
     "params": ("component", "actor_params"),
     "grads": ("component", "actor_grads"),
@@ -36,9 +56,23 @@ TERMS = {
     "engine_activations": ("function", "engine_activation_bytes"),
     "kv_bytes_per_token": ("function", "kv_bytes_per_token"),
     "sync_bucket": ("component", "sync_bucket"),
+    "launch_runtime": ("launch", None),
 }
 TRANSIENTS = ("activations", "logits", "attention_scores", "engine_activations", "sync_bucket")
-MUTATIONS = [(term, 2.0) for term in TERMS] + [(term, 0.0) for term in TRANSIENTS]
+
+
+def fitted_constants(device_kind: str = "cpu") -> list[str]:
+    """The calibration's constants that are fitted (source ``fit``): each is a mutation term."""
+    return [name for name, c in load(device_kind).constants.items() if c.source == "fit"]
+
+
+def mutations() -> list[tuple[str, float]]:
+    scaled = ["launch_runtime", *fitted_constants()]
+    return (
+        [(term, 2.0) for term in TERMS if term not in scaled]
+        + [(term, 0.0) for term in TRANSIENTS]
+        + [(term, factor) for term in scaled for factor in (0.5, 1.5)]
+    )
 
 
 @contextlib.contextmanager
@@ -48,23 +82,76 @@ def _scaled_function(name: str, factor: float):
         yield
 
 
+def _checked(plan, run_dir, mutate=None) -> tuple[dict, dict]:
+    """(the model's phases: the plan at the run's recorded lengths; the launch plan's phases: its bound)."""
+    return model_phases(plan, run_dir, mutate), predicted_phases(plan, mutate)
+
+
+def mutated_phases(term: str, factor: float, spec) -> tuple[dict, dict]:
+    kind, target = TERMS.get(term, ("constant", term))  # a term not listed is a fitted constant's name
+    run_dir = run_dir_for(spec, SET_NAME)
+    if kind == "function":
+        with _scaled_function(target, factor):
+            return _checked(plan_for(spec, run_dir=run_dir), run_dir)
+    if kind == "constant":
+        calibration = load("cpu")
+        scaled = calibration.with_values(**{target: calibration.value(target) * factor})
+        return _checked(plan_for(spec, scaled, run_dir), run_dir)
+    if kind == "launch":
+        launch = launch_runtime_of(run_dir)
+        if launch is None:  # a run that measured no launch level: the fitted level is what the plan uses
+            calibration = load("cpu")
+            name = "runtime_overhead_bytes"
+            scaled = calibration.with_values(**{name: calibration.value(name) * factor})
+            return _checked(plan_for(spec, scaled), run_dir)
+        return _checked(plan_for(spec, run_dir=run_dir, launch_runtime_bytes=round(launch * factor)), run_dir)
+
+    def mutate(components, target=target):
+        return {k: round(v * factor) if k == target else v for k, v in components.items()}
+
+    return _checked(plan_for(spec, run_dir=run_dir), run_dir, mutate)
+
+
+def _largest_move(predicted: dict, mutated: dict, measured: dict) -> tuple[float, int]:
+    """(the largest move of a checked prediction as a fraction of that check's allowance, in bytes)."""
+    ratio, moved = 0.0, 0
+    for name, m in measured.items():
+        if name not in predicted or m.peak_bytes <= 0:
+            continue
+        p, q = predicted[name], mutated[name]
+        for before, after, value, rel in (
+            (p.peak_bytes, q.peak_bytes, m.peak_bytes, PEAK_TOLERANCE),
+            (p.rise_bytes, q.rise_bytes, m.rise_bytes, RISE_TOLERANCE),
+        ):
+            move = abs(after - before)
+            allowance = max(rel * abs(value), FLOOR_BYTES)
+            if move / allowance > ratio:
+                ratio, moved = move / allowance, move
+    return ratio, moved
+
+
 def evaluate(term: str, factor: float, runs: dict, baseline: frozenset = frozenset()) -> dict:
-    """The checks the mutation fails that the unmutated plan passes (``baseline``: what already fails)."""
-    kind, target = TERMS[term]
-    failures = []
+    """The checks the mutation fails that the unmutated plan passes (``baseline``: what already fails), and how far
+    it moves the predictions."""
+    failures, ratio, moved = [], 0.0, 0
     for spec, measured in runs.items():
-        if kind == "function":
-            with _scaled_function(target, factor):
-                predicted = predicted_phases(plan_for(spec))
-        else:
-
-            def mutate(components, target=target):
-                return {k: round(v * factor) if k == target else v for k, v in components.items()}
-
-            predicted = predicted_phases(plan_for(spec), mutate)
-        result = check(spec.name, predicted, measured)
+        predicted, bound = mutated_phases(term, factor, spec)
+        run_dir = run_dir_for(spec, SET_NAME)
+        unmutated = model_phases(plan_for(spec, run_dir=run_dir), run_dir)
+        r, m = _largest_move(unmutated, predicted, measured)
+        if r > ratio:
+            ratio, moved = r, m
+        result = check(spec.name, predicted, measured, bound)
         failures += [f"{spec.name}: {f}" for f in result["failures"] if f"{spec.name}: {f}" not in baseline]
-    return {"term": term, "factor": factor, "failed_checks": failures, "caught": bool(failures)}
+    return {
+        "term": term,
+        "factor": factor,
+        "failed_checks": failures,
+        "caught": bool(failures),
+        "largest_move_of_allowance": round(ratio, 3),
+        "largest_move_bytes": moved,
+        "too_small": not failures and ratio <= 1.0,  # moves no prediction beyond its check's allowance
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,20 +164,26 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {run_dir} has no finished run; run `make validate-plan` first", file=sys.stderr)
             return 2
         runs[spec] = measured_phases(run_dir)
-    baseline = [check(s.name, predicted_phases(plan_for(s)), m) for s, m in runs.items()]
+    baseline = []
+    for s, m in runs.items():
+        model, bound = _checked(plan_for(s, run_dir=run_dir_for(s, SET_NAME)), run_dir_for(s, SET_NAME))
+        baseline.append(check(s.name, model, m, bound))
     already = frozenset(f"{r['config']}: {f}" for r in baseline for f in r["failures"])
     if already:  # those checks cannot tell a mutation apart: a mutation counts only by the checks it newly fails
         print(f"note: the unmutated plan already fails: {'; '.join(sorted(already))}", file=sys.stderr)
-    results = [evaluate(term, factor, runs, already) for term, factor in MUTATIONS]
+    results = [evaluate(term, factor, runs, already) for term, factor in mutations()]
     for r in results:
         print(json.dumps(r), flush=True)
-    print(f"\n{'term':<20}{'factor':>7}  first failing checks (of {len(runs)} configurations)", file=sys.stderr)
+    print(f"\n{'term':<32}{'factor':>7}  first failing checks (of {len(runs)} configurations)", file=sys.stderr)
     for r in results:
         shown = "; ".join(r["failed_checks"][:3]) + (
             f" (+{len(r['failed_checks']) - 3})" if len(r["failed_checks"]) > 3 else ""
         )
-        print(f"{r['term']:<20}{r['factor']:>7.1f}  {shown or 'NONE: no check fails'}", file=sys.stderr)
-    return 0 if all(r["caught"] for r in results) else 1
+        if not shown:
+            size = f"largest move {r['largest_move_bytes'] / 2**20:.1f} MiB, {r['largest_move_of_allowance']:.2f} of its allowance"
+            shown = f"too small to see: {size}" if r["too_small"] else f"NONE: no check fails ({size})"
+        print(f"{r['term']:<32}{r['factor']:>7.1f}  {shown}", file=sys.stderr)
+    return 0 if all(r["caught"] or r["too_small"] for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """``make validate-plan``: the memory plan against runs it was not fitted to, one JSON line per configuration.
 
 Runs (or reads, when ``runs/validation/<name>/`` holds a finished run of the same spec) every configuration
-of :data:`tools.plan_runs.VALIDATION_SET` (4 short steps each), plans each run again with the calibration
+of :data:`tools.plan_runs.VALIDATION_SET` (3 steps each, as users run them: warm-up, checkpoints and W&B as the
+experiment has them), plans each run again with the calibration
 the planner loads, and prints per configuration::
 
     {"config", "max_abs_relative_error", "worst_phase", "passed", "failures",
@@ -9,9 +10,12 @@ the planner loads, and prints per configuration::
                        "predicted_rise_bytes", "measured_rise_bytes", "peak_ok", "rise_ok"}}}
 
 measured = the phase's steady-state peak (median over steps 1.., worst rank), RSS over the probe's
-baseline on CPU. A phase passes when its predicted peak is within 10% of the measured one (or 16 MiB) and
-its predicted rise above its starting level within 20% of the measured rise (or 16 MiB). Exit 1 when any
-phase fails. ``--table`` adds a readable table on stderr.
+baseline on CPU. predicted = the model: the run's plan evaluated at the lengths each steady step recorded
+(metrics.jsonl's ``lengths/*``: the longest prompt, response and row, the means), median over those steps. A phase
+passes when its predicted peak is within 10% of the measured one (or 8 MiB), its predicted rise above its starting
+level within 20% of the measured rise (or 8 MiB), and the launch plan (the longest prompt, ``max_new_tokens``
+responses: a bound) is not exceeded by more than the peak's allowance (``launch_planned_bytes``, ``bound_ok``;
+failure ``<phase> launch bound``). Exit 1 when any phase fails. ``--table`` adds a readable table on stderr.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from tools.plan_runs import (
     cuda_validation_set,
     ensure_run,
     measured_phases,
+    model_phases,
     plan_for,
     predicted_phases,
     run_dir_for,
@@ -53,8 +58,9 @@ def validate(names: list[str] | None = None, rerun: bool = False, calibration=No
         if names and spec.name not in names:
             continue
         run_dir = ensure_run(spec, run_dir_for(spec, SET_NAME), rerun=rerun)
-        plan = plan_for(spec, calibration)
-        results.append(check(spec.name, predicted_phases(plan, mutate), measured_phases(run_dir)))
+        plan = plan_for(spec, calibration, run_dir)  # with the runtime level the run measured at launch
+        model, bound = model_phases(plan, run_dir, mutate), predicted_phases(plan, mutate)
+        results.append(check(spec.name, model, measured_phases(run_dir), bound))
     return results
 
 

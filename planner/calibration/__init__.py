@@ -29,7 +29,7 @@ _TRANSIENT_CONSTANTS = (
 )
 # every constant the planner reads, per device kind (a calibration file must define all of its kind's)
 CONSTANTS: dict[str, tuple[str, ...]] = {
-    "cpu": ("runtime_overhead_bytes", "vllm_runtime_bytes", *_TRANSIENT_CONSTANTS),
+    "cpu": ("runtime_overhead_bytes", "runtime_after_launch_bytes", "vllm_runtime_bytes", *_TRANSIENT_CONSTANTS),
     "cuda": (
         "runtime_overhead_bytes",
         "vllm_cuda_graph_bytes",

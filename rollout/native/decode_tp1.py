@@ -74,3 +74,43 @@ def scripted_decode_layers():
         except Exception:  # noqa: BLE001 - TorchScript is optional: the eager function is the same math
             _SCRIPTED["fn"] = decode_layers_tp1
     return _SCRIPTED["fn"]
+
+
+def first_use(
+    hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int, num_seqs: int
+) -> None:
+    """Compile :func:`scripted_decode_layers` and run it as a decode does (TorchScript's profiling executor
+    specializes on the first call and optimizes on the next ones), on one throw-away fp32 layer at the
+    model's sizes over ``num_seqs`` sequences, so what TorchScript keeps per process (the compiled and
+    optimized graphs, their executor state) is paid before the run's launch measurement (run/setup.py), not
+    in the first rollout."""
+    h, d, kv, ffn = hidden_size, head_dim, num_kv_heads, intermediate_size
+    fn = scripted_decode_layers()
+    for span in (4, 8, 12):  # a decode's context grows: more than one shape, as the executor sees in a rollout
+        rows = 2 * num_seqs * kv
+        token_rows = torch.zeros(rows * span, d)  # [slots, d]: one block of ``span`` slots per (seq, kv head, k/v)
+        fn(
+            torch.zeros(num_seqs, h),  # x [B, h]
+            torch.ones(num_seqs, 1, d),  # cos [B, 1, d]
+            torch.zeros(num_seqs, 1, d),  # sin [B, 1, d]
+            [torch.ones(h)],
+            [torch.zeros((num_heads + 2 * kv) * d, h)],
+            [],
+            [],
+            [torch.zeros(num_heads * d, h)],
+            [torch.ones(h)],
+            [torch.zeros(2 * ffn, h)],
+            [torch.zeros(ffn, h)],
+            [token_rows],
+            [token_rows.view(rows, span * d)],  # [blocks, span * d]
+            torch.arange(rows) * span,  # new_rows [2*B*kv]
+            torch.arange(rows),  # ctx_block_rows [2*B*kv]
+            torch.zeros(num_seqs * kv, 1, span),  # additive mask [B*kv, 1, span]
+            torch.tensor(1e-3),
+            torch.tensor(1e-3),
+            num_heads,
+            kv,
+            d,
+            span,
+            1.0 / d**0.5,
+        )
