@@ -334,7 +334,7 @@ def launch_runtime_bytes(
             shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate_size,
             decode_sequences,
         )  # fmt: skip
-    level = torch.tensor([probe.runtime_level_bytes()], dtype=torch.int64)
+    level = torch.tensor([probe.runtime_level_bytes()], dtype=torch.int64, device=device)
     dist.all_reduce(level, op=dist.ReduceOp.MAX)
     return int(level)
 
