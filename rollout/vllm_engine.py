@@ -442,12 +442,15 @@ class VllmEngine:
         vllm_device = torch.device("cpu" if self.platform == "cpu" else f"cuda:{os.environ.get('LOCAL_RANK', 0)}")
         if device is not None and torch.device(device) not in (vllm_device, torch.device(vllm_device.type)):
             raise ValueError(f"device={device} but vLLM runs this rank on {vllm_device} (its platform, LOCAL_RANK)")
-        _ensure_launcher_env(mesh, rank)
+        # refused before anything touches the process environment (_ensure_launcher_env sets the launcher's
+        # variables, which later engines and child processes of this process would inherit)
         self.returns_routed_experts = bool(overrides.get("enable_return_routed_experts"))
         if self.returns_routed_experts:
             why = routed_experts_unsupported("vllm", self.platform)
             if why is not None:
                 raise ValueError(f"enable_return_routed_experts: vLLM {why}")
+        _ensure_launcher_env(mesh, rank)
+        if self.returns_routed_experts:
             # vLLM's routed-experts capture runs in Model Runner V2 only (its config check; prefix caching is on)
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         kwargs = engine_args(cfg, model_path, mesh, self.platform, dtype=dtype, load=load, shape=shape, **overrides)

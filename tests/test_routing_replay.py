@@ -4,6 +4,8 @@ differs; the run's config refuses replay where nothing can be replayed."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -239,10 +241,14 @@ def test_vllm_cpu_build_refuses_routed_experts_in_one_line(tiny_model_dirs):
     from rollout.vllm_engine import VllmEngine
 
     cfg = RolloutConfig(engine="vllm", kv_cache_bytes=16 << 20, max_model_len=128)
+    launcher_keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    launcher_before = {key: os.environ.get(key) for key in launcher_keys}
     with pytest.raises(
         ValueError, match=r"^enable_return_routed_experts: vLLM cannot return routed experts on vLLM's CPU"
     ):
         VllmEngine(cfg, tiny_model_dirs["qwen3_moe"], dtype="float32", enable_return_routed_experts=True)
+    # refused before the launcher's variables are set: later runs spawned from this process inherit them
+    assert {key: os.environ.get(key) for key in launcher_keys} == launcher_before
 
 
 @pytest.mark.vllm
