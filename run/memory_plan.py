@@ -39,6 +39,9 @@ def plan_inputs(
         prompt_tokens = longest - rollout.max_new_tokens
         if not rollout.max_model_len:
             prompt_tokens = min(DEFAULT_PROMPT_TOKENS, prompt_tokens)
+    # the engine ends a row at its max_model_len (native: rollout/native/scheduler.py; vLLM: finish reason "length")
+    max_len = rollout.max_model_len or shape.max_position_embeddings
+    response_tokens = max(1, min(rollout.max_new_tokens, max_len - max(1, prompt_tokens)))
     inputs = PlanInputs(
         shape=shape,
         device=device,
@@ -64,7 +67,7 @@ def plan_inputs(
         eval_sequences=eval_sequences(cfg),
         hf_exports=cfg.trainer.export_every > 0 or cfg.trainer.export_at_end,
         prompt_tokens=max(1, prompt_tokens),
-        response_tokens=rollout.max_new_tokens,
+        response_tokens=response_tokens,
         rollout_tp=rollout.tp,
         rollout_ep=rollout.ep,
         gpu_memory_utilization=rollout.utilization,  # None: auto

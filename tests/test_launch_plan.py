@@ -75,3 +75,15 @@ def test_the_launcher_plans_once_and_the_ranks_use_its_plan(tmp_path, monkeypatc
     assert launch.kv_choice.kv_cache_bytes == launch.plan.kv_cache_bytes
     assert 1 <= len(calls) <= 2
     assert [r["engine_kv_cache_bytes"] for r in ranks] == [launch.plan.kv_cache_bytes] * 2
+
+
+def test_the_plan_ends_rows_where_the_engine_does():
+    """Responses stop at the engine's max_model_len (rollout/native/scheduler.py caps prompt + max_tokens there; vLLM
+    ends the row with finish reason "length"): the launch plan's rows are no longer than that."""
+    from run.compose import compose
+    from run.memory_plan import plan_inputs
+
+    capped = plan_inputs(compose("tiny_cpu", ["rollout.max_new_tokens=384"]), prompt_tokens=6)
+    assert (capped.prompt_tokens, capped.response_tokens, capped.seq_len) == (6, 250, 256)  # tiny:qwen2: 256 positions
+    longer = plan_inputs(compose("tiny_cpu", ["rollout.max_new_tokens=384", "rollout.max_model_len=512"]), 6)
+    assert (longer.response_tokens, longer.seq_len) == (384, 390)

@@ -87,9 +87,10 @@ def _checked(plan, run_dir, mutate=None) -> tuple[dict, dict]:
     return model_phases(plan, run_dir, mutate), predicted_phases(plan, mutate)
 
 
-def mutated_phases(term: str, factor: float, spec) -> tuple[dict, dict]:
+def mutated_phases(term: str, factor: float, spec, run_dir=...) -> tuple[dict, dict]:
+    """(the model's phases, the launch plan's) under the mutation; ``run_dir=None``: the launch plan alone, no run."""
     kind, target = TERMS.get(term, ("constant", term))  # a term not listed is a fitted constant's name
-    run_dir = run_dir_for(spec, SET_NAME)
+    run_dir = run_dir_for(spec, SET_NAME) if run_dir is ... else run_dir
     if kind == "function":
         with _scaled_function(target, factor):
             return _checked(plan_for(spec, run_dir=run_dir), run_dir)
@@ -128,6 +129,19 @@ def _largest_move(predicted: dict, mutated: dict, measured: dict) -> tuple[float
             if move / allowance > ratio:
                 ratio, moved = move / allowance, move
     return ratio, moved
+
+
+def widest_planned_move(term: str, factor: float) -> tuple[float, str]:
+    """How far the mutation moves the validation set's launch plans (no run needed), in allowances of each check, the
+    unmutated prediction standing for the measurement, and where. More than 2 allowances (the band's width) moves some
+    check out of tolerance wherever its unmutated prediction sits within it: the set can see the term."""
+    widest, where = 0.0, ""
+    for spec in VALIDATION_SET:
+        unmutated = predicted_phases(plan_for(spec))
+        move, _ = _largest_move(unmutated, mutated_phases(term, factor, spec, run_dir=None)[0], unmutated)
+        if move > widest:
+            widest, where = move, spec.name
+    return widest, where
 
 
 def evaluate(term: str, factor: float, runs: dict, baseline: frozenset = frozenset()) -> dict:
