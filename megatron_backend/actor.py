@@ -210,6 +210,18 @@ class Actor:
         pad_to = self.dims.tp if self.sequence_parallel else 1
         return [build_micro_batch(batch, g, lengths, packed, device, response_only, pad_to) for g in groups]
 
+    def _router_padding(self, chunk, mb) -> dict:
+        """``padding_mask`` for an MoE model's forward, so its routers leave the pads out of their losses. megatron
+        splits it over TP under sequence parallelism on the first stage only (``GPTModel._preprocess``); a later
+        stage gets this TP rank's contiguous share of the token dim ([b, S / tp] or [1, T / tp]) here."""
+        if not self.shape.is_moe:
+            return {}
+        mask = mb.padding_mask
+        if self.sequence_parallel and not chunk.pre_process:
+            share = mask.shape[1] // self.dims.tp
+            mask = mask[:, self.dims.tp_rank * share : (self.dims.tp_rank + 1) * share]
+        return {"padding_mask": mask}
+
     def _routing_mode(self, batch: TokenBatch, replay: bool, forward_only: bool) -> tuple[bool, bool]:
         """(replay the engine's routing, record the actor's own) for a pass over ``batch``."""
         if replay and (self.routing is None or batch.routed_experts is None):
@@ -236,7 +248,11 @@ class Actor:
             with self.routing.forward(chunk_index[id(model)], mb, *routing) if routed else contextlib.nullcontext():
                 # last stage: logits [b, S, V_local] (padded) or [1, T, V_local] (packed)
                 output = model(
-                    mb.input_ids, mb.position_ids, attention_mask=None, packed_seq_params=mb.packed_seq_params
+                    mb.input_ids,
+                    mb.position_ids,
+                    attention_mask=None,
+                    packed_seq_params=mb.packed_seq_params,
+                    **self._router_padding(self.chunks[chunk_index[id(model)]], mb),
                 )
             return output, loss_func_factory(mb)
 

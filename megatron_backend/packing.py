@@ -21,6 +21,12 @@ model's token count becomes a multiple of it: padded rows get pad columns on the
 a packed micro-batch one more THD sequence of pad tokens (T rounded up; its own attention span, positions
 from 0). Causal attention keeps either from reaching a real token; no row reads them.
 
+``padding_mask`` [b, S'] or [1, T] bool is True on every token that is not a sequence's (a padded row's
+right padding, the TP pad columns or the pad sequence): megatron's MoE routers leave those out of their
+load-balancing and z losses (``GPTModel.forward(padding_mask=)``, True = padding as
+``moe_utils.compute_routing_scores_for_aux_loss`` reads it). They are still routed and computed, and no row
+reads them.
+
 Either way ``rows`` [M] are the rows of the flattened logits whose next-token log-prob is wanted
 (every real target, or with ``response_only`` those under ``loss_mask``), ``targets``
 [M] the next tokens, and ``dense_index`` [M] where each value goes in the micro-batch's
@@ -51,11 +57,13 @@ class MicroBatch:
     dense_index: torch.Tensor  # [M] int64 positions in the flattened [b, S-1] output
     data: TokenBatch  # the batch's rows ([b, ...]): what the loss function reads
     num_model_tokens: int  # tokens the model runs on (b*S padded, T packed)
-    # MoE, when the batch has the engine's routing: [N, num_moe_layers, top_k] int64 in the router's token order
+    # MoE, when the batch has the engine's routing: [N, num_moe_layers, top_k] int16 in the router's token order
     # (N = num_model_tokens: s*b + j padded, the packed order packed; -1 where the engine did not route), and
-    # [N] bool: the tokens whose output is a response log-prob (input positions under loss_mask)
+    # [N] bool: the tokens whose output is a response log-prob (input positions under loss_mask); both in host
+    # memory: the routers take their layer's [N, k] to the device (megatron_backend/routing_replay.py)
     routed_experts: torch.Tensor | None = None
     routing_counted: torch.Tensor | None = None
+    padding_mask: torch.Tensor | None = None  # same shape as input_ids: True on tokens of no sequence
 
     @property
     def num_seqs(self) -> int:
@@ -169,6 +177,7 @@ def build_micro_batch(
     multiple of ``pad_to`` (see the module doc)."""
     idx = torch.tensor(index, dtype=torch.long)
     data = batch.select(idx, device)
+    data.routed_experts = None  # no loss reads it; the routers get it below, in their token order
     input_ids = batch.input_ids[idx.to(batch.input_ids.device)].cpu()  # [b, S]
     num_seqs, width = input_ids.shape
     lens = lengths[idx]  # [b]
@@ -190,6 +199,7 @@ def build_micro_batch(
         positions = torch.cat([torch.arange(int(n)) for n in spans]).unsqueeze(0)  # [1, T]
         params = _packed_seq_params(spans, device)
         num_model_tokens = int(spans.sum())
+        padding = (torch.arange(num_model_tokens) >= int(lens.sum())).unsqueeze(0)  # [1, T]
     else:
         padded_width = width + (-width % pad_to)
         tokens = torch.nn.functional.pad(input_ids, (0, padded_width - width))  # [b, S'] pad id 0
@@ -197,9 +207,10 @@ def build_micro_batch(
         rows = seq_of_row * padded_width + pos_of_row
         params = None
         num_model_tokens = num_seqs * padded_width
+        padding = torch.arange(padded_width).unsqueeze(0) >= lens.unsqueeze(1)  # [b, S']
     routed, counted = None, None
     if batch.routed_experts is not None:
-        routed = batch.routed_experts[idx.to(batch.routed_experts.device)].cpu().long()  # [b, S, layers, k]
+        routed = batch.routed_experts[idx.to(batch.routed_experts.device)].cpu()  # [b, S, layers, k] int16
         counted = torch.zeros(num_seqs, width, dtype=torch.bool)  # [b, S]: input t predicts a response token
         if batch.loss_mask is not None:
             counted[:, :-1] = batch.loss_mask[idx.to(batch.loss_mask.device)].cpu() > 0
@@ -211,7 +222,6 @@ def build_micro_batch(
             routed = torch.nn.functional.pad(routed, (0, 0, 0, 0, 0, extra), value=-1)
             counted = torch.nn.functional.pad(counted, (0, extra))
             routed, counted = routed.transpose(0, 1).flatten(0, 1), counted.t().flatten()
-        routed, counted = routed.to(device), counted.to(device)
     return MicroBatch(
         index=idx,
         input_ids=tokens.to(device),
@@ -224,4 +234,5 @@ def build_micro_batch(
         num_model_tokens=num_model_tokens,
         routed_experts=routed,
         routing_counted=counted,
+        padding_mask=padding.to(device),
     )

@@ -90,10 +90,11 @@ class ActorRouting:
         """Around one micro-batch's forward through chunk ``chunk_index``: targets set (replay) or the action
         RECORD (record); afterwards (record) the mismatch counted and every instance of the chunk cleared."""
         routers = self.routers[chunk_index]
-        routed, counted = self._tp_share(mb.routed_experts), self._tp_share(mb.routing_counted)
+        routed, counted = self._tp_share(mb.routed_experts), self._tp_share(mb.routing_counted)  # host memory
+        device = self.dims.device
         for moe_layer, router in routers:
-            if replay:
-                router.set_target_indices(routed[:, moe_layer])  # [N, k]
+            if replay:  # [N, k] int64 on the device, kept until the pass ends
+                router.set_target_indices(routed[:, moe_layer].to(device, torch.long))
                 router.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
             elif record:
                 router.set_router_replay_action(RouterReplayAction.RECORD)
@@ -101,7 +102,8 @@ class ActorRouting:
             yield
             if record and not replay:
                 for moe_layer, router in routers:
-                    self.mismatch += count_mismatch(router.get_recorded_indices(), routed[:, moe_layer], counted)
+                    engine = routed[:, moe_layer].to(device, torch.long)
+                    self.mismatch += count_mismatch(router.get_recorded_indices(), engine, counted)
         finally:
             for _, router in routers:
                 if not replay:  # replay's targets stay until the pass ends: a recomputed router reads them

@@ -34,6 +34,9 @@ Per rank, on CUDA:
 - ``runtime``: the process besides those (Python, torch with CUDA, NCCL, megatron-core, vLLM in-process):
   ``host_runtime_bytes``, an estimate until a GPU run's RSS is read.
 - ``data``: the task's records (the data file's bytes; ``PlanInputs.data_host_bytes``).
+- ``routing`` (MoE, when the engine returns each completion's routing): the step's completions' routing, the
+  rank's batch of it and a pass's micro-batches, int16 (planner/sizes.py ``routing_host_bytes``), every phase
+  (from the rollout's end to the step's). On CPU it is in the rank's RSS beside its device plan.
 
 On CPU the device is the host: a rank's RSS is its device plan (validated against measured RSS by ``make
 validate-plan``), so the host plan per rank is that phase's plan plus its runtime level, plus what the offloaded
@@ -54,6 +57,7 @@ from planner.sizes import (
     engine_tensor_elements,
     optimizer_bytes_per_param,
     power_of_two_bytes,
+    routing_host_bytes,
 )
 
 HOST_COMPONENTS = (
@@ -65,6 +69,7 @@ HOST_COMPONENTS = (
     "offload_page_cache",
     "rank",
     "data",
+    "routing",
 )
 SAVE_PHASE = "save_checkpoint"
 CUDA_SEGMENT_BYTES = 2 * 2**20  # the caching allocator's large-segment rounding (vLLM's cumem pool allocations)
@@ -155,6 +160,9 @@ def host_plan(plan: Plan) -> HostPlan:
     inp = plan.inputs
     st = _stage(inp, plan.pp_stage)
     phases = []
+    routing = 0
+    if inp.routed_experts:
+        routing = routing_host_bytes(inp.shape, inp.sequences_per_step, inp.sequences_per_step // inp.actor_dp, inp.seq_len)
     if inp.on_cuda:
         pinned = (
             (st.actor_params if inp.offload_params else 0)
@@ -174,6 +182,7 @@ def host_plan(plan: Plan) -> HostPlan:
             engine_sleep_copy=sleep_copy,
             rank=runtime,
             data=inp.data_host_bytes,
+            routing=routing,
         )
         for name in PHASES:  # every phase alike: the buffers are kept for the run, the staging after a save
             phases.append(HostPhase(name, {**base, "checkpoint_staging": staging}))
@@ -193,6 +202,7 @@ def host_plan(plan: Plan) -> HostPlan:
                 offload_page_cache=page_cache,
                 rank=p.predicted_bytes + plan.runtime_overhead_bytes,
                 data=inp.data_host_bytes,
+                routing=routing,
             )
             phases.append(HostPhase(p.name, components))
         if inp.checkpoint_saves:  # after train, everything resident: the params' clones beside it
@@ -203,6 +213,7 @@ def host_plan(plan: Plan) -> HostPlan:
                 checkpoint_staging=st.actor_params,
                 rank=resident + plan.runtime_overhead_bytes,
                 data=inp.data_host_bytes,
+                routing=routing,
             )
             phases.append(HostPhase(SAVE_PHASE, components))
     return HostPlan(tuple(phases), inp.ranks_per_node, inp.device.host_memory_bytes, inp.device.host_memory_source)

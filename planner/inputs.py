@@ -149,6 +149,10 @@ class PlanInputs:
     ranks_per_node: int = 1
     checkpoint_saves: bool = False  # trainer.save_every > 0
     data_host_bytes: int = 0  # the task's records in each rank (its data file's bytes)
+    # MoE: the engine returns each completion's routing (RunConfig.returns_routed_experts), which the actor replays
+    # (algorithm.routing_replay) or compares with its own (the routing-mismatch metric)
+    routed_experts: bool = False
+    routing_replay: bool = False
     # weight sync and device
     sync_peers: int | None = None  # the most ranks one rank exchanges weights with (run/memory_plan.py); None: bound
     sync_bucket_bytes: int = 512 * MIB
@@ -181,6 +185,8 @@ class PlanInputs:
             raise ValueError("optimizer_offload_fraction > 0 needs megatron's distributed optimizer on CUDA")
         if self.sleep_level not in (1, 2):
             raise ValueError(f"sleep_level={self.sleep_level} must be 1 or 2")
+        if self.routing_replay and not self.routed_experts:
+            raise ValueError("routing_replay=True needs routed_experts=True: it replays the routing the engine returns")
         if self.ranks_per_node < 1 or self.data_host_bytes < 0:
             raise ValueError(f"ranks_per_node={self.ranks_per_node} must be >= 1, data_host_bytes >= 0")
         for name in ("prompt_tokens", "response_tokens", "max_num_seqs", "block_size", "vllm_max_batched_tokens"):

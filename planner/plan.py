@@ -43,6 +43,7 @@ from planner.sizes import (
     logits_bytes,
     moe_layer_kinds,
     optimizer_bytes_per_param,
+    routing_device_bytes,
     unfused_attention_bytes,
 )
 
@@ -232,6 +233,14 @@ def _stage(inp: PlanInputs, stage: int) -> _Stage:
     if inp.distributed_optimizer and not inp.on_cuda:
         workspace = int(inp.constants.value("train_workspace_bytes"))
         train_activations = workspace + max(train_activations - workspace, count * FP32_BYTES - train_logits)
+    # MoE: the routing of the micro-batch in flight, per router of the stage (old/ref_logprob share the count:
+    # old_logprob compares with or replays it, ref_logprob replays it only with routing replay)
+    split = inp.sequence_parallel_split
+    forward_routing = 0
+    if inp.routed_experts:
+        forward_routing = routing_device_bytes(s, pp, stage, forward_mb.model_tokens // split)
+    if inp.routing_replay:
+        train_activations += routing_device_bytes(s, pp, stage, inp.micro_batches(train=True).model_tokens // split)
     return _Stage(
         stage=stage,
         actor_params=params,
@@ -239,7 +248,7 @@ def _stage(inp: PlanInputs, stage: int) -> _Stage:
         optimizer=optimizer,
         ref_params=params if inp.reference_model else 0,
         train_activations=train_activations,
-        forward_activations=forward_input + max(0, forward_layer - forward_logits),
+        forward_activations=forward_input + forward_routing + max(0, forward_layer - forward_logits),
         train_logits=train_logits,
         forward_logits=forward_logits,
     )

@@ -23,6 +23,7 @@ MEGATRON_VOCAB_DIVISOR = 128  # megatron_backend.layout.MAKE_VOCAB_SIZE_DIVISIBL
 VLLM_VOCAB_PADDING = 64  # rollout.layout.VOCAB_PADDING (vLLM's DEFAULT_VOCAB_PADDING_SIZE)
 FP32_BYTES = 4
 INT64_BYTES = 8
+INT16_BYTES = 2
 
 
 def megatron_padded_vocab(vocab_size: int, tp: int) -> int:
@@ -38,6 +39,24 @@ def actor_rank_sizes(shape: ModelShape, tp: int, ep: int = 1, etp: int | None = 
     """Dim sizes on one actor rank (megatron layout): heads and rows split by TP, experts by EP (E / ep local
     experts), each expert's rows by expert TP ``etp`` (TP unless set)."""
     return even_split_sizes(shape, tp, ep, etp)
+
+
+def routing_host_bytes(shape: ModelShape, sequences_per_step: int, rank_sequences: int, seq_len: int) -> int:
+    """Host bytes of the engine's routing in one rank, from the rollout to the end of the step: each of the step's
+    completions' ``routed_experts`` [MoE layers, prompt + response - 1, top-k] int16 (rollout/engine.py
+    ``Completion``; every rank holds every sample), the rank's batch [B, S, layers, k] int16 (rl/batching.py
+    ``pack_sequences``, kept on the host by ``make_batch``) and a pass's micro-batches, in the routers' token order,
+    int16 (megatron_backend/packing.py), all at ``seq_len`` tokens a row."""
+    per_token = len(shape.moe_layers) * shape.moe_top_k * INT16_BYTES
+    return per_token * seq_len * (sequences_per_step + 2 * rank_sequences)
+
+
+def routing_device_bytes(shape: ModelShape, pp: int, stage: int, routed_tokens: int) -> int:
+    """Device bytes of the routing a pass holds on a rank of ``stage``: each of its MoE routers' [N, k] int64 for
+    the micro-batch in flight (megatron_backend/routing_replay.py: the replay's targets, kept until the pass ends,
+    or the engine's routing the recorded top-k is compared with), N the tokens the router sees."""
+    layers = sum(1 for layer in stage_layers(shape, pp, stage) if shape.is_moe_layer(layer))
+    return layers * routed_tokens * shape.moe_top_k * INT64_BYTES
 
 
 def stage_layers(shape: ModelShape, pp: int, stage: int) -> range:

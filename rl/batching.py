@@ -112,4 +112,9 @@ def make_batch(
     batch = pack_sequences([samples[i] for i in share], pad_id=pad_id)
     batch.advantages = advantages[share]
     batch.sample_index = torch.tensor(share)  # [B]: which of the step's samples each row is
-    return batch.to(device), rewards
+    # the routing stays in host memory ([B, S, layers, k] int16: 768 B a token on Qwen3-30B-A3B); each forward
+    # moves one micro-batch's share, layer by layer (megatron_backend/routing_replay.py)
+    routed, batch.routed_experts = batch.routed_experts, None
+    batch = batch.to(device)
+    batch.routed_experts = routed
+    return batch, rewards

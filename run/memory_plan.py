@@ -78,6 +78,8 @@ def plan_inputs(
         ranks_per_node=cfg.cluster.procs_per_node,
         checkpoint_saves=cfg.trainer.save_every > 0,
         data_host_bytes=_data_file_bytes(cfg.data.path),
+        routed_experts=cfg.returns_routed_experts,
+        routing_replay=cfg.algorithm.routing_replay,
         sync_bucket_bytes=cfg.weight_sync.bucket_mb * MIB,
         verify_sync=cfg.weight_sync.verify,
         calibration=calibration,

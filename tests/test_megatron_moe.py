@@ -307,6 +307,7 @@ def _train_step_at(rank: int, world_size: int, hf_dir: str, layouts: list):
     return out
 
 
+@pytest.mark.slow  # make test's 15 minutes: a real multi-process run, in CI's slow suite
 @pytest.mark.numeric
 def test_moe_train_step_at_tp2_with_sequence_parallelism_matches_tp1(tiny_model_dirs):
     """TP2 x EP2 x DP2 (megatron's sequence parallelism: the norms, router and residual stream on S / 2 tokens per TP
@@ -343,3 +344,52 @@ def test_moe_train_step_at_tp2_with_sequence_parallelism_matches_tp1(tiny_model_
     diffs = {n: (tp2["weights"][n] - tp1["weights"][n]).abs().max().item() for n in source}
     worst = max(diffs, key=diffs.get)
     assert diffs[worst] <= 1e-6, (worst, diffs[worst])
+
+
+def _router_losses_of_layouts(rank: int, world_size: int) -> dict:
+    """The router losses of one forward of the same two sequences (7 and 4 tokens) in four layouts: packed, packed with
+    a pad sequence (pad_to=8, as sequence parallelism pads), padded [2, 7], each pad-carrying one with and without
+    the micro-batch's ``padding_mask``."""
+    from megatron_backend.model import ROUTER_LOSSES, build_gpt_chunks, clear_router_losses, moe_kwargs, router_losses
+    from megatron_backend.packing import build_micro_batch
+    from megatron_backend.parallel import initialize_model_parallel
+    from modelspec.contract import TokenBatch
+
+    dims = initialize_model_parallel(tp=1, pp=1)
+    shape = _moe_shape()
+    torch.manual_seed(0)
+    [model] = build_gpt_chunks(shape, dims, moe=moe_kwargs(shape, dims, aux_loss_coef=1e-2, z_loss_coef=1e-3))
+    model.train()
+    ids = torch.randint(3, shape.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
+    batch = TokenBatch(input_ids=ids, loss_mask=torch.ones(2, 6), seq_lens=torch.tensor([7, 4]))
+
+    def losses(packed: bool, pad_to: int, masked: bool) -> dict:
+        mb = build_micro_batch(batch, [0, 1], batch.seq_lens, packed, torch.device("cpu"), False, pad_to)
+        clear_router_losses()
+        extra = {"padding_mask": mb.padding_mask} if masked else {}
+        model(mb.input_ids, mb.position_ids, attention_mask=None, packed_seq_params=mb.packed_seq_params, **extra)
+        return router_losses(dims, list(ROUTER_LOSSES), len(shape.moe_layers), 1)
+
+    return dict(
+        packed=losses(True, 1, True),
+        packed_pads=losses(True, 8, True),
+        packed_pads_unmasked=losses(True, 8, False),
+        padded=losses(False, 1, True),
+        padded_unmasked=losses(False, 1, False),
+        pad_counts=[
+            int(build_micro_batch(batch, [0, 1], batch.seq_lens, p, torch.device("cpu"), False, t).padding_mask.sum())
+            for p, t in ((True, 1), (True, 8), (False, 1))
+        ],
+    )
+
+
+def test_pads_stay_out_of_the_router_losses():
+    """Tokens of no sequence (a padded row's right padding, sequence parallelism's pad tokens) are routed but leave
+    the load-balancing and z losses as they were without them: megatron's ``padding_mask`` from the micro-batch."""
+    r = run_ranks(_router_losses_of_layouts, 1)[0]
+    assert r["pad_counts"] == [0, 5, 3]  # 11 tokens: none, 5 to 16, and row 2's 3 right pads of [2, 7]
+    for name, value in r["packed"].items():
+        for layout in ("packed_pads", "padded"):
+            assert r[layout][name] == pytest.approx(value, rel=1e-5), (layout, name)
+        for layout in ("packed_pads_unmasked", "padded_unmasked"):  # the pads would move them
+            assert r[layout][name] != pytest.approx(value, rel=1e-3), (layout, name)

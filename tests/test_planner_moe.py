@@ -218,3 +218,47 @@ def test_engine_weights_per_rank_follow_the_engines_expert_split():
         tiny_moe_inputs(engine="vllm", rollout_ep=4)
     with pytest.raises(ValueError, match="rollout.ep=3 must divide the 4 experts"):
         tiny_moe_inputs(engine="native", rollout_ep=3)
+
+
+def test_the_engines_routing_is_planned_on_the_device_and_the_host():
+    """The routing the engine returns (MoE layers x top-k per token): on the device each router's [N, k] int64 of the
+    micro-batch in flight (old/ref_logprob when returned; train too when replayed), on the host the step's
+    completions, the rank's batch and a pass's micro-batches in int16."""
+    from planner.host import host_plan
+
+    layers, k = len(TINY_MOE.moe_layers), TINY_MOE.moe_top_k
+    off, returned, replayed = (
+        make_plan(tiny_moe_inputs(routed_experts=r, routing_replay=p)) for r, p in ((0, 0), (1, 0), (1, 1))
+    )
+    inp = returned.inputs
+    forward = layers * inp.micro_batches(train=False).model_tokens * k * 8
+    train = layers * inp.micro_batches(train=True).model_tokens * k * 8
+
+    def activations(plan, phase):
+        return plan.phase(phase).components["activations"]
+
+    assert activations(returned, "old_logprob") - activations(off, "old_logprob") == forward
+    assert activations(returned, "train") == activations(off, "train")
+    assert activations(replayed, "train") - activations(off, "train") == train
+    rows = inp.sequences_per_step // inp.actor_dp
+    host = layers * k * 2 * inp.seq_len * (inp.sequences_per_step + 2 * rows)
+    assert {p.components["routing"] for p in host_plan(returned).phases} == {host}
+    assert {p.components["routing"] for p in host_plan(off).phases} == {0}
+    with pytest.raises(ValueError, match="routing_replay=True needs routed_experts=True"):
+        tiny_moe_inputs(routing_replay=True)
+
+
+def test_the_batch_keeps_the_routing_on_the_host():
+    """make_batch moves the batch to the actor's device but the routing [B, S, layers, k] int16 stays in host memory
+    (a micro-batch's routers take their layer's [N, k] to the device)."""
+    import torch
+
+    from rl.batching import Sample, make_batch
+
+    samples = [
+        Sample(i, [5, 6], [7, 8, 9], [-0.1, -0.2, -0.3], "stop", float(i), torch.zeros(3, 4, 2, dtype=torch.int16))
+        for i in range(4)
+    ]
+    batch, _ = make_batch(samples, group_size=2, dp=1, dp_rank=0, pad_id=0, device=torch.device("meta"))
+    assert batch.input_ids.device.type == "meta"
+    assert batch.routed_experts.device.type == "cpu" and batch.routed_experts.shape == (4, 5, 3, 2)

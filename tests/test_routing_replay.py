@@ -158,7 +158,7 @@ def _replay_ranks(rank: int, world_size: int, hf_dir: str, tp: int, ep: int) -> 
         return maps
 
     out = {"engine": torch.zeros(mb.routed_experts.shape[0], num_layers, actor.shape.num_experts, dtype=torch.bool)}
-    out["engine"].scatter_(2, mb.routed_experts.clamp(min=0), True)
+    out["engine"].scatter_(2, mb.routed_experts.long().clamp(min=0), True)
     out["engine_routed"] = (mb.routed_experts >= 0).all(dim=-1).all(dim=-1)  # [N]
     out["first_tokens"] = slice(0, 3) if dims.tp_rank == 0 else slice(0, 0)  # row 0's unrouted first 3 tokens
     out["counted"] = mb.routing_counted
