@@ -41,6 +41,7 @@ from telemetry.metrics import (
     RunFacts,
     check_finite,
     check_logprob_gap,
+    closing_lines,
     engine_actor_logprob_gap,
     log_rows_after_last_step,
     log_step,
@@ -267,6 +268,7 @@ def run_rank(cfg: RunConfig, run_dir: str, launch: LaunchPlan | None = None) -> 
     evaluate_after_last_step(ctx)
     if ctx.writer is not None:
         rows, evals = ctx.writer.read_rows(), ctx.writer.read_metrics()
-        ctx.writer.finish(summarize(run_facts(ctx), rewards, rows, evals, syncs, logprob_gaps, warmup_losses))
+        summary = ctx.writer.finish(summarize(run_facts(ctx), rewards, rows, evals, syncs, logprob_gaps, warmup_losses))
+        print("\n".join(closing_lines(summary, ctx.writer.run_dir)), flush=True)
     dist.barrier()
     return 0

@@ -416,3 +416,28 @@ def summarize(
         "time": time_summary(rows),
         "wall_seconds": time.monotonic() - facts.t0,
     }
+
+
+def closing_lines(summary: dict, run_dir) -> list[str]:
+    """What ``make run`` prints when it ends (rank 0): the rewards, the measured peak, the plan's largest error, the
+    files (everything from ``summary``, as summary.json has it)."""
+    mib = 2**20
+    lines = [f"done: {summary['steps']} steps in {summary['wall_seconds']:.0f} s"]
+    if summary.get("reward_first5") is not None:
+        lines[0] += f"; reward {summary['reward_first5']:.3f} (first 5 steps) -> {summary['reward_last5']:.3f} (last 5)"
+    final = (summary.get("eval") or {}).get("last")
+    if final:
+        lines.append(f"eval after {final['completed_steps']:.0f} steps: accuracy {final['accuracy']:.3f}")
+    peaks = (summary.get("memory") or {}).get("phase_peak_bytes") or {}
+    if peaks:
+        phase = max(peaks, key=peaks.get)
+        lines.append(f"memory: peak {peaks[phase] / mib:.0f} MiB in {phase} ({summary['memory_peak_method']}, worst rank)")
+    errors = (summary.get("memory_plan") or {}).get("phases") or {}
+    if errors:
+        worst = max(errors, key=lambda p: abs(errors[p]["relative_error"]))
+        lines.append(
+            f"memory plan vs measured: largest error {errors[worst]['relative_error']:+.1%} ({worst}) over "
+            f"{len(errors)} phases (summary.json memory_plan)"
+        )
+    lines.append(f"files: {run_dir}/ summary.json metrics.jsonl memory_timeline.csv memory_stages.png memory_timeline.png")
+    return lines

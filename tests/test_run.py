@@ -26,6 +26,7 @@ def run_loop(tmp_path: Path, *overrides: str, exp: str = "tiny_cpu") -> dict:
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     summary["run_dir"] = str(run_dir)
+    summary["stdout"] = proc.stdout
     return summary
 
 
@@ -63,6 +64,13 @@ def test_short_run_writes_every_output_and_a_readable_wandb_run(tmp_path):
     )
     run_dir = Path(summary["run_dir"])
     assert summary["steps"] == 2 and summary["weight_sync"]["verified"] is True
+    # what make run prints last: the rewards, the eval, the measured peak, the plan's largest error, the files
+    closing = summary["stdout"].strip().splitlines()[-5:]
+    assert closing[0].startswith("done: 2 steps in ") and "reward" in closing[0], closing
+    assert closing[1].startswith("eval after 2 steps: accuracy "), closing
+    assert closing[2].startswith("memory: peak ") and "rss_high_water_mark" in closing[2], closing
+    assert closing[3].startswith("memory plan vs measured: largest error "), closing
+    assert closing[4] == f"files: {run_dir}/ summary.json metrics.jsonl memory_timeline.csv memory_stages.png memory_timeline.png"
     assert summary["memory_peak_method"] == "rss_high_water_mark"  # clear_refs works here (root, Linux)
     plan = summary["memory_plan"]
     kv = plan["kv_cache"]
