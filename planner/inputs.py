@@ -298,6 +298,13 @@ class PlanInputs:
         return self.rollout_ep, self.rollout_tp
 
     @property
+    def engine_moe_gathered_replicas(self) -> int:
+        """Replicas whose tokens an engine rank's MoE layers run on: vLLM's MoE layers span its data-parallel
+        replicas and all-gather their tokens (sizes.engine_moe_bytes_per_token); 1 otherwise."""
+        replicas = self.actor_tp * self.actor_pp * self.actor_dp // self.rollout_tp
+        return replicas if self.shape.is_moe and self.engine_profile.experts_span_replicas else 1
+
+    @property
     def seq_len(self) -> int:
         return self.prompt_tokens + self.response_tokens
 

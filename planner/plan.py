@@ -447,6 +447,8 @@ def engine_rollout_activation_bytes(inp: PlanInputs, sequences: int | None = Non
             seqs,
             inp.engine_profile.sampler_tensors(inp.device.kind),
             engine_moe_workspace(inp.engine),
+            inp.engine_expert_split[1],
+            inp.engine_moe_gathered_replicas,
         )
         constants = inp.constants
         return round(working * constants.value("engine_activation_factor")) + int(
@@ -460,6 +462,8 @@ def engine_rollout_activation_bytes(inp: PlanInputs, sequences: int | None = Non
         inp.max_num_seqs,
         inp.engine_profile.sampler_tensors(inp.device.kind),
         engine_moe_workspace(inp.engine),
+        inp.engine_expert_split[1],
+        inp.engine_moe_gathered_replicas,
     )
 
 
@@ -612,6 +616,8 @@ def _sizing(inp: PlanInputs, profile: EngineProfile, weights: int) -> KvSizing:
             inp.max_num_seqs,
             profile.sampler_tensors(inp.device.kind),
             engine_moe_workspace(profile.name),
+            inp.engine_expert_split[1],
+            inp.engine_moe_gathered_replicas,
         )
     return KvSizing(
         device_kind=inp.device.kind,

@@ -472,9 +472,12 @@ def engine_activation_bytes(
     max_num_seqs: int,
     sampler_vocab_tensors: int,
     moe_workspace: str = "fused_moe",
+    expert_tp: int | None = None,
+    gathered_replicas: int = 1,
 ) -> int:
     """vLLM's profiled activation peak: one layer's working set for ``max_batched_tokens`` tokens plus the
-    sampler's full-vocab fp32 tensors for ``max_num_seqs`` sequences (:func:`sampler_bytes`).
+    sampler's full-vocab fp32 tensors for ``max_num_seqs`` sequences (:func:`sampler_bytes`). ``expert_tp``,
+    ``gathered_replicas``: the MoE layer's (:func:`engine_moe_bytes_per_token`; None: rollout TP).
 
     Per token and rank: residual, normed input and o_proj output (3h), qkv and attention output
     ((2 Hq / t + 2 KV heads per rank) d), gate/up and SwiGLU output (3I / t), in the dtype. An MoE layer has its
@@ -485,7 +488,10 @@ def engine_activation_bytes(
     common = 3 * h + (2 * shape.num_heads // t + 2 * engine_kv_heads_per_rank(shape, t)) * d
     kinds = moe_layer_kinds(shape)
     per_token = max(
-        (common * element_bytes + engine_moe_bytes_per_token(shape, t, element_bytes, moe_workspace))
+        (
+            common * element_bytes
+            + engine_moe_bytes_per_token(shape, expert_tp or t, element_bytes, moe_workspace, gathered_replicas)
+        )
         if sparse
         else (common + 3 * shape.intermediate_size // t) * element_bytes
         for sparse in kinds
@@ -493,8 +499,12 @@ def engine_activation_bytes(
     return max_batched_tokens * per_token + sampler_bytes(shape, max_num_seqs, sampler_vocab_tensors)
 
 
-def engine_moe_bytes_per_token(shape: ModelShape, rollout_tp: int, element_bytes: int, moe_workspace: str) -> int:
-    """One MoE layer's working set per token on an engine rank (every expert's m / t rows, no expert parallel).
+def engine_moe_bytes_per_token(
+    shape: ModelShape, expert_tp: int, element_bytes: int, moe_workspace: str, gathered_replicas: int = 1
+) -> int:
+    """One MoE layer's working set per token of an engine rank's batch, each expert's rows split over
+    ``expert_tp`` ranks (m / t; under expert parallelism t = 1: whole experts, E / ep of them, and the [M, k]
+    caches below are sized for every token's k choices all the same).
 
     ``fused_moe`` (vLLM, vllm/model_executor/layers/fused_moe/fused_moe.py ``fused_experts_impl``, the triton path
     on CUDA): the gate's logits [M, E] (dtype), top-k weights and ids [M, k] (fp32, int32), ``cache13``
@@ -505,11 +515,18 @@ def engine_moe_bytes_per_token(shape: ModelShape, rollout_tp: int, element_bytes
     (k), and one expert's SwiGLU at a time, counted for the worst case of every token in one expert: its
     gathered input (h), gate/up (2m / t), silu and the product (m / t each), fc2's output and its weighted copy
     (h each).
+    ``gathered_replicas`` R (vLLM with R > 1 data-parallel replicas, whose MoE layers span them): the default
+    all-to-all (``all2all_backend="allgather_reducescatter"``, vllm/distributed/device_communicators/all2all.py
+    ``AgRsAll2AllManager.dispatch_router_logits``) all-gathers every replica's hidden states [R M, h] and router
+    logits [R M, E] before the experts, which then run on R M tokens; the combine reduce-scatters back to [M, h].
     """
-    k, m, h, e = shape.moe_top_k, shape.moe_intermediate_size // rollout_tp, shape.hidden_size, element_bytes
+    k, m, h, e = shape.moe_top_k, shape.moe_intermediate_size // expert_tp, shape.hidden_size, element_bytes
     if moe_workspace == "fused_moe":
-        return shape.num_experts * e + k * 2 * FP32_BYTES + (k * max(2 * m, h) + k * m + h) * e
+        fused = shape.num_experts * e + k * 2 * FP32_BYTES + (k * max(2 * m, h) + k * m + h) * e
+        return gathered_replicas * fused + (gathered_replicas * h * e if gathered_replicas > 1 else 0)
     if moe_workspace == "native":
+        if gathered_replicas != 1:
+            raise ValueError("the native engine gathers no replica's tokens: gathered_replicas must be 1")
         routing = shape.num_experts * (FP32_BYTES + e) + k * (3 * 8 + e)
         return routing + (h + h + 2 * m + m + m + h + h) * e
     raise ValueError(f"moe_workspace={moe_workspace!r} must be 'fused_moe' or 'native'")

@@ -151,6 +151,24 @@ def test_engine_moe_workspace(tp):
     assert engine_activation_bytes(s, tp, e, tokens, seqs, 3, "native") == tokens * max(dense, native) + sampler
     with pytest.raises(ValueError, match="moe_workspace"):
         engine_activation_bytes(s, tp, e, tokens, seqs, 3, "triton")
+    # vLLM with R = 2 replicas spanned by its MoE layers: the experts' rows over both ranks (expert TP 2 tp), and
+    # the default all-gather dispatch runs them on both replicas' tokens beside the gathered hidden states
+    m2 = s.moe_intermediate_size // (2 * tp)
+    gathered = common + 2 * (E * e + k * 2 * FP32_BYTES + (k * max(2 * m2, h) + k * m2 + h) * e) + 2 * h * e
+    spanned = engine_activation_bytes(s, tp, e, tokens, seqs, 3, expert_tp=2 * tp, gathered_replicas=2)
+    assert spanned == tokens * max(dense, gathered) + sampler
+    with pytest.raises(ValueError, match="gathered_replicas must be 1"):
+        engine_activation_bytes(s, tp, e, tokens, seqs, 3, "native", gathered_replicas=2)
+
+
+def test_the_vllm_engines_moe_layers_gather_their_replicas_tokens():
+    """The plan's vLLM reserve with two replicas (actor DP 2 -> rollout TP 1): R = 2 in the MoE working set, expert
+    rows over the world (or whole experts under rollout.ep); the native engine's replicas gather nothing."""
+    two = tiny_moe_inputs(engine="vllm", rollout_tp=1, actor_ep=1)
+    assert two.engine_moe_gathered_replicas == 2 and two.engine_expert_split == (1, 2)
+    assert dataclasses.replace(two, rollout_ep=2).engine_expert_split == (2, 1)
+    assert tiny_moe_inputs(engine="vllm", rollout_tp=2, actor_ep=1).engine_moe_gathered_replicas == 1
+    assert tiny_moe_inputs(engine="native", rollout_tp=1, actor_ep=1).engine_moe_gathered_replicas == 1
 
 
 def test_the_plan_holds_the_moe_terms():
