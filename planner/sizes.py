@@ -201,6 +201,12 @@ def local_layer_activation_elements_per_token(
       Hq/t query heads (``repeat_interleave`` for GQA) for the bmm's, and the context (linear_proj's input), 4 Hq d/t;
     - the MLP (megatron/core/transformer/mlp.py, unfused ``glu``): fc1's output [s, b, 2I/t] and three I/t tensors
       of SwiGLU's chunk / SiLU / product.
+    - Qwen3's q and k norms (``qk_norm``: megatron's ``q_layernorm`` / ``k_layernorm``, torch's composite RMSNorm
+      per head, attention.py ``get_query_key_value_tensors``): each keeps ``x * rsqrt`` and the rsqrt per head
+      ((Hq + Hkv) d / t + (Hq + Hkv) / t), and its input; the key's input is a view of the fused qkv output, so that
+      whole storage stays ((Hq + 2 Hkv) d / t), and with more than one KV head per rank the query is regrouped by a
+      copying ``reshape`` whose result the q norm keeps (Hq d / t) (counted with the same hooks on tiny:qwen3 at
+      TP 1 and 2, exactly: tests/test_local_layer_count.py).
     ``recomputed`` (not measured on the local spec): ``layernorm`` keeps the norms' inputs only (2h), ``mlp`` nothing
     of the MLP, ``core_attn`` drops only the scores (the caller); ``sparse``: an MoE layer's router and experts in
     place of the MLP (:func:`moe_activation_bytes_per_token`, added by the caller)."""
@@ -208,6 +214,10 @@ def local_layer_activation_elements_per_token(
     norms = 2 * h if "layernorm" in recomputed else 6 * h + 2
     heads = shape.num_heads * d // t
     attention = 4 * heads + 4 * d  # with core_attn recomputed too (the scores apart): an upper bound, not measured
+    if shape.qk_norm:
+        q_heads, kv_heads = shape.num_heads // t, engine_kv_heads_per_rank(shape, t)
+        qk = (q_heads + 2 * kv_heads) * d + (q_heads + kv_heads) * (d + 1)
+        attention += qk + (q_heads * d if kv_heads > 1 else 0)
     mlp = 0 if "mlp" in recomputed or sparse else 5 * shape.intermediate_size // t
     return norms + attention + mlp
 

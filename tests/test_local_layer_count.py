@@ -11,7 +11,9 @@ from tests.dist import run_ranks
 TOKENS = 64
 
 
-def _saved_bytes_of_first_layer(rank: int, world_size: int, head_dim: int, intermediate: int) -> int:
+def _saved_bytes_of_first_layer(
+    rank: int, world_size: int, head_dim: int, intermediate: int, family: str = "qwen2"
+) -> int:
     import dataclasses
 
     import torch
@@ -23,7 +25,7 @@ def _saved_bytes_of_first_layer(rank: int, world_size: int, head_dim: int, inter
 
     dims = initialize_model_parallel(tp=world_size, pp=1, vpp=None)
     shape = dataclasses.replace(
-        ModelShape.from_pretrained("tiny:qwen2"), head_dim=head_dim, intermediate_size=intermediate
+        ModelShape.from_pretrained(f"tiny:{family}"), head_dim=head_dim, intermediate_size=intermediate
     )
     [model] = build_gpt_chunks(shape, dims)
     layer = next(m for m in model.modules() if type(m).__name__ == "TransformerLayer")
@@ -59,6 +61,20 @@ def test_the_local_layer_count_is_what_autograd_keeps(tp, head_dim, intermediate
     )
     saved = run_ranks(_saved_bytes_of_first_layer, tp, head_dim, intermediate)[0]
     scores = unfused_attention_bytes(shape, tp, 4, 1, TOKENS, kept=True)  # fp32 tiny model
+    assert saved - scores == TOKENS * layer_activation_bytes_per_token(shape, tp, 4, "unfused")
+
+
+@pytest.mark.parametrize("tp", [1, 2])  # 2 and 1 KV heads per rank: the query regrouped by a copy, or a view
+def test_qwen3s_q_and_k_norms_are_counted(tp):
+    """Qwen3's per-head q and k RMSNorms keep their x * rsqrt, rsqrt and inputs (the fused qkv output, and the query's
+    copy when it is regrouped): planner/sizes.py::local_layer_activation_elements_per_token, on tiny:qwen3."""
+    from modelspec import ModelShape
+    from planner.sizes import layer_activation_bytes_per_token, unfused_attention_bytes
+
+    shape = ModelShape.from_pretrained("tiny:qwen3")
+    assert shape.qk_norm
+    saved = run_ranks(_saved_bytes_of_first_layer, tp, shape.head_dim, shape.intermediate_size, "qwen3")[0]
+    scores = unfused_attention_bytes(shape, tp, 4, 1, TOKENS, kept=True)
     assert saved - scores == TOKENS * layer_activation_bytes_per_token(shape, tp, 4, "unfused")
 
 
