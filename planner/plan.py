@@ -446,9 +446,7 @@ def engine_rollout_activation_bytes(inp: PlanInputs, sequences: int | None = Non
             prefill,
             seqs,
             inp.engine_profile.sampler_tensors(inp.device.kind),
-            engine_moe_workspace(inp.engine),
-            inp.engine_expert_split[1],
-            inp.engine_moe_gathered_replicas,
+            **_engine_moe(inp, inp.engine),
         )
         constants = inp.constants
         return round(working * constants.value("engine_activation_factor")) + int(
@@ -461,9 +459,17 @@ def engine_rollout_activation_bytes(inp: PlanInputs, sequences: int | None = Non
         inp.vllm_batched_tokens,
         inp.max_num_seqs,
         inp.engine_profile.sampler_tensors(inp.device.kind),
-        engine_moe_workspace(inp.engine),
-        inp.engine_expert_split[1],
-        inp.engine_moe_gathered_replicas,
+        **_engine_moe(inp, inp.engine),
+    )
+
+
+def _engine_moe(inp: PlanInputs, engine: str) -> dict:
+    """sizes.engine_activation_bytes' MoE arguments for ``engine`` on this plan's layout: its MoE path, the expert
+    TP of its experts' rows, and the replicas whose tokens its MoE layers gather."""
+    return dict(
+        moe_workspace=engine_moe_workspace(engine),
+        expert_tp=inp.engine_expert_split[1],
+        gathered_replicas=inp.engine_moe_gathered_replicas,
     )
 
 
@@ -615,9 +621,7 @@ def _sizing(inp: PlanInputs, profile: EngineProfile, weights: int) -> KvSizing:
             inp.vllm_batched_tokens,
             inp.max_num_seqs,
             profile.sampler_tensors(inp.device.kind),
-            engine_moe_workspace(profile.name),
-            inp.engine_expert_split[1],
-            inp.engine_moe_gathered_replicas,
+            **_engine_moe(inp, profile.name),
         )
     return KvSizing(
         device_kind=inp.device.kind,
