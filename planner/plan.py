@@ -44,6 +44,7 @@ from planner.sizes import (
     moe_layer_kinds,
     optimizer_bytes_per_param,
     routing_device_bytes,
+    stage_ends_activation_bytes_per_token,
     unfused_attention_bytes,
 )
 
@@ -225,6 +226,11 @@ def _stage(inp: PlanInputs, stage: int) -> _Stage:
     # tensor, not counted. An MoE model's routed experts (E / ep per rank) shard over the expert-DP group instead
     optimizer = optimizer_device_bytes(inp, count, expert_count)
     train_activations = train_activation_bytes(inp, layers, layers_per_chunk, micro_batches_in_flight)
+    # the embedding's ids (each micro-batch in flight on the first stage) and the final norm (the last stage's one)
+    local, split = inp.attention == "unfused", inp.sequence_parallel_split
+    ids = stage_ends_activation_bytes_per_token(s, inp.actor_tp, e, local, first=stage == 0, last=False, split=1)
+    norm = stage_ends_activation_bytes_per_token(s, inp.actor_tp, e, local, first=False, last=last, split=split)
+    train_activations += inp.micro_batches(train=True).model_tokens * (micro_batches_in_flight * ids + norm)
     train_activations += train_backward_bytes(inp, stage, layers, train_logits)
     # the DistributedOptimizer's grad sync (DDP finish_grad_sync, after the last backward: activations and
     # logits freed) is a reduce_scatter_tensor of the fp32 grad buffer; gloo runs it as an all-reduce of a
@@ -235,7 +241,6 @@ def _stage(inp: PlanInputs, stage: int) -> _Stage:
         train_activations = workspace + max(train_activations - workspace, count * FP32_BYTES - train_logits)
     # MoE: the routing of the micro-batch in flight, per router of the stage (old/ref_logprob share the count:
     # old_logprob compares with or replays it, ref_logprob replays it only with routing replay)
-    split = inp.sequence_parallel_split
     forward_routing = 0
     if inp.routed_experts:
         forward_routing = routing_device_bytes(s, pp, stage, forward_mb.model_tokens // split)
@@ -419,7 +424,10 @@ def sync_staging_bytes(inp: PlanInputs, st: _Stage, engine_weight_bytes: int) ->
         staged = min(inp.sync_bucket_bytes, st.actor_params + engine_weight_bytes)
     if not inp.verify_sync:
         return staged
-    return max(staged, VERIFY_BYTES_PER_ELEMENT * largest_engine_tensor_elements(inp.shape, inp.rollout_tp, *inp.engine_expert_split))
+    return max(
+        staged,
+        VERIFY_BYTES_PER_ELEMENT * largest_engine_tensor_elements(inp.shape, inp.rollout_tp, *inp.engine_expert_split),
+    )
 
 
 def engine_rollout_activation_bytes(inp: PlanInputs, sequences: int | None = None) -> int:

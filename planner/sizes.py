@@ -185,6 +185,29 @@ def layer_activation_bytes_per_token(
     return elements * element_bytes + lse + moe
 
 
+def stage_ends_activation_bytes_per_token(
+    shape: ModelShape, tp: int, element_bytes: int, local: bool, *, first: bool, last: bool, split: int
+) -> int:
+    """What a train forward keeps for backward per token outside the decoder layers, on a first and/or last stage.
+
+    - First stage, the embedding (megatron/core/tensor_parallel/layers.py ``VocabParallelEmbedding``): the token
+      ids it looked up, int64 (8 B), and at TP > 1 the bool mask of ids outside the rank's vocab slice (1 B).
+    - Last stage, the final RMSNorm (``TransformerBlock.final_layernorm``, on 1/``split`` of the tokens: TP under
+      sequence parallelism, else 1). megatron's local spec runs torch's composite RMSNorm, which keeps its input,
+      ``x * rsqrt``, its output (the output layer's input) and the rsqrt [s, b, 1]: 3h + 1 elements. Transformer
+      Engine's fused RMSNorm keeps its input and the fp32 rsigma, and the output layer keeps the norm's output:
+      2h elements + 4 B (read from TE's source, not measured).
+    Counted with ``torch.autograd.graph.saved_tensors_hooks`` on tiny:qwen2 at TP 1 and 2, exactly
+    (tests/test_local_layer_count.py::test_the_ends_of_the_model_are_counted); the log-prob pass's tensors are
+    :func:`logits_bytes`'."""
+    h = shape.hidden_size
+    out = (8 + (1 if tp > 1 else 0)) if first else 0
+    if last:
+        norm = (3 * h + 1) * element_bytes if local else 2 * h * element_bytes + FP32_BYTES
+        out += norm / split
+    return math.ceil(out)
+
+
 def local_layer_activation_elements_per_token(
     shape: ModelShape, tp: int, recomputed: tuple[str, ...] = (), sparse: bool = False
 ) -> int:

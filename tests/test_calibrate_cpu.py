@@ -53,6 +53,21 @@ def test_cpu_fit_recovers_the_train_terms_the_timelines_were_made_with(tmp_path,
     assert all(r["sequence_layers"] > 0 for name, r in rises.items() if name != "memory_cpu")
 
 
+def test_a_negative_per_sequence_cost_is_not_fitted():
+    """Four rows whose three-term least squares puts the per-sequence cost below zero (-15.4 kB here; the stored fit
+    runs of 64fc8ec's CI clone gave -19.7 kB a sequence and layer, and a factor of 1.21 with it, 1.12 without):
+    bytes a sequence's autograd nodes hold cannot be negative, so the term is dropped and the rest is the line fit."""
+    from tools.calibrate import _actor_fit, _line_fit
+
+    rows = [(14.7e6, 128, 17.0e6), (8.3e6, 32, 11.4e6), (36.7e6, 256, 40.6e6), (31.2e6, 64, 37.1e6)]
+    workspace, factor, per_sequence, residual = _actor_fit(rows)
+    assert per_sequence == 0
+    assert (workspace, factor, residual) == _line_fit([(act, y, True) for act, _, y in rows])
+    # where the rows carry a positive per-sequence cost, it is fitted
+    truth = [(act, seq, 1e6 + 1.1 * act + 20_000 * seq) for act, seq, _ in rows]
+    assert _actor_fit(truth)[2] == pytest.approx(20_000, rel=1e-6)
+
+
 def test_runtime_is_the_middle_of_the_levels_and_a_level_only_run_leaves_the_transients_alone(tmp_path):
     """Runs whose shapes hold different runtime levels: the fitted constant is the middle of their range (the
     smallest worst error over the shapes), its uncertainty leave-one-out: without the 20 MiB run the others say

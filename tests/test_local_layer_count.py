@@ -78,6 +78,55 @@ def test_qwen3s_q_and_k_norms_are_counted(tp):
     assert saved - scores == TOKENS * layer_activation_bytes_per_token(shape, tp, 4, "unfused")
 
 
+def _saved_bytes_outside_the_layers(rank: int, world_size: int) -> int:
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_backend.model import build_gpt_chunks
+    from megatron_backend.parallel import initialize_model_parallel
+    from modelspec import ModelShape
+
+    shape = ModelShape.from_pretrained("tiny:qwen2")
+    [model] = build_gpt_chunks(shape, initialize_model_parallel(tp=world_size, pp=1, vpp=None))
+    depth, storages = [0], {}
+    for layer in (m for m in model.modules() if type(m).__name__ == "TransformerLayer"):
+        layer.register_forward_pre_hook(lambda *_: depth.__setitem__(0, depth[0] + 1))
+        layer.register_forward_hook(lambda *_: depth.__setitem__(0, depth[0] - 1))
+    inside = set()
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if depth[0]:
+            inside.add(key)
+        elif not (t.is_leaf and t.requires_grad) and key not in inside:  # parameters apart
+            storages[key] = t.untyped_storage().nbytes()
+        return t
+
+    length = TOKENS // 2  # two packed sequences
+    cu = torch.tensor([0, length, TOKENS], dtype=torch.int32)
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=length, max_seqlen_kv=length
+    )
+    ids = torch.randint(0, shape.vocab_size, (1, TOKENS), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, torch.arange(length).repeat(2).unsqueeze(0), attention_mask=None, packed_seq_params=params)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_ends_of_the_model_are_counted(tp):
+    """Outside the decoder layers a train forward keeps the embedding's ids (and at TP > 1 its vocab-slice mask) and
+    the final norm's tensors: planner/sizes.py::stage_ends_activation_bytes_per_token (logits apart: the model's
+    output here is not kept by anything)."""
+    from modelspec import ModelShape
+    from planner.sizes import stage_ends_activation_bytes_per_token
+
+    shape = ModelShape.from_pretrained("tiny:qwen2")
+    saved = run_ranks(_saved_bytes_outside_the_layers, tp)[0]
+    per_token = stage_ends_activation_bytes_per_token(shape, tp, 4, True, first=True, last=True, split=1)
+    assert saved == TOKENS * per_token
+
+
 class _LiveBytes:
     """The bytes of tensors an aten op created and something still references, at their widest moment: each op's new
     storages counted once, released when their last tensor is collected (views share their base's storage; storages

@@ -15,7 +15,8 @@ constants being fitted zeroed (or 1 for a factor), and fits, in this order:
    counted), what its attention loop keeps per packed sequence and in-flight layer beside its tensors, and the
    fixed workspace the train phase takes beside them. Least squares of the measured rises of ``train``
    (workspace + factor x planned activations + per_sequence x sequence-layers), less what the plan counts
-   (logits, attention scores, the largest weight gradient). A forward without grad (old/ref_logprob) keeps nothing: its working set is counted
+   (logits, attention scores, the embedding's ids and the final norm, the largest weight gradient). A negative
+   per_sequence is not a cost: the term is then left out and the other two are the line fit (:func:`_actor_fit`). A forward without grad (old/ref_logprob) keeps nothing: its working set is counted
    (``planner.sizes.layer_forward_bytes_per_token``), not fitted.
 3. ``engine_activation_factor`` and ``engine_workspace_bytes`` (CPU): the rollout phase's measured rise
    against the planned engine working set (eager ops hold more of a layer at once than the fused count),
@@ -188,16 +189,20 @@ def _line_fit(points: list[tuple[float, float, bool]]) -> tuple[float, float, fl
 
 def _actor_fit(rows: list[tuple[float, float, float]]) -> tuple[float, float, float, float]:
     """Least squares of y = workspace + factor x act + per_sequence x sequence_layers over (act,
-    sequence_layers, y): (workspace, factor, per_sequence, largest residual). With fewer rows than unknowns or
-    no spread in sequence_layers, per_sequence is 0 and the rest is the line fit."""
+    sequence_layers, y): (workspace, factor, per_sequence, largest residual). With fewer rows than unknowns, no
+    spread in sequence_layers, or a negative per_sequence (bytes a sequence's autograd nodes hold cannot be
+    negative: the term would be absorbing something else, and pushing the factor up with it), per_sequence is 0
+    and the rest is the line fit."""
     import numpy as np
 
     a = np.array([[1.0, act, seq] for act, seq, _ in rows])
     y = np.array([r[2] for r in rows])
-    if len(rows) < 3 or np.linalg.matrix_rank(a) < 3:
+    per_sequence = 0.0
+    if len(rows) >= 3 and np.linalg.matrix_rank(a) == 3:
+        (workspace, factor, per_sequence), *_ = np.linalg.lstsq(a, y, rcond=None)
+    if per_sequence <= 0:
         workspace, factor, residual = _line_fit([(act, y_, True) for act, _, y_ in rows])
         return workspace, factor, 0.0, residual
-    (workspace, factor, per_sequence), *_ = np.linalg.lstsq(a, y, rcond=None)
     residual = float(np.abs(a @ np.array([workspace, factor, per_sequence]) - y).max())
     return float(workspace), float(factor), float(per_sequence), residual
 
