@@ -97,6 +97,9 @@ class TrainerConfig:
     # supervised steps on the task's format examples before RL (teaches the answer format, not the answers)
     sft_warmup_steps: int = 0
     memory_sample_interval_s: float = 0.05  # background memory sampler period inside phases
+    # every phase's tensors counted per aten op (telemetry/live_tensors.py): the timeline's tensor_peak column,
+    # what of a CPU phase's rise is tensors and what glibc's heap; several times slower, for diagnosis
+    count_tensors: bool = False
     ppo_epochs: int = 1  # optimizer steps per RL step on the same rollouts (PPO epochs; ratio clipping acts from 2)
     # a checkpoint (checkpointing/checkpoint.py) after every save_every-th step and after the last one; 0: never
     save_every: int = 10

@@ -198,7 +198,9 @@ def setup(
     resumed_state = RLState.read(checkpoint) if checkpoint else None
 
     probe = MemoryProbe(dims.device)  # after imports and process-group setup: the CPU baseline
-    timeline = MemoryTimeline(probe, dims.rank, interval_s=cfg.trainer.memory_sample_interval_s)
+    timeline = MemoryTimeline(
+        probe, dims.rank, interval_s=cfg.trainer.memory_sample_interval_s, count_tensors=cfg.trainer.count_tensors
+    )
     shape = cfg.model.shape()  # read once, in the launcher (it came with cfg)
     actor = Actor(cfg.model.path, cfg.actor, dims, dtype=cfg.model.dtype, shape=shape)
     cluster = cfg.cluster

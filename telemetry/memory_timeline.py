@@ -18,6 +18,9 @@ is a measurement; the tags only explain it.
   allocator to ask; both repeat ``device_used``.
 - ``host_rss``: the process's resident set size (absolute).
 - ``host_pinned``: bytes the project pinned in host memory (the ledgers' ``host_pinned`` entry, CUDA).
+- ``tensor_peak`` (``trainer.count_tensors``, a phase's exit row only): the most bytes of tensors the phase made
+  and referenced at once, counted per aten op (telemetry/live_tensors.py): on CPU, what of the phase's rise is
+  tensors, the rest being glibc's heap; slow, off by default.
 - ``tag/<name>``: bytes the components' ledgers say they hold under each tag: ``weights``,
   ``kv_cache`` (engine), ``actor_params``, ``actor_grads``, ``optimizer`` (actor), ``ref_params``
   (the reference actor). An explanation of ``device_used``, never a substitute for it.
@@ -65,6 +68,7 @@ from colocation.phases import (  # noqa: F401 (re-exported)
     wake_window_phases,
 )
 from planner import Plan, StepLengths
+from telemetry.live_tensors import LiveTensorBytes
 
 # The step's phases (colocation/phases.py, the one table): PHASES run every step; the timeline records every
 # phase a step may run, in order: PHASES and, at the step boundaries that evaluate, the eval before rollout,
@@ -76,6 +80,9 @@ TIMELINE_PHASES = ALL_PHASES
 TAGS = ENGINE_STATE + ACTOR_STATE + REF_STATE
 BASE_METRICS = ("device_used", "device_peak", "device_allocated", "device_reserved", "host_rss", "host_pinned")
 METRICS = BASE_METRICS + tuple(f"tag/{tag}" for tag in TAGS)
+# with trainer.count_tensors, a phase's exit row only: the most bytes of tensors the phase made and referenced at
+# once (telemetry/live_tensors.py), to tell its tensors from the allocator's share of its rise
+TENSOR_PEAK = "tensor_peak"
 # The measured metrics: a phase's peak (`memory/peak/<phase>`, summary.json's phase_peak_bytes) and what
 # the device holds at a sample (memory after a phase, bytes released by a phase).
 PEAK_METRIC = "device_peak"
@@ -223,12 +230,20 @@ class MemoryTimeline:
     samples strictly inside the phase they are labelled with.
     """
 
-    def __init__(self, probe: MemoryProbe, rank: int, interval_s: float = 0.05, t0: float | None = None):
+    def __init__(
+        self,
+        probe: MemoryProbe,
+        rank: int,
+        interval_s: float = 0.05,
+        t0: float | None = None,
+        count_tensors: bool = False,
+    ):
         if interval_s <= 0:
             raise ValueError(f"memory sampler interval_s={interval_s} must be > 0")
         self.probe = probe
         self.rank = rank
         self.interval_s = interval_s
+        self.count_tensors = count_tensors  # each phase's exit row gets tensor_peak (telemetry/live_tensors.py)
         if rank == 0 and probe.peak_method == "rss_sampled":  # once per run: rank 0 speaks for the node
             print(f"warning: memory peaks are {PEAK_METHODS['rss_sampled']}", file=sys.stderr, flush=True)
         self.t0 = time.monotonic() if t0 is None else t0
@@ -268,12 +283,16 @@ class MemoryTimeline:
             self.probe.reset_peak()
             self.sample(step, name)
             self._active = (step, name)
+        tensors = LiveTensorBytes() if self.count_tensors else None
         try:
-            yield
+            with tensors if tensors is not None else contextlib.nullcontext():
+                yield
         finally:
             with self._phase_lock:
                 self._active = None
-                self.sample(step, name)
+                row = self.sample(step, name)
+                if tensors is not None:
+                    row[TENSOR_PEAK] = tensors.peak
             self.phase_seconds[(step, name)] = time.monotonic() - start
 
     def step_phase_seconds(self, step: int) -> dict[str, float]:

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from telemetry.memory_charts import plot_stages, plot_timeline, run_label, timeline_x
-from telemetry.memory_timeline import METRICS, phase_drift, phase_peak_rows, phase_peaks, read_timeline_csv
+from telemetry.memory_timeline import METRICS, TENSOR_PEAK, phase_drift, phase_peak_rows, phase_peaks, read_timeline_csv
 
-CSV_COLUMNS = ("t_s", "step", "phase", "rank", *METRICS)
+CSV_COLUMNS = ("t_s", "step", "phase", "rank", *METRICS, TENSOR_PEAK)
 SUMMARY_FILE = "summary.json"  # written last, by RunWriter.finish: its presence means the run finished
 
 

@@ -127,47 +127,6 @@ def test_the_ends_of_the_model_are_counted(tp):
     assert saved == TOKENS * per_token
 
 
-class _LiveBytes:
-    """The bytes of tensors an aten op created and something still references, at their widest moment: each op's new
-    storages counted once, released when their last tensor is collected (views share their base's storage; storages
-    from before the count, the layer's input and parameters, are not counted)."""
-
-    def __init__(self):
-        import weakref
-
-        import torch
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_flatten
-
-        count = self
-        self.live, self.now, self.peak = {}, 0, 0
-
-        def release(key):
-            entry = count.live[key]
-            entry[1] -= 1
-            if entry[1] == 0:
-                count.now -= entry[0]
-                del count.live[key]
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                inputs = {i.untyped_storage().data_ptr() for i in tree_flatten((args, kwargs))[0] if torch.is_tensor(i)}
-                for tensor in (o for o in tree_flatten(out)[0] if torch.is_tensor(o)):
-                    key = tensor.untyped_storage().data_ptr()
-                    if key == 0 or (key not in count.live and key in inputs):
-                        continue  # empty, or a view of a tensor from before the count
-                    entry = count.live.setdefault(key, [tensor.untyped_storage().nbytes(), 0])
-                    if entry[1] == 0:
-                        count.now += entry[0]
-                    entry[1] += 1
-                    weakref.finalize(tensor, release, key)
-                count.peak = max(count.peak, count.now)
-                return out
-
-        self.mode = Mode()
-
-
 def _forward_peak_of_first_layer(rank: int, world_size: int, dims: dict, sequences: int) -> int:
     import dataclasses
 
@@ -177,13 +136,14 @@ def _forward_peak_of_first_layer(rank: int, world_size: int, dims: dict, sequenc
     from megatron_backend.model import build_gpt_chunks
     from megatron_backend.parallel import initialize_model_parallel
     from modelspec import ModelShape
+    from telemetry.live_tensors import LiveTensorBytes
 
     shape = dataclasses.replace(ModelShape.from_pretrained("tiny:qwen2"), **dims)
     [model] = build_gpt_chunks(shape, initialize_model_parallel(tp=world_size, pp=1, vpp=None))
     layer = next(m for m in model.modules() if type(m).__name__ == "TransformerLayer")
-    live = _LiveBytes()
-    layer.register_forward_pre_hook(lambda *_: [live.mode.__enter__(), None][1])  # a hook's result replaces the args
-    layer.register_forward_hook(lambda *_: live.mode.__exit__(None, None, None))
+    live = LiveTensorBytes()
+    layer.register_forward_pre_hook(lambda *_: [live.__enter__(), None][1])  # a hook's result replaces the args
+    layer.register_forward_hook(lambda *_: live.__exit__(None, None, None))
     length = FORWARD_TOKENS // sequences
     cu = torch.arange(0, FORWARD_TOKENS + 1, length, dtype=torch.int32)
     params = PackedSeqParams(
@@ -247,9 +207,11 @@ def _moe_block_bytes(rank: int, world_size: int, tokens: int, train: bool) -> tu
     ids = torch.randint(0, shape.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(rank))
     args = (ids, torch.arange(length).repeat(4).unsqueeze(0))
     if not train:
-        live = _LiveBytes()
-        block.register_forward_pre_hook(lambda *_: [live.mode.__enter__(), None][1])
-        block.register_forward_hook(lambda *_: live.mode.__exit__(None, None, None))
+        from telemetry.live_tensors import LiveTensorBytes
+
+        live = LiveTensorBytes()
+        block.register_forward_pre_hook(lambda *_: [live.__enter__(), None][1])
+        block.register_forward_hook(lambda *_: live.__exit__(None, None, None))
         with torch.no_grad():
             model(*args, attention_mask=None, packed_seq_params=params)
         return live.peak, received[0]

@@ -55,6 +55,35 @@ def test_a_peak_between_two_samples_is_measured():
     timeline.close()
 
 
+def test_count_tensors_splits_a_phases_rise_into_its_tensors_and_the_rest(tmp_path):
+    """trainer.count_tensors: a phase's exit row carries the most bytes of tensors it made at once (here 4 MiB and
+    2 MiB live together, then 8 MiB after both died: 8 MiB), not the tensors from before it (modified in place) nor
+    a tensor's views; tools/phase_tensors.py puts the rest of the rise beside them. Off: no such key."""
+    from telemetry.memory_timeline import TENSOR_PEAK
+    from tools.phase_tensors import phase_parts
+
+    before = torch.zeros(1 << 20)
+    timeline = MemoryTimeline(MemoryProbe(torch.device("cpu")), rank=0, interval_s=3600, count_tensors=True)
+    for step in range(2):
+        with timeline.phase("train", step=step):
+            before.add_(1.0)
+            four, two = _touch(4 * MB), _touch(2 * MB)
+            view = four[: 1 << 10]
+            del four, two, view
+            eight = _touch(8 * MB)
+            del eight
+    rows = timeline.take_rows()
+    assert [r[TENSOR_PEAK] for r in rows if TENSOR_PEAK in r] == [8 * MB, 8 * MB]  # the exit rows only
+    part = phase_parts(rows)["train"]
+    assert part["tensor_peak_bytes"] == 8 * MB and part["ledger_bytes"] == 0
+    assert part["beside_bytes"] == part["rise_bytes"] - 8 * MB
+    timeline.count_tensors = False
+    with timeline.phase("train", step=2):
+        _touch(MB)
+    assert not any(TENSOR_PEAK in r for r in timeline.take_rows())
+    timeline.close()
+
+
 def test_a_sampling_fallback_is_named_and_warned_once(monkeypatch, tmp_path, capsys):
     """A container where /proc/self/clear_refs is not writable: peaks fall back to sampling, which the
     probe names (summary.json's memory_peak_method) and rank 0 says once on stderr."""
@@ -261,3 +290,18 @@ def test_the_runtime_level_is_what_the_rank_holds_beside_its_tagged_tensors():
     del params, unnamed
     assert abs(tagged - before) < 8 * MB
     assert 56 * MB < untagged - tagged < 72 * MB
+
+
+def test_phase_tensors_says_what_a_run_without_counts_lacks(tmp_path, capsys):
+    from tools.phase_tensors import main
+
+    assert main([str(tmp_path)]) == 2
+    assert "not a run directory" in capsys.readouterr().err
+    from telemetry.tracking import CSV_COLUMNS
+
+    with open(tmp_path / "memory_timeline.csv", "w", newline="") as f:  # a run made without the count
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        writer.writerow(dict(t_s=0.0, step=0, phase="train", rank=0, **dict.fromkeys(METRICS, 0)))
+    assert main([str(tmp_path)]) == 2
+    assert "trainer.count_tensors=true" in capsys.readouterr().err
