@@ -168,21 +168,30 @@ def layer_activation_bytes_per_token(
     what those modules recompute: ``layernorm`` the two norm outputs (2h), ``mlp`` the MLP's
     internals (3I / t), ``core_attn`` the log-sum-exp (and the unfused scores, by the caller). ``sparse``: an MoE
     layer, its router and experts in place of the dense MLP (:func:`moe_activation_bytes_per_token`; ``mlp`` or
-    ``moe`` recomputes them).
+    ``moe`` recomputes them). Qwen3's per-head q and k norms (``qk_norm``; megatron's TE spec builds them as
+    ``TENorm``, Transformer Engine 2's ``RMSNorm`` op, transformer_engine/pytorch/ops/basic/rmsnorm.py
+    ``op_forward``): each saves ``input_.contiguous()`` and the fp32 rstdevs per head; the query and key reach
+    them as views of the fused qkv output that are not contiguous (attention.py ``get_query_key_value_tensors``),
+    so the copies are new: (Hq / t + KV heads per rank) x (d elements + 4 B). Read from the source, not measured.
     """
     h, d, t = shape.hidden_size, shape.head_dim, tp
     sp = t if sequence_parallel else 1  # the sequence-parallel region's split
+    qk_rstdevs = 0
     if attention == "unfused":
         elements = local_layer_activation_elements_per_token(shape, tp, recomputed, sparse)
     else:
         norms = (4 * h - (2 * h if "layernorm" in recomputed else 0)) // sp
         mlp = 0 if "mlp" in recomputed or sparse else 3 * shape.intermediate_size // t
         elements = norms + 3 * (shape.num_heads + shape.num_kv_heads) * d // t + mlp
+        if shape.qk_norm:  # Qwen3's q and k norms (the docstring's end)
+            q_heads, kv_heads = shape.num_heads // t, engine_kv_heads_per_rank(shape, t)
+            elements += (q_heads + kv_heads) * d
+            qk_rstdevs = (q_heads + kv_heads) * FP32_BYTES
     lse = FP32_BYTES * shape.num_heads // t if attention == "flash" and "core_attn" not in recomputed else 0
     moe = 0
     if sparse and not {"mlp", "moe"} & set(recomputed):
         moe = moe_activation_bytes_per_token(shape, etp or t, element_bytes, sp, local=attention == "unfused")
-    return elements * element_bytes + lse + moe
+    return elements * element_bytes + lse + moe + qk_rstdevs
 
 
 def stage_ends_activation_bytes_per_token(

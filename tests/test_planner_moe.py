@@ -79,6 +79,9 @@ def test_moe_layer_keeps_router_dispatched_tokens_and_expert_activations():
     h, d, hq, hkv = s.hidden_size, s.head_dim, s.num_heads, s.num_kv_heads
     k, m, E = s.moe_top_k, s.moe_intermediate_size, s.num_experts
     attention_and_norms = (4 * h + 3 * (hq + hkv) * d) * e + FP32_BYTES * hq  # flash's log-sum-exp
+    # Qwen3's q and k norms under TE: a contiguous copy of each head's input and its fp32 rstdevs
+    # (transformer_engine/pytorch/ops/basic/rmsnorm.py, RMSNorm.op_forward)
+    attention_and_norms += (hq + hkv) * (d * e + FP32_BYTES)
     router = 2 * E * FP32_BYTES  # fp32 logits and softmax scores [N, E]
     dispatched = k * h * e  # the experts' fc1 input: one permuted copy per routed token
     experts = k * (2 * m + m) * e  # fc1's output [N k, 2m] and SwiGLU x probs [N k, m]
@@ -102,6 +105,7 @@ def test_sequence_parallelism_splits_the_norms_router_and_residual_stream_over_t
     h, d, hq, hkv = s.hidden_size, s.head_dim, s.num_heads, s.num_kv_heads
     k, m, E = s.moe_top_k, s.moe_intermediate_size // 2, s.num_experts
     attention = 3 * (hq + hkv) * d // 2 * e + FP32_BYTES * hq // 2
+    attention += (hq + hkv) // 2 * (d * e + FP32_BYTES)  # the q and k norms' inputs and rstdevs (2 + 1 heads a rank)
     experts = k * (h + 3 * m) * e
     assert layer_activation_bytes_per_token(s, 2, e, "flash", sparse=True, sequence_parallel=True) == (
         attention + 4 * h // 2 * e + 2 * E * FP32_BYTES // 2 + experts
