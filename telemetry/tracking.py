@@ -130,6 +130,11 @@ class RunWriter:
                 # an earlier attempt in this directory died and its W&B records (sent at once, nothing
                 # deferred) cannot be taken back: this fresh start is a new W&B run
                 wandb_run_id = wandb.util.generate_id()
+            if wandb_mode == "offline":
+                # wandb.init(mode="offline") leaves the process's global settings online, and wandb 0.31's
+                # analytics (wandb/analytics/opentelemetry/opentelemetry_proxy.py, OpenTelemetryProxy.from_settings)
+                # then start two export threads at the first run.log that post to the W&B server every 60 s
+                wandb.setup(wandb.Settings(mode="offline"))
             self.wandb_run = wandb.init(
                 mode=wandb_mode,
                 project=project,

@@ -305,3 +305,17 @@ def test_phase_tensors_says_what_a_run_without_counts_lacks(tmp_path, capsys):
         writer.writerow(dict(t_s=0.0, step=0, phase="train", rank=0, **dict.fromkeys(METRICS, 0)))
     assert main([str(tmp_path)]) == 2
     assert "trainer.count_tensors=true" in capsys.readouterr().err
+
+
+def test_an_offline_wandb_run_sends_nothing(tmp_path):
+    """Offline means nothing leaves the machine: wandb's analytics export (OpenTelemetry threads posting to the
+    W&B server) must not start when a step is logged."""
+    import threading
+
+    from wandb.analytics.opentelemetry.opentelemetry_proxy import get_open_telemetry_proxy
+
+    writer = RunWriter(tmp_path, {"exp": "unit"}, "offline", "rlmem-test", None, "unit")
+    writer.log_step(0, {"reward/mean": 0.5}, [])
+    exporters = [t.name for t in threading.enumerate() if t.name.startswith("Otel")]
+    writer.finish({"steps": 1})
+    assert get_open_telemetry_proxy() is None and not exporters, exporters
