@@ -175,7 +175,9 @@ def run_launched(fn: Callable, cluster: ClusterConfig, *args: Any) -> Any:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     os.environ.update(rank_environ(cluster))
-    return record(fn)(*args)
+    result = record(fn)(*args)
+    end_process_groups()
+    return result
 
 
 def missing_devices(cluster: ClusterConfig, external: bool) -> str | None:
@@ -247,8 +249,20 @@ def _rank_entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple
         MASTER_PORT=str(port),
     )
     exit_code = fn(*args)
+    end_process_groups()
     if exit_code:
         sys.exit(exit_code)
+
+
+def end_process_groups() -> None:
+    """Destroy this rank's process groups after its run returned (not after an exception: another rank may still
+    wait in a collective). Without it gloo's worker threads outlive the interpreter, and a rank that finished every
+    step can die at exit with "terminate called without an active exception" (SIGABRT: pytorch/pytorch#190489;
+    seen once in CI's slow suite on 2026-11-26, tests/test_memory_cpu.py, rank 1 after its last step)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def describe_exit(exitcode: int) -> str:
