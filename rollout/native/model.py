@@ -208,29 +208,42 @@ class NativeModel:
         return x + self._all_reduce(torch.mm(inp, weight_t))
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-        """ids, positions [N] -> final-normed hidden [N, h]; ``attend(layer, q, k, v)`` -> [N, Hq/T * d]."""
-        t, d = self.tps, self.shape.head_dim
-        num_qk, half_d = t.num_heads + t.num_kv_heads, d // 2
+        """ids, positions [N] -> final-normed hidden [N, h]; ``attend(layer, q, k, v)`` -> [N, Hq/T * d].
+
+        Each block is a call, so its intermediates die when it returns: between blocks only x [N, h] is alive
+        (a loop body's locals would hold one layer's qkv [N, (Hq/T + 2 kv) d] and gate_up [N, 2 I/T] through the
+        next layer's blocks)."""
         cos_sin = self._cos_sin[positions]  # [N, 2, d]
         cos, sin = cos_sin[:, :1], cos_sin[:, 1:]  # [N, 1, d]
         x = self._embed(ids)
-        n = ids.shape[0]
-        for i, (ln1, qkv_w, qkv_b, qk_norm, o_w_t, ln2, gate_up_w, down_w_t) in enumerate(self.layers):
-            qkv = F.linear(self.rms_norm(x, ln1), qkv_w, qkv_b)
-            qkv = qkv.view(n, num_qk + t.num_kv_heads, d)  # heads: [q (Hq/T) | k (kv) | v (kv)]
-            qk, v = qkv.split_with_sizes((num_qk, t.num_kv_heads), dim=1)  # (C++ method: no python wrapper)
-            if qk_norm is not None:  # q_norm on the q heads, k_norm on the k heads, in one op
-                qk = self.rms_norm(qk, qk_norm)
-            # rope on q and k heads: rotate_half(x) * sin == roll(x, d/2) * [-sin_lo, sin_hi] (signed table)
-            qk = torch.addcmul(qk * cos, qk.roll(half_d, dims=-1), sin)
-            q, k = qk.split_with_sizes((t.num_heads, t.num_kv_heads), dim=1)
-            x = self._row_parallel_add(x, attend(i, q, k, v), o_w_t)
+        for i, layer in enumerate(self.layers):
+            x = self._attention_block(i, x, layer, cos, sin, attend)
             if i in self.moe_layers:
-                x = x + self._all_reduce(self.moe(self.rms_norm(x, ln2), self.moe_layers[i], i), self.moe_group)
-                continue
-            gate, up = F.linear(self.rms_norm(x, ln2), gate_up_w).chunk(2, dim=-1)
-            x = self._row_parallel_add(x, F.silu(gate) * up, down_w_t)
+                x = x + self._all_reduce(
+                    self.moe(self.rms_norm(x, layer.post_norm), self.moe_layers[i], i), self.moe_group
+                )
+            else:
+                x = self._mlp_block(x, layer)
         return self.rms_norm(x, self.final_norm)
+
+    def _attention_block(self, i: int, x: torch.Tensor, layer: LayerWeights, cos, sin, attend) -> torch.Tensor:
+        """x [N, h] -> x + o_proj(attention(rope(qkv(norm(x))))), [N, h]."""
+        t, d = self.tps, self.shape.head_dim
+        n, num_qk = x.shape[0], t.num_heads + t.num_kv_heads
+        qkv = F.linear(self.rms_norm(x, layer.input_norm), layer.qkv_w, layer.qkv_b)
+        qkv = qkv.view(n, num_qk + t.num_kv_heads, d)  # heads: [q (Hq/T) | k (kv) | v (kv)]
+        qk, v = qkv.split_with_sizes((num_qk, t.num_kv_heads), dim=1)  # (C++ method: no python wrapper)
+        if layer.qk_norm is not None:  # q_norm on the q heads, k_norm on the k heads, in one op
+            qk = self.rms_norm(qk, layer.qk_norm)
+        # rope on q and k heads: rotate_half(x) * sin == roll(x, d/2) * [-sin_lo, sin_hi] (signed table)
+        qk = torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin)
+        q, k = qk.split_with_sizes((t.num_heads, t.num_kv_heads), dim=1)
+        return self._row_parallel_add(x, attend(i, q, k, v), layer.o_w_t)
+
+    def _mlp_block(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        """x [N, h] -> x + down(silu(gate) * up), gate and up [N, I/T] halves of gate_up(norm(x))."""
+        gate, up = F.linear(self.rms_norm(x, layer.post_norm), layer.gate_up_w).chunk(2, dim=-1)
+        return self._row_parallel_add(x, F.silu(gate) * up, layer.down_w_t)
 
     def route(self, x: torch.Tensor, router_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, h] (post-attention-normed) -> (top-k weights [N, k] in the dtype, top-k expert ids [N, k]), as
