@@ -129,6 +129,9 @@ class PlanInputs:
     # worst case); with remove_padding or a token budget they decide the micro-batches' real tokens
     mean_prompt_tokens: int | None = None
     mean_response_tokens: int | None = None
+    # the engine's max_tokens per sample (rollout.max_new_tokens), which sizes the native engine's per-row tables
+    # whatever the responses' lengths (None: response_tokens; at_lengths keeps the launch's)
+    max_new_tokens: int | None = None
     # rollout engine
     engine: str = "vllm"
     rollout_tp: int = 1
@@ -199,10 +202,16 @@ class PlanInputs:
             "recompute_num_layers",
             "mean_prompt_tokens",
             "mean_response_tokens",
+            "max_new_tokens",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value} must be >= 1, or None")
+        if (self.max_new_tokens or self.response_tokens) < self.response_tokens:
+            raise ValueError(
+                f"max_new_tokens={self.max_new_tokens} is below response_tokens={self.response_tokens}: no response is "
+                "longer than the engine's max_tokens; raise max_new_tokens or leave it None"
+            )
         too_long = (self.mean_prompt_tokens or 0) > self.prompt_tokens
         if too_long or (self.mean_response_tokens or 0) > self.response_tokens:
             raise ValueError("mean_prompt_tokens / mean_response_tokens cannot exceed prompt_tokens / response_tokens")
@@ -337,6 +346,7 @@ class PlanInputs:
             self,
             prompt_tokens=prompt,
             response_tokens=response,
+            max_new_tokens=self.max_new_tokens or self.response_tokens,
             mean_prompt_tokens=max(1, min(prompt, round(lengths.mean_prompt))),
             mean_response_tokens=max(1, min(response, round(lengths.mean_response))),
             kv_cache_bytes=kv_cache_bytes,

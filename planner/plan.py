@@ -31,6 +31,7 @@ from planner.sizes import (
     actor_stage_fc1_elements,
     actor_stage_param_count,
     engine_activation_bytes,
+    engine_moe_bytes_per_token,
     engine_param_count,
     in_flight_layers,
     kv_bytes_per_token,
@@ -42,6 +43,7 @@ from planner.sizes import (
     local_layer_forward_bytes,
     logits_bytes,
     moe_layer_kinds,
+    native_engine_activation_bytes,
     optimizer_bytes_per_param,
     routing_device_bytes,
     stage_ends_activation_bytes_per_token,
@@ -436,7 +438,8 @@ def engine_rollout_activation_bytes(inp: PlanInputs, sequences: int | None = Non
     profiled peak (max_num_batched_tokens, max_num_seqs). native, and vLLM on CPU: the same working set for
     the batch it really runs
     (its replica's sequences, all prompts prefilled at once unless max_num_batched_tokens caps them); its
-    activation reserve is headroom kept out of the KV cache, not memory it allocates."""
+    activation reserve is headroom kept out of the KV cache, not memory it allocates. The native engine's working set
+    is its own forward's, counted (sizes.native_engine_activation_bytes: prefill, the longest decode, the sampler)."""
     if not inp.engine_profile.profiles_activations(inp.device.kind):  # eager: the batch it really runs
         replicas = inp.actor_tp * inp.actor_pp * inp.actor_dp // inp.rollout_tp
         total = inp.sequences_per_step if sequences is None else sequences
@@ -444,18 +447,39 @@ def engine_rollout_activation_bytes(inp: PlanInputs, sequences: int | None = Non
         prefill = seqs * inp.prompt_tokens
         if inp.native_max_batched_tokens:
             prefill = min(prefill, max(inp.native_max_batched_tokens, inp.prompt_tokens))
-        # eager ops hold more than the live tensors counted (one layer's working set and the sampler's four
-        # [seqs, V] fp32 tensors): the heap keeps freed blocks of other sizes, and a fixed workspace sits beside
-        # them (both calibrated: engine_activation_factor, engine_workspace_bytes; 1 and 0 where never fitted)
-        working = engine_activation_bytes(
-            inp.shape,
-            inp.rollout_tp,
-            inp.element_bytes,
-            prefill,
-            seqs,
-            inp.engine_profile.sampler_tensors(inp.device.kind),
-            **_engine_moe(inp, inp.engine),
-        )
+        # the RSS holds more than the live tensors counted: the heap keeps freed blocks of other sizes, and a fixed
+        # workspace sits beside them (both calibrated: engine_activation_factor, engine_workspace_bytes; 1 and 0
+        # where never fitted)
+        sampler_tensors = inp.engine_profile.sampler_tensors(inp.device.kind)
+        if inp.engine == "native":  # its own forward, counted from its source
+            moe = _engine_moe(inp, inp.engine)
+            working = native_engine_activation_bytes(
+                inp.shape,
+                inp.rollout_tp,
+                inp.element_bytes,
+                prefill_seqs=min(seqs, max(1, prefill // inp.prompt_tokens)),
+                prompt_tokens=inp.prompt_tokens,
+                decode_seqs=seqs,
+                response_tokens=inp.response_tokens,
+                max_tokens=inp.max_new_tokens,
+                block_size=inp.kv_block_size,
+                sampler_vocab_tensors=sampler_tensors,
+                moe_bytes_per_token=engine_moe_bytes_per_token(
+                    inp.shape, moe["expert_tp"] or inp.rollout_tp, inp.element_bytes, moe["moe_workspace"]
+                )
+                if inp.shape.is_moe
+                else 0,
+            )
+        else:
+            working = engine_activation_bytes(
+                inp.shape,
+                inp.rollout_tp,
+                inp.element_bytes,
+                prefill,
+                seqs,
+                sampler_tensors,
+                **_engine_moe(inp, inp.engine),
+            )
         constants = inp.constants
         return round(working * constants.value("engine_activation_factor")) + int(
             constants.value("engine_workspace_bytes")

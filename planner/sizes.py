@@ -574,6 +574,156 @@ def engine_moe_bytes_per_token(
     raise ValueError(f"moe_workspace={moe_workspace!r} must be 'fused_moe' or 'native'")
 
 
+def native_engine_activation_bytes(
+    shape: ModelShape,
+    rollout_tp: int,
+    element_bytes: int,
+    *,
+    prefill_seqs: int,
+    prompt_tokens: int,
+    decode_seqs: int,
+    response_tokens: int,
+    block_size: int,
+    sampler_vocab_tensors: int,
+    moe_bytes_per_token: int = 0,
+    max_tokens: int | None = None,
+) -> int:
+    """The native engine's peak while it generates (rollout/native/), counted from its source: the running batch's
+    tables for ``max_tokens`` a sample (None: ``response_tokens``; :func:`native_running_batch_bytes`), plus the largest of a prefill's forward over ``prefill_seqs``
+    prompts padded to ``prompt_tokens`` (:func:`native_prefill_bytes`), a decode step's forward at the longest
+    context (:func:`native_decode_bytes`) and the sampler's full-vocab tensors (:func:`sampler_bytes`).
+    ``moe_bytes_per_token``: an MoE layer's working set (:func:`engine_moe_bytes_per_token`, ``native``; a bound,
+    every token in one expert), in place of the dense MLP's where larger."""
+    scripted = rollout_tp == 1 and element_bytes == FP32_BYTES and not any(moe_layer_kinds(shape))
+    # the last decode step feeds the response's last-but-one token, with prompt + response - 2 tokens cached
+    context = max(0, prompt_tokens + response_tokens - 2)
+    sizes = dict(
+        shape=shape, rollout_tp=rollout_tp, element_bytes=element_bytes, moe_bytes_per_token=moe_bytes_per_token
+    )
+    max_tokens = max_tokens or response_tokens
+    tables = native_running_batch_bytes(decode_seqs, prompt_tokens + max_tokens, max_tokens, block_size)
+    return tables + max(
+        native_prefill_bytes(seqs=prefill_seqs, prompt_tokens=prompt_tokens, **sizes),
+        native_decode_bytes(
+            seqs=decode_seqs, context_tokens=context, block_size=block_size, scripted=scripted, **sizes
+        ),
+        sampler_bytes(shape, max(prefill_seqs, decode_seqs), sampler_vocab_tensors),
+    )
+
+
+def native_running_batch_bytes(seqs: int, sequence_tokens: int, max_tokens: int, block_size: int) -> int:
+    """rollout/native/scheduler.py ``RunningBatch`` for ``seqs`` rows: block_table [B, W] and slot_table [B, W bs]
+    (int64, W blocks hold ``sequence_tokens``), out_tokens (int64) and out_logprobs (fp32) [B, max_tokens], and
+    four [B] int64 vectors (limits, ctx_lens, last, gen_lens)."""
+    width = math.ceil(sequence_tokens / block_size)
+    return seqs * (width * (1 + block_size) * INT64_BYTES + max_tokens * (INT64_BYTES + FP32_BYTES) + 4 * INT64_BYTES)
+
+
+def _native_norm_bytes(width: int, rows: int, e: int) -> int:
+    """What ``NativeModel.rms_norm`` of a token's ``width`` elements in ``rows`` rows holds beside its input, at its
+    widest: in fp32 the hypot per row and the quotient; in 16-bit the fp32 copy, the fp32 quotient and the result
+    cast back."""
+    return FP32_BYTES * (width + rows) if e == FP32_BYTES else (2 * FP32_BYTES + e) * width
+
+
+def _native_layer_moments(shape: ModelShape, t: int, moe_bytes_per_token: int, e: int) -> int:
+    """Bytes per token at the widest moment of one decoder layer of ``NativeModel.forward`` (eager), x [N, h]
+    that enters it included. Each block is a call, so only its own intermediates and x are alive. Elements per
+    token: Q = (Hq / t + 2 kv) d of qkv, K = (Hq / t + kv) d of the q and k heads. Attention: the input norm
+    (:func:`_native_norm_bytes`); norm(x) and qkv (2h + Q); Qwen3's q / k norm beside qkv; rope's qk * cos, roll
+    and addcmul (h + Q + 3K, + K beside the q / k norm's output); SDPA's output (h + Q + K + Hq d / t); o_proj's
+    add (TP 1 addmm: 2h + Q + K + Hq d / t; TP > 1: mm, then x + it, one h more). MLP: the norm; norm(x) and
+    gate_up (2h + 2I / t); silu(gate) and its product with up (h + 4I / t); the down projection's add
+    (2h + 3I / t, one h more at TP > 1). An MoE layer: x, norm(x) and ``moe_bytes_per_token``. At TP > 1 each
+    moment may hold one h more: the previous block's all-reduced [N, h], which the collective's work object keeps
+    until its backend lets go of it (:func:`native_retained_all_reduce_bytes`)."""
+    h, d, i = shape.hidden_size, shape.head_dim, shape.intermediate_size // t
+    hq, kv = shape.num_heads // t, engine_kv_heads_per_rank(shape, t)
+    q, k, add = (hq + 2 * kv) * d, (hq + kv) * d, (0 if t == 1 else h)
+    norm = h * e + _native_norm_bytes(h, 1, e)
+    attention = max(
+        norm,
+        (2 * h + q) * e,
+        ((h + q) * e + _native_norm_bytes(k, hq + kv, e)) if shape.qk_norm else 0,
+        (h + q + 3 * k + (k if shape.qk_norm else 0)) * e,
+        (h + q + k + hq * d) * e,
+        (2 * h + q + k + hq * d + add) * e,
+    )
+    dense = max(norm, (2 * h + 2 * i) * e, (h + 4 * i) * e, (2 * h + 3 * i + add) * e)
+    mlp = max((2 * h * e + moe_bytes_per_token) if sparse else dense for sparse in moe_layer_kinds(shape))
+    return max(attention, mlp) + native_retained_all_reduce_bytes(shape, t, e)
+
+
+def native_retained_all_reduce_bytes(shape: ModelShape, rollout_tp: int, element_bytes: int) -> int:
+    """Per token: the last all-reduced hidden state [N, h] (o_proj's or down's partial sum, TP > 1), alive into the
+    next block: ``dist.all_reduce`` returns once the sum is done, but its work object still references the tensor
+    until the backend releases the work (gloo: from its own thread, so sometimes before the next block and
+    sometimes not; NCCL keeps a collective's tensors for its watchdog). Counted as held: the bound."""
+    return shape.hidden_size * element_bytes if rollout_tp > 1 else 0
+
+
+def native_prefill_bytes(
+    shape: ModelShape, rollout_tp: int, element_bytes: int, *, seqs: int, prompt_tokens: int, moe_bytes_per_token: int
+) -> int:
+    """``NativeModel.prefill`` of B = ``seqs`` prompts padded to L = ``prompt_tokens`` (N = B L tokens, every
+    one a prompt token: the longest case), its live tensors at their widest (tests/test_rollout_native_engine.py
+    checks it byte for byte): the padded ids and slots [B, L] and the flattened positions, valid rows and their
+    slots [N] (int64), the key mask [B, L, L] and the valid mask [B, L] (bool), the positions [L] (int64), each
+    token's rope rows [N, 2, d], then one decoder layer's widest moment (:func:`_native_layer_moments`) or the end:
+    the final norm of x [N, h], the last token's hidden [B, h] and the logits [B, P / t] (all-gathered at
+    TP > 1: t parts and their concatenation [B, P])."""
+    e, t, b, length = element_bytes, rollout_tp, seqs, prompt_tokens
+    n, h = b * length, shape.hidden_size
+    index = (2 * b * length + 3 * n + length) * INT64_BYTES + b * length * (length + 1)
+    rope = n * 2 * shape.head_dim * e
+    layer = _native_layer_moments(shape, t, moe_bytes_per_token, e)
+    vocab = vllm_padded_vocab(shape.vocab_size)
+    logits = b * vocab // t * e + (2 * b * vocab * e if t > 1 else 0)
+    retained = n * native_retained_all_reduce_bytes(shape, t, e)
+    end = max(
+        n * (h * e + _native_norm_bytes(h, 1, e)) + retained, n * h * e + b * h * e + 2 * b * INT64_BYTES + logits
+    )
+    return index + rope + max(n * layer, end)
+
+
+def native_decode_bytes(
+    shape: ModelShape,
+    rollout_tp: int,
+    element_bytes: int,
+    *,
+    seqs: int,
+    context_tokens: int,
+    block_size: int,
+    scripted: bool,
+    moe_bytes_per_token: int,
+) -> int:
+    """``NativeModel.decode`` of B = ``seqs`` sequences, the longest with ``context_tokens`` cached: its live
+    tensors at their widest. Attention reads each sequence's whole context: the gathered block rows
+    ctx [2, B kv, S, d] (S = ``context_tokens`` rounded up to blocks), the scores and their softmax
+    [B kv, Hq / (t kv), S], the additive mask [B kv, 1, S] (dtype) and the visible mask [B kv, S] (bool), the
+    new rows [2 B kv] and context block rows [2 B kv S / bs] (int64), the rope rows [B, 2, d] and x [B, h].
+    Eager, qkv, the rope'd heads and q's reshaped copy [B, Hq / t, d] (with more than one KV head) are alive too; TorchScript (TP 1, fp32,
+    dense: rollout/native/decode_tp1.py) frees them first, but the embedding it was called with stays referenced
+    beside x. The layer's other moments (:func:`_native_layer_moments`) with N = B where they are wider."""
+    e, t, b = element_bytes, rollout_tp, seqs
+    h, d = shape.hidden_size, shape.head_dim
+    hq, kv = shape.num_heads // t, engine_kv_heads_per_rank(shape, t)
+    blocks = context_tokens // block_size + 1  # kv_cache.decode_rows: blocks covering the context + the new token
+    span = blocks * block_size
+    rows = 2 * b * kv * (1 + blocks) * INT64_BYTES + b * kv * span * (1 + e) + b * 2 * d * e + b * h * e
+    attention = (2 * b * kv * span * d + 2 * b * hq * span) * e
+    if scripted:
+        attention += b * h * e
+    else:
+        # q [B, Hq / t, d] (a view into the rope'd heads) reshaped to [B kv, group, d]: a copy unless one KV head
+        # (or one sequence) lets the view through
+        q_copy = hq * d if kv > 1 and b > 1 else 0
+        attention += b * ((hq + 2 * kv) * d + (hq + kv) * d + q_copy) * e
+        attention += b * native_retained_all_reduce_bytes(shape, t, e)
+    layer = _native_layer_moments(shape, t, moe_bytes_per_token, e)
+    return rows + max(attention, b * (layer - h * e) + (b * h * e if scripted else 0))
+
+
 def sampler_bytes(shape: ModelShape, num_seqs: int, vocab_tensors: int) -> int:
     """The sampler's peak for ``num_seqs`` sequences: ``vocab_tensors`` (the engine's profile,
     ``EngineProfile.sampler_vocab_tensors``) x [num_seqs, V] fp32, the full vocabulary (the logits are gathered

@@ -19,8 +19,9 @@ constants being fitted zeroed (or 1 for a factor), and fits, in this order:
    per_sequence is not a cost: the term is then left out and the other two are the line fit (:func:`_actor_fit`). A forward without grad (old/ref_logprob) keeps nothing: its working set is counted
    (``planner.sizes.layer_forward_bytes_per_token``), not fitted.
 3. ``engine_activation_factor`` and ``engine_workspace_bytes`` (CPU): the rollout phase's measured rise
-   against the planned engine working set (eager ops hold more of a layer at once than the fused count),
-   least squares over the native runs; ``heap_retention_bytes``: what rollout leaves in the heap for
+   against the native engine's working set, counted from its source (``planner.sizes.native_engine_activation_bytes``:
+   its prefill, its longest decode step and the sampler, equal to the tensors it holds), least squares over the
+   native runs: what RSS holds beside the counted tensors; ``heap_retention_bytes``: what rollout leaves in the heap for
    ``engine_sleep`` (median of its peak minus rollout's starting level).
 4. ``vllm_runtime_bytes`` (CPU): what vLLM's CPU build holds beside its weights and KV cache, asleep or
    awake: the same residual as 1 on the vLLM runs, less the fitted runtime.
@@ -130,7 +131,9 @@ WHY_FITTED = {
     "rounding, which no library reports",
     "train_workspace_bytes": "the train phase's fixed temporaries beside its counted tensors",
     "local_attention_sequence_bytes": "megatron's local attention loop's per-sequence autograd nodes (host objects)",
-    "engine_activation_factor": "the native engine's eager ops free some of a layer's tensors before others exist",
+    "engine_activation_factor": "RSS over the native engine's counted live tensors (planner.sizes."
+    "native_engine_activation_bytes, byte for byte against its forward): glibc's heap around them and the kernels' "
+    "own scratch (the sampler's draws, SDPA's buffers), which no library reports",
     "engine_workspace_bytes": "the native engine's fixed temporaries beside its counted working set",
     "heap_retention_bytes": "what rollout leaves in the heap for engine_sleep (allocator state)",
 }

@@ -43,7 +43,7 @@ from tools.plan_runs import (
 )
 from tools.validate_plan import SET_NAME
 
-# term -> ("component", name) | ("function", planner.plan attribute) | ("constant", calibration name)
+# term -> ("component", name) | ("function", planner.plan attributes, "|"-separated) | ("constant", calibration name)
 # | ("launch", None): the runtime level the run measured at launch
 TERMS = {
     "params": ("component", "actor_params"),
@@ -53,7 +53,7 @@ TERMS = {
     "logits": ("component", "logits"),
     "attention_scores": ("function", "unfused_attention_bytes"),
     "engine_weights": ("component", "engine_weights"),
-    "engine_activations": ("function", "engine_activation_bytes"),
+    "engine_activations": ("function", "engine_activation_bytes|native_engine_activation_bytes"),
     "kv_bytes_per_token": ("function", "kv_bytes_per_token"),
     "sync_bucket": ("component", "sync_bucket"),
     "launch_runtime": ("launch", None),
@@ -76,9 +76,14 @@ def mutations() -> list[tuple[str, float]]:
 
 
 @contextlib.contextmanager
-def _scaled_function(name: str, factor: float):
-    real = getattr(plan_module, name)
-    with mock.patch.object(plan_module, name, lambda *a, **k: round(real(*a, **k) * factor)):
+def _scaled_function(names: str, factor: float):
+    """Each of ``names`` ("a|b": one term the plan counts with either function) scaled by ``factor``."""
+    with contextlib.ExitStack() as stack:
+        for name in names.split("|"):
+            real = getattr(plan_module, name)
+            stack.enter_context(
+                mock.patch.object(plan_module, name, lambda *a, _real=real, **k: round(_real(*a, **k) * factor))
+            )
         yield
 
 
