@@ -589,11 +589,12 @@ def native_engine_activation_bytes(
     max_tokens: int | None = None,
 ) -> int:
     """The native engine's peak while it generates (rollout/native/), counted from its source: the running batch's
-    tables for ``max_tokens`` a sample (None: ``response_tokens``; :func:`native_running_batch_bytes`), plus the largest of a prefill's forward over ``prefill_seqs``
-    prompts padded to ``prompt_tokens`` (:func:`native_prefill_bytes`), a decode step's forward at the longest
-    context (:func:`native_decode_bytes`) and the sampler's full-vocab tensors (:func:`sampler_bytes`).
-    ``moe_bytes_per_token``: an MoE layer's working set (:func:`engine_moe_bytes_per_token`, ``native``; a bound,
-    every token in one expert), in place of the dense MLP's where larger."""
+    tables for ``max_tokens`` a sample (None: ``response_tokens``; :func:`native_running_batch_bytes`), plus the
+    largest of a prefill's forward over ``prefill_seqs`` prompts padded to ``prompt_tokens``
+    (:func:`native_prefill_bytes`), a decode step's forward at the longest context (:func:`native_decode_bytes`)
+    and the sampler's full-vocab tensors (:func:`sampler_bytes`). ``moe_bytes_per_token``: an MoE layer's working
+    set (:func:`engine_moe_bytes_per_token`, ``native``; a bound, every token in one expert), in place of the dense
+    MLP's where larger."""
     scripted = rollout_tp == 1 and element_bytes == FP32_BYTES and not any(moe_layer_kinds(shape))
     # the last decode step feeds the response's last-but-one token, with prompt + response - 2 tokens cached
     context = max(0, prompt_tokens + response_tokens - 2)
@@ -702,9 +703,10 @@ def native_decode_bytes(
     ctx [2, B kv, S, d] (S = ``context_tokens`` rounded up to blocks), the scores and their softmax
     [B kv, Hq / (t kv), S], the additive mask [B kv, 1, S] (dtype) and the visible mask [B kv, S] (bool), the
     new rows [2 B kv] and context block rows [2 B kv S / bs] (int64), the rope rows [B, 2, d] and x [B, h].
-    Eager, qkv, the rope'd heads and q's reshaped copy [B, Hq / t, d] (with more than one KV head) are alive too; TorchScript (TP 1, fp32,
-    dense: rollout/native/decode_tp1.py) frees them first, but the embedding it was called with stays referenced
-    beside x. The layer's other moments (:func:`_native_layer_moments`) with N = B where they are wider."""
+    Eager, qkv, the rope'd heads and q's reshaped copy [B, Hq / t, d] (with more than one KV head) are alive
+    too; TorchScript (TP 1, fp32, dense: rollout/native/decode_tp1.py) frees them first, but the embedding it was
+    called with stays referenced beside x. The layer's other moments (:func:`_native_layer_moments`) with N = B
+    where they are wider."""
     e, t, b = element_bytes, rollout_tp, seqs
     h, d = shape.hidden_size, shape.head_dim
     hq, kv = shape.num_heads // t, engine_kv_heads_per_rank(shape, t)

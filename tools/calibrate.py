@@ -16,7 +16,8 @@ constants being fitted zeroed (or 1 for a factor), and fits, in this order:
    fixed workspace the train phase takes beside them. Least squares of the measured rises of ``train``
    (workspace + factor x planned activations + per_sequence x sequence-layers), less what the plan counts
    (logits, attention scores, the embedding's ids and the final norm, the largest weight gradient). A negative
-   per_sequence is not a cost: the term is then left out and the other two are the line fit (:func:`_actor_fit`). A forward without grad (old/ref_logprob) keeps nothing: its working set is counted
+   per_sequence is not a cost: the term is then left out and the other two are the line fit (:func:`_actor_fit`).
+   A forward without grad (old/ref_logprob) keeps nothing: its working set is counted
    (``planner.sizes.layer_forward_bytes_per_token``), not fitted.
 3. ``engine_activation_factor`` and ``engine_workspace_bytes`` (CPU): the rollout phase's measured rise
    against the native engine's working set, counted from its source (``planner.sizes.native_engine_activation_bytes``:
