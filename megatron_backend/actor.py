@@ -46,6 +46,7 @@ from megatron_backend.logprobs import fused_logprobs_entropy
 from megatron_backend.memory import MemoryLedger, StorageOffloader, storage_bytes
 from megatron_backend.model import (
     ROUTER_LOSSES,
+    RoutedCopies,
     build_gpt_chunks,
     clear_router_losses,
     moe_kwargs,
@@ -140,6 +141,10 @@ class Actor:
                 from megatron_backend.routing_replay import ActorRouting  # megatron's, imported when used
 
                 self.routing = ActorRouting(self.chunks, self.shape, dims, self.sequence_parallel)
+            self.routed_copies = None
+            if self.shape.is_moe:
+                gathered = dims.etp if self.sequence_parallel else 1
+                self.routed_copies = RoutedCopies(self.chunks, self.shape.moe_top_k, gathered)
             self.ledger.set("actor_params", resident_bytes=storage_bytes(self._param_tensors()))
         self.models = self.chunks  # DDP-wrapped when training
         self.optimizer = None
@@ -370,6 +375,8 @@ class Actor:
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
         clear_router_losses()
+        if self.routed_copies is not None:
+            self.routed_copies.max_ratio = 0.0  # this pass's (the log-prob passes ran the same hooks)
 
         def factory(mb):
             def loss_func(logits):
@@ -398,6 +405,8 @@ class Actor:
         metrics["num_tokens"] = totals.num_tokens
         logged = [name for name, coef in ROUTER_LOSSES.items() if getattr(self.config, coef) > 0]
         metrics.update(router_losses(self.dims, logged, len(self.shape.moe_layers), num_micro))
+        if self.routed_copies is not None:  # collective: every rank of the world trains
+            metrics["moe/routed_copies_max_ratio"] = self.routed_copies.take(self.dims.device)
         return metrics
 
     def train_step(self, batch: TokenBatch, loss_fn: LossFn, replay_routing: bool = False) -> dict[str, float]:

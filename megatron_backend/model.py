@@ -144,6 +144,42 @@ def router_losses(dims: ParallelDims, names: list[str], num_moe_layers: int, num
     return {f"moe/{name}": float(v) for name, v in zip(names, values.tolist())}
 
 
+class RoutedCopies:
+    """The most routed copies one rank's experts received in any MoE layer call of a pass, as a multiple of what
+    balanced routing gives them: N k for the N tokens the layer's router saw on this rank, times the expert-TP
+    group's gather under sequence parallelism (token_dispatcher.py ``dispatch_postprocess``), the planner's
+    balanced count (planner/sizes.py ``moe_activation_bytes_per_token``). megatron routes unevenly (no capacity
+    factor here: nothing is dropped), and the received copies size the experts' activations. Forward pre-hooks
+    on each ``MoELayer`` (its input [S, b, h]) and on its ``experts`` (their input [copies, h])."""
+
+    def __init__(self, chunks, top_k: int, gathered: int = 1) -> None:
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        self.balanced_per_token = top_k * gathered
+        self.max_ratio = 0.0
+        self._tokens = 0
+        for chunk in chunks:
+            for module in chunk.modules():
+                if isinstance(module, MoELayer):
+                    module.register_forward_pre_hook(self._layer_input)
+                    module.experts.register_forward_pre_hook(self._experts_input)
+
+    def _layer_input(self, _module, args) -> None:
+        hidden = args[0]
+        self._tokens = hidden.numel() // hidden.shape[-1]
+
+    def _experts_input(self, _module, args) -> None:
+        if self._tokens:
+            self.max_ratio = max(self.max_ratio, args[0].shape[0] / (self._tokens * self.balanced_per_token))
+
+    def take(self, device: torch.device, group=None) -> float:
+        """The most over this pass and every rank of ``group`` (collective: every rank calls it); resets."""
+        ratio = torch.tensor([self.max_ratio], dtype=torch.float32, device=device)
+        torch.distributed.all_reduce(ratio, op=torch.distributed.ReduceOp.MAX, group=group)
+        self.max_ratio = 0.0
+        return float(ratio)
+
+
 def transformer_config(
     shape: ModelShape,
     dims: ParallelDims,

@@ -162,7 +162,9 @@ def host_plan(plan: Plan) -> HostPlan:
     phases = []
     routing = 0
     if inp.routed_experts:
-        routing = routing_host_bytes(inp.shape, inp.sequences_per_step, inp.sequences_per_step // inp.actor_dp, inp.seq_len)
+        routing = routing_host_bytes(
+            inp.shape, inp.sequences_per_step, inp.sequences_per_step // inp.actor_dp, inp.seq_len
+        )
     if inp.on_cuda:
         pinned = (
             (st.actor_params if inp.offload_params else 0)

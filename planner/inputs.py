@@ -64,6 +64,9 @@ class StepLengths:
     longest_sequence: int  # prompt + response of the longest row: the padded width [B, S] of the rank's batch
     mean_prompt: float
     mean_response: float
+    # MoE: the most routed copies an EP rank's experts received in the step's train pass, over balanced routing's
+    # (train/moe/routed_copies_max_ratio; 1: balanced, or not recorded)
+    routed_copies_ratio: float = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,6 +135,9 @@ class PlanInputs:
     # the engine's max_tokens per sample (rollout.max_new_tokens), which sizes the native engine's per-row tables
     # whatever the responses' lengths (None: response_tokens; at_lengths keeps the launch's)
     max_new_tokens: int | None = None
+    # MoE: the routed copies an EP rank's experts receive, as a multiple of balanced routing's (N k for N tokens); the
+    # launch plan assumes balanced routing (1.0), the plan at a step's recorded values the step's (at_lengths)
+    routed_copies_ratio: float = 1.0
     # rollout engine
     engine: str = "vllm"
     rollout_tp: int = 1
@@ -207,6 +213,8 @@ class PlanInputs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value} must be >= 1, or None")
+        if not self.routed_copies_ratio > 0:
+            raise ValueError(f"routed_copies_ratio={self.routed_copies_ratio} must be > 0 (1: balanced routing)")
         if (self.max_new_tokens or self.response_tokens) < self.response_tokens:
             raise ValueError(
                 f"max_new_tokens={self.max_new_tokens} is below response_tokens={self.response_tokens}: no response is "
@@ -347,6 +355,7 @@ class PlanInputs:
             prompt_tokens=prompt,
             response_tokens=response,
             max_new_tokens=self.max_new_tokens or self.response_tokens,
+            routed_copies_ratio=lengths.routed_copies_ratio,
             mean_prompt_tokens=max(1, min(prompt, round(lengths.mean_prompt))),
             mean_response_tokens=max(1, min(response, round(lengths.mean_response))),
             kv_cache_bytes=kv_cache_bytes,

@@ -122,16 +122,23 @@ def _layer_bytes(inp: PlanInputs, mb, recomputed: tuple[str, ...] = (), train: b
         at_once = 1 if inp.remove_padding else mb.sequences
         scores = unfused_attention_bytes(s, tp, e, at_once, mb.attention_span)
         return max(
-            local_layer_forward_bytes(s, tp, e, mb.model_tokens, at_once * mb.attention_span, scores, sparse, etp)
+            local_layer_forward_bytes(
+                s, tp, e, mb.model_tokens, at_once * mb.attention_span, scores, sparse, etp, inp.routed_copies_ratio
+            )
             for sparse in moe_layer_kinds(s)
         )
     if train:
         per_token = max(
-            layer_activation_bytes_per_token(s, tp, e, inp.attention, recomputed, sparse, etp, inp.sequence_parallel_on)
+            layer_activation_bytes_per_token(
+                s, tp, e, inp.attention, recomputed, sparse, etp, inp.sequence_parallel_on, inp.routed_copies_ratio
+            )
             for sparse in moe_layer_kinds(s)
         )
     else:
-        per_token = max(layer_forward_bytes_per_token(s, tp, e, sparse, etp) for sparse in moe_layer_kinds(s))
+        per_token = max(
+            layer_forward_bytes_per_token(s, tp, e, sparse, etp, inp.routed_copies_ratio)
+            for sparse in moe_layer_kinds(s)
+        )
     per_layer = mb.model_tokens * per_token
     scores = 0
     if inp.attention == "unfused" and "core_attn" not in recomputed:

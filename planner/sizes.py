@@ -153,6 +153,7 @@ def layer_activation_bytes_per_token(
     sparse: bool = False,
     etp: int | None = None,
     sequence_parallel: bool = False,
+    routed_copies_ratio: float = 1.0,
 ) -> int:
     """Bytes one decoder layer keeps for backward per token (megatron).
 
@@ -168,7 +169,8 @@ def layer_activation_bytes_per_token(
     what those modules recompute: ``layernorm`` the two norm outputs (2h), ``mlp`` the MLP's
     internals (3I / t), ``core_attn`` the log-sum-exp (and the unfused scores, by the caller). ``sparse``: an MoE
     layer, its router and experts in place of the dense MLP (:func:`moe_activation_bytes_per_token`; ``mlp`` or
-    ``moe`` recomputes them). Qwen3's per-head q and k norms (``qk_norm``; megatron's TE spec builds them as
+    ``moe`` recomputes them; ``routed_copies_ratio``: the copies an EP rank's experts receive over balanced
+    routing's, :func:`moe_activation_bytes_per_token`). Qwen3's per-head q and k norms (``qk_norm``; megatron's TE spec builds them as
     ``TENorm``, Transformer Engine 2's ``RMSNorm`` op, transformer_engine/pytorch/ops/basic/rmsnorm.py
     ``op_forward``): each saves ``input_.contiguous()`` and the fp32 rstdevs per head; the query and key reach
     them as views of the fused qkv output that are not contiguous (attention.py ``get_query_key_value_tensors``),
@@ -190,7 +192,9 @@ def layer_activation_bytes_per_token(
     lse = FP32_BYTES * shape.num_heads // t if attention == "flash" and "core_attn" not in recomputed else 0
     moe = 0
     if sparse and not {"mlp", "moe"} & set(recomputed):
-        moe = moe_activation_bytes_per_token(shape, etp or t, element_bytes, sp, local=attention == "unfused")
+        moe = moe_activation_bytes_per_token(
+            shape, etp or t, element_bytes, sp, local=attention == "unfused", routed_copies_ratio=routed_copies_ratio
+        )
     return elements * element_bytes + lse + moe + qk_rstdevs
 
 
@@ -261,6 +265,7 @@ def moe_activation_bytes_per_token(
     sequence_parallel_tp: int = 1,
     local: bool = False,
     received_per_token: float | None = None,
+    routed_copies_ratio: float = 1.0,
 ) -> int:
     """What one MoE layer keeps for backward per token of the rank's micro-batch (megatron-core 0.16, alltoall
     dispatcher, balanced routing: a rank's E / ep experts receive on average N k of the EP group's routed copies).
@@ -286,18 +291,26 @@ def moe_activation_bytes_per_token(
     received, the fc1 input (h), fc1's output (2m / etp), four m / etp tensors of the unfused SwiGLU with probs
     (SiLU, ``x_linear + glu_linear_offset``, the product, the product x probs: fc2's input) and the fp32 prob.
     ``received_per_token`` (``local``): the routed copies the rank received per token of its micro-batch (balanced: k).
+    ``routed_copies_ratio``: how many times balanced routing's copies the rank's experts received (megatron routes
+    unevenly: the run records the most per step, ``train/moe/routed_copies_max_ratio``); None of
+    ``received_per_token``: k times it.
     """
     k, m, h, sp = shape.moe_top_k, shape.moe_intermediate_size // etp, shape.hidden_size, sequence_parallel_tp
     if local:  # no sequence parallelism on the local spec
-        received = k if received_per_token is None else received_per_token
+        received = k * routed_copies_ratio if received_per_token is None else received_per_token
         router = 4 * shape.num_experts * FP32_BYTES + shape.num_experts + 3 * k * INT64_BYTES + FP32_BYTES
         return round(router + received * ((h + 6 * m) * element_bytes + FP32_BYTES))
     router = 2 * shape.num_experts * FP32_BYTES // sp
-    return router + k * (h + 2 * m + m) * element_bytes * (etp if sp > 1 else 1) // sp
+    return router + round(routed_copies_ratio * k * (h + 2 * m + m) * element_bytes * (etp if sp > 1 else 1) / sp)
 
 
 def moe_forward_bytes_per_token(
-    shape: ModelShape, etp: int, element_bytes: int, local: bool = False, received_per_token: float | None = None
+    shape: ModelShape,
+    etp: int,
+    element_bytes: int,
+    local: bool = False,
+    received_per_token: float | None = None,
+    routed_copies_ratio: float = 1.0,
 ) -> int:
     """Peak bytes per token of an MoE layer's forward without grad beside the residual stream, at the experts' fc1
     (same sources as :func:`moe_activation_bytes_per_token`): the normed input (h), the router's fp32 logits and
@@ -310,17 +323,23 @@ def moe_forward_bytes_per_token(
     received the all-to-all's output, the chunk-sorted experts' input, the experts' outputs and their cat (4h),
     with the router's fp32 [N, E] scores and bool [N, E] map, and per copy received two fp32 probs and an int64
     index.
-    One expert's SwiGLU at a time is narrower while m / etp is at most h."""
+    One expert's SwiGLU at a time is narrower while m / etp is at most h. ``routed_copies_ratio``: as in
+    :func:`moe_activation_bytes_per_token` (the copies received; the k copies a rank sends are its own tokens')."""
     k, m, h = shape.moe_top_k, shape.moe_intermediate_size // etp, shape.hidden_size
-    received = k if received_per_token is None else received_per_token
+    received = k * routed_copies_ratio if received_per_token is None else received_per_token
     if local:
         router = 5 * shape.num_experts
         return round(router + k * h * element_bytes + received * (4 * h * element_bytes + 2 * FP32_BYTES + INT64_BYTES))
-    return 2 * shape.num_experts * FP32_BYTES + (h + k * (2 * h + 3 * m)) * element_bytes
+    return 2 * shape.num_experts * FP32_BYTES + round((h + received * (2 * h + 3 * m)) * element_bytes)
 
 
 def layer_forward_bytes_per_token(
-    shape: ModelShape, tp: int, element_bytes: int, sparse: bool = False, etp: int | None = None
+    shape: ModelShape,
+    tp: int,
+    element_bytes: int,
+    sparse: bool = False,
+    etp: int | None = None,
+    routed_copies_ratio: float = 1.0,
 ) -> int:
     """Peak bytes per token of one decoder layer's forward without grad (old/ref_logprob), beside the residual
     stream [N, h] (the caller counts it): nothing is kept, so the peak is the larger of the two blocks' live
@@ -335,7 +354,8 @@ def layer_forward_bytes_per_token(
     attention = h + (2 * shape.num_heads + 3 * shape.num_kv_heads) * d // t + shape.num_heads * d // t
     mlp = h + 4 * shape.intermediate_size // t
     if sparse:  # an MoE layer: its router and experts in place of the dense MLP
-        return max(attention * element_bytes, moe_forward_bytes_per_token(shape, etp or t, element_bytes))
+        moe = moe_forward_bytes_per_token(shape, etp or t, element_bytes, routed_copies_ratio=routed_copies_ratio)
+        return max(attention * element_bytes, moe)
     return max(attention, mlp) * element_bytes
 
 
@@ -348,6 +368,7 @@ def local_layer_forward_bytes(
     scores_bytes: int,
     sparse: bool = False,
     etp: int | None = None,
+    routed_copies_ratio: float = 1.0,
 ) -> int:
     """Peak bytes of one decoder layer of megatron's local spec (CPU) in a forward without grad (old/ref_logprob),
     beyond its input (the residual stream [N, h], the caller's): the live tensors at the layer's widest moment,
@@ -374,7 +395,8 @@ def local_layer_forward_bytes(
         num_tokens * (h + 4 * q + 3 * kv) + round(3 * attending_tokens * q), num_tokens * (h + 5 * q + 3 * kv)
     )
     if sparse:
-        block = num_tokens * (2 * h * element_bytes + moe_forward_bytes_per_token(shape, etp or t, element_bytes, True))
+        moe = moe_forward_bytes_per_token(shape, etp or t, element_bytes, True, routed_copies_ratio=routed_copies_ratio)
+        block = num_tokens * (2 * h * element_bytes + moe)
     else:
         block = num_tokens * (2 * h + 5 * shape.intermediate_size // t) * element_bytes
     return max(attention * element_bytes + scores_bytes, block + scores_bytes // 3)

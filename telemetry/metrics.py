@@ -243,6 +243,11 @@ def step_metrics(
 
 
 LENGTHS_PREFIX = "lengths/"
+# StepLengths' fields a step's samples give (lengths/<field>); its routed_copies_ratio is the train pass's metric
+_LENGTH_FIELDS = tuple(f.name for f in fields(StepLengths) if f.name != "routed_copies_ratio")
+# the most routed copies an EP rank's experts received in the train pass, over balanced routing's
+# (megatron_backend/model.py::RoutedCopies; MoE actors only)
+ROUTED_COPIES_RATIO = "train/moe/routed_copies_max_ratio"
 
 
 def step_lengths(samples: list[Sample]) -> dict[str, float]:
@@ -258,19 +263,19 @@ def step_lengths(samples: list[Sample]) -> dict[str, float]:
         mean_prompt=statistics.fmean(prompts),
         mean_response=statistics.fmean(responses),
     )
-    return {LENGTHS_PREFIX + k: float(v) for k, v in asdict(lengths).items()}
+    return {LENGTHS_PREFIX + k: float(v) for k, v in asdict(lengths).items() if k in _LENGTH_FIELDS}
 
 
 def recorded_lengths(records: list[dict]) -> dict[int, StepLengths]:
-    """step -> :class:`planner.StepLengths` from metrics.jsonl's step records (:func:`step_lengths`); steps
-    recorded before the lengths were are left out."""
-    names = [f.name for f in fields(StepLengths)]
+    """step -> :class:`planner.StepLengths` from metrics.jsonl's step records (:func:`step_lengths`, and an MoE
+    actor's ``train/moe/routed_copies_max_ratio``); steps recorded before the lengths were are left out."""
     out = {}
     for record in records:
-        if "trainer/step" in record and all(LENGTHS_PREFIX + n in record for n in names):
-            values = {n: record[LENGTHS_PREFIX + n] for n in names}
+        if "trainer/step" in record and all(LENGTHS_PREFIX + n in record for n in _LENGTH_FIELDS):
+            values = {n: record[LENGTHS_PREFIX + n] for n in _LENGTH_FIELDS}
             out[int(record["trainer/step"])] = StepLengths(
-                **{n: v if n.startswith("mean") else int(v) for n, v in values.items()}
+                **{n: v if n.startswith("mean") else int(v) for n, v in values.items()},
+                routed_copies_ratio=record.get(ROUTED_COPIES_RATIO, 1.0),
             )
     return out
 
@@ -431,7 +436,9 @@ def closing_lines(summary: dict, run_dir) -> list[str]:
     peaks = (summary.get("memory") or {}).get("phase_peak_bytes") or {}
     if peaks:
         phase = max(peaks, key=peaks.get)
-        lines.append(f"memory: peak {peaks[phase] / mib:.0f} MiB in {phase} ({summary['memory_peak_method']}, worst rank)")
+        lines.append(
+            f"memory: peak {peaks[phase] / mib:.0f} MiB in {phase} ({summary['memory_peak_method']}, worst rank)"
+        )
     errors = (summary.get("memory_plan") or {}).get("phases") or {}
     if errors:
         worst = max(errors, key=lambda p: abs(errors[p]["relative_error"]))
@@ -439,5 +446,7 @@ def closing_lines(summary: dict, run_dir) -> list[str]:
             f"memory plan vs measured: largest error {errors[worst]['relative_error']:+.1%} ({worst}) over "
             f"{len(errors)} phases (summary.json memory_plan)"
         )
-    lines.append(f"files: {run_dir}/ summary.json metrics.jsonl memory_timeline.csv memory_stages.png memory_timeline.png")
+    lines.append(
+        f"files: {run_dir}/ summary.json metrics.jsonl memory_timeline.csv memory_stages.png memory_timeline.png"
+    )
     return lines

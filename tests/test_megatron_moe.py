@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from modelspec import ModelShape
 from tests.dist import run_ranks
 from tests.test_megatron_cpu import MICRO_BATCH, SEQ_LEN, lm_forward_step, random_batches
 
@@ -215,6 +216,13 @@ def test_actor_loads_hf_moe_at_ep2_matches_transformers_trains_and_exports(tiny_
         metrics = first["metrics"]
         assert metrics["moe/load_balancing_loss"] == second["metrics"]["moe/load_balancing_loss"]
         assert 0.9 < metrics["moe/load_balancing_loss"] < 4.0 and metrics["moe/z_loss"] > 0, metrics
+        # the most routed copies a rank's experts received over balanced routing's: the same on both ranks (a max
+        # over them), above 1 (megatron routes unevenly; their weighted mean is 1) and at most the worst case,
+        # every token's k copies on one rank's E / 2 experts: 2 min(k, E / 2) / k
+        shape = ModelShape.from_pretrained(hf_dir)
+        worst = 2 * min(shape.moe_top_k, shape.num_experts // 2) / shape.moe_top_k
+        ratio = metrics["moe/routed_copies_max_ratio"]
+        assert ratio == second["metrics"]["moe/routed_copies_max_ratio"] and 1.0 < ratio <= worst, (ratio, worst)
         assert math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0, metrics
         # megatron's ChainedOptimizer: one optimizer for the dense params (DP=2), one for the experts (expert DP=1)
         assert "DistributedOptimizer" in first["optimizer"], first["optimizer"]
@@ -350,7 +358,14 @@ def _router_losses_of_layouts(rank: int, world_size: int) -> dict:
     """The router losses of one forward of the same two sequences (7 and 4 tokens) in four layouts: packed, packed with
     a pad sequence (pad_to=8, as sequence parallelism pads), padded [2, 7], each pad-carrying one with and without
     the micro-batch's ``padding_mask``."""
-    from megatron_backend.model import ROUTER_LOSSES, build_gpt_chunks, clear_router_losses, moe_kwargs, router_losses
+    from megatron_backend.model import (
+        ROUTER_LOSSES,
+        RoutedCopies,
+        build_gpt_chunks,
+        clear_router_losses,
+        moe_kwargs,
+        router_losses,
+    )
     from megatron_backend.packing import build_micro_batch
     from megatron_backend.parallel import initialize_model_parallel
     from modelspec.contract import TokenBatch
@@ -360,6 +375,7 @@ def _router_losses_of_layouts(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     [model] = build_gpt_chunks(shape, dims, moe=moe_kwargs(shape, dims, aux_loss_coef=1e-2, z_loss_coef=1e-3))
     model.train()
+    routed = RoutedCopies([model], shape.moe_top_k)
     ids = torch.randint(3, shape.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
     batch = TokenBatch(input_ids=ids, loss_mask=torch.ones(2, 6), seq_lens=torch.tensor([7, 4]))
 
@@ -370,8 +386,10 @@ def _router_losses_of_layouts(rank: int, world_size: int) -> dict:
         model(mb.input_ids, mb.position_ids, attention_mask=None, packed_seq_params=mb.packed_seq_params, **extra)
         return router_losses(dims, list(ROUTER_LOSSES), len(shape.moe_layers), 1)
 
+    packed = losses(True, 1, True)
     return dict(
-        packed=losses(True, 1, True),
+        routed_copies_ratio=routed.take(torch.device("cpu")),  # EP 1: every routed copy stays on the rank
+        packed=packed,
         packed_pads=losses(True, 8, True),
         packed_pads_unmasked=losses(True, 8, False),
         padded=losses(False, 1, True),
@@ -387,6 +405,7 @@ def test_pads_stay_out_of_the_router_losses():
     """Tokens of no sequence (a padded row's right padding, sequence parallelism's pad tokens) are routed but leave
     the load-balancing and z losses as they were without them: megatron's ``padding_mask`` from the micro-batch."""
     r = run_ranks(_router_losses_of_layouts, 1)[0]
+    assert r["routed_copies_ratio"] == 1.0  # at EP 1 the experts receive exactly N k copies: balanced
     assert r["pad_counts"] == [0, 5, 3]  # 11 tokens: none, 5 to 16, and row 2's 3 right pads of [2, 7]
     for name, value in r["packed"].items():
         for layout in ("packed_pads", "padded"):

@@ -284,3 +284,43 @@ def test_the_batch_keeps_the_routing_on_the_host():
     batch, _ = make_batch(samples, group_size=2, dp=1, dp_rank=0, pad_id=0, device=torch.device("meta"))
     assert batch.input_ids.device.type == "meta"
     assert batch.routed_experts.device.type == "cpu" and batch.routed_experts.shape == (4, 5, 3, 2)
+
+
+def test_uneven_routing_grows_the_experts_activations_by_the_recorded_ratio():
+    """The plan at a step's recorded values takes the routed copies the step's train pass measured
+    (train/moe/routed_copies_max_ratio, megatron_backend/model.py::RoutedCopies): the experts' share of an MoE layer
+    scales with it, the router's does not, and the launch plan assumes balanced routing (1)."""
+    from planner import StepLengths
+    from planner.sizes import moe_activation_bytes_per_token, moe_forward_bytes_per_token
+    from telemetry.metrics import ROUTED_COPIES_RATIO, recorded_lengths, step_lengths
+
+    k = TINY_MOE.moe_top_k
+    for local in (False, True):
+        balanced = moe_activation_bytes_per_token(TINY_MOE, 1, BF16, local=local)
+        uneven = moe_activation_bytes_per_token(TINY_MOE, 1, BF16, local=local, routed_copies_ratio=1.25)
+        router = moe_activation_bytes_per_token(TINY_MOE, 1, BF16, local=local, routed_copies_ratio=0.0)
+        assert uneven - router == pytest.approx(1.25 * (balanced - router), abs=1), local
+        assert moe_forward_bytes_per_token(TINY_MOE, 1, BF16, local, routed_copies_ratio=1.25) == (
+            moe_forward_bytes_per_token(TINY_MOE, 1, BF16, local, received_per_token=1.25 * k)
+        )
+    plan = make_plan(tiny_moe_inputs(engine="vllm", rollout_tp=1))
+    assert plan.inputs.routed_copies_ratio == 1.0
+    inp = plan.inputs
+    lengths = dict(
+        longest_prompt=inp.prompt_tokens,
+        longest_response=inp.response_tokens,
+        longest_sequence=inp.seq_len,
+        mean_prompt=inp.prompt_tokens,
+        mean_response=inp.response_tokens,
+    )
+    at = {r: plan.at_lengths(StepLengths(**lengths, routed_copies_ratio=r)) for r in (1.0, 1.25)}
+    assert at[1.25].phase("train").components["activations"] > at[1.0].phase("train").components["activations"]
+    assert at[1.0].phase("train").components == plan.phase("train").components
+    # metrics.jsonl -> the step's StepLengths: the train pass's ratio beside the samples' lengths (1 without it)
+    from rl.batching import Sample
+
+    record = {"trainer/step": 0, **step_lengths([Sample(0, [1, 2], [3], [0.0], "stop", 0.0)])}
+    assert recorded_lengths([record])[0].routed_copies_ratio == 1.0
+    assert recorded_lengths([{**record, ROUTED_COPIES_RATIO: 1.25}])[0].routed_copies_ratio == 1.25
+    with pytest.raises(ValueError, match="routed_copies_ratio=0 must be > 0"):
+        tiny_moe_inputs(routed_copies_ratio=0)
