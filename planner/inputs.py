@@ -343,6 +343,18 @@ class PlanInputs:
             return self.max_tokens_per_forward_micro_batch
         return None if self.max_tokens_per_micro_batch is None else 2 * self.max_tokens_per_micro_batch
 
+    def planned_lengths(self, routed_copies_ratio: float | None = None) -> StepLengths:
+        """The lengths these inputs plan with, as a step would record them (:meth:`at_lengths` of them changes
+        nothing); ``routed_copies_ratio``: another MoE routing than these inputs' (None: theirs)."""
+        return StepLengths(
+            longest_prompt=self.prompt_tokens,
+            longest_response=self.response_tokens,
+            longest_sequence=self.seq_len,
+            mean_prompt=self.mean_prompt_tokens or self.prompt_tokens,
+            mean_response=self.mean_response_tokens or self.response_tokens,
+            routed_copies_ratio=self.routed_copies_ratio if routed_copies_ratio is None else routed_copies_ratio,
+        )
+
     def at_lengths(self, lengths: StepLengths, kv_cache_bytes: int) -> PlanInputs:
         """These inputs with a step's recorded lengths in place of the planned ones, the KV cache fixed at
         ``kv_cache_bytes`` (the engine's, sized at launch). The padded width is the longest row's prompt + response

@@ -169,14 +169,7 @@ def test_the_plan_at_recorded_lengths():
 
     plan = _long_vocab_plan()
     inp = plan.inputs
-    planned = StepLengths(
-        longest_prompt=inp.prompt_tokens,
-        longest_response=inp.response_tokens,
-        longest_sequence=inp.seq_len,
-        mean_prompt=inp.prompt_tokens,
-        mean_response=inp.response_tokens,
-    )
-    same, launch = predicted_phases(plan.at_lengths(planned)), predicted_phases(plan)
+    same, launch = predicted_phases(plan.at_lengths(inp.planned_lengths())), predicted_phases(plan)
     assert {n: p.peak_bytes for n, p in same.items()} == {n: p.peak_bytes for n, p in launch.items()}
     short = StepLengths(
         longest_prompt=inp.prompt_tokens,

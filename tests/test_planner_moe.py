@@ -290,7 +290,6 @@ def test_uneven_routing_grows_the_experts_activations_by_the_recorded_ratio():
     """The plan at a step's recorded values takes the routed copies the step's train pass measured
     (train/moe/routed_copies_max_ratio, megatron_backend/model.py::RoutedCopies): the experts' share of an MoE layer
     scales with it, the router's does not, and the launch plan assumes balanced routing (1)."""
-    from planner import StepLengths
     from planner.sizes import moe_activation_bytes_per_token, moe_forward_bytes_per_token
     from telemetry.metrics import ROUTED_COPIES_RATIO, recorded_lengths, step_lengths
 
@@ -305,15 +304,7 @@ def test_uneven_routing_grows_the_experts_activations_by_the_recorded_ratio():
         )
     plan = make_plan(tiny_moe_inputs(engine="vllm", rollout_tp=1))
     assert plan.inputs.routed_copies_ratio == 1.0
-    inp = plan.inputs
-    lengths = dict(
-        longest_prompt=inp.prompt_tokens,
-        longest_response=inp.response_tokens,
-        longest_sequence=inp.seq_len,
-        mean_prompt=inp.prompt_tokens,
-        mean_response=inp.response_tokens,
-    )
-    at = {r: plan.at_lengths(StepLengths(**lengths, routed_copies_ratio=r)) for r in (1.0, 1.25)}
+    at = {r: plan.at_lengths(plan.inputs.planned_lengths(routed_copies_ratio=r)) for r in (1.0, 1.25)}
     assert at[1.25].phase("train").components["activations"] > at[1.0].phase("train").components["activations"]
     assert at[1.0].phase("train").components == plan.phase("train").components
     # metrics.jsonl -> the step's StepLengths: the train pass's ratio beside the samples' lengths (1 without it)
