@@ -376,7 +376,7 @@ class Actor:
         self.optimizer.zero_grad()
         clear_router_losses()
         if self.routed_copies is not None:
-            self.routed_copies.max_ratio = 0.0  # this pass's (the log-prob passes ran the same hooks)
+            self.routed_copies.reset()  # this pass's alone
 
         def factory(mb):
             def loss_func(logits):

@@ -172,11 +172,15 @@ class RoutedCopies:
         if self._tokens:
             self.max_ratio = max(self.max_ratio, args[0].shape[0] / (self._tokens * self.balanced_per_token))
 
+    def reset(self) -> None:
+        """Forget what earlier passes received (the log-prob passes run the same hooks)."""
+        self.max_ratio = 0.0
+
     def take(self, device: torch.device, group=None) -> float:
         """The most over this pass and every rank of ``group`` (collective: every rank calls it); resets."""
         ratio = torch.tensor([self.max_ratio], dtype=torch.float32, device=device)
         torch.distributed.all_reduce(ratio, op=torch.distributed.ReduceOp.MAX, group=group)
-        self.max_ratio = 0.0
+        self.reset()
         return float(ratio)
 
 
