@@ -124,7 +124,12 @@ class Actor:
             variable = variable or config.forward_max_tokens is not None
             # raw GPTModel per VPP stage
             moe = moe_kwargs(
-                self.shape, dims, config.moe_aux_loss_coef, config.moe_z_loss_coef, config.moe_token_dispatcher
+                self.shape,
+                dims,
+                config.moe_aux_loss_coef,
+                config.moe_z_loss_coef,
+                config.moe_token_dispatcher,
+                config.moe_expert_capacity_factor,
             )
             self.chunks = build_gpt_chunks(
                 self.shape,

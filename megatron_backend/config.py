@@ -83,6 +83,11 @@ class ActorConfig:
     # both logged per step (moe/load_balancing_loss, moe/z_loss); 0 = not computed
     moe_aux_loss_coef: float = 0.0
     moe_z_loss_coef: float = 0.0
+    # megatron's expert capacity factor (moe_expert_capacity_factor, drop policy "probs"): each expert keeps at most
+    # ceil(N k cf / E) of a rank's N tokens' routed copies, the lowest-probability ones beyond it are dropped (the
+    # token skips that expert). It bounds the experts' activations at cf x balanced routing's (the plan's bound);
+    # the engine drops nothing, so dropped tokens' actor log-probs differ from the engine's. null: no dropping
+    moe_expert_capacity_factor: float | None = None
     # megatron's token dispatcher: alltoall (tokens to their experts' EP ranks) | allgather
     moe_token_dispatcher: str = "alltoall"
     # megatron's sequence parallelism at actor.tp > 1: the norms, residual stream and dropout of each layer
@@ -101,6 +106,11 @@ class ActorConfig:
         for name in ("moe_aux_loss_coef", "moe_z_loss_coef"):
             if getattr(self, name) < 0:
                 raise ValueError(f"actor.{name}={getattr(self, name)} must be >= 0 (0: the loss is not used)")
+        if self.moe_expert_capacity_factor is not None and not self.moe_expert_capacity_factor > 0:
+            raise ValueError(
+                f"actor.moe_expert_capacity_factor={self.moe_expert_capacity_factor} must be > 0 (1.0: each expert "
+                "keeps balanced routing's share), or null to drop no token"
+            )
         if self.moe_token_dispatcher not in MOE_TOKEN_DISPATCHERS:
             raise ValueError(
                 f"actor.moe_token_dispatcher={self.moe_token_dispatcher!r} is not one of {MOE_TOKEN_DISPATCHERS}"

@@ -67,6 +67,7 @@ def moe_kwargs(
     aux_loss_coef: float = 0.0,
     z_loss_coef: float = 0.0,
     token_dispatcher: str = "alltoall",
+    capacity_factor: float | None = None,
 ) -> dict:
     """TransformerConfig's MoE fields for an MoE shape (``{}`` for a dense one).
 
@@ -76,7 +77,8 @@ def moe_kwargs(
     experts, then top-k). Router in fp32. Experts: TE's grouped GEMM (TEGroupedMLP) with TE on CUDA, else
     megatron's SequentialMLP (its legacy GroupedMLP needs the CUDA ``grouped_gemm`` package). Which layers
     are MoE: ``moe_layer_freq`` as a 0/1 list per layer (Qwen3-MoE's ``mlp_only_layers`` /
-    ``decoder_sparse_step``).
+    ``decoder_sparse_step``). ``capacity_factor``: megatron's ``moe_expert_capacity_factor`` (None: no dropping),
+    dropping the lowest-probability copies beyond an expert's capacity (``moe_token_drop_policy`` "probs").
     """
     if not shape.is_moe:
         return {}
@@ -92,6 +94,8 @@ def moe_kwargs(
         moe_aux_loss_coeff=aux_loss_coef,
         moe_z_loss_coeff=z_loss_coef or None,
         moe_token_dispatcher_type=token_dispatcher,
+        moe_expert_capacity_factor=capacity_factor,
+        moe_token_drop_policy="probs",
         moe_grouped_gemm=te_available(),
         # every router gets a RouterReplay (megatron_backend.routing_replay): the actor records its routing to
         # compare with the engine's, and replays the engine's with algorithm.routing_replay; no action: plain top-k

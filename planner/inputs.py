@@ -136,8 +136,12 @@ class PlanInputs:
     # whatever the responses' lengths (None: response_tokens; at_lengths keeps the launch's)
     max_new_tokens: int | None = None
     # MoE: the routed copies an EP rank's experts receive, as a multiple of balanced routing's (N k for N tokens); the
-    # launch plan assumes balanced routing (1.0), the plan at a step's recorded values the step's (at_lengths)
+    # launch plan assumes balanced routing (1.0) or the capacity factor's bound, the plan at a step's recorded values
+    # the step's (at_lengths); planner.report.routing_headroom says how far above it the plan still fits
     routed_copies_ratio: float = 1.0
+    # MoE: megatron's expert capacity factor (actor.moe_expert_capacity_factor; None: no token is dropped), which
+    # bounds the routed copies (planner.sizes.capacity_routed_copies_ratio: the launch plan's routed_copies_ratio)
+    moe_expert_capacity_factor: float | None = None
     # rollout engine
     engine: str = "vllm"
     rollout_tp: int = 1
@@ -213,6 +217,8 @@ class PlanInputs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value} must be >= 1, or None")
+        if self.moe_expert_capacity_factor is not None and not self.moe_expert_capacity_factor > 0:
+            raise ValueError(f"moe_expert_capacity_factor={self.moe_expert_capacity_factor} must be > 0, or None")
         if not self.routed_copies_ratio > 0:
             raise ValueError(f"routed_copies_ratio={self.routed_copies_ratio} must be > 0 (1: balanced routing)")
         if (self.max_new_tokens or self.response_tokens) < self.response_tokens:

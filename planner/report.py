@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from planner.comms import NCCL_PROTOCOL_BUFFER_BYTES
 from planner.host import host_plan
-from planner.plan import COMPONENTS, Plan, engine_rollout_activation_bytes
+from planner.plan import COMPONENTS, Plan, engine_rollout_activation_bytes, make_plan
+from planner.sizes import worst_routed_copies_ratio
 
 GIB = 2**30
 # column header per component (the legend under the table spells them out)
@@ -101,6 +104,7 @@ def format_table(plan: Plan, side_by_side: list[tuple[str, Plan]] | None = None,
         f"recommended gpu_memory_utilization for {inp.engine}: {plan.recommended_gpu_memory_utilization} "
         f"(same KV cache as {same})"
     )
+    lines += routing_lines(plan)
     lines += ["", *host_lines(plan), "", *communicator_lines(plan), *constants_lines(plan)]
     if side_by_side:
         lines += ["", f"side by side (KV cache fixed at {gib(plan.kv_cache_bytes)} GiB):"]
@@ -155,6 +159,7 @@ def plan_json(plan: Plan, side_by_side: list[tuple[str, Plan]] | None = None) ->
         "headroom_beyond_uncertainty_bytes": headroom_beyond_uncertainty_bytes(plan),
         "communicators": [vars(c) for c in inp.communicators],
         "host": host_plan(plan).to_json(),
+        "moe_routing": None if (routing := routing_headroom(plan)) is None else routing.to_json(),
         "wake_strategy": inp.wake_strategy,
         "engine": inp.engine,
         "variants": [
@@ -168,6 +173,69 @@ def plan_json(plan: Plan, side_by_side: list[tuple[str, Plan]] | None = None) ->
             for label, v in side_by_side or []
         ],
     }
+
+
+# ---------------------------------------------------------------- MoE routing
+@dataclass(frozen=True)
+class RoutingHeadroom:
+    """How unevenly an MoE model may route before the plan stops fitting, in routed copies an EP rank's experts
+    receive over balanced routing's N k (what a run logs per step as ``train/moe/routed_copies_max_ratio``)."""
+
+    planned_ratio: float  # the plan's: 1.0 (balanced) or the capacity factor's bound
+    source: str  # "balanced" | "capacity_factor"
+    worst_ratio: float  # every copy the EP group can send one rank (planner.sizes.worst_routed_copies_ratio)
+    fits_up_to_ratio: float | None  # the most at which the plan still fits (the KV cache fixed); None: not even planned
+
+    def to_json(self) -> dict:
+        return dict(vars(self))
+
+
+def routing_headroom(plan: Plan, tolerance: float = 0.005) -> RoutingHeadroom | None:
+    """The routed-copies ratio up to which ``plan`` still fits, its KV cache fixed, found by bisection between the
+    planned and the worst ratio (the experts' activations grow with it; nothing else does); None for a dense model
+    or EP 1, where every routed copy stays on its rank (the ratio is 1 exactly)."""
+    inp = plan.inputs
+    worst = worst_routed_copies_ratio(inp.shape, inp.actor_ep)
+    if worst == 1.0:
+        return None
+
+    def fits(ratio: float) -> bool:
+        return make_plan(inp.at_lengths(inp.planned_lengths(routed_copies_ratio=ratio), plan.kv_cache_bytes)).fits
+
+    planned = inp.routed_copies_ratio
+    source = "balanced" if inp.moe_expert_capacity_factor is None else "capacity_factor"
+    if not fits(planned):
+        return RoutingHeadroom(planned, source, worst, None)
+    if fits(worst):
+        return RoutingHeadroom(planned, source, worst, worst)
+    low, high = planned, worst
+    while high - low > tolerance:
+        middle = (low + high) / 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return RoutingHeadroom(planned, source, worst, round(low, 3))
+
+
+def routing_lines(plan: Plan) -> list[str]:
+    """``make plan``'s MoE routing line (nothing for a dense model or EP 1)."""
+    headroom = routing_headroom(plan)
+    if headroom is None:
+        return []
+    factor = plan.inputs.moe_expert_capacity_factor
+    if factor is None:
+        planned = "balanced (1.00x; without actor.moe_expert_capacity_factor megatron drops no token)"
+    else:
+        planned = f"at {headroom.planned_ratio:.2f}x, actor.moe_expert_capacity_factor={factor}'s bound (megatron drops the rest)"
+    if headroom.fits_up_to_ratio is None:
+        fits = "does not fit even there"
+    elif headroom.fits_up_to_ratio >= headroom.worst_ratio:
+        fits = "fits at any routing"
+    else:
+        fits = f"fits up to {headroom.fits_up_to_ratio:.2f}x"
+    return [
+        f"MoE routing: planned {planned}; {fits} (x: the routed copies one rank's experts receive over balanced "
+        f"routing's; worst case {headroom.worst_ratio:.2f}x, every token's copies on one rank); each step logs its "
+        "own as train/moe/routed_copies_max_ratio, and its plan uses it",
+    ]
 
 
 # ---------------------------------------------------------------- constants and their sources

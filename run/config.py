@@ -197,11 +197,28 @@ class RunConfig:
             )
         if not self.resume:
             raise ValueError("resume='' is empty; use resume=auto, resume=never or resume=<checkpoint path>")
+        self._check_capacity_factor()
         self._check_routing_replay()
         if self.actor.optimizer_offload_fraction > 0 and self.cluster.device == "cpu":
             raise ValueError(
                 f"actor.optimizer_offload_fraction={self.actor.optimizer_offload_fraction} needs megatron's optimizer "
                 "on CUDA (its HybridDeviceOptimizer); on cluster.device=cpu the optimizer is on the host already: set 0"
+            )
+
+    def _check_capacity_factor(self) -> None:
+        factor = self.actor.moe_expert_capacity_factor
+        if factor is None:
+            return
+        if not self.model.shape().is_moe:
+            raise ValueError(
+                f"actor.moe_expert_capacity_factor={factor} but {self.model.path} has no MoE layers; set it to null"
+            )
+        if self.trainer.max_logprob_gap is None or self.trainer.max_logprob_gap_p99 is None:
+            raise ValueError(
+                f"actor.moe_expert_capacity_factor={factor} drops routed copies the engine computes, so those tokens' "
+                "actor log-probs differ from the engine's beyond the weight-sync tolerance trainer.max_logprob_gap and "
+                "trainer.max_logprob_gap_p99 default to; set both to the gap you accept (each step logs "
+                "rollout/engine_actor_logprob_diff_*), or set the factor to null"
             )
 
     def _check_routing_replay(self) -> None:
@@ -215,6 +232,12 @@ class RunConfig:
         why = routed_experts_unsupported(self.rollout.engine, self.device_kind)
         if why is not None:
             raise ValueError(f"algorithm.routing_replay=true but rollout.engine={self.rollout.engine} {why}")
+        if self.actor.moe_expert_capacity_factor is not None:
+            raise ValueError(
+                f"algorithm.routing_replay=true with actor.moe_expert_capacity_factor="
+                f"{self.actor.moe_expert_capacity_factor}: the actor would drop copies of the engine's routing it "
+                "replays; set actor.moe_expert_capacity_factor=null"
+            )
         reruns_router = self.actor.recompute == "full" or (
             self.actor.recompute == "selective" and "moe" in (self.actor.recompute_modules or ())
         )

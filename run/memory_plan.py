@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 
 from planner import Plan, PlanInputs, device_preset
 from planner.devices import MIB
+from planner.sizes import capacity_routed_copies_ratio
 
 # Prompts are data, not config: without rollout.max_model_len (which bounds prompt + response) plan for this
 # many prompt tokens (at most the checkpoint's max_position_embeddings - max_new_tokens).
@@ -80,6 +81,12 @@ def plan_inputs(
         data_host_bytes=_data_file_bytes(cfg.data.path),
         routed_experts=cfg.returns_routed_experts,
         routing_replay=cfg.algorithm.routing_replay,
+        # the launch plan's MoE routing: balanced, or what megatron's capacity factor lets one rank's experts receive
+        routed_copies_ratio=(
+            1.0
+            if actor.moe_expert_capacity_factor is None
+            else capacity_routed_copies_ratio(shape, actor.ep, actor.moe_expert_capacity_factor)
+        ),
         sync_bucket_bytes=cfg.weight_sync.bucket_mb * MIB,
         verify_sync=cfg.weight_sync.verify,
         calibration=calibration,

@@ -185,6 +185,15 @@ def _actor_at_ep2(rank: int, world_size: int, model_dirs: dict, root: str):
             optimizer=actor.optimizer_name,
         )
         del actor
+    # megatron's capacity factor at 1.0: the same step with each expert keeping at most ceil(N k / E) of a rank's copies
+    family, hf_dir = sorted(model_dirs.items())[0]
+    dims = initialize_model_parallel(tp=1, pp=1, ep=2)
+    config = ActorConfig(ep=2, micro_batch_size=2, lr=1e-3, moe_aux_loss_coef=1e-2, moe_expert_capacity_factor=1.0)
+    actor = Actor(hf_dir, config, dims)
+    batch = TokenBatch(input_ids=out[family]["input_ids"], loss_mask=loss_mask)
+    batch.old_logprobs = actor.compute_logprobs(batch)
+    batch.advantages = grpo_advantages(torch.tensor([1.0, 0.0, 0.5, 0.0]), group_size=2)
+    out["capacity_factor_1"] = dict(family=family, metrics=actor.train_step(batch, loss_fn))
     return out
 
 
@@ -197,6 +206,13 @@ def test_actor_loads_hf_moe_at_ep2_matches_transformers_trains_and_exports(tiny_
 
     dirs = {family: tiny_model_dirs[family] for family in MOE_FAMILIES}
     ranks = run_ranks(_actor_at_ep2, 2, dirs, str(tmp_path / "runs"), timeout_s=900)
+    # at capacity factor 1.0 each rank's 32 tokens send at most ceil(32 k / E) copies to each expert, so a rank's
+    # experts receive at most N k (planner.sizes.capacity_routed_copies_ratio), where the same step without the
+    # factor gave one rank more (asserted below)
+    capped = ranks[0]["capacity_factor_1"]
+    free_ratio = ranks[0][capped["family"]]["metrics"]["moe/routed_copies_max_ratio"]
+    assert capped["metrics"]["moe/routed_copies_max_ratio"] <= 1.0 < free_ratio, (capped["metrics"], free_ratio)
+    assert math.isfinite(capped["metrics"]["grad_norm"]) and capped["metrics"]["grad_norm"] > 0, capped["metrics"]
     for family, hf_dir in dirs.items():
         first, second = ranks[0][family], ranks[1][family]
         # EP rank e holds experts 2e, 2e+1, numbered 0 and 1 locally; the two ranks' experts differ

@@ -315,3 +315,61 @@ def test_uneven_routing_grows_the_experts_activations_by_the_recorded_ratio():
     assert recorded_lengths([{**record, ROUTED_COPIES_RATIO: 1.25}])[0].routed_copies_ratio == 1.25
     with pytest.raises(ValueError, match="routed_copies_ratio=0 must be > 0"):
         tiny_moe_inputs(routed_copies_ratio=0)
+
+
+def test_the_routing_bounds_are_megatrons():
+    """The worst case: every token of the EP group sends min(k, E / ep) copies to one rank's E / ep experts; megatron's
+    capacity factor keeps at most cf x balanced routing's copies per rank (never beyond the worst case)."""
+    from planner.sizes import capacity_routed_copies_ratio, worst_routed_copies_ratio
+
+    qwen3_30b = dataclasses.replace(TINY_MOE, num_experts=128, moe_top_k=8)
+    assert worst_routed_copies_ratio(TINY_MOE, 1) == 1.0  # EP 1: every copy stays on its rank
+    assert worst_routed_copies_ratio(TINY_MOE, 2) == 2 * min(TINY_MOE.moe_top_k, TINY_MOE.num_experts // 2) / 2
+    assert worst_routed_copies_ratio(qwen3_30b, 8) == 8.0  # 8 x min(8, 16) / 8
+    assert worst_routed_copies_ratio(qwen3_30b, 32) == 32 * 4 / 8  # 4 experts a rank: at most 4 of a token's 8
+    assert capacity_routed_copies_ratio(qwen3_30b, 8, 1.25) == 1.25
+    assert capacity_routed_copies_ratio(TINY_MOE, 2, 5.0) == worst_routed_copies_ratio(TINY_MOE, 2)
+
+
+def test_the_capacity_factor_is_the_launch_plans_routing_and_make_plan_says_how_far_routing_may_skew(tmp_path):
+    """actor.moe_expert_capacity_factor sets the launch plan's routed copies; make plan's routing line and JSON give the
+    most skewed routing at which the plan still fits (the KV cache fixed): it fits there and not just above."""
+    import json
+
+    from planner.report import routing_headroom
+    from run.compose import compose
+    from run.memory_plan import plan_inputs
+    from tools.plan import main
+
+    gap = ["trainer.max_logprob_gap=3.0", "trainer.max_logprob_gap_p99=0.1"]  # dropped copies move the log-probs
+    cfg = compose("qwen3_30b_a3b_8xh100", ["actor.moe_expert_capacity_factor=1.5", *gap])
+    capped = plan_inputs(cfg)
+    assert capped.moe_expert_capacity_factor == 1.5 and capped.routed_copies_ratio == 1.5
+    balanced = plan_inputs(compose("qwen3_30b_a3b_8xh100"))
+    assert balanced.routed_copies_ratio == 1.0 and balanced.moe_expert_capacity_factor is None
+    plan = make_plan(balanced)
+    headroom = routing_headroom(plan)
+    assert headroom.planned_ratio == 1.0 and headroom.source == "balanced" and headroom.worst_ratio == 8.0
+    assert 1.0 < headroom.fits_up_to_ratio < headroom.worst_ratio  # the 30B preset: some skew fits, not all
+    at = {
+        r: make_plan(balanced.at_lengths(balanced.planned_lengths(routed_copies_ratio=r), plan.kv_cache_bytes))
+        for r in (headroom.fits_up_to_ratio, headroom.fits_up_to_ratio + 0.01)
+    }
+    assert at[headroom.fits_up_to_ratio].fits and not at[headroom.fits_up_to_ratio + 0.01].fits
+    capped_plan = make_plan(capped)
+    assert capped_plan.phase("train").components["activations"] > plan.phase("train").components["activations"]
+    assert routing_headroom(capped_plan).source == "capacity_factor"
+    # a dense model, or EP 1, routes nothing across ranks
+    assert routing_headroom(make_plan(tiny_moe_inputs(actor_ep=1, actor_dp=4))) is None
+    out = tmp_path / "plan.json"
+    assert main(["--exp", "qwen3_30b_a3b_8xh100", "--json", str(out)]) == 0
+    written = json.loads(out.read_text())["moe_routing"]
+    assert written == {
+        "planned_ratio": 1.0,
+        "source": "balanced",
+        "worst_ratio": 8.0,
+        "fits_up_to_ratio": headroom.fits_up_to_ratio,
+    }
+    assert main(["--exp", "tiny_cpu", "--json", str(out)]) == 0 and json.loads(out.read_text())["moe_routing"] is None
+    with pytest.raises(ValueError, match="moe_expert_capacity_factor=0 must be > 0"):
+        tiny_moe_inputs(moe_expert_capacity_factor=0)

@@ -215,16 +215,21 @@ def test_actor_replays_the_engines_routing(tiny_model_dirs, tp, ep):
 
 
 def test_routing_replay_config_is_refused_in_one_line():
+    from megatron_backend.config import ActorConfig
     from rl.losses import PolicyLossConfig
     from rollout.config import RolloutConfig
-    from run.config import ModelConfig, RunConfig
+    from run.config import ModelConfig, RunConfig, TrainerConfig
     from run.launch import ClusterConfig
 
-    def run_config(path: str, engine: str) -> RunConfig:
+    def run_config(
+        path: str, engine: str, replay: bool = True, capacity_factor: float | None = None, gap: float | None = 3.0
+    ) -> RunConfig:
         return RunConfig(
             model=ModelConfig(path=path),
+            trainer=TrainerConfig(max_logprob_gap=gap, max_logprob_gap_p99=gap),
+            actor=ActorConfig(moe_expert_capacity_factor=capacity_factor),
             rollout=RolloutConfig(engine=engine),
-            algorithm=PolicyLossConfig(routing_replay=True),
+            algorithm=PolicyLossConfig(routing_replay=replay),
             cluster=ClusterConfig(num_nodes=1, procs_per_node=1),
         )
 
@@ -233,6 +238,17 @@ def test_routing_replay_config_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^algorithm.routing_replay=true but rollout.engine=vllm cannot return"):
         run_config("tiny:qwen3_moe", "vllm")
     assert run_config("tiny:qwen3_moe", "native").returns_routed_experts
+    # megatron's capacity factor drops routed copies: not with replayed routing, and not on a dense model
+    with pytest.raises(ValueError, match=r"^algorithm.routing_replay=true with actor.moe_expert_capacity_factor=1.0"):
+        run_config("tiny:qwen3_moe", "native", capacity_factor=1.0)
+    with pytest.raises(ValueError, match=r"^actor.moe_expert_capacity_factor=1.0 but tiny:qwen3 has no MoE layers"):
+        run_config("tiny:qwen3", "native", replay=False, capacity_factor=1.0)
+    assert run_config("tiny:qwen3_moe", "native", replay=False, capacity_factor=1.0).actor.moe_expert_capacity_factor
+    # its dropped copies move the actor's log-probs off the engine's: the run's gap check must be told how far
+    with pytest.raises(ValueError, match=r"^actor.moe_expert_capacity_factor=1.0 drops routed copies the engine"):
+        run_config("tiny:qwen3_moe", "native", replay=False, capacity_factor=1.0, gap=None)
+    with pytest.raises(ValueError, match=r"^actor.moe_expert_capacity_factor=0 must be > 0"):
+        ActorConfig(moe_expert_capacity_factor=0)
 
 
 @pytest.mark.vllm
