@@ -125,11 +125,13 @@ WHY_FITTED = {
     "runtime_overhead_bytes": "make plan's level before a launch: what a rank holds beside its tensors differs by "
     "machine and shape; a launched run measures it (runtime_after_launch_bytes)",
     "runtime_after_launch_bytes": "what the first steps add beside the tensors (autograd, gloo and thread-pool "
-    "buffers created lazily, heap the step leaves): no library reports it",
+    "buffers created lazily; glibc's heap pages that small allocations scattered between free ones keep resident "
+    "through the trims, docs/plan-validation.md 2026-11-26 night): no library reports it",
     "vllm_runtime_bytes": "vLLM's CPU build's Python objects, compiled kernels and oneDNN caches beside its tensors",
     "local_spec_activation_factor": "RSS over the counted saved tensors of megatron's local layer "
-    "(planner.sizes.local_layer_activation_elements_per_token): backward's per-token buffers and the allocator's "
-    "rounding, which no library reports",
+    "(planner.sizes.local_layer_activation_elements_per_token): backward's per-token buffers, the allocator's "
+    "rounding, and the trimmed free heap a phase's small tensors fault back in wherever glibc places them "
+    "(docs/plan-validation.md 2026-11-26 night), which no library reports",
     "train_workspace_bytes": "the train phase's fixed temporaries beside its counted tensors",
     "local_attention_sequence_bytes": "megatron's local attention loop's per-sequence autograd nodes (host objects)",
     "engine_activation_factor": "RSS over the native engine's counted live tensors (planner.sizes."
