@@ -38,6 +38,7 @@ from run.warmup import StopDuringWarmup, exit_during_warmup, resume_or_warm_up
 from telemetry.memory_timeline import EXPORT_PHASE, SAVE_PHASE
 from telemetry.metrics import (
     ROUTING_MISMATCH,
+    RoutingWatch,
     RunFacts,
     check_finite,
     check_logprob_gap,
@@ -237,6 +238,7 @@ def run_rank(cfg: RunConfig, run_dir: str, launch: LaunchPlan | None = None) -> 
     rewards = [m["reward/mean"] for m in ctx.writer.previous_metrics] if ctx.writer is not None else []
     syncs, logprob_gaps = [], []  # per step of this attempt
     progress = tqdm(total=steps, initial=ctx.start_step, desc=cfg.exp, disable=ctx.rank != 0, dynamic_ncols=True)
+    routing = RoutingWatch(ctx.plan if ctx.rank == 0 else None)  # MoE: routing the plan does not fit
     for step in range(ctx.start_step, steps):
         rank_state = capture_rank_state(ctx.task)  # the state at this step's start (a stop before train saves it)
         try:
@@ -260,6 +262,8 @@ def run_rank(cfg: RunConfig, run_dir: str, launch: LaunchPlan | None = None) -> 
             rewards.append(result.metrics["reward/mean"])
             progress.update()
             progress.set_postfix(reward=f"{rewards[-1]:.3f}", peak_mib=f"{peak_bytes / 2**20:.0f}")
+            if warning := routing.check(step, result.metrics):
+                progress.write(warning)
         if stopping:
             progress.close()
             return stop_saving(step + 1, capture_rank_state(ctx.task), pending=result.pending_save)

@@ -250,6 +250,32 @@ _LENGTH_FIELDS = tuple(f.name for f in fields(StepLengths) if f.name != "routed_
 ROUTED_COPIES_RATIO = "train/moe/routed_copies_max_ratio"
 
 
+class RoutingWatch:
+    """Says when a step's MoE routing sent one rank's experts more routed copies than the launch plan fits (its
+    ``planner.report.routing_headroom``), once per new high: the next such step may run out of device memory. Silent
+    for a dense model, EP 1, or a plan that fits any routing."""
+
+    def __init__(self, plan: Plan | None) -> None:
+        from planner.report import routing_headroom
+
+        headroom = None if plan is None else routing_headroom(plan)
+        fits = None if headroom is None else headroom.fits_up_to_ratio
+        # None where the plan fits any routing, or none (its verdict says so at launch)
+        self.limit = fits if fits is not None and fits < headroom.worst_ratio else None
+        self.highest = 0.0
+
+    def check(self, step: int, metrics: dict[str, float]) -> str | None:
+        ratio = metrics.get(ROUTED_COPIES_RATIO)
+        if self.limit is None or ratio is None or ratio <= max(self.limit, self.highest):
+            return None
+        self.highest = ratio
+        return (
+            f"warning: step {step}: one rank's experts received {ratio:.2f}x balanced routing's routed copies, beyond "
+            f"the {self.limit:.2f}x the plan fits (make plan's MoE routing line): a step routed like it may run out "
+            "of device memory; actor.moe_expert_capacity_factor bounds it"
+        )
+
+
 def step_lengths(samples: list[Sample]) -> dict[str, float]:
     """The step's token lengths (``lengths/<field>`` of :class:`planner.StepLengths`), over all its samples (every
     rank holds them all after the rollout): the longest is the worst DP rank's, whose batch is padded to its

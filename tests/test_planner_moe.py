@@ -373,3 +373,24 @@ def test_the_capacity_factor_is_the_launch_plans_routing_and_make_plan_says_how_
     assert main(["--exp", "tiny_cpu", "--json", str(out)]) == 0 and json.loads(out.read_text())["moe_routing"] is None
     with pytest.raises(ValueError, match="moe_expert_capacity_factor=0 must be > 0"):
         tiny_moe_inputs(moe_expert_capacity_factor=0)
+
+
+def test_a_run_says_when_its_routing_skews_beyond_what_the_plan_fits():
+    """telemetry.metrics.RoutingWatch (the loop, rank 0): a step whose recorded routed copies exceed the launch plan's
+    routing headroom prints one warning per new high; nothing for routing the plan fits, a dense model or EP 1."""
+    from planner.report import routing_headroom
+    from run.compose import compose
+    from run.memory_plan import plan_inputs
+    from telemetry.metrics import ROUTED_COPIES_RATIO, RoutingWatch
+
+    plan = make_plan(plan_inputs(compose("qwen3_30b_a3b_8xh100")))
+    limit = routing_headroom(plan).fits_up_to_ratio
+    watch = RoutingWatch(plan)
+    seen = [watch.check(step, {ROUTED_COPIES_RATIO: r}) for step, r in enumerate((1.2, limit + 0.2, limit + 0.1, 7.9))]
+    assert seen[0] is None and seen[2] is None  # fits; not a new high
+    assert seen[1].startswith(f"warning: step 1: one rank's experts received {limit + 0.2:.2f}x") and "7.90x" in seen[3]
+    assert f"beyond the {limit:.2f}x the plan fits" in seen[1] and "actor.moe_expert_capacity_factor" in seen[1]
+    assert watch.check(4, {"reward/mean": 1.0}) is None  # a step without the metric
+    fits_any = RoutingWatch(make_plan(tiny_moe_inputs()))  # tiny on an 80 GB device: any routing fits
+    assert fits_any.limit is None and fits_any.check(0, {ROUTED_COPIES_RATIO: 2.0}) is None
+    assert RoutingWatch(None).check(0, {ROUTED_COPIES_RATIO: 9.0}) is None  # not rank 0, or no plan
