@@ -276,6 +276,19 @@ class RoutingWatch:
         )
 
 
+def routing_summary(plan: Plan, records: list[dict]) -> dict | None:
+    """summary.json's ``memory_plan.moe_routing``: the plan's routing headroom (planner.report.routing_headroom) and
+    the most routed copies any step's train pass sent one rank (``recorded_max_ratio``); None for a dense model or
+    EP 1."""
+    from planner.report import routing_headroom
+
+    headroom = routing_headroom(plan)
+    if headroom is None:
+        return None
+    recorded = [r[ROUTED_COPIES_RATIO] for r in records if ROUTED_COPIES_RATIO in r]
+    return {**headroom.to_json(), "recorded_max_ratio": max(recorded, default=None)}
+
+
 def step_lengths(samples: list[Sample]) -> dict[str, float]:
     """The step's token lengths (``lengths/<field>`` of :class:`planner.StepLengths`), over all its samples (every
     rank holds them all after the rollout): the longest is the worst DP rank's, whose batch is padded to its
@@ -430,6 +443,8 @@ def summarize(
             "phases": prediction_errors(plan, rows),
             # the model: the plan at each step's recorded lengths (metrics.jsonl's lengths/*), median over steps
             "phases_at_recorded_lengths": prediction_errors(plan, rows, lengths=recorded_lengths(evals)),
+            # MoE at EP > 1: how unevenly the steps routed, beside how unevenly the plan fits
+            "moe_routing": routing_summary(plan, evals),
         },
         # the figures a sweep compares, planned and measured alike (tools/sweep's table and chart; W&B's sweep views)
         FIGURES_KEY: memory_figures(plan, rows),
@@ -471,6 +486,14 @@ def closing_lines(summary: dict, run_dir) -> list[str]:
         lines.append(
             f"memory plan vs measured: largest error {errors[worst]['relative_error']:+.1%} ({worst}) over "
             f"{len(errors)} phases (summary.json memory_plan)"
+        )
+    routing = (summary.get("memory_plan") or {}).get("moe_routing")
+    if routing and routing["recorded_max_ratio"] is not None:
+        fits = routing["fits_up_to_ratio"]
+        room = "any routing" if fits is not None and fits >= routing["worst_ratio"] else f"up to {fits or 0:.2f}x"
+        lines.append(
+            f"MoE routing: at most {routing['recorded_max_ratio']:.2f}x balanced routing's copies on one rank; the plan "
+            f"fits {room} (summary.json memory_plan.moe_routing)"
         )
     lines.append(
         f"files: {run_dir}/ summary.json metrics.jsonl memory_timeline.csv memory_stages.png memory_timeline.png"

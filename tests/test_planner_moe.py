@@ -394,3 +394,24 @@ def test_a_run_says_when_its_routing_skews_beyond_what_the_plan_fits():
     fits_any = RoutingWatch(make_plan(tiny_moe_inputs()))  # tiny on an 80 GB device: any routing fits
     assert fits_any.limit is None and fits_any.check(0, {ROUTED_COPIES_RATIO: 2.0}) is None
     assert RoutingWatch(None).check(0, {ROUTED_COPIES_RATIO: 9.0}) is None  # not rank 0, or no plan
+
+
+def test_the_summary_puts_the_steps_routing_beside_the_plans_headroom():
+    """summary.json's memory_plan.moe_routing and make run's closing line: the most routed copies any step sent one
+    rank, next to how far the plan fits; nothing for a dense plan."""
+    from planner.report import routing_headroom
+    from run.compose import compose
+    from run.memory_plan import plan_inputs
+    from telemetry.metrics import ROUTED_COPIES_RATIO, closing_lines, routing_summary
+
+    plan = make_plan(plan_inputs(compose("qwen3_30b_a3b_8xh100")))
+    records = [{"trainer/step": 0, ROUTED_COPIES_RATIO: 1.3}, {"trainer/step": 1, ROUTED_COPIES_RATIO: 1.7}, {}]
+    routing = routing_summary(plan, records)
+    assert routing == {**routing_headroom(plan).to_json(), "recorded_max_ratio": 1.7}
+    assert routing_summary(plan, [{}])["recorded_max_ratio"] is None
+    assert routing_summary(make_plan(tiny_moe_inputs(actor_ep=1, actor_dp=4)), records) is None
+    summary = {"steps": 2, "wall_seconds": 1.0, "memory_plan": {"moe_routing": routing}}
+    line = next(x for x in closing_lines(summary, "run") if x.startswith("MoE routing"))
+    assert line.startswith("MoE routing: at most 1.70x balanced routing's copies on one rank; the plan fits up to")
+    assert f"{routing['fits_up_to_ratio']:.2f}x" in line
+    assert not any(x.startswith("MoE routing") for x in closing_lines({"steps": 2, "wall_seconds": 1.0}, "run"))
