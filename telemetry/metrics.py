@@ -490,7 +490,10 @@ def closing_lines(summary: dict, run_dir) -> list[str]:
     routing = (summary.get("memory_plan") or {}).get("moe_routing")
     if routing and routing["recorded_max_ratio"] is not None:
         fits = routing["fits_up_to_ratio"]
-        room = "any routing" if fits is not None and fits >= routing["worst_ratio"] else f"up to {fits or 0:.2f}x"
+        if fits is None:
+            room = "no routing (its verdict says why)"
+        else:
+            room = "any routing" if fits >= routing["worst_ratio"] else f"up to {fits:.2f}x"
         lines.append(
             f"MoE routing: at most {routing['recorded_max_ratio']:.2f}x balanced routing's copies on one rank; the plan "
             f"fits {room} (summary.json memory_plan.moe_routing)"

@@ -415,3 +415,6 @@ def test_the_summary_puts_the_steps_routing_beside_the_plans_headroom():
     assert line.startswith("MoE routing: at most 1.70x balanced routing's copies on one rank; the plan fits up to")
     assert f"{routing['fits_up_to_ratio']:.2f}x" in line
     assert not any(x.startswith("MoE routing") for x in closing_lines({"steps": 2, "wall_seconds": 1.0}, "run"))
+    unfit = {**summary, "memory_plan": {"moe_routing": {**routing, "fits_up_to_ratio": None}}}
+    line = next(x for x in closing_lines(unfit, "run") if x.startswith("MoE routing"))
+    assert "the plan fits no routing" in line and "0.00x" not in line
