@@ -35,10 +35,12 @@ def freeze_long_lived_objects() -> None:
 # mallopt(3) parameters
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
+# allocations of this size or more are mmapped, and unmapped on free (configure_host_allocator)
+MMAP_THRESHOLD_BYTES = 4 << 10
 
 
-def configure_host_allocator(mmap_threshold_bytes: int = 64 << 10, arena_max: int = 1) -> bool:
-    """Make glibc hand big buffers straight back to the OS and reuse the rest; False where not glibc.
+def configure_host_allocator(mmap_threshold_bytes: int = MMAP_THRESHOLD_BYTES, arena_max: int = 1) -> bool:
+    """Make glibc hand buffers straight back to the OS and reuse the rest; False where not glibc.
 
     glibc's defaults let a process's RSS creep for several steps of a loop that frees and re-allocates
     activations of varying sizes: its mmap threshold rises after each large free (up to 32 MiB), so
@@ -47,13 +49,13 @@ def configure_host_allocator(mmap_threshold_bytes: int = 64 << 10, arena_max: in
     ``arena_max`` arenas keep the resident memory flat from step to step. Call it early, before
     threads start allocating.
 
-    Why 64 KiB and not more: what lives in the heap between two trims is what the RSS cannot give back.
-    With 1 MiB, train's per-sequence [Hq/t, s, s] attention tensors (0.5 MiB at 262 tokens) filled the
-    heap; trimmed after train, the heap kept 333 MiB of free address space, and the next rollout's small
-    decode tensors walked through it, faulting 48 MiB back in (long_sequences, rank 0, mallinfo2). With
-    64 KiB the heap kept 9 MiB free, rollout rose 7.6 MiB instead of 47, train peaked at 367 MiB instead
-    of 541 and old_logprob at 77 instead of 134; the price is page faults on every mmapped buffer: the
-    tiny_cpu step took 1.81 s instead of 1.48 (262-token rows: 11.3 s instead of 7.3).
+    Why a page (4 KiB): what lives in the heap between two trims is what the RSS cannot follow. After a
+    trim the heap's free pages are not resident, and a phase's small allocations fault them back in
+    wherever glibc places them, so a phase's RSS rises above its tensors by how much free heap it walks
+    (MoE layers' many small per-expert tensors walked 10-14 MiB at a 64 KiB threshold). With every buffer of
+    a page or more mmapped, the RSS is the tensors: the fitted CPU factors are ~1 (train 0.99, the
+    native engine 0.91), their workspaces under 1 MiB. The price is a page fault per page of every buffer
+    (docs/plan-validation.md, 2026-11-27).
     """
     try:
         libc = ctypes.CDLL("libc.so.6")

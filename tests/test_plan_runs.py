@@ -39,6 +39,7 @@ def test_validation_set_covers_what_the_plan_must_get_right():
         for c in cfgs.values()
     )
     assert any(c.algorithm.kl_coef > 0 for c in cfgs.values())
+    assert any(c.actor.ep == 2 and "moe" in c.model.path for c in cfgs.values())  # experts split over 2 ranks
 
 
 def test_one_validation_configuration_is_dominated_by_transients():
@@ -69,6 +70,31 @@ def test_the_validation_set_can_see_every_model_term():
     }
     assert all(move > 2.0 for move, _ in moves.values()), {k: v for k, v in moves.items() if v[0] <= 2.0}
 
+
+
+def test_the_expert_mutations_move_a_mixture_of_experts_plan_by_its_experts_and_a_dense_plan_not_at_all():
+    """experts_per_rank x2 adds each rank's routed-expert params once more to params, grads and (sharded over the
+    expert-DP group of 1) Adam's two states; moe_activations x2 grows train's activations; a dense plan moves by 0."""
+    from planner.sizes import actor_stage_expert_param_count, actor_stage_param_count
+    from tools.mutate_plan import mutated_phases
+    from tools.plan_runs import plan_for, predicted_phases
+
+    moe, dense = (next(s for s in VALIDATION_SET if s.name == name) for name in ("memory_cpu_moe", "tiny_cpu"))
+    inp = plan_for(moe).inputs
+    layout = (inp.shape, inp.actor_tp, inp.actor_pp, 0, inp.actor_ep)
+    experts = actor_stage_expert_param_count(*layout)
+    assert experts > 0.8 * actor_stage_param_count(*layout)  # a rank's 8 of 16 experts: most of its params
+    before = predicted_phases(plan_for(moe))["train"].components
+    after = mutated_phases("experts_per_rank", 2.0, moe, run_dir=None)[0]["train"].components
+    assert after["actor_params"] - before["actor_params"] == experts * 4  # fp32
+    assert after["actor_grads"] - before["actor_grads"] == experts * 4
+    assert after["optimizer"] - before["optimizer"] == experts * 8  # m and v, expert-DP = 1
+    moved = mutated_phases("moe_activations", 2.0, moe, run_dir=None)[0]["train"].components
+    assert moved["activations"] > before["activations"] + 50 * MIB
+    unmoved = predicted_phases(plan_for(dense))
+    for term in ("experts_per_rank", "moe_activations"):
+        mutated = mutated_phases(term, 2.0, dense, run_dir=None)[0]
+        assert {k: v.peak_bytes for k, v in mutated.items()} == {k: v.peak_bytes for k, v in unmoved.items()}
 
 @pytest.mark.parametrize("kind", sorted(CONSTANTS))
 def test_every_constant_names_its_source(kind):

@@ -10,8 +10,8 @@ states with a zero-gradient step (no weight moves), then one ``train`` step. Mea
 
 - peak: on CPU the process's peak RSS (the kernel's high-water mark ``VmHWM``, reset at the phase's
   start by ``/proc/self/clear_refs``; a 2 ms RSS sampler where that is unavailable), with glibc told to
-  return every freed block of 64 KiB or more at once (``MALLOC_MMAP_THRESHOLD_``) so that RSS follows
-  live memory; on CUDA ``max_memory_allocated``;
+  return every freed block of a page or more at once (``MALLOC_MMAP_THRESHOLD_``, the runs' own threshold,
+  ``colocation.host_memory.MMAP_THRESHOLD_BYTES``) so that RSS follows live memory; on CUDA ``max_memory_allocated``;
 - tokens/s: real (unpadded) tokens of the batch / wall seconds of the phase.
 
 Figures are medians over the repeats. ``predicted`` is the planner's (``planner.make_plan``) bytes of the
@@ -31,6 +31,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from colocation.host_memory import MMAP_THRESHOLD_BYTES
 
 MIB = 2**20
 
@@ -275,7 +277,7 @@ def predicted(args, name: str, shape, phase: str, device_kind: str) -> dict:
 
 # ---------------------------------------------------------------- the driver
 def _run_worker(name: str, args, model_dir: Path) -> dict:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(args.threads))
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD_BYTES), OMP_NUM_THREADS=str(args.threads))
     command = [sys.executable, "-m", "tools.bench_train", "--worker", name, "--model-dir", str(model_dir)]
     command += _shape_args(args)
     done = subprocess.run(command, capture_output=True, text=True, env=env)

@@ -125,18 +125,18 @@ WHY_FITTED = {
     "runtime_overhead_bytes": "make plan's level before a launch: what a rank holds beside its tensors differs by "
     "machine and shape; a launched run measures it (runtime_after_launch_bytes)",
     "runtime_after_launch_bytes": "what the first steps add beside the tensors (autograd, gloo and thread-pool "
-    "buffers created lazily; glibc's heap pages that small allocations scattered between free ones keep resident "
-    "through the trims, docs/plan-validation.md 2026-11-26 night): no library reports it",
+    "buffers created lazily; the heap of allocations under a page, colocation/host_memory.py): no library "
+    "reports it",
     "vllm_runtime_bytes": "vLLM's CPU build's Python objects, compiled kernels and oneDNN caches beside its tensors",
     "local_spec_activation_factor": "RSS over the counted saved tensors of megatron's local layer "
-    "(planner.sizes.local_layer_activation_elements_per_token): backward's per-token buffers, the allocator's "
-    "rounding, and the trimmed free heap a phase's small tensors fault back in wherever glibc places them "
-    "(docs/plan-validation.md 2026-11-26 night), which no library reports",
+    "(planner.sizes.local_layer_activation_elements_per_token): backward's per-token buffers beyond the count and "
+    "the pages of tensors under a page in glibc's heap (colocation/host_memory.py), which no library reports",
     "train_workspace_bytes": "the train phase's fixed temporaries beside its counted tensors",
     "local_attention_sequence_bytes": "megatron's local attention loop's per-sequence autograd nodes (host objects)",
     "engine_activation_factor": "RSS over the native engine's counted live tensors (planner.sizes."
-    "native_engine_activation_bytes, byte for byte against its forward): glibc's heap around them and the kernels' "
-    "own scratch (the sampler's draws, SDPA's buffers), which no library reports",
+    "native_engine_activation_bytes, byte for byte against its forward): the pages its buffers touch at their "
+    "widest moment (a buffer's untouched pages are not resident) and the kernels' own scratch (the sampler's "
+    "draws, SDPA's buffers), which no library reports",
     "engine_workspace_bytes": "the native engine's fixed temporaries beside its counted working set",
     "heap_retention_bytes": "what rollout leaves in the heap for engine_sleep (allocator state)",
 }

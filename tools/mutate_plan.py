@@ -1,7 +1,8 @@
 """Can the plan's validation fail? Mutate one term of the model and re-check it against the stored runs.
 
 For each term (params, grads, Adam states, activations, logits, attention scores, engine weights, engine
-activations, KV bytes per token, sync bucket) doubled, each transient zeroed, and the runtime level (the one
+activations, KV bytes per token, sync bucket; of a mixture of experts the routed experts a rank holds, the actor's
+dispatched copies and expert activations) doubled, each transient zeroed, and the runtime level (the one
 each run measured at launch) and every fitted constant of the calibration scaled by 0.5 and 1.5, the
 validation set's runs (``runs/validation/<name>/``, from ``make validate-plan``; nothing is run here) are
 planned again with the mutation and checked as ``make validate-plan`` checks them (the model at each run's recorded
@@ -27,6 +28,7 @@ import sys
 from unittest import mock
 
 import planner.plan as plan_module
+import planner.sizes as sizes_module
 from planner.calibration import load
 from tools.plan_runs import (
     FLOOR_BYTES,
@@ -57,6 +59,12 @@ TERMS = {
     "kv_bytes_per_token": ("function", "kv_bytes_per_token"),
     "sync_bucket": ("component", "sync_bucket"),
     "launch_runtime": ("launch", None),
+    # mixture of experts (no move on a dense run): the routed experts a rank holds (E / ep; x2 at EP=2 is a plan
+    # that ignores expert parallelism), the dispatched copies and expert activations per token in the actor's
+    # passes. Not a term: the engine's MoE working set, which moves memory_cpu_moe's checks 0.08 of an allowance
+    # when doubled (a layer at a time beside a 200 MiB KV cache)
+    "experts_per_rank": ("experts", None),
+    "moe_activations": ("function", "sizes:moe_activation_bytes_per_token|sizes:moe_forward_bytes_per_token"),
 }
 TRANSIENTS = ("activations", "logits", "attention_scores", "engine_activations", "sync_bucket")
 
@@ -77,13 +85,31 @@ def mutations() -> list[tuple[str, float]]:
 
 @contextlib.contextmanager
 def _scaled_function(names: str, factor: float):
-    """Each of ``names`` ("a|b": one term the plan counts with either function) scaled by ``factor``."""
+    """Each of ``names`` ("a|b": one term the plan counts with either function) scaled by ``factor``; a name is
+    planner.plan's, or ``sizes:<name>`` planner.sizes's (a function the sizes call among themselves)."""
     with contextlib.ExitStack() as stack:
         for name in names.split("|"):
-            real = getattr(plan_module, name)
+            module, name = (sizes_module, name[len("sizes:") :]) if name.startswith("sizes:") else (plan_module, name)
+            real = getattr(module, name)
             stack.enter_context(
-                mock.patch.object(plan_module, name, lambda *a, _real=real, **k: round(_real(*a, **k) * factor))
+                mock.patch.object(module, name, lambda *a, _real=real, **k: round(_real(*a, **k) * factor))
             )
+        yield
+
+
+@contextlib.contextmanager
+def _scaled_experts(factor: float):
+    """Each actor rank's routed experts scaled by ``factor`` (params, grads and Adam states follow): the rank's
+    params gain (factor - 1) x its expert params, which the optimizer shards over the expert-DP group."""
+    real_count, real_experts = plan_module.actor_stage_param_count, plan_module.actor_stage_expert_param_count
+
+    def count(*a, **k):
+        return real_count(*a, **k) + round((factor - 1) * real_experts(*a, **k))
+
+    with (
+        mock.patch.object(plan_module, "actor_stage_param_count", count),
+        mock.patch.object(plan_module, "actor_stage_expert_param_count", lambda *a, **k: round(factor * real_experts(*a, **k))),
+    ):
         yield
 
 
@@ -98,6 +124,9 @@ def mutated_phases(term: str, factor: float, spec, run_dir=...) -> tuple[dict, d
     run_dir = run_dir_for(spec, SET_NAME) if run_dir is ... else run_dir
     if kind == "function":
         with _scaled_function(target, factor):
+            return _checked(plan_for(spec, run_dir=run_dir), run_dir)
+    if kind == "experts":
+        with _scaled_experts(factor):
             return _checked(plan_for(spec, run_dir=run_dir), run_dir)
     if kind == "constant":
         calibration = load("cpu")

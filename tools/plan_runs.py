@@ -116,6 +116,20 @@ FIT_SET = (
         "large tensors (16k vocabulary): the activation terms where they are mostly big allocations",
     ),
     RunSpec(
+        "vocab_half_rollout",
+        "tiny_cpu",
+        (
+            "model.path=tiny:qwen2_vocab",
+            "rollout.max_new_tokens=32",
+            "actor.micro_batch_size=32",
+            "trainer.prompts_per_step=8",
+            IGNORE_EOS,
+        ),
+        "a second rollout where the native engine's working set is large (the sampler's [64, 16384] draws, half "
+        "vocab_mid_batches' sequences): without it the engine factor rests on that one run (left out, the others' "
+        "1-2 MB working sets fit it at 0.17)",
+    ),
+    RunSpec(
         "tiny_cpu_long_rows",
         "tiny_cpu",
         ("rollout.max_new_tokens=64", "trainer.prompts_per_step=8", "actor.micro_batch_size=16", IGNORE_EOS),
@@ -238,6 +252,22 @@ VALIDATION_SET = (
         ),
         "long sequences: 390-token rows, where megatron's unfused [s, s] attention scores are a quarter of train's peak "
         "(the one check that sees them: at 262-token rows they were 18%, and zeroing them could stay within 10%)",
+    ),
+    RunSpec(
+        "memory_cpu_moe",
+        "memory_cpu",
+        (
+            "model.path=tiny:qwen3_moe_memory",
+            "actor.ep=2",
+            "trainer.prompts_per_step=16",
+            "actor.micro_batch_size=32",
+            "rollout.max_new_tokens=32",
+            "rollout.ignore_eos=true",
+        ),
+        "mixture of experts at memory_cpu's sizes: a Qwen3-MoE of 123 MB, 92% routed experts (16 per layer, top-2), "
+        "actor EP=2 (each rank's 8 experts, their grads and Adam states); 32-sequence micro-batches of ~40-token rows, "
+        "so that the dispatched copies and expert activations are ~40% of train's rise and ~75% of old_logprob's "
+        "(doubled, they move those checks 1.9 and 2.8 allowances); two native replicas holding every expert",
     ),
 )
 
