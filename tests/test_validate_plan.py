@@ -4,8 +4,9 @@ mutation check over the runs it leaves (tools/mutate_plan.py).
 Exactly the documented tolerance (docs/plan-validation.md; tools/plan_runs.py::check: peak 10%, rise 20%, or
 8 MiB): no machine allowance, no list of known failures, no mutation allowed to go uncaught. A mutation that
 moves no prediction beyond its check's allowance is too small to see and is reported with its size instead.
-CI runs `make calibrate` on its own machine first (.ci/run), on the fit set, which shares no configuration with
-these; the runtime level is what each run measured at its own launch."""
+The constants are the committed ones (planner/calibration/cpu.json, fitted on the fit set, which shares no
+configuration with these, on another machine: CI does not refit them); the runtime level is what each run
+measured at its own launch."""
 
 from __future__ import annotations
 

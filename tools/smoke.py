@@ -109,28 +109,10 @@ STEPS: tuple[Step, ...] = (
         files=("{run}/hf/step_00000002/config.json", "{run}/hf/step_00000002/model.safetensors"),
     ),
     Step(
-        "eval",
-        "RUN={run}",
-        json_keys=("accuracy", "reward_mean", "num_problems", "reference_logprob_mean"),
-        label="eval (a run's checkpoint)",
-    ),
-    Step(
-        "eval",
-        "HF={run}/hf/step_00000002",
-        json_keys=("accuracy", "reward_mean", "num_problems", "reference_logprob_mean"),
-        label="eval (its export)",
-    ),
-    Step(
         "sbatch",
         'EXP=tiny_cpu ARGS="trainer.steps=3 output_dir={scratch}/runs"',
         expect=r"^submit with: sbatch (?P<script>\S+)",
         files=("{script}",),
-    ),
-    Step(
-        "sweep-local",
-        f'SWEEP=ci_smoke EXP=tiny_cpu ARGS="{RUN_ARGS}"',
-        expect=r"^wrote \S+/summary\.csv",
-        why="experiments/sweeps/ci_smoke.yaml: one point skipped as infeasible, one run of 2 steps",
     ),
     Step(
         "sweep",
@@ -138,19 +120,6 @@ STEPS: tuple[Step, ...] = (
         expect=r"^all points on Slurm: sbatch (?P<array>\S+)",
         files=("{array}",),
         why="render only (SWEEP_ID): creating a W&B sweep needs an API key and the network",
-    ),
-    Step(
-        "parity",
-        f"{HF} TP=2 {TINY}",
-        json_keys=("max_abs_logprob_diff", "num_tokens"),
-        why="TP=2 (2 ranks); README's TP=2 PP=2 takes 4",
-    ),
-    Step(
-        "verify-sync",
-        f"{HF} TRAIN_TP=2 ROLLOUT_TP=1 {TINY}",
-        json_keys=("max_abs_logprob_diff", "bytes_moved"),
-        json_true=("verified",),
-        why="2 ranks (TRAIN_TP=2 -> ROLLOUT_TP=1); README's TRAIN_TP=2 TRAIN_PP=2 ROLLOUT_TP=4 takes 4",
     ),
     Step(
         "bench-entropy",
@@ -177,16 +146,23 @@ STEPS: tuple[Step, ...] = (
 ELSEWHERE: dict[str, str] = {
     "install": ".ci/run (first)",
     "test": ".ci/run",
-    "test-threads": ".ci/run",
-    "calibrate": ".ci/run",
+    "test-threads": "not in CI: the numeric tests with pytest and the ranks at other thread counts (~4 min on a slow "
+    "CI machine); make test runs them once; run it when a numeric path changes",
+    "calibrate": "not in CI: its 7 fit runs are ~9 of a slow CI machine's 90 minutes; tests/test_calibrate_cpu.py "
+    "checks the fit on timelines made with known constants, and make test-slow validates the committed ones",
     "test-vllm": ".ci/run",
     "test-slow": ".ci/run",
     "test-slurm": ".ci/run (after .ci/slurm-up)",
-    "validate-plan": "make test-slow (tests/test_validate_plan.py), after make calibrate: it checks the plan "
-    "against this machine's constants",
+    "validate-plan": "make test-slow (tests/test_validate_plan.py): the plan with the committed constants "
+    "(planner/calibration/cpu.json, fitted on another machine) against this machine's runs",
     "mutate-plan": "make test-slow (tests/test_validate_plan.py), on validate-plan's runs",
     "test-gpu": "needs CUDA (here its tests are only collected and skipped)",
     "smoke": "this",
+    # run by CI's test suites through the same entry points (tools/*.py main), not twice here
+    "parity": "make test (tests/test_parity_cli.py: TP=2 x PP=2, tied embeddings, odd vocab)",
+    "verify-sync": "make test (tests/test_weight_sync_dist.py::test_verify_sync_cli_end_to_end)",
+    "eval": "make test-slow (tests/test_eval.py: a run's checkpoint and its export, and that they agree)",
+    "sweep-local": "make test-slow (tests/test_sweep.py: its points run, the infeasible one skipped)",
 }
 
 
