@@ -56,3 +56,30 @@ def test_steps_get_no_make_knob_from_the_smokes_command_line_or_shell(tmp_path):
     """`make smoke ARGS="--only run"` exports ARGS to the steps' make: each step must see the defaults."""
     env = step_environment({"ARGS": "--only run", "EXP": "memory_cpu", "MAKEFLAGS": "ARGS=x", "EXTRAS": "dev,gpu"}, tmp_path)
     assert env == {"EXTRAS": "dev,gpu", "RLMEM_TINY_DIR": str(tmp_path / "tiny_models")}
+
+
+# Targets the smoke leaves to a suite that runs the tool itself (ELSEWHERE): the suite does not go through make,
+# so here the recipe is expanded (`make -n`) and every flag it passes must be one the tool declares.
+RECIPES = {
+    "parity": (("HF=d", "TP=2", "PP=2", "VPP=2", "EP=2", "ETP=1"), "tools/parity.py"),
+    "verify-sync": (
+        ("HF=d", "TRAIN_TP=2", "TRAIN_PP=2", "TRAIN_EP=2", "TRAIN_ETP=1", "ROLLOUT_TP=2", "ROLLOUT_EP=2"),
+        "tools/verify_sync.py",
+    ),
+    "sweep-local": (("SWEEP=s.yaml", "EXP=tiny_cpu"), "tools/sweep/__main__.py"),
+    "eval": (("HF=d", "STEP=3", "EXP=tiny_cpu"), "tools/eval.py"),
+}
+
+
+@pytest.mark.parametrize("target", sorted(RECIPES))
+def test_a_target_left_to_a_suite_passes_only_flags_its_tool_declares(target):
+    import subprocess
+
+    variables, source = RECIPES[target]
+    assert target in ELSEWHERE and target not in {s.target for s in STEPS}
+    out = subprocess.run(["make", "-n", target, *variables], cwd=REPO, capture_output=True, text=True, check=True)
+    line = next(line for line in out.stdout.splitlines() if " -m tools." in line)
+    flags = set(re.findall(r"(?<!\S)(--[a-z][a-z-]*)", line))
+    assert len(flags) >= 2, line
+    declared = set(re.findall(r"add_argument\(\s*\"(--[a-z][a-z-]*)\"", (REPO / source).read_text()))
+    assert flags <= declared, (target, sorted(flags - declared), line)

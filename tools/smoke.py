@@ -158,7 +158,8 @@ ELSEWHERE: dict[str, str] = {
     "mutate-plan": "make test-slow (tests/test_validate_plan.py), on validate-plan's runs",
     "test-gpu": "needs CUDA (here its tests are only collected and skipped)",
     "smoke": "this",
-    # run by CI's test suites through the same entry points (tools/*.py main), not twice here
+    # CI's suites run these tools (python -m tools.X) themselves; the make recipe's flags are checked against
+    # what each tool declares by tests/test_smoke.py (make -n), so the smoke does not run them a second time
     "parity": "make test (tests/test_parity_cli.py: TP=2 x PP=2, tied embeddings, odd vocab)",
     "verify-sync": "make test (tests/test_weight_sync_dist.py::test_verify_sync_cli_end_to_end)",
     "eval": "make test-slow (tests/test_eval.py: a run's checkpoint and its export, and that they agree)",
