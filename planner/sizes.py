@@ -699,8 +699,10 @@ def _native_layer_moments(shape: ModelShape, t: int, moe_bytes_per_token: int, e
 def native_retained_all_reduce_bytes(shape: ModelShape, rollout_tp: int, element_bytes: int) -> int:
     """Per token: the last all-reduced hidden state [N, h] (o_proj's or down's partial sum, TP > 1), alive into the
     next block: ``dist.all_reduce`` returns once the sum is done, but its work object still references the tensor
-    until the backend releases the work (gloo: from its own thread, so sometimes before the next block and
-    sometimes not; NCCL keeps a collective's tensors for its watchdog). Counted as held: the bound."""
+    until the backend releases the work (NCCL keeps a collective's tensors for its watchdog). Counted as held on
+    every backend: the bound. On CPU the engine waits for gloo's thread to let go first
+    (rollout/native/model.py ``_wait_until_released``), so a CPU peak is the count less this term
+    (tests/test_planner_native_engine.py)."""
     return shape.hidden_size * element_bytes if rollout_tp > 1 else 0
 
 

@@ -20,6 +20,7 @@ vocab-parallel lm_head (all-gather). h hidden, d head_dim, Hq/T q heads and kv K
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -32,6 +33,29 @@ from rollout.layout import TPShape
 from rollout.native.decode_tp1 import scripted_decode_layers
 from rollout.native.kv_cache import KVCache
 from rollout.native.weights import NativeWeights
+
+# sched_yields before giving up on a backend's thread letting go of a tensor: a bound, not a wait anyone expects
+# (gloo's thread lets go within microseconds of running again)
+_MAX_RELEASE_YIELDS = 1_000_000
+
+
+def _wait_until_released(*tensors: torch.Tensor) -> None:
+    """Return once no collective's work still references ``tensors`` (CPU: gloo).
+
+    A gloo collective returns when its result is ready, but the worker thread that ran it drops its references
+    a moment later (after ``markCompleted``, in ``ProcessGroupGloo::runLoop``), often after the caller has gone
+    on. A tensor this thread then drops is freed from gloo's thread at a moment nobody chose, so the forward's
+    peak would be one of several values. Waiting until the tensor's use count is 1 (this Python object alone)
+    frees each tensor on this thread, where the plan counts it. On CUDA, NCCL keeps them until its watchdog
+    thread sees the kernel done; waiting for that would serialise the stream, so the plan counts the
+    all-reduced tensor as held there (planner.sizes.native_retained_all_reduce_bytes)."""
+    for tensor in tensors:
+        if tensor.device.type != "cpu":
+            continue
+        for _ in range(_MAX_RELEASE_YIELDS):
+            if tensor._use_count() <= 1:
+                break
+            os.sched_yield()
 
 
 def check_supported(shape: ModelShape) -> None:
@@ -164,6 +188,7 @@ class NativeModel:
         group = self.group if group is None else group
         if group is not None:
             dist.all_reduce(x, group=group)
+            _wait_until_released(x)
         return x
 
     def _eps_term(self, dim: int) -> torch.Tensor:
@@ -197,7 +222,9 @@ class NativeModel:
         local = F.linear(x, self.lm_head)  # [N, P/T]
         if self.group is not None:
             parts = [torch.empty_like(local) for _ in range(self.tp)]
-            dist.all_gather(parts, local.contiguous(), group=self.group)
+            local = local.contiguous()
+            dist.all_gather(parts, local, group=self.group)
+            _wait_until_released(local, *parts)
             local = torch.cat(parts, dim=-1)  # [N, P]
         return local[:, : self.shape.vocab_size]
 
