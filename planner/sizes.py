@@ -701,7 +701,7 @@ def native_retained_all_reduce_bytes(shape: ModelShape, rollout_tp: int, element
     next block: ``dist.all_reduce`` returns once the sum is done, but its work object still references the tensor
     until the backend releases the work (NCCL keeps a collective's tensors for its watchdog). Counted as held on
     every backend: the bound. On CPU the engine waits for gloo's thread to let go first
-    (rollout/native/model.py ``_wait_until_released``), so a CPU peak is the count less this term
+    (rollout/native/model.py ``_collective``), so a CPU peak is the count less this term
     (tests/test_planner_native_engine.py)."""
     return shape.hidden_size * element_bytes if rollout_tp > 1 else 0
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from typing import NamedTuple
 
 import torch
@@ -39,23 +40,37 @@ from rollout.native.weights import NativeWeights
 _MAX_RELEASE_YIELDS = 1_000_000
 
 
-def _wait_until_released(*tensors: torch.Tensor) -> None:
-    """Return once no collective's work still references ``tensors`` (CPU: gloo).
+def _references(tensor: torch.Tensor) -> tuple[int, int]:
+    """(C++ references to the tensor, Python references to its object); only ever compared between two calls
+    made the same way (the same comprehension), so the references the calls themselves hold cancel."""
+    return tensor._use_count(), sys.getrefcount(tensor)
+
+
+def _collective(run, *tensors: torch.Tensor) -> None:
+    """``run()`` a collective on ``tensors``; on CPU return only once no backend thread references them.
 
     A gloo collective returns when its result is ready, but the worker thread that ran it drops its references
     a moment later (after ``markCompleted``, in ``ProcessGroupGloo::runLoop``), often after the caller has gone
-    on. A tensor this thread then drops is freed from gloo's thread at a moment nobody chose, so the forward's
-    peak would be one of several values. Waiting until the tensor's use count is 1 (this Python object alone)
-    frees each tensor on this thread, where the plan counts it. On CUDA, NCCL keeps them until its watchdog
-    thread sees the kernel done; waiting for that would serialise the stream, so the plan counts the
-    all-reduced tensor as held there (planner.sizes.native_retained_all_reduce_bytes)."""
-    for tensor in tensors:
-        if tensor.device.type != "cpu":
-            continue
-        for _ in range(_MAX_RELEASE_YIELDS):
-            if tensor._use_count() <= 1:
-                break
-            os.sched_yield()
+    on. Dropping a C++ reference to a tensor that has a Python object takes two steps on that thread
+    (c10/util/intrusive_ptr.h ``reset_not_null_``): the use count goes down, then, under the GIL, the
+    tensor's strong reference to its Python object goes (``decref_pyobject``). A tensor whose last Python
+    reference went between or before those steps is freed from gloo's thread, at a moment nobody chose, so the
+    forward's peak would be one of several values. Waiting until both counts are back to what they were before
+    the collective frees each tensor on this thread, where the plan counts it. On CUDA, NCCL keeps them until
+    its watchdog thread sees the kernel done; waiting for that would serialise the stream, so the plan counts
+    the all-reduced tensor as held there (planner.sizes.native_retained_all_reduce_bytes)."""
+    if any(tensor.device.type != "cpu" for tensor in tensors):
+        run()
+        return
+    before = [_references(tensor) for tensor in tensors]
+    run()
+    for _ in range(_MAX_RELEASE_YIELDS):
+        now = [_references(tensor) for tensor in tensors]
+        if all(
+            uses <= uses_before and refs <= refs_before for (uses, refs), (uses_before, refs_before) in zip(now, before)
+        ):
+            return
+        os.sched_yield()
 
 
 def check_supported(shape: ModelShape) -> None:
@@ -187,8 +202,7 @@ class NativeModel:
         """Sum over ``group`` (None: the TP group; no collective when that is None too)."""
         group = self.group if group is None else group
         if group is not None:
-            dist.all_reduce(x, group=group)
-            _wait_until_released(x)
+            _collective(lambda: dist.all_reduce(x, group=group), x)
         return x
 
     def _eps_term(self, dim: int) -> torch.Tensor:
@@ -223,8 +237,7 @@ class NativeModel:
         if self.group is not None:
             parts = [torch.empty_like(local) for _ in range(self.tp)]
             local = local.contiguous()
-            dist.all_gather(parts, local, group=self.group)
-            _wait_until_released(local, *parts)
+            _collective(lambda: dist.all_gather(parts, local, group=self.group), local, *parts)
             local = torch.cat(parts, dim=-1)  # [N, P]
         return local[:, : self.shape.vocab_size]
 
