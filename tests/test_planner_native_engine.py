@@ -134,6 +134,6 @@ def test_a_collective_returns_once_gloo_has_let_go_of_its_tensors():
     last, so a tensor is freed when the engine drops it, on the engine's thread. Without the wait gloo's worker
     thread holds a tensor past the call's return on a good share of calls (about 30% measured on 2 ranks); a
     wait on the use count alone misses the tensor's strong reference to its Python object, which that thread
-    drops a step later (about 2%)."""
+    drops a step later (0.3-2% of calls measured)."""
     assert run_ranks(_freed_late, 2, 2000, True) == [0, 0]
     assert min(run_ranks(_freed_late, 2, 2000, False)) > 0  # the race this guards against is real here

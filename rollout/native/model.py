@@ -42,7 +42,7 @@ _MAX_RELEASE_YIELDS = 1_000_000
 
 def _references(tensor: torch.Tensor) -> tuple[int, int]:
     """(C++ references to the tensor, Python references to its object); only ever compared between two calls
-    made the same way (the same comprehension), so the references the calls themselves hold cancel."""
+    made the same way, so the references the calls themselves hold cancel."""
     return tensor._use_count(), sys.getrefcount(tensor)
 
 
@@ -65,10 +65,7 @@ def _collective(run, *tensors: torch.Tensor) -> None:
     before = [_references(tensor) for tensor in tensors]
     run()
     for _ in range(_MAX_RELEASE_YIELDS):
-        now = [_references(tensor) for tensor in tensors]
-        if all(
-            uses <= uses_before and refs <= refs_before for (uses, refs), (uses_before, refs_before) in zip(now, before)
-        ):
+        if [_references(tensor) for tensor in tensors] == before:  # the caller's references alone, as before
             return
         os.sched_yield()
 
