@@ -4,7 +4,7 @@ One table that everything reads: ``run/loop.py::rl_step`` runs these phases and 
 order (``run.shared_device.SharedDevice.phase`` checks every entry against :class:`PhaseOrder`); the planner
 (``planner/plan.py``) predicts each phase's bytes by walking :func:`step_phases`; the memory timeline
 (``telemetry/memory_timeline.py``) takes its phase order and what each hand-off releases (``RELEASE_TAGS``) from here;
-the engine's wake strategies (``rollout/config.py::WAKE_TAGS``) are the wake phases' ``adds``.
+the engine's wake strategies (``configs/rollout.py::WAKE_TAGS``) are the wake phases' ``adds``.
 
 State that stays resident between phases is named by its memory-ledger tag (``telemetry/memory_timeline.py`` TAGS):
 the engine's ``weights`` and ``kv_cache`` (``rollout/memory_saver.py``), the actor's ``actor_params``,
@@ -67,11 +67,7 @@ class StepFlags:
     offload_optimizer: bool = True
     reference_model: bool = False
     offload_ref_params: bool = True
-    wake_strategy: str = "staged"
-
-    def __post_init__(self) -> None:
-        if self.wake_strategy not in WAKE_STRATEGIES:
-            raise ValueError(f"rollout.wake_strategy={self.wake_strategy!r} is not one of {WAKE_STRATEGIES}")
+    wake_strategy: str = "staged"  # one of WAKE_STRATEGIES: RolloutConfig checks it, where it is set
 
     def offloaded(self, state: str) -> bool:
         """Whether ``state`` lives on host between its uses (``ref_params``: only with a reference actor)."""

@@ -39,8 +39,8 @@ import torch.distributed as dist
 
 from colocation.host_memory import release_freed_host_memory
 from colocation.phases import HOLDERS
+from configs.actor import ActorConfig
 from megatron_backend.checkpoint import chunk_params, gather_hf_state_dict, load_hf_into_chunks
-from megatron_backend.config import ActorConfig
 from megatron_backend.layout import RankLayout, padded_vocab_size
 from megatron_backend.logprobs import fused_logprobs_entropy
 from megatron_backend.memory import MemoryLedger, StorageOffloader, storage_bytes

@@ -81,7 +81,7 @@ def communicators(inp, channels: float, channels_uncertainty: float) -> tuple[Co
     bytes), each with its buffers; ``channels`` (+- ``channels_uncertainty``) NCCL channels per communicator."""
     if not inp.on_cuda:
         return ()
-    t, p, d, r = inp.actor_tp, inp.actor_pp, inp.actor_dp, inp.rollout_tp
+    t, p, d, r = inp.actor.tp, inp.actor.pp, inp.actor_dp, inp.rollout.tp
     world = t * p * d
     # the value: a ring set per channel; the uncertainty: the channel count's, plus a tree / NVLS set per channel
     ring = nccl_collective_bytes(channels)
@@ -109,7 +109,7 @@ def communicators(inp, channels: float, channels_uncertainty: float) -> tuple[Co
         nccl("megatron MODEL_PARALLEL", t * p, state, "grad norm and zero count (optimizer.py)")
     if p > 1 and inp.shape.tie_word_embeddings:
         nccl("megatron EMBEDDING", 2, state, "tied word embeddings' gradient all-reduce (finalize_model_grads.py)")
-    if inp.engine == "vllm":
+    if inp.rollout.engine == "vllm":
         nccl("vLLM tp (PyNccl)", r, vllm, "the engine's TP all-reduces (eager)")
         nccl("vLLM tp (torch device_group)", r, "vllm/distributed/parallel_state.py", "the logits' gather")
         nccl("vLLM dp (PyNccl)", world // r, vllm, "the DP replicas' has-unfinished all-reduce (eager)")
@@ -136,6 +136,6 @@ def communicators(inp, channels: float, channels_uncertainty: float) -> tuple[Co
                     0,
                 )
             )
-    elif r * inp.rollout_ep > 1:  # the native engine: its replica's process group (run/setup.py rollout_groups)
-        nccl("native engine TP x EP", r * inp.rollout_ep, "run/setup.py rollout_groups", "the engine's all-reduces")
+    elif r * inp.rollout.ep > 1:  # the native engine: its replica's process group (run/setup.py rollout_groups)
+        nccl("native engine TP x EP", r * inp.rollout.ep, "run/setup.py rollout_groups", "the engine's all-reduces")
     return tuple(out)

@@ -130,13 +130,13 @@ def checkpoint_staging_bytes(plan: Plan, params_only: bool = False) -> int:
     main = optimizer_bytes_per_param(e) // FP32_BYTES - 2  # fp32 main params of a 16-bit model
     # exp_avg and exp_avg_sq; the hybrid optimizer's host fraction is already host tensors of their own: not
     # views, so megatron's writer neither clones nor pins them (filesystem_async.py _clone_if_needed)
-    moments = 2 * (1 - inp.optimizer_offload_fraction)
+    moments = 2 * (1 - inp.actor.optimizer_offload_fraction)
     total = 0
     # the routed experts' optimizer states shard over the expert-DP group, the others' over DP (plan._optimizer_shards)
     for experts, group in ((False, inp.actor_dp), (True, inp.expert_dp)):
         shard = group if inp.distributed_optimizer else 1
         for n in actor_stage_tensor_elements(
-            inp.shape, inp.actor_tp, inp.actor_pp, plan.pp_stage, inp.actor_ep, inp.expert_tp, experts
+            inp.shape, inp.actor.tp, inp.actor.pp, plan.pp_stage, inp.actor.ep, inp.expert_tp, experts
         ):
             total += power_of_two_bytes(n * e)
             if not params_only:
@@ -149,7 +149,7 @@ def engine_sleep_copy_bytes(plan: Plan) -> int:
     inp = plan.inputs
     e = inp.element_bytes
     total = 0
-    for n in engine_tensor_elements(inp.shape, inp.rollout_tp, *inp.engine_expert_split):
+    for n in engine_tensor_elements(inp.shape, inp.rollout.tp, *inp.engine_expert_split):
         segment = -(-n * e // CUDA_SEGMENT_BYTES) * CUDA_SEGMENT_BYTES
         total += power_of_two_bytes(segment)
     return total
@@ -167,11 +167,13 @@ def host_plan(plan: Plan) -> HostPlan:
         )
     if inp.on_cuda:
         pinned = (
-            (st.actor_params if inp.offload_params else 0)
-            + (st.optimizer if inp.offload_optimizer else 0)
-            + (st.ref_params if inp.reference_model and inp.offload_ref_params else 0)
+            (st.actor_params if inp.actor.offload.params else 0)
+            + (st.optimizer if inp.actor.offload.optimizer else 0)
+            + (st.ref_params if inp.reference_model and inp.actor.offload.ref_params else 0)
         )
-        sleep_copy = engine_sleep_copy_bytes(plan) if inp.engine == "vllm" and inp.sleep_level == 1 else 0
+        sleep_copy = (
+            engine_sleep_copy_bytes(plan) if inp.rollout.engine == "vllm" and inp.rollout.sleep_level == 1 else 0
+        )
         staging = checkpoint_staging_bytes(plan) if inp.checkpoint_saves else 0
         if inp.hf_exports and not inp.checkpoint_saves:  # the export's params-only save, cached the same way
             staging = checkpoint_staging_bytes(plan, params_only=True)
@@ -195,8 +197,8 @@ def host_plan(plan: Plan) -> HostPlan:
             phases.append(HostPhase(EXPORT_PHASE, {**base, "checkpoint_staging": staging, "hf_file_writing": writing}))
     else:
         offloaded = {"actor_params": st.actor_params, "optimizer": st.optimizer, "ref_params": st.ref_params}
-        flags = {"actor_params": inp.offload_params, "optimizer": inp.offload_optimizer}
-        flags["ref_params"] = inp.reference_model and inp.offload_ref_params
+        flags = {"actor_params": inp.actor.offload.params, "optimizer": inp.actor.offload.optimizer}
+        flags["ref_params"] = inp.reference_model and inp.actor.offload.ref_params
         for p in plan.phases:
             page_cache = sum(b for c, b in offloaded.items() if flags[c] and not p.components[c])
             components = dict.fromkeys(HOST_COMPONENTS, 0)

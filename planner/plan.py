@@ -19,10 +19,12 @@ logits) and the stage with the highest peak is reported.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 
+import configs
 from colocation.engines import ENGINE_PROFILES, EngineProfile, KvSizing
 from colocation.phases import EVAL_PHASE, EXPORT_PHASE, StepFlags, phase_names, step_phases, wake_window_phases
+from configs.rollout import AUTO, MIN_KV_CACHE_BYTES
 from planner.inputs import PlanInputs, StepLengths
 from planner.sizes import (
     FP32_BYTES,
@@ -113,13 +115,13 @@ class _Stage:
 def _layer_bytes(inp: PlanInputs, mb, recomputed: tuple[str, ...] = (), train: bool = True) -> int:
     """What one layer keeps for backward for micro-batch ``mb`` (``recomputed``: selective modules); with
     ``train=False``, one layer's working set in a forward without grad (counted, not scaled: nothing is kept)."""
-    s, e, tp, etp = inp.shape, inp.element_bytes, inp.actor_tp, inp.expert_tp
+    s, e, tp, etp = inp.shape, inp.element_bytes, inp.actor.tp, inp.expert_tp
     # an MoE model's layers: the larger of a dense and a sparse layer's when they mix (mlp_only_layers)
     if not train and inp.attention == "unfused":
         # without grad nothing is kept: packed sequences go through the attention one at a time
         # (megatron_backend/model.py, VarlenDotProductAttention) and free their [Hq/t, L, L] scores before the
         # next; a padded micro-batch attends all its rows at once
-        at_once = 1 if inp.remove_padding else mb.sequences
+        at_once = 1 if inp.actor.remove_padding else mb.sequences
         scores = unfused_attention_bytes(s, tp, e, at_once, mb.attention_span)
         return max(
             local_layer_forward_bytes(
@@ -161,14 +163,14 @@ def train_activation_bytes(inp: PlanInputs, layers: int, layers_per_chunk: int, 
     mb = inp.micro_batches(train=True)
     full = _layer_bytes(inp, mb)
     stage_input = mb.model_tokens * inp.shape.hidden_size * inp.element_bytes // inp.sequence_parallel_split
-    if inp.recompute == "selective":
+    if inp.actor.recompute == "selective":
         kept = _layer_bytes(inp, mb, tuple(inp.recompute_modules))
         activations = layers * kept + (full - kept)
-    elif inp.recompute == "full" and inp.recompute_method == "uniform":
-        unit = min(inp.recompute_num_layers or 1, layers_per_chunk)
+    elif inp.actor.recompute == "full" and inp.actor.recompute_method == "uniform":
+        unit = min(inp.actor.recompute_num_layers or 1, layers_per_chunk)
         activations = math.ceil(layers / unit) * stage_input + unit * full
-    elif inp.recompute == "full":  # block
-        recomputed = min(inp.recompute_num_layers or layers_per_chunk, layers_per_chunk)
+    elif inp.actor.recompute == "full":  # block
+        recomputed = min(inp.actor.recompute_num_layers or layers_per_chunk, layers_per_chunk)
         fraction = recomputed / layers_per_chunk
         activations = round(layers * (fraction * stage_input + (1 - fraction) * full)) + full
     else:
@@ -186,9 +188,9 @@ def train_backward_bytes(inp: PlanInputs, stage: int, layers: int, logits_pass: 
     The weight gradients come after the log-prob pass's backward (``logits_pass``, last stage), whose buffers
     are freed by then: the stage holds the larger of the two."""
     s, e = inp.shape, inp.element_bytes
-    weight_grad = max(0, largest_actor_weight_elements(s, inp.actor_tp, inp.actor_pp, stage) * e - logits_pass)
+    weight_grad = max(0, largest_actor_weight_elements(s, inp.actor.tp, inp.actor.pp, stage) * e - logits_pass)
     per_sequence = 0
-    if inp.attention == "unfused" and inp.remove_padding:
+    if inp.attention == "unfused" and inp.actor.remove_padding:
         sequences = inp.micro_batches(train=True).sequences
         per_sequence = round(sequences * layers * inp.constants.value("local_attention_sequence_bytes"))
     return weight_grad + per_sequence + int(inp.constants.value("train_workspace_bytes"))
@@ -197,27 +199,27 @@ def train_backward_bytes(inp: PlanInputs, stage: int, layers: int, logits_pass: 
 def logprob_pass_bytes(inp: PlanInputs, train: bool) -> int:
     """The last stage's log-prob/entropy pass over the largest micro-batch (sizes.logits_bytes)."""
     mb = inp.micro_batches(train=train)
-    chunked = inp.logprob_chunk_tokens is not None
+    chunked = inp.actor.logprob_chunk_tokens is not None
     return logits_bytes(
         inp.shape,
-        inp.actor_tp,
+        inp.actor.tp,
         inp.element_bytes,
         mb.model_tokens,
         num_rows=mb.response_tokens,
-        chunk_tokens=inp.logprob_chunk_tokens,
+        chunk_tokens=inp.actor.logprob_chunk_tokens,
         train=train,
-        keep_softmax=not chunked or (inp.entropy_grad and not inp.entropy_recompute),
+        keep_softmax=not chunked or (inp.entropy_grad and not inp.actor.entropy_recompute),
         entropy_grad=train and inp.entropy_grad,
-        output_copy=not inp.remove_padding and mb.sequences > 1,
+        output_copy=not inp.actor.remove_padding and mb.sequences > 1,
     )
 
 
 def _stage(inp: PlanInputs, stage: int) -> _Stage:
-    s, e, pp = inp.shape, inp.element_bytes, inp.actor_pp
+    s, e, pp = inp.shape, inp.element_bytes, inp.actor.pp
     count, expert_count = actor_stage_counts(inp, stage)
     params = count * e
-    layers = in_flight_layers(s.num_layers, pp, inp.actor_vpp, stage, inp.num_micro_batches)
-    layers_per_chunk = s.num_layers // (pp * (inp.actor_vpp or 1))
+    layers = in_flight_layers(s.num_layers, pp, inp.actor.vpp, stage, inp.num_micro_batches)
+    layers_per_chunk = s.num_layers // (pp * (inp.actor.vpp or 1))
     micro_batches_in_flight = max(1, layers // (s.num_layers // pp))
     forward_mb = inp.micro_batches(train=False)
     forward_input = forward_mb.model_tokens * s.hidden_size * e // inp.sequence_parallel_split
@@ -237,8 +239,8 @@ def _stage(inp: PlanInputs, stage: int) -> _Stage:
     train_activations = train_activation_bytes(inp, layers, layers_per_chunk, micro_batches_in_flight)
     # the embedding's ids (each micro-batch in flight on the first stage) and the final norm (the last stage's one)
     local, split = inp.attention == "unfused", inp.sequence_parallel_split
-    ids = stage_ends_activation_bytes_per_token(s, inp.actor_tp, e, local, first=stage == 0, last=False, split=1)
-    norm = stage_ends_activation_bytes_per_token(s, inp.actor_tp, e, local, first=False, last=last, split=split)
+    ids = stage_ends_activation_bytes_per_token(s, inp.actor.tp, e, local, first=stage == 0, last=False, split=1)
+    norm = stage_ends_activation_bytes_per_token(s, inp.actor.tp, e, local, first=False, last=last, split=split)
     train_activations += inp.micro_batches(train=True).model_tokens * (micro_batches_in_flight * ids + norm)
     train_activations += train_backward_bytes(inp, stage, layers, train_logits)
     # the DistributedOptimizer's grad sync (DDP finish_grad_sync, after the last backward: activations and
@@ -270,7 +272,7 @@ def _stage(inp: PlanInputs, stage: int) -> _Stage:
 
 def actor_stage_counts(inp: PlanInputs, stage: int) -> tuple[int, int]:
     """(params, routed-expert params among them) one actor rank of ``stage`` holds (planner/sizes.py)."""
-    s, tp, pp, ep, etp = inp.shape, inp.actor_tp, inp.actor_pp, inp.actor_ep, inp.expert_tp
+    s, tp, pp, ep, etp = inp.shape, inp.actor.tp, inp.actor.pp, inp.actor.ep, inp.expert_tp
     return (
         actor_stage_param_count(s, tp, pp, stage, ep, etp),
         actor_stage_expert_param_count(s, tp, pp, stage, ep, etp),
@@ -294,26 +296,26 @@ def optimizer_device_bytes(inp: PlanInputs, count: int, expert_count: int = 0) -
     offloaded params' fp32 main copies stay on the device, their moments go to the host's CPUAdam)."""
     moments = 2 * FP32_BYTES
     main = optimizer_bytes_per_param(inp.element_bytes) - moments
-    per_param = main + moments * (1 - inp.optimizer_offload_fraction)
+    per_param = main + moments * (1 - inp.actor.optimizer_offload_fraction)
     return sum(round(n * per_param) // shard for n, shard in _optimizer_shards(inp, count, expert_count))
 
 
 def optimizer_host_bytes(inp: PlanInputs, count: int, expert_count: int = 0) -> int:
     """What the hybrid optimizer holds on the host for ``count`` params (hybrid_optimizer.py): a fraction f of
     the shard as a pinned fp32 param copy, a pinned fp32 gradient and CPUAdam's two fp32 moments."""
-    per_param = inp.optimizer_offload_fraction * 4 * FP32_BYTES
+    per_param = inp.actor.optimizer_offload_fraction * 4 * FP32_BYTES
     return sum(round(n * per_param) // shard for n, shard in _optimizer_shards(inp, count, expert_count))
 
 
 def step_flags(inp: PlanInputs) -> StepFlags:
     """The flags that decide which state each phase of the step moves (colocation.phases; PlanInputs has each)."""
-    return StepFlags(**{f.name: getattr(inp, f.name) for f in fields(StepFlags)})
+    return configs.step_flags(inp.actor, inp.rollout, reference_model=inp.reference_model)
 
 
 def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan, ...]:
     """Every phase's components for one stage, walking the step's table (colocation.phases.step_phases):
     its state changes, and the bytes of each phase's transients."""
-    weights = engine_param_count(inp.shape, inp.rollout_tp, *inp.engine_expert_split) * inp.element_bytes
+    weights = engine_param_count(inp.shape, inp.rollout.tp, *inp.engine_expert_split) * inp.element_bytes
     sizes = {
         "actor_params": st.actor_params,
         "actor_grads": st.actor_grads,
@@ -394,14 +396,14 @@ def export_staging_bytes(inp: PlanInputs, st: _Stage) -> int:
     if inp.distributed_optimizer:
         staged = st.actor_params
     else:
-        staged = actor_stage_fc1_elements(inp.shape, inp.actor_tp, inp.actor_pp) * e
+        staged = actor_stage_fc1_elements(inp.shape, inp.actor.tp, inp.actor.pp) * e
     return max(staged, hf_file_writing_bytes(inp))
 
 
 def hf_file_writing_bytes(inp: PlanInputs) -> int:
     """What an HF export's file writing holds (step 2 of :func:`export_staging_bytes`; host memory on CUDA too):
     the largest HF tensor in the export's dtype plus the two stored chunks DCP's reader keeps."""
-    chunk = largest_actor_weight_elements(inp.shape, inp.actor_tp, 1, 0)  # pp=1: every weight, the vocab tables
+    chunk = largest_actor_weight_elements(inp.shape, inp.actor.tp, 1, 0)  # pp=1: every weight, the vocab tables
     return (largest_hf_tensor_elements(inp.shape) + 2 * chunk) * inp.element_bytes
 
 
@@ -427,7 +429,7 @@ def sync_staging_bytes(inp: PlanInputs, st: _Stage, engine_weight_bytes: int) ->
     """
     if inp.sync_staged_bytes is not None:
         staged = inp.sync_staged_bytes[st.stage]
-    elif inp.actor_pp == 1 and inp.actor_tp == inp.rollout_tp:
+    elif inp.actor.pp == 1 and inp.actor.tp == inp.rollout.tp:
         staged = 0
     else:
         staged = min(inp.sync_bucket_bytes, st.actor_params + engine_weight_bytes)
@@ -435,7 +437,7 @@ def sync_staging_bytes(inp: PlanInputs, st: _Stage, engine_weight_bytes: int) ->
         return staged
     return max(
         staged,
-        VERIFY_BYTES_PER_ELEMENT * largest_engine_tensor_elements(inp.shape, inp.rollout_tp, *inp.engine_expert_split),
+        VERIFY_BYTES_PER_ELEMENT * largest_engine_tensor_elements(inp.shape, inp.rollout.tp, *inp.engine_expert_split),
     )
 
 
@@ -448,31 +450,31 @@ def engine_rollout_activation_bytes(inp: PlanInputs, sequences: int | None = Non
     activation reserve is headroom kept out of the KV cache, not memory it allocates. The native engine's working set
     is its own forward's, counted (sizes.native_engine_activation_bytes: prefill, the longest decode, the sampler)."""
     if not inp.engine_profile.profiles_activations(inp.device.kind):  # eager: the batch it really runs
-        replicas = inp.actor_tp * inp.actor_pp * inp.actor_dp // inp.rollout_tp
+        replicas = inp.actor.tp * inp.actor.pp * inp.actor_dp // inp.rollout.tp
         total = inp.sequences_per_step if sequences is None else sequences
-        seqs = min(inp.max_num_seqs, math.ceil(total / replicas))
+        seqs = min(inp.rollout.max_num_seqs, math.ceil(total / replicas))
         prefill = seqs * inp.prompt_tokens
-        if inp.native_max_batched_tokens:
-            prefill = min(prefill, max(inp.native_max_batched_tokens, inp.prompt_tokens))
+        if inp.rollout.max_num_batched_tokens:
+            prefill = min(prefill, max(inp.rollout.max_num_batched_tokens, inp.prompt_tokens))
         # the RSS holds more than the live tensors counted: the heap keeps freed blocks of other sizes, and a fixed
         # workspace sits beside them (both calibrated: engine_activation_factor, engine_workspace_bytes; 1 and 0
         # where never fitted)
         sampler_tensors = inp.engine_profile.sampler_tensors(inp.device.kind)
-        if inp.engine == "native":  # its own forward, counted from its source
-            moe = _engine_moe(inp, inp.engine)
+        if inp.rollout.engine == "native":  # its own forward, counted from its source
+            moe = _engine_moe(inp, inp.rollout.engine)
             working = native_engine_activation_bytes(
                 inp.shape,
-                inp.rollout_tp,
+                inp.rollout.tp,
                 inp.element_bytes,
                 prefill_seqs=min(seqs, max(1, prefill // inp.prompt_tokens)),
                 prompt_tokens=inp.prompt_tokens,
                 decode_seqs=seqs,
                 response_tokens=inp.response_tokens,
-                max_tokens=inp.max_new_tokens,
+                max_tokens=inp.rollout.max_new_tokens,
                 block_size=inp.kv_block_size,
                 sampler_vocab_tensors=sampler_tensors,
                 moe_bytes_per_token=engine_moe_bytes_per_token(
-                    inp.shape, moe["expert_tp"] or inp.rollout_tp, inp.element_bytes, moe["moe_workspace"]
+                    inp.shape, moe["expert_tp"] or inp.rollout.tp, inp.element_bytes, moe["moe_workspace"]
                 )
                 if inp.shape.is_moe
                 else 0,
@@ -480,12 +482,12 @@ def engine_rollout_activation_bytes(inp: PlanInputs, sequences: int | None = Non
         else:
             working = engine_activation_bytes(
                 inp.shape,
-                inp.rollout_tp,
+                inp.rollout.tp,
                 inp.element_bytes,
                 prefill,
                 seqs,
                 sampler_tensors,
-                **_engine_moe(inp, inp.engine),
+                **_engine_moe(inp, inp.rollout.engine),
             )
         constants = inp.constants
         return round(working * constants.value("engine_activation_factor")) + int(
@@ -493,12 +495,12 @@ def engine_rollout_activation_bytes(inp: PlanInputs, sequences: int | None = Non
         )
     return engine_activation_bytes(
         inp.shape,
-        inp.rollout_tp,
+        inp.rollout.tp,
         inp.element_bytes,
         inp.vllm_batched_tokens,
-        inp.max_num_seqs,
+        inp.rollout.max_num_seqs,
         inp.engine_profile.sampler_tensors(inp.device.kind),
-        **_engine_moe(inp, inp.engine),
+        **_engine_moe(inp, inp.rollout.engine),
     )
 
 
@@ -622,7 +624,7 @@ class Plan:
 
     @property
     def kv_wake_phase(self) -> str:
-        return "wake_kv_cache" if self.inputs.wake_strategy == "staged" else "wake_weights"
+        return "wake_kv_cache" if self.inputs.rollout.wake_strategy == "staged" else "wake_weights"
 
     def kv_cache_tokens(self, kv_cache_bytes: int | None = None) -> int:
         """Tokens a KV cache of ``kv_cache_bytes`` (default: the planned one) holds, in whole blocks."""
@@ -634,7 +636,7 @@ class Plan:
         """The ``gpu_memory_utilization`` that yields ``kv_cache_bytes`` under each engine's meaning (its
         profile's sizing rule, ``colocation.engines``). vLLM on CUDA: fraction of the device's total memory for
         weights + KV cache + reserve (CUDA graphs, profiled activations). native, and vLLM on CPU: weights + KV
-        cache + activation reserve, of the device total (on CPU, of ``engine_capacity_bytes``)."""
+        cache + activation reserve, of the device total (on CPU, of ``rollout.cpu_capacity_gb``)."""
         inp = self.inputs
         kv = self.kv_cache_bytes if kv_cache_bytes is None else kv_cache_bytes
         return {
@@ -645,7 +647,7 @@ class Plan:
     @property
     def recommended_gpu_memory_utilization(self) -> float:
         """The recommended KV cache as this engine's ``gpu_memory_utilization`` (rounded down, 3 decimals)."""
-        value = self.equivalent_utilization(self.recommended_kv_cache_bytes)[self.inputs.engine]
+        value = self.equivalent_utilization(self.recommended_kv_cache_bytes)[self.inputs.rollout.engine]
         return math.floor(value * 1000) / 1000
 
 
@@ -655,10 +657,10 @@ def _sizing(inp: PlanInputs, profile: EngineProfile, weights: int) -> KvSizing:
     if profile.profiles_activations(inp.device.kind):  # its reserve: runtime + the profiled activation peak
         profiled = inp.persistent_bytes_of(profile) + engine_activation_bytes(
             inp.shape,
-            inp.rollout_tp,
+            inp.rollout.tp,
             inp.element_bytes,
             inp.vllm_batched_tokens,
-            inp.max_num_seqs,
+            inp.rollout.max_num_seqs,
             profile.sampler_tensors(inp.device.kind),
             **_engine_moe(inp, profile.name),
         )
@@ -674,14 +676,14 @@ def _sizing(inp: PlanInputs, profile: EngineProfile, weights: int) -> KvSizing:
 
 def make_plan(inp: PlanInputs) -> Plan:
     """Predict every phase on the worst rank and size the KV cache (see the module doc)."""
-    weights = engine_param_count(inp.shape, inp.rollout_tp, *inp.engine_expert_split) * inp.element_bytes
+    weights = engine_param_count(inp.shape, inp.rollout.tp, *inp.engine_expert_split) * inp.element_bytes
     rollout_reserve = inp.engine_persistent_bytes + engine_rollout_activation_bytes(inp)
-    per_token = kv_bytes_per_token(inp.shape, inp.rollout_tp, inp.element_bytes)
+    per_token = kv_bytes_per_token(inp.shape, inp.rollout.tp, inp.element_bytes)
     block = per_token * inp.kv_block_size
     blocks_per_seq = math.ceil(inp.engine_max_model_len / inp.kv_block_size)
-    useful_kv = inp.max_num_seqs * blocks_per_seq * block
+    useful_kv = inp.rollout.max_num_seqs * blocks_per_seq * block
     budget = inp.device.total_bytes - inp.runtime_bytes - inp.margin_bytes
-    stages = [_stage(inp, stage) for stage in range(inp.actor_pp)]
+    stages = [_stage(inp, stage) for stage in range(inp.actor.pp)]
 
     # The KV cache is the one free variable: each phase that holds it leaves budget - (everything else)
     # for it; the smallest such room over phases and stages is the largest safe KV (a tie: the earlier phase)
@@ -693,10 +695,10 @@ def make_plan(inp: PlanInputs) -> Plan:
     )
     largest_safe = max(0, room) // block * block
     recommended = min(largest_safe, useful_kv)
-    if inp.kv_cache_bytes is not None:
-        kv, source = inp.kv_cache_bytes, "kv_cache_bytes"
-    elif inp.gpu_memory_utilization is not None:
-        sized = inp.engine_profile.kv_cache_bytes(inp.gpu_memory_utilization, _sizing(inp, inp.engine_profile, weights))
+    if inp.rollout.kv_cache_bytes is not None:
+        kv, source = inp.rollout.kv_cache_bytes, "kv_cache_bytes"
+    elif inp.rollout.utilization is not None:
+        sized = inp.engine_profile.kv_cache_bytes(inp.rollout.utilization, _sizing(inp, inp.engine_profile, weights))
         kv, source = max(0, sized), "gpu_memory_utilization"
     else:
         kv, source = recommended, "auto"
@@ -706,8 +708,8 @@ def make_plan(inp: PlanInputs) -> Plan:
     plans = [_phases(inp, st, kv) for st in stages]
     worst = max(range(len(stages)), key=lambda i: max(p.predicted_bytes for p in plans[i]))
     notes = []
-    if inp.actor_pp > 1:
-        notes.append(f"planned for pipeline stage {worst} of {inp.actor_pp} (the highest peak)")
+    if inp.actor.pp > 1:
+        notes.append(f"planned for pipeline stage {worst} of {inp.actor.pp} (the highest peak)")
     return Plan(
         inputs=inp,
         phases=plans[worst],
@@ -726,19 +728,26 @@ def make_plan(inp: PlanInputs) -> Plan:
 
 
 # ---------------------------------------------------------------- side by side
-VARIANT_FLAGS = ("offload_params", "offload_grads", "offload_optimizer")
+VARIANT_FLAGS = ("params", "grads", "optimizer")  # actor.offload.*
+
+
+def with_kv_cache(inp: PlanInputs, kv_cache_bytes: int) -> PlanInputs:
+    """``inp`` with the engine's KV cache fixed at ``kv_cache_bytes`` (``rollout.kv_cache_bytes``), to compare
+    plans at one cache; unchanged when that is below any cache a run may set (no KV cache fits: nothing to fix)."""
+    if kv_cache_bytes < MIN_KV_CACHE_BYTES:
+        return inp
+    return inp.with_rollout(kv_cache_bytes=kv_cache_bytes, gpu_memory_utilization=AUTO)
 
 
 def variants(inp: PlanInputs) -> list[tuple[str, Plan]]:
     """The plan, the other wake strategy and each offload flag flipped, all with the same KV cache bytes."""
     base = make_plan(inp)
-    fixed = replace(inp, kv_cache_bytes=base.kv_cache_bytes, gpu_memory_utilization=None)
-    other = "all_at_once" if inp.wake_strategy == "staged" else "staged"
-    out = [("as configured", base), (f"wake_strategy={other}", make_plan(replace(fixed, wake_strategy=other)))]
+    fixed = with_kv_cache(inp, base.kv_cache_bytes)
+    other = "all_at_once" if inp.rollout.wake_strategy == "staged" else "staged"
+    out = [("as configured", base), (f"wake_strategy={other}", make_plan(fixed.with_rollout(wake_strategy=other)))]
     for flag in VARIANT_FLAGS:
-        value = not getattr(inp, flag)
-        label = f"{flag.replace('offload_', 'offload.')}={str(value).lower()}"
-        out.append((label, make_plan(replace(fixed, **{flag: value}))))
+        value = not getattr(inp.actor.offload, flag)
+        out.append((f"offload.{flag}={str(value).lower()}", make_plan(fixed.with_offload(**{flag: value}))))
     return out
 
 
@@ -783,10 +792,10 @@ def check_fits(plan: Plan, measured_free_bytes: int, phase: str | None = None) -
     block = plan.kv_bytes_per_token * plan.inputs.kv_block_size
     fitting = (plan.kv_cache_bytes - shortfall) // block * block if "kv_cache" in growth else None
     if fitting is not None and fitting >= plan.min_kv_cache_bytes:
-        util = plan.equivalent_utilization(fitting)[plan.inputs.engine]
+        util = plan.equivalent_utilization(fitting)[plan.inputs.rollout.engine]
         fix = (
             f"rollout.kv_cache_bytes={fitting} ({_gib(fitting)}, {plan.kv_cache_tokens(fitting)} tokens; "
-            f"gpu_memory_utilization={math.floor(util * 1000) / 1000} for {plan.inputs.engine}) fits"
+            f"gpu_memory_utilization={math.floor(util * 1000) / 1000} for {plan.inputs.rollout.engine}) fits"
         )
     else:
         fitting = None

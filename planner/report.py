@@ -59,16 +59,18 @@ def verdict(plan: Plan) -> str:
 
 def format_table(plan: Plan, side_by_side: list[tuple[str, Plan]] | None = None, title: str = "") -> str:
     inp = plan.inputs
-    offload = "/".join("yes" if v else "no" for v in (inp.offload_params, inp.offload_grads, inp.offload_optimizer))
+    offload = "/".join(
+        "yes" if v else "no" for v in (inp.actor.offload.params, inp.actor.offload.grads, inp.actor.offload.optimizer)
+    )
     lines = [
         f"plan{': ' + title if title else ''}  model {inp.shape.source or inp.shape.model_type}  device {inp.device.name}",
-        f"actor TP={inp.actor_tp} PP={inp.actor_pp}{f' VPP={inp.actor_vpp}' if inp.actor_vpp else ''} DP={inp.actor_dp}"
-        f" {inp.dtype}, offload params/grads/optimizer={offload}, micro-batch {inp.micro_batch_size} x "
-        f"{inp.seq_len} tokens ({inp.prompt_tokens} prompt + {inp.response_tokens} response), recompute={inp.recompute}"
-        f"{', packed' if inp.remove_padding else ''}"
-        f"{f', <= {inp.max_tokens_per_micro_batch} tokens/micro-batch' if inp.max_tokens_per_micro_batch else ''}"
-        f"{f', log-prob chunks of {inp.logprob_chunk_tokens}' if inp.logprob_chunk_tokens else ''}",
-        f"engine {inp.engine} TP={inp.rollout_tp}, wake_strategy={inp.wake_strategy}, sync bucket "
+        f"actor TP={inp.actor.tp} PP={inp.actor.pp}{f' VPP={inp.actor.vpp}' if inp.actor.vpp else ''} DP={inp.actor_dp}"
+        f" {inp.dtype}, offload params/grads/optimizer={offload}, micro-batch {inp.actor.micro_batch_size} x "
+        f"{inp.seq_len} tokens ({inp.prompt_tokens} prompt + {inp.response_tokens} response), recompute={inp.actor.recompute}"
+        f"{', packed' if inp.actor.remove_padding else ''}"
+        f"{f', <= {inp.actor.max_tokens_per_micro_batch} tokens/micro-batch' if inp.actor.max_tokens_per_micro_batch else ''}"
+        f"{f', log-prob chunks of {inp.actor.logprob_chunk_tokens}' if inp.actor.logprob_chunk_tokens else ''}",
+        f"engine {inp.rollout.engine} TP={inp.rollout.tp}, wake_strategy={inp.rollout.wake_strategy}, sync bucket "
         f"{gib(inp.sync_bucket_bytes)} GiB",
         f"device {gib(plan.capacity_bytes)} GiB - runtime {gib(plan.runtime_overhead_bytes)} - margin "
         f"{gib(plan.margin_bytes)} = budget {gib(plan.budget_bytes)} GiB per rank",
@@ -101,7 +103,7 @@ def format_table(plan: Plan, side_by_side: list[tuple[str, Plan]] | None = None,
     )
     same = ", ".join(f"{engine} {value:.3f}" for engine, value in util.items())
     lines.append(
-        f"recommended gpu_memory_utilization for {inp.engine}: {plan.recommended_gpu_memory_utilization} "
+        f"recommended gpu_memory_utilization for {inp.rollout.engine}: {plan.recommended_gpu_memory_utilization} "
         f"(same KV cache as {same})"
     )
     lines += routing_lines(plan)
@@ -160,8 +162,8 @@ def plan_json(plan: Plan, side_by_side: list[tuple[str, Plan]] | None = None) ->
         "communicators": [vars(c) for c in inp.communicators],
         "host": host_plan(plan).to_json(),
         "moe_routing": None if (routing := routing_headroom(plan)) is None else routing.to_json(),
-        "wake_strategy": inp.wake_strategy,
-        "engine": inp.engine,
+        "wake_strategy": inp.rollout.wake_strategy,
+        "engine": inp.rollout.engine,
         "variants": [
             {
                 "variant": label,
@@ -195,7 +197,7 @@ def routing_headroom(plan: Plan, tolerance: float = 0.005) -> RoutingHeadroom | 
     planned and the worst ratio (the experts' activations grow with it; nothing else does); None for a dense model
     or EP 1, where every routed copy stays on its rank (the ratio is 1 exactly)."""
     inp = plan.inputs
-    worst = worst_routed_copies_ratio(inp.shape, inp.actor_ep)
+    worst = worst_routed_copies_ratio(inp.shape, inp.actor.ep)
     if worst == 1.0:
         return None
 
@@ -203,7 +205,7 @@ def routing_headroom(plan: Plan, tolerance: float = 0.005) -> RoutingHeadroom | 
         return make_plan(inp.at_lengths(inp.planned_lengths(routed_copies_ratio=ratio), plan.kv_cache_bytes)).fits
 
     planned = inp.routed_copies_ratio
-    source = "balanced" if inp.moe_expert_capacity_factor is None else "capacity_factor"
+    source = "balanced" if inp.actor.moe_expert_capacity_factor is None else "capacity_factor"
     if not fits(planned):
         return RoutingHeadroom(planned, source, worst, None)
     if fits(worst):
@@ -220,7 +222,7 @@ def routing_lines(plan: Plan) -> list[str]:
     headroom = routing_headroom(plan)
     if headroom is None:
         return []
-    factor = plan.inputs.moe_expert_capacity_factor
+    factor = plan.inputs.actor.moe_expert_capacity_factor
     if factor is None:
         planned = "balanced (1.00x; without actor.moe_expert_capacity_factor megatron drops no token)"
     else:
@@ -265,7 +267,7 @@ def constants_used(plan: Plan) -> list[dict]:
     if inp.attention == "unfused":
         factor = cal.value("local_spec_activation_factor")
         used.append(("local_spec_activation_factor", factor, peak["activations"] / factor if factor else 0.0))
-        if inp.remove_padding:  # per sequence of the train micro-batch and in-flight layer (at most a stage's)
+        if inp.actor.remove_padding:  # per sequence of the train micro-batch and in-flight layer (at most a stage's)
             in_train = plan.peak_phase == "train"
             per_unit = inp.micro_batches(train=True).sequences * inp.shape.num_layers if in_train else 0
             used.append(("local_attention_sequence_bytes", cal.value("local_attention_sequence_bytes"), per_unit))
@@ -344,7 +346,7 @@ def recommend_optimizer_offload_fraction(inp, min_beyond_bytes: int = 0) -> floa
         fraction = round(i * OFFLOAD_FRACTION_STEP, 2)
         # megatron's optimizer on CUDA: distributed when DP > 1, and for its CPU offload
         distributed = inp.actor_dp > 1 or fraction > 0
-        trial = replace(inp, optimizer_offload_fraction=fraction, distributed_optimizer=distributed)
+        trial = replace(inp.with_actor(optimizer_offload_fraction=fraction), distributed_optimizer=distributed)
         plan = make_plan(trial)
         if plan.fits and headroom_beyond_uncertainty_bytes(plan) >= min_beyond_bytes:
             return fraction

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from configs.rollout import RolloutConfig
 from modelspec import ColocatedMesh
-from rollout.config import RolloutConfig
 from rollout.engine import Completion, RolloutEngine, SamplingParams
 
 __all__ = ["Completion", "RolloutConfig", "RolloutEngine", "SamplingParams", "make_engine"]

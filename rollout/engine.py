@@ -8,7 +8,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from rollout.config import RolloutConfig
+from configs.rollout import RolloutConfig
 
 SEED_BITS = 62  # vLLM gives sample i of a request seed + i: stay well inside int64
 

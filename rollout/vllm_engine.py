@@ -72,10 +72,10 @@ from typing import Any
 import torch
 
 from colocation.host_memory import release_freed_host_memory
+from configs.rollout import RolloutConfig, routed_experts_unsupported
 from modelspec.dtypes import element_bytes
 from modelspec.mesh import ColocatedMesh
 from modelspec.shape import ModelShape
-from rollout.config import RolloutConfig, routed_experts_unsupported
 from rollout.engine import Completion, SamplingParams, derive_seed
 from rollout.memory_saver import TAGS
 

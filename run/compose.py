@@ -16,12 +16,12 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from megatron_backend.config import ActorConfig, OffloadConfig
+from configs.actor import ActorConfig, OffloadConfig
+from configs.rollout import RolloutConfig
 from modelspec.tiny import TINY_PREFIX
 from rl.data import DataConfig
 from rl.evaluation import EvalConfig, EvalDataConfig
 from rl.losses import PolicyLossConfig
-from rollout.config import RolloutConfig
 from run.config import ModelConfig, RunConfig, TrainerConfig
 from run.launch import ClusterConfig
 from telemetry.tracking import WandbConfig

@@ -1,7 +1,7 @@
 """The run's config and the checks that span components, before any process starts.
 
 Each component owns its keyword-only config dataclass beside its code: ``ActorConfig``
-(megatron_backend/config.py), ``RolloutConfig`` (rollout/config.py), ``WeightSyncConfig``
+(configs/actor.py), ``RolloutConfig`` (configs/rollout.py), ``WeightSyncConfig``
 (weight_sync/sync.py), ``DataConfig`` (rl/data.py), ``WandbConfig`` (telemetry/tracking.py),
 ``ClusterConfig`` (run/launch.py), ``PolicyLossConfig`` (rl/losses.py), ``EvalConfig`` (rl/evaluation.py). This module holds the model and
 trainer configs and :class:`RunConfig`, whose ``__post_init__`` checks parallel sizes against the model
@@ -13,14 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from colocation.phases import StepFlags
-from megatron_backend.config import ActorConfig
+from configs import ActorConfig, step_flags
+from configs.rollout import RolloutConfig, routed_experts_unsupported
 from modelspec import DTYPE_NAMES, ColocatedMesh, ModelShape
 from modelspec.mesh import check_world
 from modelspec.tiny import TINY_FAMILIES, TINY_PREFIX
 from rl.data import DataConfig
 from rl.evaluation import EvalConfig
 from rl.losses import PolicyLossConfig
-from rollout.config import RolloutConfig, routed_experts_unsupported
 from run.launch import ClusterConfig
 from telemetry.tracking import WandbConfig
 from weight_sync import WeightSyncConfig
@@ -273,15 +273,7 @@ class RunConfig:
 
     def step_flags(self) -> StepFlags:
         """What decides which state each phase of the step moves (colocation/phases.py, the step's table)."""
-        offload = self.actor.offload
-        return StepFlags(
-            offload_params=offload.params,
-            offload_grads=offload.grads,
-            offload_optimizer=offload.optimizer,
-            reference_model=self.algorithm.kl_coef > 0,
-            offload_ref_params=offload.ref_params,
-            wake_strategy=self.rollout.wake_strategy,
-        )
+        return step_flags(self.actor, self.rollout, reference_model=self.algorithm.kl_coef > 0)
 
     def mesh(self) -> ColocatedMesh:
         """Every rank's actor and rollout coordinates (the one place this arithmetic lives)."""

@@ -58,7 +58,13 @@ def needs_devices(cfg: RunConfig, overrides: list[str], problem: str) -> int:
     from run.memory_plan import data_prompt_length, plan_inputs
 
     try:
-        print(format_table(make_plan(plan_inputs(cfg, data_prompt_length(cfg).tokens)), title=" ".join([cfg.exp, *overrides])) + "\n", flush=True)
+        print(
+            format_table(
+                make_plan(plan_inputs(cfg, data_prompt_length(cfg).tokens)), title=" ".join([cfg.exp, *overrides])
+            )
+            + "\n",
+            flush=True,
+        )
     except ValueError as exc:  # no shape to plan with: the line below still says what is needed
         print(f"(no memory plan: {exc})", flush=True)
     cluster = cfg.cluster

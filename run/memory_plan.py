@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from planner import Plan, PlanInputs, device_preset
 from planner.devices import MIB
@@ -47,21 +47,13 @@ def plan_inputs(
         shape=shape,
         device=device,
         dtype=cfg.model.dtype,
-        actor_tp=actor.tp,
-        actor_pp=actor.pp,
-        actor_vpp=actor.vpp,
+        actor=actor,
+        rollout=rollout,
         actor_dp=cfg.dp,
-        actor_ep=actor.ep,
-        actor_etp=actor.etp,
         # megatron_backend.actor: megatron-core's optimizer on every device, its DistributedOptimizer when DP > 1
         # or when it offloads (megatron wires its HybridDeviceOptimizer into the distributed optimizer only)
         distributed_optimizer=cfg.dp > 1 or actor.optimizer_offload_fraction > 0,
-        **asdict(cfg.step_flags()),  # the offload flags, a reference actor, the wake strategy (the step's table)
-        # actor.* and rollout.* fields the planner names alike (micro-batching, recompute, engine, max_num_seqs,
-        # max_model_len, block_size, sleep_level, kv_cache_bytes, ...): declared once, by the component's config
-        **same_named_fields(actor, exclude=("recompute_modules",)),
-        **same_named_fields(rollout, exclude=("gpu_memory_utilization", "wake_strategy")),
-        recompute_modules=tuple(actor.recompute_modules or ("core_attn",)),
+        reference_model=cfg.algorithm.kl_coef > 0,
         entropy_grad=cfg.algorithm.entropy_coef > 0,
         attention="flash" if on_cuda else "unfused",  # Transformer Engine on CUDA, megatron's local spec on CPU
         sequences_per_step=cfg.trainer.prompts_per_step * rollout.n_samples_per_prompt,
@@ -69,13 +61,6 @@ def plan_inputs(
         hf_exports=cfg.trainer.export_every > 0 or cfg.trainer.export_at_end,
         prompt_tokens=max(1, prompt_tokens),
         response_tokens=response_tokens,
-        rollout_tp=rollout.tp,
-        rollout_ep=rollout.ep,
-        gpu_memory_utilization=rollout.utilization,  # None: auto
-        engine_capacity_bytes=int(rollout.cpu_capacity_gb * 2**30),
-        vllm_max_batched_tokens=rollout.max_num_batched_tokens,  # None: vLLM's per-device default
-        native_max_batched_tokens=rollout.max_num_batched_tokens,
-        native_activation_reserve_bytes=rollout.activation_reserve_mb * MIB,
         ranks_per_node=cfg.cluster.procs_per_node,
         checkpoint_saves=cfg.trainer.save_every > 0,
         data_host_bytes=_data_file_bytes(cfg.data.path),
@@ -96,13 +81,6 @@ def plan_inputs(
     staged = sync_staged_bytes(shape, cfg.mesh(), inputs.sync_bucket_bytes, inputs.element_bytes)
     peers = sync_peers(shape, cfg.mesh(), inputs.sync_bucket_bytes, inputs.element_bytes)
     return dataclasses.replace(inputs, sync_staged_bytes=staged, sync_peers=peers)
-
-
-def same_named_fields(config, *, exclude: tuple[str, ...] = ()) -> dict:
-    """``config``'s fields that :class:`PlanInputs` has under the same name and meaning (``exclude``: the same
-    name in another form, converted by the caller), so each such setting is declared once, by its component."""
-    planned = {f.name for f in dataclasses.fields(PlanInputs)} - set(exclude)
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name in planned}
 
 
 def _data_file_bytes(path: str | None) -> int:
@@ -262,7 +240,9 @@ def choose_kv_cache(cfg, plan: Plan, measured_free_bytes: int | None = None) -> 
 
 
 def engine_config(cfg, choice: KvCacheChoice):
-    """``cfg.rollout`` as the engine gets it: an ``auto`` utilization resolved to bytes (and its fraction)."""
+    """``cfg.rollout`` as the engine gets it: an ``auto`` utilization resolved to bytes (and its fraction). The
+    launch applies it once, to the plan's inputs (:func:`plan_launch`), and the engine reads that same object
+    (:meth:`LaunchPlan.engine_rollout`)."""
     if choice.kv_cache_bytes is None or cfg.rollout.utilization is not None:
         return cfg.rollout
     return dataclasses.replace(
@@ -284,8 +264,8 @@ class LaunchPlan:
     problem: str | None = None
 
     def engine_rollout(self, cfg):
-        """``cfg.rollout`` as the engine gets it (:func:`engine_config` with this plan's choice)."""
-        return cfg.rollout if self.kv_choice is None else engine_config(cfg, self.kv_choice)
+        """``cfg.rollout`` as the engine gets it: the plan's own (:func:`engine_config` of its KV choice)."""
+        return cfg.rollout if self.plan is None else self.plan.inputs.rollout
 
 
 def launch_prompt_tokens(cfg) -> int | None:
@@ -306,13 +286,6 @@ def _resolved(path: str) -> str:
     return resolve_path(path)
 
 
-def _engine_inputs(inputs: PlanInputs, choice: KvCacheChoice) -> PlanInputs:
-    """The plan's inputs with the KV cache ``choice`` hands the engine (bytes and their utilization)."""
-    return dataclasses.replace(
-        inputs, kv_cache_bytes=choice.kv_cache_bytes, gpu_memory_utilization=min(1.0, choice.gpu_memory_utilization)
-    )
-
-
 def plan_launch(cfg) -> LaunchPlan:
     """The launch's :class:`LaunchPlan` (``rollout.gpu_memory_utilization=auto`` resolved: ``choose_kv_cache``
     without a measurement). ValueError in one line when ``auto`` has no plan, or none that fits."""
@@ -331,8 +304,9 @@ def plan_launch(cfg) -> LaunchPlan:
             f"rollout.gpu_memory_utilization=auto: {verdict(plan)} (`make plan EXP={cfg.exp}` shows every phase)"
         )
     choice = choose_kv_cache(cfg, plan)
-    if engine_config(cfg, choice) is not cfg.rollout:  # plan with the KV cache the engine gets
-        plan = make_plan(_engine_inputs(plan.inputs, choice))
+    rollout = engine_config(cfg, choice)
+    if rollout is not cfg.rollout:  # plan with the KV cache the engine gets
+        plan = make_plan(dataclasses.replace(plan.inputs, rollout=rollout))
     return LaunchPlan(plan, choice)
 
 
@@ -344,7 +318,8 @@ def bounded_by_free_memory(cfg, launch: LaunchPlan, measured_free_bytes: int) ->
     choice = choose_kv_cache(cfg, launch.plan, measured_free_bytes)
     if choice.kv_cache_bytes == launch.kv_choice.kv_cache_bytes:
         return launch
-    return LaunchPlan(make_plan(_engine_inputs(launch.plan.inputs, choice)), choice)
+    inputs = dataclasses.replace(launch.plan.inputs, rollout=engine_config(cfg, choice))
+    return LaunchPlan(make_plan(inputs), choice)
 
 
 def with_launch_runtime(launch: LaunchPlan, runtime_bytes: int) -> LaunchPlan:

@@ -39,8 +39,8 @@ def _clear_moments(optimizer) -> None:
 def _save_then_load_elsewhere(rank, world_size, hf_dir, ckpt_dir, save_layout, load_layout):
     """Train 2 steps at ``save_layout``, save, train 1 more (the reference); load at ``load_layout``,
     train the same step; also that step from a fresh optimizer (which must differ)."""
+    from configs.actor import ActorConfig
     from megatron_backend.actor import Actor
-    from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
     from rl.advantages import grpo_advantages
     from rl.losses import PolicyLoss, PolicyLossConfig
@@ -214,8 +214,8 @@ def _resume_old_format(rank, world_size, hf_dir, root):
     (DistributedOptimizer), save again in today's format: rank 0 returns both checkpoints' full tensors."""
     from megatron.core import dist_checkpointing
 
+    from configs.actor import ActorConfig
     from megatron_backend.actor import Actor
-    from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
 
     old_dir = f"{root}/old"

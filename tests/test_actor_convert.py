@@ -22,8 +22,8 @@ def _convert_all(rank, world_size, model_dirs):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from configs.actor import ActorConfig
     from megatron_backend.actor import Actor
-    from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
 
     report = []

@@ -76,8 +76,8 @@ LAYOUTS = {
 
 
 def _levers(rank, world_size, model_dir):
+    from configs.actor import ActorConfig
     from megatron_backend.actor import Actor
-    from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
     from rl.losses import PolicyLoss, PolicyLossConfig
 
@@ -187,7 +187,7 @@ def test_balanced_dp_shares():
 
 
 def test_lever_config_validation():
-    from megatron_backend.config import ActorConfig
+    from configs.actor import ActorConfig
     from megatron_backend.model import recompute_kwargs
 
     for kwargs, key in [

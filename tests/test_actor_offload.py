@@ -31,8 +31,8 @@ def _state(actor):
 
 def _offload_checks(rank, world_size, tiny_dir, wide_dir, saved_dir):
     from colocation.host_memory import release_freed_host_memory
+    from configs.actor import ActorConfig
     from megatron_backend.actor import Actor
-    from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
     from rl.losses import PolicyLoss, PolicyLossConfig
     from telemetry.memory_timeline import ProcessMemory

@@ -14,8 +14,8 @@ from tests.dist import run_ranks
 
 
 def _one_step(rank, world_size, hf_dir):
+    from configs.actor import ActorConfig
     from megatron_backend.actor import Actor
-    from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
     from rl.losses import PolicyLoss, PolicyLossConfig
 
@@ -63,8 +63,8 @@ def test_megatron_optimizer_makes_torch_adamws_update_of_the_clipped_gradient(ti
 
 
 def _offloaded_optimizer_step(rank, world_size, hf_dir):
+    from configs.actor import ActorConfig
     from megatron_backend.actor import Actor
-    from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
     from rl.losses import PolicyLoss, PolicyLossConfig
 

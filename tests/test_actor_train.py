@@ -26,8 +26,8 @@ def _batch(vocab_size: int) -> TokenBatch:
 
 
 def _train_layouts(rank, world_size, model_dirs):
+    from configs.actor import ActorConfig
     from megatron_backend.actor import Actor
-    from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
     from rl.advantages import grpo_advantages
     from rl.losses import PolicyLoss, PolicyLossConfig
@@ -108,7 +108,7 @@ def _one_good_step(model_dir, config, dims, dtype="float32"):
 
 def _nan_step_is_not_applied(rank, world_size, model_dir):
     """DP=2: one good step, then a step whose advantages on DP rank 1 hold a NaN (a reward went NaN there)."""
-    from megatron_backend.config import ActorConfig
+    from configs.actor import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
 
     dims = initialize_model_parallel(tp=1, pp=1)
@@ -140,7 +140,7 @@ def _nan_gradient_is_not_applied(rank, world_size, model_dir):
     """A finite loss whose backward puts a NaN into one gradient element on rank 0 (a hook on one weight),
     with each of megatron's optimizers: TP=2 x DP=1 (FP32Optimizer; bf16: Float16OptimizerWithFloat16Params)
     and TP=1 x DP=2 (DistributedOptimizer). One good step first, so Adam's moments exist."""
-    from megatron_backend.config import ActorConfig
+    from configs.actor import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
 
     out = {}

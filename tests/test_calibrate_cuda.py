@@ -26,7 +26,7 @@ TRUTH = {
 def write_timeline(run_dir: Path, spec, calibration) -> None:
     """Two samples per phase (its start level, then its peak), 4 steps, every rank alike."""
     predicted = predicted_phases(plan_for(spec, calibration))
-    ranks = inputs_for(spec, calibration).actor_tp  # the fit set's runs are TP-only
+    ranks = inputs_for(spec, calibration).actor.tp  # the fit set's runs are TP-only
     run_dir.mkdir(parents=True)
     fields = ["t_s", "step", "phase", "rank", "device_used", "device_peak", "tag/kv_cache"]
     with open(run_dir / "memory_timeline.csv", "w", newline="") as f:

@@ -52,7 +52,7 @@ def test_every_cluster_experiment_fits_its_device_with_room_to_spare(exp):
 def test_qwen32b_on_two_nodes_shards_the_optimizer_and_trains_longer_sequences():
     one, two = (plan_inputs(compose(e)) for e in ("qwen32b_8xh100", "qwen32b_16xh100"))
     # one node steps part of Adam on the host (actor.optimizer_offload_fraction): compare without it
-    one = dataclasses.replace(one, optimizer_offload_fraction=0.0, distributed_optimizer=False)
+    one = dataclasses.replace(one.with_actor(optimizer_offload_fraction=0.0), distributed_optimizer=False)
     assert (two.actor_dp, two.distributed_optimizer) == (2, True) and one.actor_dp == 1
     assert two.seq_len > one.seq_len
     assert (
@@ -65,7 +65,7 @@ def test_qwen3_moe_on_one_node_plans_experts_over_ep():
     """EP=8 at TP=1 x DP=8: a rank holds 16 of each layer's 128 experts, their optimizer states unsharded (expert
     DP 1), the dense params' over DP=8."""
     inp = plan_inputs(compose("qwen3_30b_a3b_8xh100"))
-    assert (inp.actor_tp, inp.actor_dp, inp.actor_ep, inp.expert_dp) == (1, 8, 8, 1)
+    assert (inp.actor.tp, inp.actor_dp, inp.actor.ep, inp.expert_dp) == (1, 8, 8, 1)
     plan = make_plan(inp)
     assert plan.peak_phase == "train" and headroom_beyond_uncertainty_bytes(plan) >= 4 * GIB
 

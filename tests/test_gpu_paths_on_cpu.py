@@ -96,8 +96,8 @@ def test_offload_registers_each_host_buffer_once_per_run():
 def _grads_with_and_without_loss_scaling(rank, world_size, tiny_dir):
     from megatron.core.optimizer.optimizer import MegatronOptimizer
 
+    from configs.actor import ActorConfig
     from megatron_backend.actor import Actor, use_loss_scaling
-    from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
     from rl.losses import PolicyLoss, PolicyLossConfig
 

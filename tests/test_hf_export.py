@@ -26,8 +26,8 @@ SMALL_SHARD_BYTES = 400_000  # the tiny models are ~2.4 MB in fp32: several file
 
 
 def _train_save_all(rank, world_size, model_dirs, root):
+    from configs.actor import ActorConfig
     from megatron_backend.actor import Actor
-    from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
     from rl.advantages import grpo_advantages
     from rl.losses import PolicyLoss, PolicyLossConfig
@@ -257,8 +257,8 @@ def _vllm_greedy(rank, world_size, path):
     its answer (every token after the first: log p(token | the tokens before it))."""
     from vllm import SamplingParams as VllmSamplingParams
 
+    from configs.rollout import RolloutConfig
     from modelspec.mesh import ColocatedMesh
-    from rollout.config import RolloutConfig
     from rollout.engine import SamplingParams
     from rollout.vllm_engine import VllmEngine
     from tests.rollout_helpers import MAX_NEW_TOKENS, PROMPTS

@@ -9,19 +9,21 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PROJECT = (
-    "modelspec", "colocation", "megatron_backend", "rollout", "planner", "weight_sync", "rl", "telemetry",
+    "modelspec", "colocation", "configs", "megatron_backend", "rollout", "planner", "weight_sync", "rl", "telemetry",
     "checkpointing", "run", "tools", "tests",
 )  # fmt: skip
 LEAVES = ("modelspec", "colocation")  # import nothing from this project
-# package -> project packages it must never import (one way down: leaves -> megatron_backend / rollout / planner
-# -> weight_sync -> rl -> telemetry, checkpointing -> run -> tools)
+# package -> project packages it must never import (one way down: leaves -> configs -> megatron_backend / rollout /
+# planner -> weight_sync -> rl -> telemetry, checkpointing -> run -> tools)
 ABOVE_RUN = {"run", "tools", "tests"}
 FORBIDDEN = {
     **{leaf: set(PROJECT) - {leaf} for leaf in LEAVES},
-    # the planner may import only the leaves: the step's table is in colocation, which the run imports too
-    "planner": set(PROJECT) - set(LEAVES) - {"planner"},
-    "rollout": set(PROJECT) - set(LEAVES) - {"rollout"},
-    "megatron_backend": set(PROJECT) - set(LEAVES) - {"megatron_backend"},
+    # the components' configs: read by the planner and by the components they configure, so below all of them
+    "configs": set(PROJECT) - set(LEAVES) - {"configs"},
+    # the planner may import only the leaves and the configs it plans: the step's table is in colocation
+    "planner": set(PROJECT) - set(LEAVES) - {"configs", "planner"},
+    "rollout": set(PROJECT) - set(LEAVES) - {"configs", "rollout"},
+    "megatron_backend": set(PROJECT) - set(LEAVES) - {"configs", "megatron_backend"},
     "weight_sync": {"planner", "rl", "telemetry", "checkpointing"} | ABOVE_RUN,
     "rl": {"telemetry", "checkpointing"} | ABOVE_RUN,
     "telemetry": {"checkpointing"} | ABOVE_RUN,
@@ -76,3 +78,12 @@ def test_the_checker_sees_imports():
 def test_every_package_is_on_the_map():
     # a new top-level package gets its place in the map (and its rules) before it lands
     assert {p.parent.name for p in REPO.glob("*/__init__.py")} == set(PROJECT)
+
+
+def test_the_configs_import_no_torch_and_the_planner_reads_them():
+    # configs/ is read by the planner on a laptop with no GPU stack: no torch, megatron, vLLM or transformers there
+    heavy = {"torch", "megatron", "vllm", "transformers"}
+    assert {
+        str(p.relative_to(REPO)): imported_roots(p) & heavy for p in modules("configs") if imported_roots(p) & heavy
+    } == {}
+    assert "configs" in set().union(*(imported_roots(p) for p in modules("planner")))

@@ -86,7 +86,7 @@ def test_the_check_before_the_kv_wake_stops_with_the_shortfall_and_a_fitting_val
         SharedDevice.check_wake(shared, "wake_kv_cache")
     # the value it proposes fits the memory that was free
     fitting = int(str(info.value).split("rollout.kv_cache_bytes=")[1].split()[0])
-    refit = make_plan(dataclasses.replace(plan.inputs, kv_cache_bytes=fitting))
+    refit = make_plan(plan.inputs.with_rollout(kv_cache_bytes=fitting))
     assert check_fits(refit, needed - GIB, "wake_kv_cache").fits
     SharedDevice.check_wake(SimpleNamespace(plan=None), "wake_kv_cache")  # a run without a plan checks nothing
 

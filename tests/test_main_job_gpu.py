@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout.config import RolloutConfig
+from configs.rollout import RolloutConfig
 from rollout.engine import SamplingParams
 from telemetry.metrics import LOGPROB_GAP_RULE, gap_distribution
 from tests.dist import run_ranks

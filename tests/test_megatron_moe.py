@@ -116,7 +116,7 @@ def test_moe_gpt_model_expert_parallel_train_step(dispatcher):
 
 
 def test_expert_layout_bad_input_names_the_field():
-    from megatron_backend.config import ActorConfig
+    from configs.actor import ActorConfig
     from modelspec.mesh import check_world, min_world_size
 
     for bad, field in [(dict(ep=0), "actor.ep"), (dict(etp=0), "actor.etp"), (dict(moe_aux_loss_coef=-1), "aux")]:
@@ -144,8 +144,8 @@ def test_expert_layout_bad_input_names_the_field():
 def _actor_at_ep2(rank: int, world_size: int, model_dirs: dict, root: str):
     """Per MoE family: the HF checkpoint loaded at EP=2 (gathered back, log-probs), then one train step, the
     trained weights gathered and saved as the actor's distributed checkpoint (for the HF export)."""
+    from configs.actor import ActorConfig
     from megatron_backend.actor import Actor
-    from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
     from modelspec import TokenBatch
     from rl.advantages import grpo_advantages
@@ -287,8 +287,8 @@ def _train_step_at(rank: int, world_size: int, hf_dir: str, layouts: list):
     """At each (tp, ep) layout on these 4 ranks, from the same HF weights: log-probs of 4 sequences of odd lengths,
     then one train step (router losses on) on 4 other sequences, each DP rank its share; the updated weights
     gathered on rank 0, the step's metrics, and whether megatron ran sequence parallelism."""
+    from configs.actor import ActorConfig
     from megatron_backend.actor import Actor
-    from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
     from modelspec import TokenBatch
     from rl.losses import PolicyLoss, PolicyLossConfig

@@ -163,9 +163,9 @@ def test_rollout_ep_refusals_are_one_line():
     rank (its EP size is tp x dp); native: rollout.ep with TP 1 only; a dense model or an EP that does not divide
     the experts: named before any engine starts."""
     from colocation.engines import engine_profile
+    from configs.rollout import RolloutConfig
     from modelspec import ColocatedMesh
     from modelspec.mesh import check_rollout_experts
-    from rollout.config import RolloutConfig
 
     RolloutConfig(engine="native", ep=2)  # accepted
     RolloutConfig(engine="vllm", ep=4, tp=2)  # accepted: vLLM's EP spans TP and the replicas

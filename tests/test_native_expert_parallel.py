@@ -21,8 +21,9 @@ def _ranks(rank: int, world_size: int, model_dirs: dict) -> dict:
     import torch
     import torch.distributed as dist
 
+    from configs.rollout import RolloutConfig
     from modelspec import ColocatedMesh, ModelShape
-    from rollout import RolloutConfig, SamplingParams, make_engine
+    from rollout import SamplingParams, make_engine
     from rollout.layout import assemble_local
     from rollout.native import iter_safetensors
     from tests.test_weight_sync_moe import _shards

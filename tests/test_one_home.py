@@ -8,6 +8,7 @@ import pytest
 
 from modelspec import ColocatedMesh, ModelShape
 from modelspec.tiny import tiny_hf_config
+from tests.planner_inputs import make_inputs, merged
 
 # tiny:qwen2 has 4 heads and 2 KV heads, so TP=2 splits its attention; 255 cannot be split in two
 ODD_INTERMEDIATE = 255
@@ -26,7 +27,7 @@ def _message(tp_key: str, source: str) -> str:
 
 def test_every_entry_point_rejects_a_non_dividing_intermediate_size_with_one_message(odd_model_dir):
     from megatron_backend.layout import RankLayout, rank_pieces
-    from planner import PlanInputs, device_preset
+    from planner import device_preset
     from rollout.layout import tp_shape, vllm_param_layouts
     from run.compose import ConfigError, compose
 
@@ -46,8 +47,8 @@ def test_every_entry_point_rejects_a_non_dividing_intermediate_size_with_one_mes
     expect("config (rollout)", rollout, lambda: compose("tiny_cpu", [*model, "actor.tp=1", "rollout.tp=2"]))
     expect("mesh", actor, lambda: ColocatedMesh(world_size=2, actor_tp=2).check(shape))
     device = device_preset("cpu")
-    expect("planner (actor)", actor, lambda: PlanInputs(shape=shape, device=device, actor_tp=2))
-    expect("planner (rollout)", rollout, lambda: PlanInputs(shape=shape, device=device, rollout_tp=2))
+    expect("planner (actor)", actor, lambda: make_inputs(actor=dict(tp=2), shape=shape, device=device))
+    expect("planner (rollout)", rollout, lambda: make_inputs(rollout=dict(tp=2), shape=shape, device=device))
     expect("megatron layout", actor, lambda: rank_pieces(shape, RankLayout(2, 1, None, 0, 0)))
     expect("rollout layout", rollout, lambda: tp_shape(shape, 2, 0))
     expect("vLLM layout", rollout, lambda: vllm_param_layouts(shape, 2, 0))
@@ -74,19 +75,19 @@ def test_mesh_check_names_the_key(tp, pp, vpp, rollout_tp, fragment):
 # ---------------------------------------------------------------- engine memory behaviour: colocation.engines
 def test_one_engine_list_everywhere():
     from colocation.engines import ENGINE_PROFILES, ENGINES
-    from planner import PlanInputs, device_preset
-    from rollout.config import RolloutConfig
+    from configs.rollout import RolloutConfig
+    from planner import device_preset
 
     assert set(ENGINES) == set(ENGINE_PROFILES) == {"native", "vllm"}
     shape = ModelShape.from_pretrained("tiny:qwen2")
     for engine in ENGINES:
         RolloutConfig(engine=engine)
-        PlanInputs(shape=shape, device=device_preset("cpu"), engine=engine)
+        make_inputs(rollout=dict(engine=engine), shape=shape, device=device_preset("cpu"))
     unknown = r"rollout.engine='sglang' is not one of \('native', 'vllm'\)"
     with pytest.raises(ValueError, match=unknown):
         RolloutConfig(engine="sglang")
     with pytest.raises(ValueError, match=unknown):
-        PlanInputs(shape=shape, device=device_preset("cpu"), engine="sglang")
+        make_inputs(rollout=dict(engine="sglang"), shape=shape, device=device_preset("cpu"))
 
 
 @pytest.mark.parametrize("engine", ["native", "vllm"])
@@ -112,22 +113,15 @@ def test_the_kv_sizing_rule_and_its_inverse_agree(engine, device_kind):
 
 def test_the_planner_sizes_the_native_kv_cache_as_the_engine_does():
     """The planner and the engine apply the same rule (colocation.engines) to the same config."""
+    from configs.rollout import RolloutConfig
     from planner import PlanInputs, device_preset, make_plan
     from planner.sizes import engine_param_count
-    from rollout.config import RolloutConfig
 
     shape = ModelShape.from_pretrained("tiny:qwen2")
-    cfg = RolloutConfig(engine="native", gpu_memory_utilization=0.3, cpu_capacity_gb=0.5, max_num_seqs=100_000)
-    inputs = PlanInputs(
-        shape=shape,
-        device=device_preset("cpu"),
-        dtype="float32",
-        engine="native",
-        gpu_memory_utilization=0.3,
-        engine_capacity_bytes=int(0.5 * 2**30),
-        max_num_seqs=100_000,
-        native_activation_reserve_bytes=cfg.activation_reserve_mb * 2**20,
+    cfg = RolloutConfig(
+        engine="native", gpu_memory_utilization=0.3, cpu_capacity_gb=0.5, max_num_seqs=100_000, max_new_tokens=1024
     )
+    inputs = PlanInputs(shape=shape, device=device_preset("cpu"), dtype="float32", rollout=cfg)  # the same object
     plan = make_plan(inputs)
     weights = engine_param_count(shape, 1) * 4
     assert plan.engine_weight_bytes == weights
@@ -143,14 +137,14 @@ def test_the_planner_asks_the_profile_not_the_name(monkeypatch):
     from dataclasses import replace
 
     from colocation import engines
-    from planner import PlanInputs, device_preset, make_plan
+    from planner import device_preset, make_plan
 
     shape = ModelShape.from_pretrained("tiny:qwen2")
     awake = replace(engines.ENGINE_PROFILES["native"], name="awake", sleeps=False, repacks_weights_on=("cpu",))
     monkeypatch.setitem(engines.ENGINE_PROFILES, "awake", awake)
-    common = dict(shape=shape, device=device_preset("cpu"), kv_cache_bytes=2**24, actor_tp=1)
-    native = make_plan(PlanInputs(engine="native", **common))
-    plan = make_plan(PlanInputs(engine="awake", **common))
+    common = dict(actor=dict(tp=1), rollout=dict(kv_cache_bytes=2**24), shape=shape, device=device_preset("cpu"))
+    native = make_plan(make_inputs(**merged(common, dict(rollout=dict(engine="native")))))
+    plan = make_plan(make_inputs(**merged(common, dict(rollout=dict(engine="awake")))))
     weights = native.engine_weight_bytes
     assert native.phase("train").components["engine_weights"] == 0
     assert plan.phase("train").components["engine_weights"] == weights  # never released
@@ -161,15 +155,15 @@ def test_the_planner_asks_the_profile_not_the_name(monkeypatch):
 
 # ---------------------------------------------------------------- gpu_memory_utilization=auto: run.memory_plan
 def test_auto_is_one_value_resolved_in_one_place():
+    from configs.rollout import AUTO
     from planner import make_plan
-    from rollout.config import AUTO
     from run.compose import ConfigError, compose
     from run.main import check_launch
     from run.memory_plan import choose_kv_cache, engine_config, plan_inputs, plan_launch
 
     cfg = compose("qwen7b_1xh200", [])  # gpu_memory_utilization: auto
     assert cfg.rollout.gpu_memory_utilization == AUTO and cfg.rollout.utilization is None
-    assert cfg.rollout.planner_sizes_kv_cache and plan_inputs(cfg).gpu_memory_utilization is None
+    assert cfg.rollout.planner_sizes_kv_cache and plan_inputs(cfg).rollout.utilization is None
     choice = choose_kv_cache(cfg, make_plan(plan_inputs(cfg)))
     engine_cfg = engine_config(cfg, choice)  # what the engine gets: bytes and a float, never "auto"
     assert type(engine_cfg.gpu_memory_utilization) is float and not engine_cfg.planner_sizes_kv_cache

@@ -66,8 +66,8 @@ def test_staged_wake_never_holds_the_actors_params_and_the_kv_cache_together():
 
 
 def test_the_table_derives_the_wake_tags_the_release_tags_and_the_planned_phases():
+    from configs.rollout import WAKE_TAGS
     from planner import PHASES as PLANNED
-    from rollout.config import WAKE_TAGS
     from telemetry.memory_timeline import EVAL_PHASE, EXPORT_PHASE, RELEASE_TAGS, SAVE_PHASE, TAGS, TIMELINE_PHASES
 
     assert PLANNED == PHASES and "log" in PHASES and SAVE_PHASE not in PHASES and EVAL_PHASE not in PHASES and EXPORT_PHASE not in PHASES
@@ -106,8 +106,10 @@ def test_phase_order_accepts_the_tables_steps_and_refuses_any_other():
 
 
 def test_bad_wake_strategy_names_the_key():
+    from configs import RolloutConfig
+
     with pytest.raises(ValueError, match="rollout.wake_strategy='lazy' is not one of"):
-        StepFlags(wake_strategy="lazy")
+        RolloutConfig(wake_strategy="lazy")
 
 
 # ---------------------------------------------------------------- a phase added by a table edit alone

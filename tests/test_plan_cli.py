@@ -87,17 +87,20 @@ def test_config_errors_are_one_line(capsys):
 
 
 def test_run_config_maps_onto_the_planner_inputs():
-    inputs = plan_inputs(compose("qwen32b_8xh100"))
-    assert (inputs.actor_tp, inputs.actor_pp, inputs.actor_dp, inputs.rollout_tp) == (8, 1, 1, 4)
+    cfg = compose("qwen32b_8xh100")
+    inputs = plan_inputs(cfg)
+    # the planner reads the run's own component configs, not a copy of their fields
+    assert inputs.actor is cfg.actor and inputs.rollout is cfg.rollout
+    assert (inputs.actor.tp, inputs.actor.pp, inputs.actor_dp, inputs.rollout.tp) == (8, 1, 1, 4)
     assert inputs.device.name == "H100-80GB" and inputs.shape.source == "arch:Qwen2.5-32B-Instruct"
     # DP=1, but megatron's optimizer CPU offload (actor.optimizer_offload_fraction) needs the distributed optimizer
-    assert inputs.distributed_optimizer and inputs.optimizer_offload_fraction == 0.3
+    assert inputs.distributed_optimizer and inputs.actor.optimizer_offload_fraction == 0.3
     assert inputs.sequences_per_step == 128 * 8
     assert (inputs.prompt_tokens, inputs.response_tokens) == (768 - 512, 512)  # max_model_len bounds both
-    assert inputs.gpu_memory_utilization is None  # auto
+    assert inputs.rollout.utilization is None  # auto
     tiny = plan_inputs(compose("tiny_cpu"))
-    assert tiny.device.kind == "cpu" and tiny.attention == "unfused" and tiny.engine == "native"
-    assert tiny.engine_capacity_bytes == 2**30 and tiny.gpu_memory_utilization == 0.5
+    assert tiny.device.kind == "cpu" and tiny.attention == "unfused" and tiny.rollout.engine == "native"
+    assert tiny.utilization_capacity_bytes == 2**30 and tiny.rollout.utilization == 0.5
 
 
 def test_make_plan_uses_the_tasks_longest_prompt_as_the_run_does(tmp_path, tiny_model_dirs, capsys):

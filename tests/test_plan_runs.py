@@ -81,7 +81,7 @@ def test_the_expert_mutations_move_a_mixture_of_experts_plan_by_its_experts_and_
 
     moe, dense = (next(s for s in VALIDATION_SET if s.name == name) for name in ("memory_cpu_moe", "tiny_cpu"))
     inp = plan_for(moe).inputs
-    layout = (inp.shape, inp.actor_tp, inp.actor_pp, 0, inp.actor_ep)
+    layout = (inp.shape, inp.actor.tp, inp.actor.pp, 0, inp.actor.ep)
     experts = actor_stage_expert_param_count(*layout)
     assert experts > 0.8 * actor_stage_param_count(*layout)  # a rank's 8 of 16 experts: most of its params
     before = predicted_phases(plan_for(moe))["train"].components
@@ -210,7 +210,7 @@ def test_the_plan_at_recorded_lengths():
     for phase in ("old_logprob", "train"):
         assert after[phase].components["logits"] < launch[phase].components["logits"] / 2
     assert after["rollout"].peak_bytes <= launch["rollout"].peak_bytes
-    assert at_short.inputs.max_new_tokens == inp.response_tokens
+    assert at_short.inputs.rollout.max_new_tokens == inp.rollout.max_new_tokens == inp.response_tokens
 
 
 def test_recorded_lengths_round_trip_through_the_step_record():

@@ -13,27 +13,27 @@ from planner.devices import GIB
 from planner.plan import phase_growth_bytes
 from planner.report import format_table, verdict
 from planner.sizes import actor_stage_param_count, engine_param_count, kv_bytes_per_token
+from tests.planner_inputs import make_inputs, merged
 
 QWEN7B = ModelShape.from_architecture("Qwen2.5-7B-Instruct")
 KV_BLOCK_BYTES = 16 * 28_672  # one 16-token block of Qwen2.5-7B's KV cache at engine TP=2
 KV_BYTES = 20_000 * KV_BLOCK_BYTES  # about 8.5 GiB
 
 
-def qwen7b_inputs(**overrides) -> PlanInputs:
+def qwen7b_inputs(*layers: dict, **overrides) -> PlanInputs:
     """Qwen2.5-7B, actor TP=4 x DP=2 with the distributed optimizer, engine TP=2, a fixed KV cache."""
     base = dict(
+        actor=dict(tp=4),
+        rollout=dict(tp=2, kv_cache_bytes=KV_BYTES),
         shape=QWEN7B,
         device=device_preset("H200-141GB"),
-        actor_tp=4,
         actor_dp=2,
         distributed_optimizer=True,
-        rollout_tp=2,
         sequences_per_step=64,
         prompt_tokens=256,
         response_tokens=768,
-        kv_cache_bytes=KV_BYTES,
     )
-    return PlanInputs(**{**base, **overrides})
+    return make_inputs(**merged(base, *layers, overrides))
 
 
 def components_differ(a, b) -> dict[str, dict[str, int]]:
@@ -102,7 +102,7 @@ def test_kv_bytes_per_token_with_kv_head_replication():
     assert kv_bytes_per_token(QWEN7B, 2, 2) == 2 * 28 * 2 * 128 * 2
     assert kv_bytes_per_token(QWEN7B, 4, 2) == 2 * 28 * 1 * 128 * 2
     assert kv_bytes_per_token(QWEN7B, 28, 2) == 2 * 28 * 1 * 128 * 2  # TP 28 > 4 KV heads: each rank keeps one
-    plan = make_plan(qwen7b_inputs(kv_cache_bytes=28_672 * 1000 + 5))  # engine TP=2: 28,672 B/token
+    plan = make_plan(qwen7b_inputs(rollout=dict(kv_cache_bytes=28_672 * 1000 + 5)))  # engine TP=2: 28,672 B/token
     assert plan.kv_cache_tokens() == 992  # whole blocks of 16 tokens
     assert plan.kv_cache_bytes == 992 * 28_672
 
@@ -154,7 +154,7 @@ def test_every_phase_is_itemized_in_every_component():
     assert sum(p.components["sync_bucket"] for p in plan.phases) == 512 * 2**20  # weight_sync only
     assert plan.phase("ref_logprob").components["activations"] == 0  # no reference model
     params = plan.phase("train").components["actor_params"]
-    resident_ref = make_plan(qwen7b_inputs(reference_model=True, offload_ref_params=False))
+    resident_ref = make_plan(qwen7b_inputs(offload=dict(ref_params=False), reference_model=True))
     assert all(p.components["ref_params"] == params for p in resident_ref.phases)
     with_ref = make_plan(qwen7b_inputs(reference_model=True))  # offloaded between its uses (the default)
     assert {p.name for p in with_ref.phases if p.components["ref_params"]} == {
@@ -171,9 +171,9 @@ def test_every_phase_is_itemized_in_every_component():
 @pytest.mark.parametrize(
     "flag,component,phases",
     [
-        ("offload_params", "actor_params", ("rollout", "engine_sleep", "wake_kv_cache", "log")),
+        ("params", "actor_params", ("rollout", "engine_sleep", "wake_kv_cache", "log")),
         (
-            "offload_grads",
+            "grads",
             "actor_grads",
             (
                 "rollout",
@@ -187,7 +187,7 @@ def test_every_phase_is_itemized_in_every_component():
             ),
         ),
         (
-            "offload_optimizer",
+            "optimizer",
             "optimizer",
             (
                 "rollout",
@@ -206,7 +206,7 @@ def test_every_phase_is_itemized_in_every_component():
 )
 def test_each_offload_flag_removes_exactly_its_component_where_the_state_is_away(flag, component, phases):
     offloaded = make_plan(qwen7b_inputs())
-    kept = make_plan(qwen7b_inputs(**{flag: False}))
+    kept = make_plan(qwen7b_inputs(offload={flag: False}))
     size = kept.phase("train").components[component]
     assert size > 0
     assert components_differ(offloaded, kept) == {name: {component: size} for name in phases}
@@ -214,9 +214,9 @@ def test_each_offload_flag_removes_exactly_its_component_where_the_state_is_away
 
 @pytest.mark.parametrize("wake_strategy", ["staged", "all_at_once"])
 def test_wake_phases_take_back_what_the_engines_wake_tags_say(wake_strategy):
-    from rollout.config import WAKE_TAGS
+    from configs.rollout import WAKE_TAGS
 
-    plan = make_plan(qwen7b_inputs(wake_strategy=wake_strategy))
+    plan = make_plan(qwen7b_inputs(rollout=dict(wake_strategy=wake_strategy)))
     component = {"weights": "engine_weights", "kv_cache": "kv_cache"}
     for phase, tags in WAKE_TAGS[wake_strategy].items():
         grown = set(phase_growth_bytes(plan, phase)) & set(component.values())
@@ -225,7 +225,7 @@ def test_wake_phases_take_back_what_the_engines_wake_tags_say(wake_strategy):
 
 def test_staged_wake_saves_the_actor_params_in_the_wake_window():
     staged = make_plan(qwen7b_inputs())
-    at_once = make_plan(qwen7b_inputs(wake_strategy="all_at_once"))
+    at_once = make_plan(qwen7b_inputs(rollout=dict(wake_strategy="all_at_once")))
     params = staged.phase("train").components["actor_params"]
     # the phase where the KV cache comes back holds the actor's params only when it wakes with the weights
     kv_wake_staged, kv_wake_at_once = staged.phase("wake_kv_cache"), at_once.phase("wake_weights")
@@ -236,14 +236,19 @@ def test_staged_wake_saves_the_actor_params_in_the_wake_window():
     bucket = staged.phase("weight_sync").components["sync_bucket"]
     assert at_once.wake_window_peak.predicted_bytes - staged.wake_window_peak.predicted_bytes == params + bucket
     # with params kept on the device there is nothing for staging to save
-    kept = [make_plan(qwen7b_inputs(offload_params=False, wake_strategy=w)) for w in ("staged", "all_at_once")]
+    kept = [
+        make_plan(qwen7b_inputs(rollout=dict(wake_strategy=w), offload=dict(params=False)))
+        for w in ("staged", "all_at_once")
+    ]
     assert kept[0].largest_safe_kv_cache_bytes == kept[1].largest_safe_kv_cache_bytes
 
 
 # ---------------------------------------------------------------- results
 def test_overflow_names_the_phase_and_the_bytes_over():
     # TP=2, DP=1: 45 GB of optimizer states alone, kept on the device through rollout
-    inputs = qwen7b_inputs(device=device_preset("A100-40GB"), actor_tp=2, actor_dp=1, offload_optimizer=False)
+    inputs = qwen7b_inputs(
+        actor=dict(tp=2), offload=dict(optimizer=False), device=device_preset("A100-40GB"), actor_dp=1
+    )
     plan = make_plan(inputs)
     assert not plan.fits
     over = {o.phase: o for o in plan.overflows}
@@ -259,7 +264,7 @@ def test_overflow_names_the_phase_and_the_bytes_over():
 @pytest.mark.parametrize("wake_strategy", ["staged", "all_at_once"])
 @pytest.mark.parametrize("engine", ["vllm", "native"])
 def test_recommended_kv_cache_makes_the_tightest_phase_fit_exactly(engine, wake_strategy):
-    inputs = qwen7b_inputs(kv_cache_bytes=None, engine=engine, wake_strategy=wake_strategy)
+    inputs = qwen7b_inputs(rollout=dict(kv_cache_bytes=None, engine=engine, wake_strategy=wake_strategy))
     plan = make_plan(inputs)
     block = plan.kv_bytes_per_token * inputs.kv_block_size
     assert plan.kv_cache_source == "auto"
@@ -267,7 +272,7 @@ def test_recommended_kv_cache_makes_the_tightest_phase_fit_exactly(engine, wake_
     tightest = plan.phase(plan.kv_limiting_phase)
     assert plan.budget_bytes - block < tightest.predicted_bytes <= plan.budget_bytes
     assert plan.fits and plan.peak_bytes <= plan.budget_bytes
-    one_more_block = make_plan(replace(inputs, kv_cache_bytes=plan.kv_cache_bytes + block))
+    one_more_block = make_plan(inputs.with_rollout(kv_cache_bytes=plan.kv_cache_bytes + block))
     assert [o.phase for o in one_more_block.overflows] == [
         p.name for p in one_more_block.phases if p.predicted_bytes > plan.budget_bytes
     ]
@@ -275,17 +280,17 @@ def test_recommended_kv_cache_makes_the_tightest_phase_fit_exactly(engine, wake_
     # the recommended gpu_memory_utilization, under this engine's meaning, gives back at most that KV cache
     # (rounded down to 3 decimals: within 0.001 of the device)
     util = plan.recommended_gpu_memory_utilization
-    from_util = make_plan(replace(inputs, gpu_memory_utilization=util))
+    from_util = make_plan(inputs.with_rollout(gpu_memory_utilization=util))
     assert from_util.kv_cache_source == "gpu_memory_utilization"
     assert plan.kv_cache_bytes - 0.001 * inputs.device.total_bytes - block <= from_util.kv_cache_bytes
     assert from_util.kv_cache_bytes <= plan.kv_cache_bytes and from_util.fits
 
 
 def test_kv_cache_is_capped_at_what_max_num_seqs_can_use():
-    plan = make_plan(qwen7b_inputs(kv_cache_bytes=None, max_num_seqs=8, max_model_len=1024))
+    plan = make_plan(qwen7b_inputs(rollout=dict(kv_cache_bytes=None, max_num_seqs=8, max_model_len=1024)))
     assert plan.recommended_kv_cache_bytes == 8 * 1024 * plan.kv_bytes_per_token < plan.largest_safe_kv_cache_bytes
     assert plan.kv_cache_tokens() == 8 * 1024
-    tiny_kv = make_plan(qwen7b_inputs(kv_cache_bytes=1024 * 28_672, max_model_len=2048))
+    tiny_kv = make_plan(qwen7b_inputs(rollout=dict(kv_cache_bytes=1024 * 28_672, max_model_len=2048)))
     assert tiny_kv.kv_cache_too_small and not tiny_kv.fits and "smaller than one max_model_len" in verdict(tiny_kv)
 
 
@@ -311,10 +316,10 @@ def test_check_fits_names_the_phase_the_shortfall_and_a_kv_cache_that_fits():
     fitting = (KV_BYTES - 3 * GIB) // KV_BLOCK_BYTES * KV_BLOCK_BYTES
     assert short.fitting_kv_cache_bytes == fitting
     assert f"rollout.kv_cache_bytes={fitting}" in short.line
-    refit = make_plan(qwen7b_inputs(kv_cache_bytes=short.fitting_kv_cache_bytes))
+    refit = make_plan(qwen7b_inputs(rollout=dict(kv_cache_bytes=short.fitting_kv_cache_bytes)))
     assert check_fits(refit, measured_free_bytes=needed - 3 * GIB).fits
     # all at once: the KV cache wakes with the weights
-    at_once = make_plan(qwen7b_inputs(wake_strategy="all_at_once"))
+    at_once = make_plan(qwen7b_inputs(rollout=dict(wake_strategy="all_at_once")))
     assert at_once.kv_wake_phase == "wake_weights"
     assert set(phase_growth_bytes(at_once, "wake_weights")) == {"engine_weights", "kv_cache"}
     hopeless = check_fits(at_once, measured_free_bytes=GIB)
@@ -322,7 +327,7 @@ def test_check_fits_names_the_phase_the_shortfall_and_a_kv_cache_that_fits():
 
 
 def test_side_by_side_keeps_the_kv_cache_and_flips_one_choice_each():
-    rows = variants(qwen7b_inputs(kv_cache_bytes=None))
+    rows = variants(qwen7b_inputs(rollout=dict(kv_cache_bytes=None)))
     labels = [label for label, _ in rows]
     assert labels == [
         "as configured",
@@ -341,13 +346,13 @@ def test_side_by_side_keeps_the_kv_cache_and_flips_one_choice_each():
 
 def test_bad_inputs_fail_with_the_field_and_the_fix():
     with pytest.raises(ValueError, match=r"actor.tp=8 must divide the attention heads \(28\) and KV heads \(4\)"):
-        qwen7b_inputs(actor_tp=8)
+        qwen7b_inputs(actor=dict(tp=8))
     with pytest.raises(ValueError, match="rollout.tp=7 must divide"):
-        qwen7b_inputs(rollout_tp=7)
+        qwen7b_inputs(rollout=dict(tp=7))
     with pytest.raises(ValueError, match="wake_strategy='lazy' is not one of"):
-        qwen7b_inputs(wake_strategy="lazy")
+        qwen7b_inputs(rollout=dict(wake_strategy="lazy"))
     with pytest.raises(ValueError, match="gpu_memory_utilization=1.5 is outside"):
-        qwen7b_inputs(gpu_memory_utilization=1.5)
+        qwen7b_inputs(rollout=dict(gpu_memory_utilization=1.5))
     with pytest.raises(ValueError, match="device 'TPU' is not a preset"):
         device_preset("TPU")
     with pytest.raises(TypeError):
@@ -389,20 +394,20 @@ def _train(plan, component=None):
 
 def test_packing_and_token_budgets_follow_the_real_tokens():
     # 8 sequences per rank, micro-batches of 4, responses of 128 on average out of 768 allowed
-    base = dict(sequences_per_step=16, micro_batch_size=4, mean_prompt_tokens=256, mean_response_tokens=128)
+    base = dict(actor=dict(micro_batch_size=4), sequences_per_step=16, mean_prompt_tokens=256, mean_response_tokens=128)
     padded = make_plan(qwen7b_inputs(**base))
-    packed = make_plan(qwen7b_inputs(**base, remove_padding=True))
+    packed = make_plan(qwen7b_inputs(base, actor=dict(remove_padding=True)))
     assert padded.inputs.micro_batches(train=True).model_tokens == 4 * 1024
     assert packed.inputs.micro_batches(train=True).model_tokens == 4 * 384
     assert _train(packed, "activations") < 0.4 * _train(padded, "activations")
     assert _train(packed, "logits") < _train(padded, "logits")
     # without mean lengths the planner assumes full-length sequences: packing alone bounds nothing
-    worst = make_plan(qwen7b_inputs(sequences_per_step=16, micro_batch_size=4, remove_padding=True))
+    worst = make_plan(qwen7b_inputs(actor=dict(micro_batch_size=4, remove_padding=True), sequences_per_step=16))
     assert _train(worst, "activations") == _train(
-        make_plan(qwen7b_inputs(sequences_per_step=16, micro_batch_size=4)), "activations"
+        make_plan(qwen7b_inputs(actor=dict(micro_batch_size=4), sequences_per_step=16)), "activations"
     )
     # a token budget bounds every micro-batch whatever the lengths; forward-only gets twice the budget
-    budget = qwen7b_inputs(sequences_per_step=16, remove_padding=True, max_tokens_per_micro_batch=2048)
+    budget = qwen7b_inputs(actor=dict(remove_padding=True, max_tokens_per_micro_batch=2048), sequences_per_step=16)
     train_mb, forward_mb = budget.micro_batches(train=True), budget.micro_batches(train=False)
     assert train_mb.model_tokens <= 2048 and train_mb.count == 4
     assert forward_mb.model_tokens <= 4096 and forward_mb.count == 2
@@ -410,49 +415,57 @@ def test_packing_and_token_budgets_follow_the_real_tokens():
     assert plan.phase("old_logprob").components["activations"] > 0
     assert _train(plan) < _train(worst)
     # padded rows under a budget: budget // padded length rows each
-    rows = qwen7b_inputs(sequences_per_step=16, max_tokens_per_micro_batch=3000).micro_batches(train=True)
+    rows = qwen7b_inputs(actor=dict(max_tokens_per_micro_batch=3000), sequences_per_step=16).micro_batches(train=True)
     assert (rows.sequences, rows.count, rows.model_tokens) == (2, 4, 2048)
 
 
 def test_recompute_and_chunked_logprob_lower_the_train_peak():
-    cpu = dict(attention="unfused", sequences_per_step=4, micro_batch_size=2)
-    none, selective, full = (make_plan(qwen7b_inputs(**cpu, recompute=r)) for r in ("none", "selective", "full"))
+    cpu = dict(actor=dict(micro_batch_size=2), attention="unfused", sequences_per_step=4)
+    none, selective, full = (
+        make_plan(qwen7b_inputs(cpu, actor=dict(recompute=r))) for r in ("none", "selective", "full")
+    )
     assert _train(full, "activations") < _train(selective, "activations") < _train(none, "activations")
-    block = make_plan(qwen7b_inputs(**cpu, recompute="full", recompute_method="block", recompute_num_layers=3))
+    block = make_plan(
+        qwen7b_inputs(cpu, actor=dict(recompute="full", recompute_method="block", recompute_num_layers=3))
+    )
     assert _train(full, "activations") < _train(block, "activations") < _train(none, "activations")
-    mlp = make_plan(qwen7b_inputs(**cpu, recompute="selective", recompute_modules=("core_attn", "mlp")))
+    mlp = make_plan(qwen7b_inputs(cpu, actor=dict(recompute="selective", recompute_modules=("core_attn", "mlp"))))
     assert _train(mlp, "activations") < _train(selective, "activations")
     # chunked log-prob: no fp32 softmax of every response token kept for backward
     unchunked = make_plan(qwen7b_inputs(**cpu))
-    chunked = make_plan(qwen7b_inputs(**cpu, logprob_chunk_tokens=1024))
+    chunked = make_plan(qwen7b_inputs(cpu, actor=dict(logprob_chunk_tokens=1024)))
     assert _train(chunked, "logits") < _train(unchunked, "logits")
     entropy_kept = make_plan(
-        qwen7b_inputs(**cpu, logprob_chunk_tokens=1024, entropy_grad=True, entropy_recompute=False)
+        qwen7b_inputs(cpu, actor=dict(logprob_chunk_tokens=1024, entropy_recompute=False), entropy_grad=True)
     )
-    entropy_recomputed = make_plan(qwen7b_inputs(**cpu, logprob_chunk_tokens=1024, entropy_grad=True))
+    entropy_recomputed = make_plan(qwen7b_inputs(cpu, actor=dict(logprob_chunk_tokens=1024), entropy_grad=True))
     assert _train(chunked, "logits") <= _train(entropy_recomputed, "logits") < _train(entropy_kept, "logits")
     with pytest.raises(ValueError, match="recompute_method"):
-        qwen7b_inputs(recompute_method="every")
+        qwen7b_inputs(actor=dict(recompute_method="every"))
     with pytest.raises(ValueError, match="max_tokens_per_micro_batch=0"):
-        qwen7b_inputs(max_tokens_per_micro_batch=0)
+        qwen7b_inputs(actor=dict(max_tokens_per_micro_batch=0))
 
 
 def test_unset_engine_knobs_follow_the_engines_own_defaults():
     """Left null, vLLM's max_num_batched_tokens is its per-device default (16384 on an H100, 8192 on an
     A100, 4096 x TP on CPU, capped at max_num_seqs x max_model_len) and its CPU block size is 128."""
     shape = ModelShape.from_architecture("Qwen2.5-7B-Instruct")
-    h100 = PlanInputs(shape=shape, device=device_preset("H100-80GB"), engine="vllm", rollout_tp=4, max_model_len=4096)
+    h100 = make_inputs(
+        rollout=dict(engine="vllm", tp=4, max_model_len=4096), shape=shape, device=device_preset("H100-80GB")
+    )
     assert h100.vllm_batched_tokens == 16384 and h100.kv_block_size == 16
     a100 = replace(h100, device=device_preset("A100-80GB"))
     assert a100.vllm_batched_tokens == 8192
-    assert replace(h100, max_num_seqs=2, max_model_len=1000).vllm_batched_tokens == 2000
-    cpu = replace(h100, device=device_preset("cpu"), rollout_tp=2)
+    assert h100.with_rollout(max_num_seqs=2, max_model_len=1000).vllm_batched_tokens == 2000
+    cpu = replace(h100.with_rollout(tp=2), device=device_preset("cpu"))
     assert cpu.vllm_batched_tokens == 8192 and cpu.kv_block_size == 128
-    assert replace(cpu, engine="native").kv_block_size == 16 and replace(h100, block_size=32).kv_block_size == 32
+    assert (
+        cpu.with_rollout(engine="native").kv_block_size == 16 and h100.with_rollout(block_size=32).kv_block_size == 32
+    )
     # rollout activations of vLLM on the H100 are profiled at 16384 tokens: twice the 8192-token working set
     assert (
         make_plan(h100).rollout_engine_reserve_bytes
-        > make_plan(replace(h100, vllm_max_batched_tokens=8192)).rollout_engine_reserve_bytes
+        > make_plan(h100.with_rollout(max_num_batched_tokens=8192)).rollout_engine_reserve_bytes
     )
 
 
@@ -462,10 +475,10 @@ def test_the_local_spec_factor_scales_per_token_activations_not_the_attention_sc
     from planner.plan import _layer_bytes
     from planner.sizes import unfused_attention_bytes
 
-    base = qwen7b_inputs(attention="unfused", sequences_per_step=4, micro_batch_size=2)
+    base = qwen7b_inputs(actor=dict(micro_batch_size=2), attention="unfused", sequences_per_step=4)
     mb = base.micro_batches(train=True)
     scores = unfused_attention_bytes(
-        base.shape, base.actor_tp, base.element_bytes, mb.sequences, mb.attention_span, kept=True
+        base.shape, base.actor.tp, base.element_bytes, mb.sequences, mb.attention_span, kept=True
     )
 
     def layer(factor: float) -> int:
@@ -486,18 +499,20 @@ def test_a_forward_without_grad_holds_one_packed_sequences_attention_scores_at_a
     from planner.sizes import unfused_attention_bytes
 
     for packed in (True, False):
-        inp = qwen7b_inputs(attention="unfused", sequences_per_step=8, micro_batch_size=4, remove_padding=packed)
+        inp = qwen7b_inputs(
+            actor=dict(micro_batch_size=4, remove_padding=packed), attention="unfused", sequences_per_step=8
+        )
         mb = inp.micro_batches(train=False)
         assert mb.sequences == 4
         at_once = 1 if packed else mb.sequences
-        scores = unfused_attention_bytes(inp.shape, inp.actor_tp, inp.element_bytes, at_once, mb.attention_span)
+        scores = unfused_attention_bytes(inp.shape, inp.actor.tp, inp.element_bytes, at_once, mb.attention_span)
         per_token_only = replace(inp, attention="flash")  # the same layer without the [s, s] scores
         assert _layer_bytes(inp, mb, train=False) - _layer_bytes(per_token_only, mb, train=False) > 0
         # train keeps every row's probabilities and causal mask: more than every row's probabilities without grad
         # (a third of the forward's three [s, s] tensors: the global buffer, the scores, the probabilities), less
         # than all three; one packed sequence's three are fewer
-        kept = unfused_attention_bytes(inp.shape, inp.actor_tp, inp.element_bytes, 4, mb.attention_span, kept=True)
-        all_rows = unfused_attention_bytes(inp.shape, inp.actor_tp, inp.element_bytes, 4, mb.attention_span)
+        kept = unfused_attention_bytes(inp.shape, inp.actor.tp, inp.element_bytes, 4, mb.attention_span, kept=True)
+        all_rows = unfused_attention_bytes(inp.shape, inp.actor.tp, inp.element_bytes, 4, mb.attention_span)
         assert all_rows > kept > all_rows / 3 > (scores if packed else 0)
         assert _layer_bytes(inp, mb) - _layer_bytes(inp, mb, ("core_attn",)) == kept  # selective drops just them
 
@@ -511,14 +526,14 @@ def test_a_forward_without_grad_counts_its_working_set_and_the_logprob_pass_one_
     from planner.plan import _layer_bytes, _stage, logprob_pass_bytes
     from planner.sizes import layer_activation_bytes_per_token, layer_forward_bytes_per_token
 
-    inp = qwen7b_inputs(attention="flash", sequences_per_step=8, micro_batch_size=4)
-    s, t, e = inp.shape, inp.actor_tp, inp.element_bytes
+    inp = qwen7b_inputs(actor=dict(micro_batch_size=4), attention="flash", sequences_per_step=8)
+    s, t, e = inp.shape, inp.actor.tp, inp.element_bytes
     assert layer_forward_bytes_per_token(s, t, e) < layer_activation_bytes_per_token(s, t, e, "flash")
     factor2 = replace(inp, calibration=inp.constants.with_values(local_spec_activation_factor=2.0))
     mb = inp.micro_batches(train=False)
     assert _layer_bytes(factor2, mb, train=False) == _layer_bytes(inp, mb, train=False)  # the factor is train's
     assert _layer_bytes(inp, mb, train=False) == mb.model_tokens * layer_forward_bytes_per_token(s, t, e)
-    last = _stage(inp, inp.actor_pp - 1)
+    last = _stage(inp, inp.actor.pp - 1)
     stream = mb.model_tokens * s.hidden_size * e
     logits = logprob_pass_bytes(inp, train=False)
     assert last.forward_logits == logits
@@ -608,7 +623,7 @@ def test_train_holds_the_largest_weight_gradient_unless_the_logprob_pass_is_larg
         > (s.num_heads + 2 * s.num_kv_heads) * s.head_dim // 4 * s.hidden_size
     )
 
-    inp = qwen7b_inputs(attention="flash", actor_pp=4, actor_dp=1, distributed_optimizer=False)
+    inp = qwen7b_inputs(actor=dict(pp=4), attention="flash", actor_dp=1, distributed_optimizer=False)
     workspace = int(inp.constants.value("train_workspace_bytes"))
     assert train_backward_bytes(inp, 1, 7) == fc1 * inp.element_bytes + workspace
     assert train_backward_bytes(inp, 3, 7, logits_pass=fc1) == vocab_rows * inp.element_bytes - fc1 + workspace
@@ -622,12 +637,14 @@ def test_the_local_attention_loop_costs_per_packed_sequence_and_in_flight_layer(
     from planner.plan import train_backward_bytes
 
     per_sequence = 30_000
-    packed = qwen7b_inputs(attention="unfused", sequences_per_step=16, micro_batch_size=4, remove_padding=True)
+    packed = qwen7b_inputs(
+        actor=dict(micro_batch_size=4, remove_padding=True), attention="unfused", sequences_per_step=16
+    )
     packed = replace(packed, calibration=packed.constants.with_values(local_attention_sequence_bytes=per_sequence))
     base = train_backward_bytes(replace(packed, attention="flash"), 0, 28)
     assert train_backward_bytes(packed, 0, 28) - base == 4 * 28 * per_sequence
     assert train_backward_bytes(packed, 0, 14) - base == 4 * 14 * per_sequence
-    assert train_backward_bytes(replace(packed, remove_padding=False), 0, 28) == base
+    assert train_backward_bytes(packed.with_actor(remove_padding=False), 0, 28) == base
 
 
 def test_a_run_that_exports_plans_the_export_hf_phase_with_what_the_export_holds():
@@ -650,8 +667,10 @@ def test_a_run_that_exports_plans_the_export_hf_phase_with_what_the_export_holds
         export, train = plan.phase(EXPORT_PHASE), plan.phase("train")
         inp = plan.inputs
         e = inp.element_bytes
-        hf_write = (largest_hf_tensor_elements(inp.shape) + 2 * largest_actor_weight_elements(inp.shape, inp.actor_tp, 1, 0)) * e
-        fc1 = actor_stage_fc1_elements(inp.shape, inp.actor_tp, 1) * e
+        hf_write = (
+            largest_hf_tensor_elements(inp.shape) + 2 * largest_actor_weight_elements(inp.shape, inp.actor.tp, 1, 0)
+        ) * e
+        fc1 = actor_stage_fc1_elements(inp.shape, inp.actor.tp, 1) * e
         assert 0 < fc1 and export.components["export_staging"] == max(fc1, hf_write) > 0
         # after train: its resident state (params, grads, optimizer), none of its activations
         transient = ("export_staging", "activations", "logits")
@@ -659,7 +678,7 @@ def test_a_run_that_exports_plans_the_export_hf_phase_with_what_the_export_holds
         assert resident == {k: v for k, v in train.components.items() if k not in transient}
         assert sum(p.components["export_staging"] for p in plan.phases) == export.components["export_staging"]
     # the distributed optimizer: the save clones every param (views of DDP's param buffer)
-    dist = make_plan(qwen7b_inputs(device=device_preset("cpu"), hf_exports=True, kv_cache_bytes=2**30))
+    dist = make_plan(qwen7b_inputs(rollout=dict(kv_cache_bytes=2**30), device=device_preset("cpu"), hf_exports=True))
     stage_params = dist.phase("train").components["actor_params"]
     assert dist.phase(EXPORT_PHASE).components["export_staging"] == stage_params
     gpu = make_plan(qwen7b_inputs(hf_exports=True))

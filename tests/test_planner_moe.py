@@ -23,25 +23,26 @@ from planner.sizes import (
     layer_forward_bytes_per_token,
     sampler_bytes,
 )
+from tests.planner_inputs import make_inputs, merged
 
 TINY_MOE = ModelShape.from_hf_config(tiny_hf_config("qwen3_moe"))
 BF16 = 2
 
 
-def tiny_moe_inputs(**overrides) -> PlanInputs:
+def tiny_moe_inputs(*layers: dict, **overrides) -> PlanInputs:
     """tiny:qwen3_moe, actor EP=2 x DP=2 (TP=1) with the distributed optimizer, bfloat16 (fp32 main params)."""
     base = dict(
+        actor=dict(ep=2),
+        rollout=dict(kv_cache_bytes=2**20),
         shape=TINY_MOE,
         device=device_preset("H100-80GB"),
         actor_dp=2,
-        actor_ep=2,
         distributed_optimizer=True,
         sequences_per_step=8,
         prompt_tokens=16,
         response_tokens=16,
-        kv_cache_bytes=2**20,
     )
-    return PlanInputs(**{**base, **overrides})
+    return make_inputs(**merged(base, *layers, overrides))
 
 
 def _expert_elements(shape: ModelShape) -> int:
@@ -62,15 +63,15 @@ def test_experts_split_over_ep_and_their_optimizer_over_expert_dp():
     # Adam's m, v and fp32 main params (12 B): the dense params over DP=2, the local experts over expert DP=1
     assert st.optimizer == dense * 12 // 2 + local_experts * 12
     # at EP=1 (DP=2) every rank holds every expert and the expert-DP group is DP: all of it over 2
-    one = _stage(tiny_moe_inputs(actor_ep=1), 0)
+    one = _stage(tiny_moe_inputs(actor=dict(ep=1)), 0)
     assert one.optimizer == (dense + all_experts) * 12 // 2
 
 
 def test_expert_tp_splits_each_experts_rows():
     s = TINY_MOE
-    inp = tiny_moe_inputs(actor_dp=1, actor_tp=2, actor_ep=1, actor_etp=2)
+    inp = tiny_moe_inputs(actor=dict(tp=2, ep=1, etp=2), actor_dp=1)
     halves = len(s.moe_layers) * s.num_experts * _expert_elements(s) // 2
-    assert _stage(inp, 0).actor_params < _stage(tiny_moe_inputs(actor_dp=1, actor_ep=1), 0).actor_params
+    assert _stage(inp, 0).actor_params < _stage(tiny_moe_inputs(actor=dict(ep=1), actor_dp=1), 0).actor_params
     assert actor_stage_param_count(s, 2, 1, 0, 1, 2) - actor_stage_param_count(s, 2, 1, 0, 1, 1) == -halves
 
 
@@ -117,8 +118,8 @@ def test_sequence_parallelism_splits_the_norms_router_and_residual_stream_over_t
     one = layer_activation_bytes_per_token(s, 2, e, "flash", sparse=True, etp=1, sequence_parallel=True)
     assert one == attention + 4 * h // 2 * e + 2 * E * FP32_BYTES // 2 + k * (h + 3 * 2 * m) * e // 2
     # the plan: an MoE model at TP 2 runs with it unless actor.sequence_parallel is false; a dense one only when true
-    on = tiny_moe_inputs(actor_tp=2, actor_dp=2, actor_ep=2, attention="flash")
-    off = dataclasses.replace(on, sequence_parallel=False)
+    on = tiny_moe_inputs(actor=dict(tp=2, ep=2), actor_dp=2, attention="flash")
+    off = on.with_actor(sequence_parallel=False)
     assert on.sequence_parallel_on and not off.sequence_parallel_on
     mb = on.micro_batches(train=True)
     assert _layer_bytes(on, mb) < _layer_bytes(off, mb)
@@ -127,8 +128,8 @@ def test_sequence_parallelism_splits_the_norms_router_and_residual_stream_over_t
     assert _stage(off, 0).forward_activations - _stage(on, 0).forward_activations == (
         on.micro_batches(train=False).model_tokens * h * e // 2
     )
-    dense = dataclasses.replace(on, shape=ModelShape.from_pretrained("tiny:qwen3"), actor_ep=1)
-    assert not dense.sequence_parallel_on and dataclasses.replace(dense, sequence_parallel=True).sequence_parallel_on
+    dense = dataclasses.replace(on.with_actor(ep=1), shape=ModelShape.from_pretrained("tiny:qwen3"))
+    assert not dense.sequence_parallel_on and dense.with_actor(sequence_parallel=True).sequence_parallel_on
 
 
 def test_moe_forward_without_grad_counts_the_dispatched_copies():
@@ -168,18 +169,18 @@ def test_engine_moe_workspace(tp):
 def test_the_vllm_engines_moe_layers_gather_their_replicas_tokens():
     """The plan's vLLM reserve with two replicas (actor DP 2 -> rollout TP 1): R = 2 in the MoE working set, expert
     rows over the world (or whole experts under rollout.ep); the native engine's replicas gather nothing."""
-    two = tiny_moe_inputs(engine="vllm", rollout_tp=1, actor_ep=1)
+    two = tiny_moe_inputs(actor=dict(ep=1), rollout=dict(engine="vllm", tp=1))
     assert two.engine_moe_gathered_replicas == 2 and two.engine_expert_split == (1, 2)
-    assert dataclasses.replace(two, rollout_ep=2).engine_expert_split == (2, 1)
-    assert tiny_moe_inputs(engine="vllm", rollout_tp=2, actor_ep=1).engine_moe_gathered_replicas == 1
-    assert tiny_moe_inputs(engine="native", rollout_tp=1, actor_ep=1).engine_moe_gathered_replicas == 1
+    assert two.with_rollout(ep=2).engine_expert_split == (2, 1)
+    assert tiny_moe_inputs(actor=dict(ep=1), rollout=dict(engine="vllm", tp=2)).engine_moe_gathered_replicas == 1
+    assert tiny_moe_inputs(actor=dict(ep=1), rollout=dict(engine="native", tp=1)).engine_moe_gathered_replicas == 1
 
 
 def test_the_plan_holds_the_moe_terms():
     """The plan's train activations, optimizer and engine reserve move with the MoE fields they are counted from."""
-    base = make_plan(tiny_moe_inputs(engine="vllm", rollout_tp=1))
+    base = make_plan(tiny_moe_inputs(rollout=dict(engine="vllm", tp=1)))
     wider = dataclasses.replace(TINY_MOE, moe_top_k=4)
-    more = make_plan(tiny_moe_inputs(shape=wider, engine="vllm", rollout_tp=1))
+    more = make_plan(tiny_moe_inputs(rollout=dict(engine="vllm", tp=1), shape=wider))
     train = base.phase("train").components, more.phase("train").components
     assert train[1]["activations"] > train[0]["activations"]
     rollout = base.phase("rollout").components, more.phase("rollout").components
@@ -187,12 +188,12 @@ def test_the_plan_holds_the_moe_terms():
 
 
 def test_bad_expert_layouts_are_refused_in_one_line():
-    with pytest.raises(ValueError, match="actor_ep=3 must divide"):
-        tiny_moe_inputs(actor_ep=3, actor_dp=3, sequences_per_step=9)
+    with pytest.raises(ValueError, match="actor.ep=3 must divide"):
+        tiny_moe_inputs(actor=dict(ep=3), actor_dp=3, sequences_per_step=9)
     with pytest.raises(ValueError, match="need an MoE model"):
-        tiny_moe_inputs(shape=ModelShape.from_hf_config(tiny_hf_config("qwen2")), actor_ep=2)
-    with pytest.raises(ValueError, match="must divide actor_tp x actor_dp"):
-        tiny_moe_inputs(actor_ep=4)
+        tiny_moe_inputs(actor=dict(ep=2), shape=ModelShape.from_hf_config(tiny_hf_config("qwen2")))
+    with pytest.raises(ValueError, match="must divide actor.tp x actor_dp"):
+        tiny_moe_inputs(actor=dict(ep=4))
 
 
 def test_checkpoint_staging_shards_expert_optimizer_states_over_expert_dp():
@@ -222,24 +223,24 @@ def test_engine_weights_per_rank_follow_the_engines_expert_split():
     from planner.sizes import engine_param_count
     from rollout.layout import ExpertSplit, vllm_param_layouts
 
-    def engine_weights(**overrides) -> int:
-        return make_plan(tiny_moe_inputs(rollout_tp=1, **overrides)).phase("rollout").components["engine_weights"]
+    def engine_weights(**rollout) -> int:
+        return make_plan(tiny_moe_inputs(rollout=dict(tp=1, **rollout))).phase("rollout").components["engine_weights"]
 
     def layout_bytes(split: ExpertSplit) -> int:
         return BF16 * sum(math.prod(p.local_shape) for p in vllm_param_layouts(TINY_MOE, 1, 0, split))
 
     moe_layers, whole = len(TINY_MOE.moe_layers), engine_param_count(TINY_MOE, 1) * BF16
     assert engine_weights(engine="native") == whole
-    assert engine_weights(engine="native", rollout_ep=2) == layout_bytes(ExpertSplit(ep=2, ep_rank=1))
-    assert whole - engine_weights(engine="native", rollout_ep=2) == moe_layers * 2 * _expert_elements(TINY_MOE) * BF16
+    assert engine_weights(engine="native", ep=2) == layout_bytes(ExpertSplit(ep=2, ep_rank=1))
+    assert whole - engine_weights(engine="native", ep=2) == moe_layers * 2 * _expert_elements(TINY_MOE) * BF16
     assert engine_weights(engine="vllm") == layout_bytes(ExpertSplit(etp=2, etp_rank=1))  # 2 replicas
     # vLLM's expert parallel over both ranks: E / 2 whole experts per rank, as the native engine's rollout.ep=2
-    assert engine_weights(engine="vllm", rollout_ep=2) == layout_bytes(ExpertSplit(ep=2, ep_rank=1))
-    assert engine_weights(engine="vllm", rollout_ep=2) == engine_weights(engine="native", rollout_ep=2)
-    with pytest.raises(ValueError, match="rollout_ep=4: vllm's expert parallel spans every engine rank; set 1 or 2"):
-        tiny_moe_inputs(engine="vllm", rollout_ep=4)
+    assert engine_weights(engine="vllm", ep=2) == layout_bytes(ExpertSplit(ep=2, ep_rank=1))
+    assert engine_weights(engine="vllm", ep=2) == engine_weights(engine="native", ep=2)
+    with pytest.raises(ValueError, match="rollout.ep=4: vllm's expert parallel spans every engine rank; set 1 or 2"):
+        tiny_moe_inputs(rollout=dict(engine="vllm", ep=4))
     with pytest.raises(ValueError, match="rollout.ep=3 must divide the 4 experts"):
-        tiny_moe_inputs(engine="native", rollout_ep=3)
+        tiny_moe_inputs(rollout=dict(engine="native", ep=3))
 
 
 def test_the_engines_routing_is_planned_on_the_device_and_the_host():
@@ -302,7 +303,7 @@ def test_uneven_routing_grows_the_experts_activations_by_the_recorded_ratio():
         assert moe_forward_bytes_per_token(TINY_MOE, 1, BF16, local, routed_copies_ratio=1.25) == (
             moe_forward_bytes_per_token(TINY_MOE, 1, BF16, local, received_per_token=1.25 * k)
         )
-    plan = make_plan(tiny_moe_inputs(engine="vllm", rollout_tp=1))
+    plan = make_plan(tiny_moe_inputs(rollout=dict(engine="vllm", tp=1)))
     assert plan.inputs.routed_copies_ratio == 1.0
     at = {r: plan.at_lengths(plan.inputs.planned_lengths(routed_copies_ratio=r)) for r in (1.0, 1.25)}
     assert at[1.25].phase("train").components["activations"] > at[1.0].phase("train").components["activations"]
@@ -344,9 +345,9 @@ def test_the_capacity_factor_is_the_launch_plans_routing_and_make_plan_says_how_
     gap = ["trainer.max_logprob_gap=3.0", "trainer.max_logprob_gap_p99=0.1"]  # dropped copies move the log-probs
     cfg = compose("qwen3_30b_a3b_8xh100", ["actor.moe_expert_capacity_factor=1.5", *gap])
     capped = plan_inputs(cfg)
-    assert capped.moe_expert_capacity_factor == 1.5 and capped.routed_copies_ratio == 1.5
+    assert capped.actor.moe_expert_capacity_factor == 1.5 and capped.routed_copies_ratio == 1.5
     balanced = plan_inputs(compose("qwen3_30b_a3b_8xh100"))
-    assert balanced.routed_copies_ratio == 1.0 and balanced.moe_expert_capacity_factor is None
+    assert balanced.routed_copies_ratio == 1.0 and balanced.actor.moe_expert_capacity_factor is None
     plan = make_plan(balanced)
     headroom = routing_headroom(plan)
     assert headroom.planned_ratio == 1.0 and headroom.source == "balanced" and headroom.worst_ratio == 8.0
@@ -360,7 +361,7 @@ def test_the_capacity_factor_is_the_launch_plans_routing_and_make_plan_says_how_
     assert capped_plan.phase("train").components["activations"] > plan.phase("train").components["activations"]
     assert routing_headroom(capped_plan).source == "capacity_factor"
     # a dense model, or EP 1, routes nothing across ranks
-    assert routing_headroom(make_plan(tiny_moe_inputs(actor_ep=1, actor_dp=4))) is None
+    assert routing_headroom(make_plan(tiny_moe_inputs(actor=dict(ep=1), actor_dp=4))) is None
     out = tmp_path / "plan.json"
     assert main(["--exp", "qwen3_30b_a3b_8xh100", "--json", str(out)]) == 0
     written = json.loads(out.read_text())["moe_routing"]
@@ -372,7 +373,7 @@ def test_the_capacity_factor_is_the_launch_plans_routing_and_make_plan_says_how_
     }
     assert main(["--exp", "tiny_cpu", "--json", str(out)]) == 0 and json.loads(out.read_text())["moe_routing"] is None
     with pytest.raises(ValueError, match="moe_expert_capacity_factor=0 must be > 0"):
-        tiny_moe_inputs(moe_expert_capacity_factor=0)
+        tiny_moe_inputs(actor=dict(moe_expert_capacity_factor=0))
 
 
 def test_a_run_says_when_its_routing_skews_beyond_what_the_plan_fits():
@@ -409,7 +410,7 @@ def test_the_summary_puts_the_steps_routing_beside_the_plans_headroom():
     routing = routing_summary(plan, records)
     assert routing == {**routing_headroom(plan).to_json(), "recorded_max_ratio": 1.7}
     assert routing_summary(plan, [{}])["recorded_max_ratio"] is None
-    assert routing_summary(make_plan(tiny_moe_inputs(actor_ep=1, actor_dp=4)), records) is None
+    assert routing_summary(make_plan(tiny_moe_inputs(actor=dict(ep=1), actor_dp=4)), records) is None
     summary = {"steps": 2, "wall_seconds": 1.0, "memory_plan": {"moe_routing": routing}}
     line = next(x for x in closing_lines(summary, "run") if x.startswith("MoE routing"))
     assert line.startswith("MoE routing: at most 1.70x balanced routing's copies on one rank; the plan fits up to")

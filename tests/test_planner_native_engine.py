@@ -15,8 +15,8 @@ def _measured_peaks(
 ):
     """(prefill peak, decode peak, shape, block size): the most live-tensor bytes of any prefill / decode call of
     one generate of ``seqs`` prompts of ``prompt_tokens`` tokens, ``max_tokens`` each (after a first generate)."""
+    from configs.rollout import RolloutConfig
     from rollout import make_engine
-    from rollout.config import RolloutConfig
     from rollout.engine import SamplingParams
     from telemetry.live_tensors import LiveTensorBytes
 

@@ -16,26 +16,25 @@ from planner.report import headroom_beyond_uncertainty_bytes, recommend_optimize
 from planner.sizes import actor_stage_param_count, power_of_two_bytes
 from run.compose import compose
 from run.memory_plan import plan_inputs
+from tests.planner_inputs import make_inputs, merged
 
 QWEN32B = ModelShape.from_architecture("Qwen2.5-32B-Instruct")
 MIB, GIB = 2**20, 2**30
 
 
-def qwen32b(**overrides) -> PlanInputs:
+def qwen32b(*layers: dict, **overrides) -> PlanInputs:
     """qwen32b_8xh100's layout: actor TP=8, vLLM TP=4 (2 replicas), one 8x H100 node."""
     base = dict(
+        actor=dict(tp=8),
+        rollout=dict(tp=4, max_model_len=768, kv_cache_bytes=8 * GIB),
         shape=QWEN32B,
         device=device_preset("H100-80GB"),
-        actor_tp=8,
-        rollout_tp=4,
         sequences_per_step=64,
         prompt_tokens=256,
         response_tokens=512,
-        max_model_len=768,
-        kv_cache_bytes=8 * GIB,
         ranks_per_node=8,
     )
-    return PlanInputs(**{**base, **overrides})
+    return make_inputs(**merged(base, *layers, overrides))
 
 
 def names(inp: PlanInputs) -> set[str]:
@@ -71,14 +70,14 @@ def test_each_communicator_the_layout_uses_is_counted_from_nccls_documented_buff
 
 
 def test_the_layout_decides_the_communicators():
-    pp_dp = qwen32b(actor_tp=4, actor_pp=2, actor_dp=1, rollout_tp=8, sequences_per_step=64)
+    pp_dp = qwen32b(actor=dict(tp=4, pp=2), rollout=dict(tp=8), actor_dp=1, sequences_per_step=64)
     assert {"megatron PP", "megatron TP", "megatron MODEL_PARALLEL"} <= names(pp_dp)
     assert "vLLM dp (PyNccl)" not in names(pp_dp)  # one replica
     assert "vLLM symmetric memory" in names(pp_dp)
-    dp = qwen32b(actor_tp=4, actor_dp=2, distributed_optimizer=True)
+    dp = qwen32b(actor=dict(tp=4), actor_dp=2, distributed_optimizer=True)
     assert "megatron DP" in names(dp) and "megatron MODEL_PARALLEL" not in names(dp)  # grad norm: the world
     assert "vLLM symmetric memory" not in names(qwen32b(device=device_preset("A100-80GB")))  # capability 8.0
-    cpu = qwen32b(device=device_preset("cpu"), engine="native", attention="unfused")
+    cpu = qwen32b(rollout=dict(engine="native"), device=device_preset("cpu"), attention="unfused")
     assert cpu.communicators == () and cpu.comm_bytes == 0  # gloo: no device buffers
 
 
@@ -109,7 +108,7 @@ def test_cuda_host_plan_counts_pinned_buffers_staging_and_the_sleep_copy():
     assert power_of_two_bytes(2 * 27648 // 8 * 5120 * 2) == 128 * MIB
     no_saves = host_plan(make_plan(replace(inp, checkpoint_saves=False)))
     assert no_saves.peak.components["checkpoint_staging"] == 0
-    level1 = host_plan(make_plan(replace(inp, sleep_level=1)))
+    level1 = host_plan(make_plan(inp.with_rollout(sleep_level=1)))
     assert level1.peak.components["engine_sleep_copy"] == engine_sleep_copy_bytes(plan) >= plan.engine_weight_bytes
     small = replace(inp, device=device_preset("H100-80GB", host_memory_bytes=512 * GIB))
     assert host_plan(make_plan(small)).fits is False
@@ -164,7 +163,7 @@ def test_cluster_host_memory_gib_overrides_the_presets_ram():
 def test_optimizer_offload_fraction_moves_adams_moments_to_the_host():
     base = qwen32b(distributed_optimizer=True)
     f = 0.25
-    half = replace(base, optimizer_offload_fraction=f)
+    half = base.with_actor(optimizer_offload_fraction=f)
     count = actor_stage_param_count(QWEN32B, 8, 1, 0)
     moved = (
         make_plan(base).phase("train").components["optimizer"] - make_plan(half).phase("train").components["optimizer"]
@@ -172,19 +171,19 @@ def test_optimizer_offload_fraction_moves_adams_moments_to_the_host():
     assert abs(moved - f * count * 8) <= 1  # m and v, fp32; the fp32 main params stay
     assert host_plan(make_plan(half)).peak.components["hybrid_optimizer"] == round(count * f * 16)
     with pytest.raises(ValueError, match="distributed optimizer"):
-        qwen32b(optimizer_offload_fraction=0.1)
+        qwen32b(actor=dict(optimizer_offload_fraction=0.1))
 
 
 def test_make_plan_recommends_the_smallest_fraction_and_qwen32b_uses_one_with_4_gib_beyond():
     cfg = compose("qwen32b_8xh100")
     inp = plan_inputs(cfg)
     plan = make_plan(inp)
-    assert inp.optimizer_offload_fraction == cfg.actor.optimizer_offload_fraction > 0 and inp.distributed_optimizer
+    assert inp.actor.optimizer_offload_fraction == cfg.actor.optimizer_offload_fraction > 0 and inp.distributed_optimizer
     assert plan.fits and headroom_beyond_uncertainty_bytes(plan) >= 4 * GIB
     assert host_plan(plan).fits
     smallest = recommend_optimizer_offload_fraction(inp, 4 * GIB)
-    assert smallest == inp.optimizer_offload_fraction  # the yaml's is the search's
-    below = replace(inp, optimizer_offload_fraction=round(smallest - 0.05, 2))
+    assert smallest == inp.actor.optimizer_offload_fraction  # the yaml's is the search's
+    below = inp.with_actor(optimizer_offload_fraction=round(smallest - 0.05, 2))
     assert headroom_beyond_uncertainty_bytes(make_plan(below)) < 4 * GIB
     with pytest.raises(Exception, match="optimizer_offload_fraction=0.3 needs megatron's optimizer on CUDA"):
         compose("tiny_cpu", ["actor.optimizer_offload_fraction=0.3"])

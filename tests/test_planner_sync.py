@@ -15,6 +15,7 @@ import torch
 
 from modelspec import ColocatedMesh, ModelShape
 from modelspec.tiny import tiny_hf_config
+from tests.planner_inputs import make_inputs
 
 WORLD = 2
 BUCKET = 4 << 20  # several buckets, transfers split
@@ -76,20 +77,22 @@ def executor_staging(s: ModelShape, mesh: ColocatedMesh, rank: int) -> tuple[int
 
 @pytest.mark.parametrize("tp,pp,rtp", LAYOUTS)
 def test_planned_sync_staging_is_what_the_executor_stages(tp, pp, rtp):
-    from planner import PlanInputs, device_preset, make_plan
+    from planner import device_preset, make_plan
     from run.memory_plan import sync_staged_bytes
 
     s = shape()
     mesh = ColocatedMesh(world_size=WORLD, actor_tp=tp, actor_pp=pp, rollout_tp=rtp)
     measured = {rank: executor_staging(s, mesh, rank) for rank in range(WORLD)}
     assert all(peak == reported for peak, reported, _ in measured.values())  # the executor's stat is its buffers
-    common = dict(shape=s, device=device_preset("cpu"), dtype="float32", engine="native", actor_tp=tp, actor_pp=pp)
-    common.update(actor_dp=WORLD // (tp * pp), rollout_tp=rtp, sequences_per_step=WORLD, sync_bucket_bytes=BUCKET)
-    plan = make_plan(PlanInputs(**common, sync_staged_bytes=sync_staged_bytes(s, mesh, BUCKET, 4)))
+    common = dict(
+        actor=dict(tp=tp, pp=pp), rollout=dict(engine="native", tp=rtp), shape=s, device=device_preset("cpu")
+    )
+    common.update(dtype="float32", actor_dp=WORLD // (tp * pp), sequences_per_step=WORLD, sync_bucket_bytes=BUCKET)
+    plan = make_plan(make_inputs(**common, sync_staged_bytes=sync_staged_bytes(s, mesh, BUCKET, 4)))
     stage_ranks = [r for r in range(WORLD) if mesh.actor_coords(r).pp_rank == plan.pp_stage]
     planned = plan.phase("weight_sync").components["sync_bucket"]
     assert planned == max(measured[r][0] for r in stage_ranks), (measured, planned)
-    bound = make_plan(PlanInputs(**common)).phase("weight_sync").components["sync_bucket"]  # without the sync plan
+    bound = make_plan(make_inputs(**common)).phase("weight_sync").components["sync_bucket"]  # without the sync plan
     if (tp, pp, rtp) == (2, 1, 1):  # o_proj / down_proj columns and small rows packed, gate / up rows direct
         assert all(direct > 0 for _, _, direct in measured.values())
         assert 0 < planned < bound == BUCKET
@@ -119,13 +122,15 @@ def test_plan_inputs_carry_the_runs_sync_plan():
 
 def test_verify_checksums_do_not_add_to_the_staging():
     """verify_sync runs after the executor freed its buckets: the phase holds the larger of the two."""
-    from planner import PlanInputs, device_preset, make_plan
+    from planner import device_preset, make_plan
     from planner.sizes import VERIFY_BYTES_PER_ELEMENT, largest_engine_tensor_elements
 
     s = shape()
-    common = dict(shape=s, device=device_preset("cpu"), dtype="float32", engine="native", actor_tp=2, rollout_tp=1)
+    common = dict(
+        actor=dict(tp=2), rollout=dict(engine="native", tp=1), shape=s, device=device_preset("cpu"), dtype="float32"
+    )
     common.update(sequences_per_step=WORLD, sync_bucket_bytes=BUCKET)
     checksums = VERIFY_BYTES_PER_ELEMENT * largest_engine_tensor_elements(s, 1)
     for staged in (0, checksums // 2, checksums * 2):
-        plan = make_plan(PlanInputs(**common, sync_staged_bytes=(staged,), verify_sync=True))
+        plan = make_plan(make_inputs(**common, sync_staged_bytes=(staged,), verify_sync=True))
         assert plan.phase("weight_sync").components["sync_bucket"] == max(staged, checksums)

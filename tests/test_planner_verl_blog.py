@@ -18,7 +18,8 @@ from __future__ import annotations
 import pytest
 
 from modelspec.shape import ModelShape
-from planner import PlanInputs, device_preset, make_plan
+from planner import device_preset, make_plan
+from tests.planner_inputs import make_inputs
 
 GB = 1e9  # the blog's GB: 15.4 GB = 7.72e9 params x 2 bytes
 BLOG = {
@@ -41,17 +42,15 @@ SHAPE = ModelShape.from_architecture("Qwen2.5-7B-Instruct")
 @pytest.fixture(scope="module")
 def plan():
     return make_plan(
-        PlanInputs(
+        make_inputs(
+            actor=dict(tp=1, micro_batch_size=2),
+            rollout=dict(tp=1, engine="vllm"),
             shape=SHAPE,
             device=device_preset("H200-141GB"),
             dtype="bfloat16",
-            actor_tp=1,
             actor_dp=8,
             distributed_optimizer=True,
-            rollout_tp=1,
-            engine="vllm",
             sequences_per_step=1024,
-            micro_batch_size=2,
             prompt_tokens=512,
             response_tokens=1536,
         )

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from configs.rollout import RolloutConfig
 from rollout import make_engine
-from rollout.config import RolloutConfig
 from rollout.engine import SamplingParams
 from rollout.layout import assemble_local, vllm_param_layouts
 from rollout.native import iter_safetensors

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from configs.rollout import RolloutConfig
 from modelspec import ModelShape
 from modelspec.families import FAMILIES
 from modelspec.family import hf_tensor_shapes
 from modelspec.tiny import tiny_hf_config
-from rollout.config import RolloutConfig
 from rollout.layout import assemble_local, local_view, padded_vocab_size, tp_shape, vllm_param_layouts
 
 

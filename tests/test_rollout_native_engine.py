@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
+from configs.rollout import RolloutConfig
 from modelspec.families import FAMILIES as MODEL_FAMILIES
 from rollout import make_engine
-from rollout.config import RolloutConfig
 from rollout.engine import RolloutEngine, SamplingParams
 from rollout.layout import assemble_local, vllm_param_layouts
 from rollout.native import NativeEngine, iter_safetensors

@@ -32,7 +32,7 @@ def set_mismatch(a: torch.Tensor, b: torch.Tensor) -> int:
 def test_native_engine_returns_the_routing_of_every_token_it_ran(tiny_model_dirs, family):
     from transformers import AutoModelForCausalLM
 
-    from rollout.config import RolloutConfig
+    from configs.rollout import RolloutConfig
     from rollout.engine import SamplingParams
     from rollout.native import NativeEngine
 
@@ -52,7 +52,7 @@ def test_native_engine_returns_the_routing_of_every_token_it_ran(tiny_model_dirs
 
 
 def test_native_engine_refuses_routing_of_a_dense_model(tiny_model_dirs):
-    from rollout.config import RolloutConfig
+    from configs.rollout import RolloutConfig
     from rollout.engine import SamplingParams
     from rollout.native import NativeEngine
 
@@ -118,8 +118,8 @@ def _replay_ranks(rank: int, world_size: int, hf_dir: str, tp: int, ep: int) -> 
     from megatron.core.transformer.moe.router_replay import RouterReplay
     from transformers import AutoModelForCausalLM
 
+    from configs.actor import ActorConfig
     from megatron_backend.actor import Actor
-    from megatron_backend.config import ActorConfig
     from megatron_backend.packing import build_micro_batch, sequence_lengths
     from megatron_backend.parallel import initialize_model_parallel
     from modelspec import TokenBatch
@@ -215,9 +215,9 @@ def test_actor_replays_the_engines_routing(tiny_model_dirs, tp, ep):
 
 
 def test_routing_replay_config_is_refused_in_one_line():
-    from megatron_backend.config import ActorConfig
+    from configs.actor import ActorConfig
+    from configs.rollout import RolloutConfig
     from rl.losses import PolicyLossConfig
-    from rollout.config import RolloutConfig
     from run.config import ModelConfig, RunConfig, TrainerConfig
     from run.launch import ClusterConfig
 
@@ -253,7 +253,7 @@ def test_routing_replay_config_is_refused_in_one_line():
 
 @pytest.mark.vllm
 def test_vllm_cpu_build_refuses_routed_experts_in_one_line(tiny_model_dirs):
-    from rollout.config import RolloutConfig
+    from configs.rollout import RolloutConfig
     from rollout.vllm_engine import VllmEngine
 
     cfg = RolloutConfig(engine="vllm", kv_cache_bytes=16 << 20, max_model_len=128)
@@ -272,8 +272,8 @@ def test_vllm_engine_args_carry_return_routed_experts(tiny_model_dirs):
     """The flag reaches vLLM's own EngineArgs (its real dataclass) and its aux-output config."""
     from vllm.engine.arg_utils import EngineArgs
 
+    from configs.rollout import RolloutConfig
     from modelspec import ColocatedMesh
-    from rollout.config import RolloutConfig
     from rollout.vllm_engine import engine_args
 
     cfg = RolloutConfig(engine="vllm", kv_cache_bytes=16 << 20, max_model_len=128)
@@ -305,8 +305,8 @@ def test_vllm_routed_experts_become_layers_first():
 def _vllm_gpu_routing(rank: int, world_size: int, hf_dir: str) -> list:
     import torch.distributed as dist
 
+    from configs.rollout import RolloutConfig
     from modelspec import ColocatedMesh
-    from rollout.config import RolloutConfig
     from rollout.engine import SamplingParams
     from rollout.vllm_engine import VllmEngine
 
@@ -339,11 +339,11 @@ def test_vllm_gpu_returns_the_routing_of_every_token_it_ran(tiny_model_dirs):
 def _perturbed_engine_ranks(rank: int, world_size: int, hf_dir: str, noise_std: float) -> dict:
     """A native engine whose routers are perturbed (an engine that routes otherwise than the actor, as a
     lower-precision or stale engine would) samples; the actor (EP=2) scores the samples with and without replay."""
+    from configs.actor import ActorConfig
+    from configs.rollout import RolloutConfig
     from megatron_backend.actor import Actor
-    from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
     from rl.batching import Sample, make_batch
-    from rollout.config import RolloutConfig
     from rollout.engine import SamplingParams
     from rollout.native import NativeEngine
 

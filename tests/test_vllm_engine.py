@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from colocation.host_memory import release_freed_host_memory
+from configs.rollout import RolloutConfig
 from modelspec import ModelShape
 from modelspec.mesh import ColocatedMesh
 from modelspec.tiny import write_tiny_model
-from rollout.config import RolloutConfig
 from rollout.engine import SamplingParams, derive_seed
 from tests.dist import run_ranks
 from tests.family_helpers import DENSE_FAMILIES as FAMILIES

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.vllm
 def _ranks(rank: int, world_size: int, checkpoints: dict) -> dict:
     import torch.distributed as dist
 
-    from rollout.config import RolloutConfig
+    from configs.rollout import RolloutConfig
 
     dist.init_process_group("gloo")
     cfg = RolloutConfig(engine="vllm", tp=world_size, kv_cache_bytes=KV_MB << 20, max_model_len=128)
@@ -150,8 +150,8 @@ def test_engine_args_enable_vllms_expert_parallel(checkpoints):
     other), next to tensor / data parallel sizes whose product is rollout.ep; refused on CPU in one line."""
     from vllm.engine.arg_utils import EngineArgs
 
+    from configs.rollout import RolloutConfig
     from modelspec import ColocatedMesh
-    from rollout.config import RolloutConfig
     from rollout.vllm_engine import engine_args
 
     path = checkpoints["qwen3_moe"][0]
@@ -174,8 +174,8 @@ def test_engine_args_enable_vllms_expert_parallel(checkpoints):
 def test_replicas_of_an_moe_model_are_refused_on_cpu_in_one_line(checkpoints):
     """vLLM's CPU build cannot run data-parallel MoE layers (its CPU communicator has no all_gatherv): refused
     before vLLM starts, naming why; one replica (rollout.tp = world) is fine."""
+    from configs.rollout import RolloutConfig
     from modelspec import ColocatedMesh
-    from rollout.config import RolloutConfig
     from rollout.vllm_engine import engine_args
 
     cfg = RolloutConfig(engine="vllm", tp=1, kv_cache_bytes=KV_MB << 20)

@@ -39,8 +39,8 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
+    from configs.rollout import RolloutConfig
     from modelspec.tiny import resolve_model_path
-    from rollout.config import RolloutConfig
     from rollout.engine import SamplingParams
     from rollout.native import NativeEngine
 
@@ -123,8 +123,8 @@ def _vllm_engine(path: str, args, knobs: dict):
 
     import torch.distributed as dist
 
+    from configs.rollout import RolloutConfig
     from modelspec import ColocatedMesh
-    from rollout.config import RolloutConfig
     from rollout.vllm_engine import VllmEngine
     from run.launch import free_port
 
@@ -142,8 +142,8 @@ def _vllm_engine(path: str, args, knobs: dict):
 
 def sweep_knobs(args) -> None:
     """The native engine under (max_num_seqs, max_num_batched_tokens) settings, same prompts: one JSON line."""
+    from configs.rollout import RolloutConfig
     from modelspec.tiny import resolve_model_path
-    from rollout.config import RolloutConfig
     from rollout.engine import SamplingParams
     from rollout.native import NativeEngine
     from tools.bench_train import PeakRss

@@ -105,11 +105,12 @@ def _rank_main(args: argparse.Namespace, layout: str) -> None:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
+    from configs.actor import ActorConfig
+    from configs.rollout import RolloutConfig
     from megatron_backend.actor import Actor
-    from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
     from modelspec import ColocatedMesh
-    from rollout import RolloutConfig, SamplingParams, make_engine
+    from rollout import SamplingParams, make_engine
     from run.setup import rollout_groups
     from telemetry.memory_timeline import ProcessMemory
     from weight_sync import WeightSyncConfig

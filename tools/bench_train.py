@@ -206,8 +206,8 @@ def worker(args) -> dict:
     import torch
 
     warnings.filterwarnings("ignore")
+    from configs.actor import ActorConfig
     from megatron_backend.actor import Actor
-    from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
     from rl.losses import PolicyLoss, PolicyLossConfig
     from run.launch import free_port
@@ -243,6 +243,8 @@ def worker(args) -> dict:
 # ---------------------------------------------------------------- the planner's side
 def predicted(args, name: str, shape, phase: str, device_kind: str) -> dict:
     """The planner's bytes of ``phase`` for config ``name``: total and activations + logits."""
+    from configs import ActorConfig, OffloadConfig, RolloutConfig
+    from configs.rollout import MIN_KV_CACHE_BYTES
     from planner import PlanInputs, device_preset, make_plan
 
     overrides, entropy_coef = config_overrides(name, args)
@@ -251,25 +253,25 @@ def predicted(args, name: str, shape, phase: str, device_kind: str) -> dict:
         shape=shape,
         device=device_preset("cpu" if device_kind == "cpu" else "H100-80GB"),
         dtype="float32",
-        offload_params=False,
-        offload_grads=False,
-        offload_optimizer=False,
-        micro_batch_size=overrides["micro_batch_size"],
-        remove_padding=overrides.get("remove_padding", True),
-        max_tokens_per_micro_batch=overrides.get("max_tokens_per_micro_batch"),
-        max_tokens_per_forward_micro_batch=overrides.get("max_tokens_per_forward_micro_batch"),
-        recompute=overrides.get("recompute", "none"),
-        logprob_chunk_tokens=overrides.get("logprob_chunk_tokens", 1024),
+        actor=ActorConfig(
+            offload=OffloadConfig(params=False, grads=False, optimizer=False),
+            micro_batch_size=overrides["micro_batch_size"],
+            remove_padding=overrides.get("remove_padding", True),
+            max_tokens_per_micro_batch=overrides.get("max_tokens_per_micro_batch"),
+            max_tokens_per_forward_micro_batch=overrides.get("max_tokens_per_forward_micro_batch"),
+            recompute=overrides.get("recompute", "none"),
+            logprob_chunk_tokens=overrides.get("logprob_chunk_tokens", 1024),
+            entropy_recompute=overrides.get("entropy_recompute", True),
+        ),
+        # the train phase alone is read: the engine's KV cache is the least a run may set
+        rollout=RolloutConfig(engine="native", max_new_tokens=max(responses), kv_cache_bytes=MIN_KV_CACHE_BYTES),
         entropy_grad=entropy_coef > 0,
-        entropy_recompute=overrides.get("entropy_recompute", True),
         attention="unfused" if device_kind == "cpu" else "flash",
         sequences_per_step=args.seqs,
         prompt_tokens=args.prompt,
         response_tokens=max(responses),
         mean_prompt_tokens=args.prompt,
         mean_response_tokens=max(1, round(sum(responses) / len(responses))),
-        engine="native",
-        kv_cache_bytes=0,
     )
     components = make_plan(inputs).phase(phase).components
     return dict(bytes=sum(components.values()), transient_bytes=components["activations"] + components["logits"])

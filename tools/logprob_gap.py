@@ -22,12 +22,13 @@ def _rank_main(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoTokenizer
 
+    from configs.actor import ActorConfig
+    from configs.rollout import RolloutConfig
     from megatron_backend.actor import Actor
-    from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
     from modelspec import ColocatedMesh
     from rl.batching import Sample, pack_sequences
-    from rollout import RolloutConfig, SamplingParams, make_engine
+    from rollout import SamplingParams, make_engine
     from telemetry.metrics import gap_distribution
     from weight_sync import WeightSyncConfig
 

@@ -48,8 +48,8 @@ def _worker(args) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from configs.actor import ActorConfig
     from megatron_backend.actor import Actor
-    from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import destroy, initialize_model_parallel
     from modelspec import TokenBatch
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from planner import make_plan, variants
+from planner.plan import with_kv_cache
 from planner.report import format_table, gib, plan_json, recommend_optimizer_offload_fraction, verdict
 
 # plan_inputs lives in run/ so run.main can plan too
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     result["prompt_from_data"] = prompt.tokens is not None and args.prompt_tokens is None
     if plan.kv_cache_source == "auto" and plan.kv_cache_bytes < plan.largest_safe_kv_cache_bytes:
         print(
-            f"auto: the KV cache is what {inputs.max_num_seqs} sequences of max_model_len={inputs.engine_max_model_len} "
+            f"auto: the KV cache is what {inputs.rollout.max_num_seqs} sequences of max_model_len={inputs.engine_max_model_len} "
             f"can use, less than the {gib(plan.largest_safe_kv_cache_bytes)} GiB {plan.kv_limiting_phase} leaves it"
         )
     elif plan.kv_cache_source == "auto":
@@ -76,14 +76,14 @@ def main(argv: list[str] | None = None) -> int:
         result["recommended_optimizer_offload_fraction"] = fraction
         if fraction is None:
             print("no actor.optimizer_offload_fraction leaves headroom beyond the uncertainty")
-        elif fraction != inputs.optimizer_offload_fraction:
+        elif fraction != inputs.actor.optimizer_offload_fraction:
             print(
                 f"actor.optimizer_offload_fraction={fraction} is the smallest that leaves headroom beyond the "
-                f"uncertainty (configured: {inputs.optimizer_offload_fraction})"
+                f"uncertainty (configured: {inputs.actor.optimizer_offload_fraction})"
             )
     if base_inputs is not None:
         base = make_plan(base_inputs)
-        same_kv = make_plan(replace(inputs, kv_cache_bytes=base.kv_cache_bytes, gpu_memory_utilization=None))
+        same_kv = make_plan(with_kv_cache(inputs, base.kv_cache_bytes))
         window, base_window = same_kv.wake_window_peak, base.wake_window_peak
         print(
             f"\nagainst {args.exp} as composed: largest safe KV cache {gib(base.largest_safe_kv_cache_bytes)} -> "

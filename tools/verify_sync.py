@@ -43,9 +43,9 @@ def check_input(args: argparse.Namespace) -> str | None:
     import torch
 
     from colocation.engines import engine_profile
+    from configs.rollout import RolloutConfig
     from modelspec import ColocatedMesh, ModelShape
     from modelspec.mesh import check_rollout_experts
-    from rollout import RolloutConfig
     from rollout.layout import tp_shape
     from tools.parity import check_input as check_actor_input
 
@@ -79,11 +79,12 @@ def _rank_main(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
+    from configs.actor import ActorConfig
+    from configs.rollout import RolloutConfig
     from megatron_backend.actor import Actor
-    from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
     from modelspec import ColocatedMesh
-    from rollout import RolloutConfig, SamplingParams, make_engine
+    from rollout import SamplingParams, make_engine
     from run.setup import rollout_groups
     from weight_sync import WeightSyncConfig
 

@@ -13,8 +13,8 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from configs.rollout import RolloutConfig
 from modelspec import ModelShape, torch_dtype
-from rollout.config import RolloutConfig
 from rollout.engine import Completion, SamplingParams
 from rollout.layout import ExpertSplit, tp_shape, vllm_param_layouts
 from rollout.memory_saver import TAGS, MemorySaver

@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 import torch
 
+from configs.rollout import RolloutConfig
 from modelspec import ModelShape
-from rollout.config import RolloutConfig
 from rollout.layout import TPShape
 from rollout.memory_saver import MemorySaver
 

@@ -15,6 +15,7 @@ AUTO = "auto"  # rollout.gpu_memory_utilization=auto: the planner picks the KV c
 # never resident together.
 WAKE_TAGS: dict[str, dict[str, tuple[str, ...]]] = {s: engine_wakes(s) for s in WAKE_STRATEGIES}
 MEMORY_SAVERS = ("auto", "portable", "torch_memory_saver")
+MIN_KV_CACHE_BYTES = 2**20  # the least rollout.kv_cache_bytes a run may set
 
 
 # Why an engine cannot return each completion's routed experts (SamplingParams.return_routed_experts), per
@@ -141,7 +142,7 @@ class RolloutConfig:
         if self.memory_saver not in MEMORY_SAVERS:
             raise ValueError(f"rollout.memory_saver={self.memory_saver!r} is not one of {MEMORY_SAVERS}")
         if self.kv_cache_bytes is not None and (
-            not isinstance(self.kv_cache_bytes, int) or self.kv_cache_bytes < 2**20
+            not isinstance(self.kv_cache_bytes, int) or self.kv_cache_bytes < MIN_KV_CACHE_BYTES
         ):
             raise ValueError(
                 f"rollout.kv_cache_bytes={self.kv_cache_bytes!r} must be an integer >= 1048576 (1 MiB), or null to "
