@@ -74,10 +74,12 @@ def moe_kwargs(
     Routing as transformers does it for both families (softmax router, top-k): normalised top-k
     (``norm_topk_prob``; Mixtral always) is megatron's top-k of the logits then softmax over those k,
     which equals softmax-then-renormalise; unnormalised is ``moe_router_pre_softmax`` (softmax over all
-    experts, then top-k). Router in fp32. Experts: TE's grouped GEMM (TEGroupedMLP) with TE on CUDA, else
-    megatron's SequentialMLP (its legacy GroupedMLP needs the CUDA ``grouped_gemm`` package). Which layers
-    are MoE: ``moe_layer_freq`` as a 0/1 list per layer (Qwen3-MoE's ``mlp_only_layers`` /
-    ``decoder_sparse_step``). ``capacity_factor``: megatron's ``moe_expert_capacity_factor`` (None: no dropping),
+    experts, then top-k). Normalised top-1 is the one exception: megatron refuses a softmax over one logit
+    (its gradient is zero), so it runs pre-softmax too and :func:`renormalised_top1` divides the weight by
+    itself afterwards (HF's 1.0 exactly; docs/DESIGN.md "MoE routing switches"). Router in fp32. Experts:
+    TE's grouped GEMM (TEGroupedMLP) with TE on CUDA, else megatron's SequentialMLP (its legacy GroupedMLP
+    needs the CUDA ``grouped_gemm`` package). Which layers are MoE: ``moe_layer_freq`` as a 0/1 list per layer
+    (Qwen3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``). ``capacity_factor``: megatron's ``moe_expert_capacity_factor`` (None: no dropping),
     dropping the lowest-probability copies beyond an expert's capacity (``moe_token_drop_policy`` "probs").
     """
     if not shape.is_moe:
@@ -88,7 +90,7 @@ def moe_kwargs(
         moe_ffn_hidden_size=shape.moe_intermediate_size,
         moe_layer_freq=[1 if layer in shape.moe_layers else 0 for layer in range(shape.num_layers)],
         moe_router_score_function="softmax",
-        moe_router_pre_softmax=not shape.norm_topk_prob,
+        moe_router_pre_softmax=not shape.norm_topk_prob or shape.moe_top_k == 1,
         moe_router_dtype="fp32",
         moe_router_load_balancing_type="aux_loss" if aux_loss_coef > 0 else "none",
         moe_aux_loss_coeff=aux_loss_coef,
@@ -103,6 +105,24 @@ def moe_kwargs(
         expert_model_parallel_size=dims.ep,
         expert_tensor_parallel_size=dims.etp,
     )
+
+
+def renormalised_top1(_router, _args, output: tuple[torch.Tensor, torch.Tensor]):
+    """A router's forward hook for normalised top-1 (see :func:`moe_kwargs`): its weights [N, E] (the top-1
+    softmax probability, 0 elsewhere) divided by their row sum, as transformers renormalises, so a routed token's
+    weight is exactly 1.0. It runs after megatron's token dropping and aux-loss attachment: a dropped token's row
+    stays 0 (clamped divisor) and the aux loss's gradient still flows through the probabilities."""
+    probs, routing_map = output
+    return probs / probs.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny), routing_map
+
+
+def renormalise_top1_routers(chunks) -> None:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, TopKRouter):
+                module.register_forward_hook(renormalised_top1)
 
 
 # megatron's router losses as its tracker names them, and the actor.* coefficient that turns each on
@@ -350,4 +370,6 @@ def build_gpt_chunks(
         # every param in the model's dtype, as megatron's Float16Module casts it (``module.bfloat16()``): the local
         # spec's torch-norm fallback (no TE, CPU) creates its weights in fp32 whatever params_dtype says
         chunks.append(model.to(device=dims.device, dtype=config.params_dtype))
+    if shape.is_moe and shape.norm_topk_prob and shape.moe_top_k == 1:
+        renormalise_top1_routers(chunks)
     return chunks

@@ -45,12 +45,22 @@ def check_input(hf_dir: str, tp: int, pp: int, vpp: int | None, ep: int = 1, etp
 
 
 def _worker(args) -> None:
+    result = parity(args)
+    if result is not None:
+        print(json.dumps(result), flush=True)
+    from megatron_backend.parallel import destroy
+
+    destroy()
+
+
+def parity(args) -> dict | None:
+    """The check on this rank (every rank of the layout calls it): rank 0 returns the JSON line's fields."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from configs.actor import ActorConfig
     from megatron_backend.actor import Actor
-    from megatron_backend.parallel import destroy, initialize_model_parallel
+    from megatron_backend.parallel import initialize_model_parallel
     from modelspec import TokenBatch
 
     dims = initialize_model_parallel(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
@@ -71,7 +81,7 @@ def _worker(args) -> None:
         with torch.no_grad():
             logits = hf_model(input_ids=input_ids).logits.float()  # [B, S, V]
         reference = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-        result = dict(
+        return dict(
             tp=args.tp,
             pp=args.pp,
             vpp=args.vpp,
@@ -82,11 +92,10 @@ def _worker(args) -> None:
             max_abs_logprob_diff=float((logprobs - reference).abs().max()),
             num_tokens=int(reference.numel()),
         )
-        print(json.dumps(result), flush=True)
-    destroy()
+    return None
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--hf", required=True, help="Hugging Face checkpoint directory (a family of modelspec/families/)"
@@ -100,7 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     from modelspec.mesh import min_world_size
 
     args.batch = max(args.batch, args.pp) if args.vpp else args.batch

@@ -75,6 +75,13 @@ def check_input(args: argparse.Namespace) -> str | None:
 
 
 def _rank_main(args: argparse.Namespace) -> None:
+    result = sync_and_score(args)
+    if result is not None:
+        print(json.dumps(result), flush=True)
+
+
+def sync_and_score(args: argparse.Namespace) -> dict | None:
+    """The check on this rank (every rank of the world calls it): rank 0 returns the JSON line's fields."""
     import torch
     import torch.distributed as dist
     from transformers import AutoTokenizer
@@ -149,6 +156,7 @@ def _rank_main(args: argparse.Namespace) -> None:
         fresh.shutdown()
     seconds = [None] * world
     dist.all_gather_object(seconds, result.stats.seconds)
+    line = None
     if rank == 0:
         from transformers import AutoModelForCausalLM
 
@@ -163,37 +171,29 @@ def _rank_main(args: argparse.Namespace) -> None:
                 reference = logprobs[len(prompt) - 1 : -1].gather(1, targets[:, None])[:, 0]
                 max_diff = max(max_diff, float((reference - torch.tensor(c.logprobs)).abs().max()))
                 num_tokens += len(c.token_ids)
-        print(
-            json.dumps(
-                dict(
-                    hf=args.hf,
-                    train_tp=args.train_tp,
-                    train_pp=args.train_pp,
-                    train_ep=args.train_ep,
-                    train_etp=dims.etp,
-                    rollout_tp=rtp,
-                    rollout_ep=rep,
-                    world_size=world,
-                    engine=args.engine,
-                    max_abs_logprob_diff=max_diff,
-                    max_abs_logprob_diff_fresh=fresh_diff,
-                    num_tokens=num_tokens,
-                    bytes_moved=sync.plan.bytes_moved,
-                    seconds=max(seconds),
-                    verified=result.verified,
-                    bucket_bytes=sync.plan.bucket_bytes,
-                )
-            ),
-            flush=True,
+        line = dict(
+            hf=args.hf,
+            train_tp=args.train_tp,
+            train_pp=args.train_pp,
+            train_ep=args.train_ep,
+            train_etp=dims.etp,
+            rollout_tp=rtp,
+            rollout_ep=rep,
+            world_size=world,
+            engine=args.engine,
+            max_abs_logprob_diff=max_diff,
+            max_abs_logprob_diff_fresh=fresh_diff,
+            num_tokens=num_tokens,
+            bytes_moved=sync.plan.bytes_moved,
+            seconds=max(seconds),
+            verified=result.verified,
+            bucket_bytes=sync.plan.bucket_bytes,
         )
     dist.barrier()
+    return line
 
 
-def main(argv: list[str] | None = None) -> int:
-    import warnings
-
-    from run.launch import spawn_local
-
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--hf", required=True, help="Hugging Face checkpoint directory (a family of modelspec.families)"
@@ -211,7 +211,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", choices=ENGINES, default="native")
     parser.add_argument("--kv-cache-mb", type=int, default=64, help="vLLM's KV cache on CPU")
     parser.add_argument("--export-dir", default=None, help="vllm: where the actor's checkpoint is exported")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    import warnings
+
+    from run.launch import spawn_local
+
+    args = build_parser().parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning)
     problem = check_input(args)
     if problem:

@@ -3,7 +3,8 @@
 - The MoE block is ``block_sparse_moe``: the router ``block_sparse_moe.gate.weight`` [E, h] and per expert e
   ``block_sparse_moe.experts.<e>.{w1,w3,w2}.weight`` (gate [I, h], up [I, h], down [h, I]; I =
   ``intermediate_size``, E = ``num_local_experts``, top-k = ``num_experts_per_tok``).
-- Routing: softmax over E, top-k, always renormalised to sum to 1.
+- Routing: softmax over E, top-k, always renormalised to sum to 1 (top-1: every weight 1.0; a
+  ``norm_topk_prob`` key in config.json is ignored, as transformers and vLLM ignore it).
 - vLLM (``mixtral.py``): ``block_sparse_moe.gate`` and FusedMoE ``block_sparse_moe.experts.routed_experts.w13_weight`` /
   ``w2_weight``; transformers 5 renames the block to ``mlp`` in memory only (its files keep these names).
 
@@ -24,9 +25,10 @@ def check_mixtral_config(config: dict, source: str) -> None:
     FAMILY.moe.check_config(config, source)
     jitter = config.get("router_jitter_noise") or 0.0
     if jitter:
+        # megatron-core's moe_input_jitter_eps jitters the router's input only, transformers the experts' too
         raise ValueError(
-            f"{source}: router_jitter_noise={jitter} (router input noise in training) is not implemented here; "
-            "set it to 0.0"
+            f"{source}: router_jitter_noise={jitter} (training-time noise on the MoE block's input) is not "
+            "implemented here; supported: 0.0, set it to 0.0"
         )
     check_sliding_window(config, source)
 

@@ -10,7 +10,8 @@ with MoE layers.
 - vLLM (``qwen3_moe.py``): ``mlp.gate`` and FusedMoE ``mlp.experts.routed_experts.w13_weight`` / ``w2_weight``.
 
 Refused (``check_config``): shared experts and grouped top-k routing (:data:`modelspec.family.UNSUPPORTED_MOE_FIELDS`),
-sliding-window attention.
+a ``decoder_sparse_step`` below 1 (transformers divides by it), layers that leave no sparse layer, sliding-window
+attention. Every routing switch and how each side runs it: docs/DESIGN.md "MoE routing switches".
 """
 
 from __future__ import annotations
@@ -33,12 +34,24 @@ ROUTER, EXPERT_GATE, EXPERT_UP, EXPERT_DOWN = moe_parts("mlp")
 def qwen3_moe_sparse_layers(config: dict) -> tuple[int, ...]:
     """Transformers' ``Qwen3MoeDecoderLayer`` rule (vLLM's is the same)."""
     dense = set(config.get("mlp_only_layers") or ())
-    step = config.get("decoder_sparse_step") or 1
+    step = config.get("decoder_sparse_step", 1)
     return tuple(n for n in range(config["num_hidden_layers"]) if n not in dense and (n + 1) % step == 0)
 
 
 def check_qwen3_moe_config(config: dict, source: str) -> None:
     FAMILY.moe.check_config(config, source)
+    step = config.get("decoder_sparse_step", 1)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:  # transformers takes (n + 1) % step
+        raise ValueError(
+            f"{source}: decoder_sparse_step={step!r} is not supported; set an integer >= 1 "
+            "(layer n is sparse when (n + 1) % decoder_sparse_step == 0)"
+        )
+    if not qwen3_moe_sparse_layers(config):  # nothing here builds an MoE family's model without experts
+        raise ValueError(
+            f"{source}: mlp_only_layers={config.get('mlp_only_layers')} with decoder_sparse_step={step} leave no "
+            f"sparse layer among num_hidden_layers={config['num_hidden_layers']}; supported: at least one sparse "
+            "layer (a model without experts is a qwen3 checkpoint)"
+        )
     check_sliding_window(config, source)
 
 
