@@ -127,7 +127,7 @@ test: $(STAMP) ## run the CPU test suite (excludes gpu, slow, slurm and vllm tes
 test-threads: $(STAMP) ## the `numeric` tests again with other thread counts (1 in pytest, 2 per spawned rank; make test: the reverse)
 	OMP_NUM_THREADS=1 RLMEM_TEST_RANK_THREADS=2 $(PY) -m pytest -q -m "numeric and not gpu and not slow and not slurm and not vllm" $(PYTEST_ARGS)
 
-test-vllm: $(STAMP) ## run the vLLM engine tests on vLLM's CPU build (1, 2 and 4 spawned ranks; ~2-3 min on 2 cores)
+test-vllm: $(STAMP) ## run the vLLM engine tests on vLLM's CPU build (1, 2 and 4 spawned ranks)
 	$(PY) -m pytest -q -m "vllm and not gpu" $(PYTEST_ARGS)
 
 test-slow: $(STAMP) ## run the slow end-to-end tests
