@@ -62,7 +62,7 @@ def test_megatron_optimizer_makes_torch_adamws_update_of_the_clipped_gradient(ti
     assert result["max_diff"] < 1e-6, result
 
 
-def _offloaded_optimizer_step(rank, world_size, hf_dir):
+def _offloaded_optimizer_step(rank, world_size, hf_dir, dtype="float32"):
     from megatron_backend.actor import Actor
     from megatron_backend.config import ActorConfig
     from megatron_backend.parallel import initialize_model_parallel
@@ -73,7 +73,7 @@ def _offloaded_optimizer_step(rank, world_size, hf_dir):
     out = {}
     for fraction in (0.0, 0.5):
         config = ActorConfig(micro_batch_size=2, lr=1e-4, grad_clip=1.0, optimizer_offload_fraction=fraction)
-        actor = Actor(hf_dir, config, dims)
+        actor = Actor(hf_dir, config, dims, dtype=dtype)
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, actor.shape.vocab_size, (4, 16), generator=gen)
         batch = TokenBatch(input_ids=ids, loss_mask=torch.ones(4, 15), advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
@@ -89,8 +89,11 @@ def _offloaded_optimizer_step(rank, world_size, hf_dir):
 @pytest.mark.gpu
 def test_optimizer_offload_fraction_steps_part_of_adam_on_the_host(tiny_model_dirs):
     """actor.optimizer_offload_fraction: megatron's HybridDeviceOptimizer (distributed optimizer, DP=1) makes the
-    same update as the all-GPU optimizer, and the actor's offload moves only its device tensors."""
-    out = run_ranks(_offloaded_optimizer_step, 1, tiny_model_dirs["qwen2"])[0]
+    same update as the all-GPU optimizer, and the actor's offload moves only its device tensors. In bf16: TE before
+    2.12 has no attention backend for float32 packed sequences (run/preflight.py refuses it)."""
+    out = run_ranks(_offloaded_optimizer_step, 1, tiny_model_dirs["qwen2"], "bfloat16")[0]
     (gpu_state, gpu_devices), (hybrid_state, hybrid_devices) = out[0.0], out[0.5]
     assert gpu_devices == {"cuda"} and hybrid_devices == {"cuda"}
-    assert max((gpu_state[k] - hybrid_state[k]).abs().max().item() for k in gpu_state) < 1e-5
+    # the fp32 main params agree to float noise; rounded to bf16 a value may land one bf16 ulp (2^-7 relative) apart
+    for k in gpu_state:
+        torch.testing.assert_close(hybrid_state[k].float(), gpu_state[k].float(), rtol=2**-7, atol=1e-6, msg=k)
