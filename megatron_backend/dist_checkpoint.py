@@ -120,6 +120,13 @@ def _load_optimizer_tensors(actor, routes: list, values: list) -> None:
         opt.load_parameter_state_from_fully_reshardable(by_param)
 
 
+def _groups_with_params(inner) -> list[dict]:
+    """TE's FusedAdam before 2.19 skips an empty group before advancing its ``step`` (the distributed optimizer
+    leaves a group empty on a DP rank whose shard holds none of its params): megatron's
+    ChainedOptimizer._synchronize_steps reads and sets the step of the other groups only, and so do we."""
+    return [group for group in inner.param_groups if group["params"]]
+
+
 def _common_step(actor) -> float:
     """The step count every parameter shares (torch Adam keeps it per parameter, TE's FusedAdam per group)."""
     steps = set()
@@ -127,7 +134,7 @@ def _common_step(actor) -> float:
         inner = opt.optimizer
         if isinstance(inner, torch.optim.Optimizer) and inner.state:
             steps |= {float(s["step"]) for s in inner.state.values() if "step" in s}
-        steps |= {float(g["step"]) for g in inner.param_groups if "step" in g}
+        steps |= {float(g["step"]) for g in _groups_with_params(inner) if "step" in g}
     if len(steps) > 1:
         raise RuntimeError(f"optimizer step counts differ between parameters ({sorted(steps)}); cannot save one")
     return steps.pop() if steps else 0.0
@@ -140,7 +147,7 @@ def _set_common_step(actor, step: float) -> None:
             for state in inner.state.values():
                 state["step"] = torch.tensor(float(step), dtype=torch.float32)
         else:  # TE / Apex FusedAdam: one step per group
-            for group in inner.param_groups:
+            for group in _groups_with_params(inner):
                 group["step"] = int(step)
 
 

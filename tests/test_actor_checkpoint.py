@@ -252,3 +252,49 @@ def test_a_torch_adamw_checkpoint_resumes_with_its_moments_in_megatrons_optimize
         for k in old:  # carried over bit for bit (vocab-padded rows: as many as TP pads to, cut on load)
             rows = min(len(old[k]), len(new[k]))
             assert torch.equal(new[k][:rows], old[k][:rows]), (name, k)
+
+
+class _FusedAdamSteps:
+    """The step count of TE's FusedAdam before 2.19 (transformer_engine/pytorch/optimizers/fused_adam.py, ``step``:
+    ``if len(group["params"]) == 0: continue`` before ``group["step"] += 1``; 2.19 advances empty groups too, TE
+    commit 734ce31): one ``step`` per param group, an empty group's left behind."""
+
+    def __init__(self, param_groups):
+        self.param_groups, self.state = param_groups, {}
+
+    def step(self):
+        for group in self.param_groups:
+            if group["params"]:
+                group["step"] = group.get("step", 0) + 1
+
+
+def _steps_after_resume_with_an_empty_group(rank, world_size, hf_dir):
+    """DP=2 (megatron's DistributedOptimizer): a rank whose shard lies inside the embedding has
+    an empty param group (no norm or bias in it); the resumed step count is set, one step taken, the count read."""
+    from megatron_backend.actor import Actor
+    from megatron_backend.config import ActorConfig
+    from megatron_backend.dist_checkpoint import _common_step, _inner_optimizers, _set_common_step
+    from megatron_backend.parallel import initialize_model_parallel
+
+    actor = Actor(hf_dir, ActorConfig(micro_batch_size=1), initialize_model_parallel(tp=1, pp=1))
+    empty = [not g["params"] for opt in _inner_optimizers(actor) for g in opt.optimizer.param_groups]
+    for opt in _inner_optimizers(actor):
+        opt.optimizer = _FusedAdamSteps(opt.optimizer.param_groups)
+    _set_common_step(actor, 3.0)
+    for opt in _inner_optimizers(actor):
+        opt.optimizer.step()
+    return any(empty), _common_step(actor)
+
+
+def test_resumed_step_count_skips_empty_param_groups(tmp_path):
+    """dist_checkpoint sets and reads the step as megatron's ChainedOptimizer._synchronize_steps does (groups with
+    params only): an empty group's step is never compared, so the save after a resume does not refuse."""
+    from modelspec.tiny import write_tiny_model
+
+    # the (tied) embedding, 16384 x 128, outweighs the two layers: one DP rank's half lies inside it
+    hf_dir = write_tiny_model(
+        "qwen2", tmp_path / "big_vocab", vocab_size=16384, num_hidden_layers=2, tie_word_embeddings=True
+    )
+    results = run_ranks(_steps_after_resume_with_an_empty_group, 2, str(hf_dir))
+    assert any(empty for empty, _ in results), results  # the case this test is for
+    assert [step for _, step in results] == [4.0, 4.0]
