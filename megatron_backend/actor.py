@@ -167,6 +167,14 @@ class Actor:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         offload_fraction = self.config.optimizer_offload_fraction
+        if offload_fraction > 0 and self.dtype == "float32":
+            # the distributed optimizer hands the HybridDeviceOptimizer float32 params as views of DDP's buffer
+            # (distrib_optimizer.py, _build_model_and_main_param_groups), which torch.optim refuses at build
+            raise ValueError(
+                f"actor.optimizer_offload_fraction={offload_fraction} with model.dtype=float32: megatron-core's "
+                'HybridDeviceOptimizer cannot step float32 params ("can\'t optimize a non-leaf Tensor"); set '
+                "model.dtype=bfloat16, or actor.optimizer_offload_fraction=0"
+            )
         # megatron wires its CPU offload (HybridDeviceOptimizer) into the distributed optimizer only
         use_dist_opt = self.dims.dp > 1 or offload_fraction > 0
         ddp_config = DistributedDataParallelConfig(
@@ -505,8 +513,11 @@ class Actor:
                 tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and v.device.type == device]
             for attr in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups"):
                 for group in getattr(opt, attr, None) or []:
-                    tensors += [p.data for p in group]
-        return tensors
+                    tensors += [p.data for p in group if p is not None]  # None: the optimizer keeps the masters
+        # never the params' storage: a HybridDeviceOptimizer's state holds its param as ``master_param``
+        # (hybrid_optimizer.py, _sync_sub_optimizers_state_to_hdo), a view of DDP's param buffer for float32
+        params = {p.untyped_storage().data_ptr() for p in self._param_tensors()}
+        return [t for t in tensors if t.untyped_storage().data_ptr() not in params]
 
     def _tensors_for(self, what: str) -> list[torch.Tensor]:
         return {"params": self._param_tensors, "grads": self._grad_tensors, "optimizer": self._optimizer_tensors}[

@@ -97,3 +97,36 @@ def test_optimizer_offload_fraction_steps_part_of_adam_on_the_host(tiny_model_di
     # the fp32 main params agree to float noise; rounded to bf16 a value may land one bf16 ulp (2^-7 relative) apart
     for k in gpu_state:
         torch.testing.assert_close(hybrid_state[k].float(), gpu_state[k].float(), rtol=2**-7, atol=1e-6, msg=k)
+
+
+def _offload_with_a_state_aliasing_a_param(rank, world_size, hf_dir):
+    from megatron_backend.actor import Actor
+    from megatron_backend.config import ActorConfig
+    from megatron_backend.parallel import initialize_model_parallel
+    from rl.losses import PolicyLoss, PolicyLossConfig
+
+    actor = Actor(hf_dir, ActorConfig(micro_batch_size=2), initialize_model_parallel(tp=1, pp=1))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, actor.shape.vocab_size, (2, 8), generator=gen)
+    batch = TokenBatch(input_ids=ids, loss_mask=torch.ones(2, 7), advantages=torch.tensor([1.0, -1.0]))
+    batch.old_logprobs = actor.compute_logprobs(batch)
+    actor.train_step(batch, PolicyLoss(PolicyLossConfig()))
+    inner = actor.optimizer.chained_optimizers[0].optimizer
+    param, state = next(iter(inner.state.items()))
+    # megatron-core 0.16.1 hybrid_optimizer.py, _sync_sub_optimizers_state_to_hdo (line 326):
+    # ``new_state[orig_param]["master_param"] = param``, for a float32 param the param itself
+    state["master_param"] = param
+    params = actor._param_tensors()
+    collected = actor._optimizer_tensors()
+    aliases = sum(t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for t in collected for p in params)
+    actor.offload("optimizer")
+    resident = all(p.untyped_storage().nbytes() > 0 for p in params)
+    actor.onload("optimizer")
+    return aliases, resident
+
+
+def test_offloading_the_optimizer_leaves_the_params_an_optimizer_state_aliases(tiny_model_dirs):
+    """A HybridDeviceOptimizer's state holds its params as ``master_param`` (for float32 ones the distributed
+    optimizer's shard, a view of DDP's param buffer): the actor's optimizer tensors never include the params'
+    storage, so offloading the optimizer cannot take the params away before the weight sync reads them."""
+    assert run_ranks(_offload_with_a_state_aliasing_a_param, 1, tiny_model_dirs["qwen2"])[0] == (0, True)
