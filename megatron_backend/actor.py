@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import math
 from collections.abc import Iterable
 from pathlib import Path
@@ -175,6 +176,13 @@ class Actor:
                 'HybridDeviceOptimizer cannot step float32 params ("can\'t optimize a non-leaf Tensor"); set '
                 "model.dtype=bfloat16, or actor.optimizer_offload_fraction=0"
             )
+        if offload_fraction > 0 and importlib.util.find_spec("transformer_engine") is None:
+            # megatron-core 0.16.1's OptimizerConfig reads TE's version on the precision-aware path (below)
+            raise ValueError(
+                f"actor.optimizer_offload_fraction={offload_fraction} needs Transformer Engine: megatron-core's CPU "
+                "offload runs on its precision-aware optimizer, which reads TE's version; install "
+                "transformer-engine, or set actor.optimizer_offload_fraction=0"
+            )
         # megatron wires its CPU offload (HybridDeviceOptimizer) into the distributed optimizer only
         use_dist_opt = self.dims.dp > 1 or offload_fraction > 0
         ddp_config = DistributedDataParallelConfig(
@@ -196,6 +204,10 @@ class Actor:
             params_dtype=config.params_dtype,
             optimizer_cpu_offload=offload_fraction > 0,
             optimizer_offload_fraction=offload_fraction,
+            # the HybridDeviceOptimizer runs on this flag's code path (megatron's training refuses CPU offload
+            # without it, megatron/training/arguments.py): it keeps the fp32 masters, and its checkpoint load
+            # (_update_fp32_params_by_new_state) knows only those
+            use_precision_aware_optimizer=offload_fraction > 0,
         )
         self.optimizer = get_megatron_optimizer(opt_config, self.models)
         use_loss_scaling(self.chunks, self.optimizer)
@@ -470,7 +482,11 @@ class Actor:
         for opt in self.optimizer.chained_optimizers:
             params = opt.get_parameters()
             if opt.config.clip_grad > 0.0 and params and not getattr(opt, "is_stub_optimizer", False):
-                clip_grad_by_total_norm_fp32(params, max_norm=opt.config.clip_grad, total_norm=grad_norm)
+                # the precision-aware path (CPU offload) hands its grads over as ``decoupled_grad``
+                decoupled = opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+                clip_grad_by_total_norm_fp32(
+                    params, max_norm=opt.config.clip_grad, total_norm=grad_norm, use_decoupled_grad=decoupled
+                )
         self.optimizer.step_with_ready_grads()
         return grad_norm
 

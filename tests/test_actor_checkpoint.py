@@ -298,3 +298,91 @@ def test_resumed_step_count_skips_empty_param_groups(tmp_path):
     results = run_ranks(_steps_after_resume_with_an_empty_group, 2, str(hf_dir))
     assert any(empty for empty, _ in results), results  # the case this test is for
     assert [step for _, step in results] == [4.0, 4.0]
+
+
+class _NoStream:  # the CUDA streams and events HybridDeviceOptimizer asks for (hybrid_optimizer.py)
+    def wait_stream(self, stream):
+        pass
+
+    def record_event(self):
+        return self
+
+    def wait(self, stream):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def _hybrid_optimizer_steps(rank, world_size):
+    """megatron's HybridDeviceOptimizer built on CPU params (its host sub-optimizers: torch AdamW, one per param);
+    a step as HDO.step ends it (each sub-optimizer steps, then _sync_sub_optimizers_state_to_hdo): HDO.step itself
+    copies device grads to host and cannot run without CUDA."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    from megatron_backend.dist_checkpoint import _common_step, _set_common_step
+
+    torch.cuda.current_stream, torch.cuda.Stream = (lambda device=None: _NoStream()), _NoStream
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    params = [torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))]
+    hdo = HybridDeviceOptimizer(
+        params, cpu_optimizer_cls=torch.optim.AdamW, gpu_optimizer_cls=torch.optim.AdamW, param_update_in_fp32=True
+    )
+    hdo.cpu_copys_map_gpu_param.update({p: p for p in params})  # each host param is its own device copy here
+
+    def step():
+        for p in params:
+            p.grad = torch.randn_like(p)
+        for sub in hdo.sub_optimizers:
+            sub.step()
+        hdo._sync_sub_optimizers_state_to_hdo()
+
+    actor = SimpleNamespace(optimizer=SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=hdo)]))
+    step()
+    _set_common_step(actor, 5.0)  # as a resume does
+    step()
+    return _common_step(actor)
+
+
+def test_a_hybrid_optimizers_step_count_is_its_sub_optimizers(tmp_path):
+    """actor.optimizer_offload_fraction > 0: the step a resume sets reaches the Adams that step (the
+    HybridDeviceOptimizer's sub-optimizers), so they continue from it and the next save reads one count."""
+    assert run_ranks(_hybrid_optimizer_steps, 1)[0] == 6.0
+
+
+def _hybrid_optimizer_states_to_load_into(rank, world_size):
+    """A fresh HybridDeviceOptimizer (megatron gives it ``init_state_fn=None``) as the resume's template finds it."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    from megatron_backend.dist_checkpoint import _optimizer_tensors
+
+    torch.cuda.current_stream, torch.cuda.Stream = (lambda device=None: _NoStream()), _NoStream
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    params = [torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))]
+    hdo = HybridDeviceOptimizer(
+        params,
+        cpu_optimizer_cls=torch.optim.AdamW,
+        gpu_optimizer_cls=torch.optim.AdamW,
+        param_update_in_fp32=True,
+        pin_cpu_grads=False,
+    )
+    hdo.cpu_copys_map_gpu_param.update({p: p for p in params})  # each host param is its own device copy here
+    opt = SimpleNamespace(init_state_fn=None, optimizer=hdo, config=None, sharded_state_dict=lambda *a, **k: {})
+    actor = SimpleNamespace(optimizer=SimpleNamespace(chained_optimizers=[opt]))
+    _optimizer_tensors(actor, {}, is_loading=True)
+    return [sorted(hdo.state[p]) for p in params]
+
+
+def test_a_fresh_hybrid_optimizer_gets_states_to_load_into():
+    """Resume with actor.optimizer_offload_fraction > 0: megatron's CPU offload has no state allocator
+    (optimizer/__init__.py: ``init_state_fn = None``); the template's optimizer states come from one step of the
+    HybridDeviceOptimizer, as megatron's DistributedOptimizer.load_state_dict makes them (``dummy_step``), with the
+    keys its precision-aware load reads (_get_main_param_and_optimizer_states: ``master_param`` -> ``param``)."""
+    keys = ["exp_avg", "exp_avg_sq", "master_param", "step"]
+    assert run_ranks(_hybrid_optimizer_states_to_load_into, 1)[0] == [keys, keys]

@@ -130,3 +130,33 @@ def test_offloading_the_optimizer_leaves_the_params_an_optimizer_state_aliases(t
     optimizer's shard, a view of DDP's param buffer): the actor's optimizer tensors never include the params'
     storage, so offloading the optimizer cannot take the params away before the weight sync reads them."""
     assert run_ranks(_offload_with_a_state_aliasing_a_param, 1, tiny_model_dirs["qwen2"])[0] == (0, True)
+
+
+def _offload_refusals(rank, world_size, hf_dir):
+    from megatron_backend.actor import Actor
+    from megatron_backend.config import ActorConfig
+    from megatron_backend.parallel import initialize_model_parallel
+
+    dims = initialize_model_parallel(tp=1, pp=1)
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        try:
+            Actor(hf_dir, ActorConfig(micro_batch_size=2, optimizer_offload_fraction=0.5), dims, dtype=dtype)
+            out[dtype] = None
+        except ValueError as exc:
+            out[dtype] = str(exc)
+    return out
+
+
+def test_optimizer_offload_refuses_what_megatrons_hybrid_optimizer_cannot_run(tiny_model_dirs):
+    """megatron-core 0.16.1: the distributed optimizer hands the HybridDeviceOptimizer float32 params as views of
+    DDP's buffer, which torch.optim refuses ("can't optimize a non-leaf Tensor"); the precision-aware path the CPU
+    offload runs on reads Transformer Engine's version (OptimizerConfig.__post_init__: is_te_min_version). Each is
+    refused in one line naming the fields, before megatron builds anything."""
+    import importlib.util
+
+    out = run_ranks(_offload_refusals, 1, tiny_model_dirs["qwen2"])[0]
+    assert out["float32"].startswith("actor.optimizer_offload_fraction=0.5 with model.dtype=float32"), out
+    assert "set model.dtype=bfloat16, or actor.optimizer_offload_fraction=0" in out["float32"]
+    if importlib.util.find_spec("transformer_engine") is None:
+        assert out["bfloat16"].startswith("actor.optimizer_offload_fraction=0.5 needs Transformer Engine"), out
