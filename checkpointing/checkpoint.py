@@ -294,7 +294,8 @@ class Checkpointer:
         """The actor's weights as ``<run dir>/hf/step_<n>`` (every rank writes its share; see Actor.save_hf)."""
         run_dir = self.root.parent
         out_dir = run_dir / HF_DIR / step_dir_name(completed_steps)
-        return actor.save_hf(out_dir, extra_files={RUN_CONFIG_COPY: run_dir / "config.yaml"})
+        with self.window():  # the shard writes, barriers and rank 0's rename are one-sided file work
+            return actor.save_hf(out_dir, extra_files={RUN_CONFIG_COPY: run_dir / "config.yaml"})
 
     def finish(self, tmp: Path, rank_state: dict[str, Any], state: RLState | None) -> Path:
         """Write this rank's part; rank 0 then writes ``rl_state.json`` (``state``) and renames the

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import math
 from collections.abc import Iterable
 from pathlib import Path
@@ -167,6 +168,21 @@ class Actor:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         offload_fraction = self.config.optimizer_offload_fraction
+        if offload_fraction > 0 and self.dtype == "float32":
+            # the distributed optimizer hands the HybridDeviceOptimizer float32 params as views of DDP's buffer
+            # (distrib_optimizer.py, _build_model_and_main_param_groups), which torch.optim refuses at build
+            raise ValueError(
+                f"actor.optimizer_offload_fraction={offload_fraction} with model.dtype=float32: megatron-core's "
+                'HybridDeviceOptimizer cannot step float32 params ("can\'t optimize a non-leaf Tensor"); set '
+                "model.dtype=bfloat16, or actor.optimizer_offload_fraction=0"
+            )
+        if offload_fraction > 0 and importlib.util.find_spec("transformer_engine") is None:
+            # megatron-core 0.16.1's OptimizerConfig reads TE's version on the precision-aware path (below)
+            raise ValueError(
+                f"actor.optimizer_offload_fraction={offload_fraction} needs Transformer Engine: megatron-core's CPU "
+                "offload runs on its precision-aware optimizer, which reads TE's version; install "
+                "transformer-engine, or set actor.optimizer_offload_fraction=0"
+            )
         # megatron wires its CPU offload (HybridDeviceOptimizer) into the distributed optimizer only
         use_dist_opt = self.dims.dp > 1 or offload_fraction > 0
         ddp_config = DistributedDataParallelConfig(
@@ -188,6 +204,10 @@ class Actor:
             params_dtype=config.params_dtype,
             optimizer_cpu_offload=offload_fraction > 0,
             optimizer_offload_fraction=offload_fraction,
+            # the HybridDeviceOptimizer runs on this flag's code path (megatron's training refuses CPU offload
+            # without it, megatron/training/arguments.py): it keeps the fp32 masters, and its checkpoint load
+            # (_update_fp32_params_by_new_state) knows only those
+            use_precision_aware_optimizer=offload_fraction > 0,
         )
         self.optimizer = get_megatron_optimizer(opt_config, self.models)
         use_loss_scaling(self.chunks, self.optimizer)
@@ -462,7 +482,11 @@ class Actor:
         for opt in self.optimizer.chained_optimizers:
             params = opt.get_parameters()
             if opt.config.clip_grad > 0.0 and params and not getattr(opt, "is_stub_optimizer", False):
-                clip_grad_by_total_norm_fp32(params, max_norm=opt.config.clip_grad, total_norm=grad_norm)
+                # the precision-aware path (CPU offload) hands its grads over as ``decoupled_grad``
+                decoupled = opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+                clip_grad_by_total_norm_fp32(
+                    params, max_norm=opt.config.clip_grad, total_norm=grad_norm, use_decoupled_grad=decoupled
+                )
         self.optimizer.step_with_ready_grads()
         return grad_norm
 
@@ -505,8 +529,11 @@ class Actor:
                 tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and v.device.type == device]
             for attr in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups"):
                 for group in getattr(opt, attr, None) or []:
-                    tensors += [p.data for p in group]
-        return tensors
+                    tensors += [p.data for p in group if p is not None]  # None: the optimizer keeps the masters
+        # never the params' storage: a HybridDeviceOptimizer's state holds its param as ``master_param``
+        # (hybrid_optimizer.py, _sync_sub_optimizers_state_to_hdo), a view of DDP's param buffer for float32
+        params = {p.untyped_storage().data_ptr() for p in self._param_tensors()}
+        return [t for t in tensors if t.untyped_storage().data_ptr() not in params]
 
     def _tensors_for(self, what: str) -> list[torch.Tensor]:
         return {"params": self._param_tensors, "grads": self._grad_tensors, "optimizer": self._optimizer_tensors}[

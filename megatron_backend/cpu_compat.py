@@ -1,7 +1,11 @@
-"""megatron-core 0.16 on CPU: the one place that papers over its hard-coded CUDA.
+"""megatron-core 0.16 on CPU, or without Transformer Engine and apex: the one place that papers over what it
+assumes of the device and of those libraries.
 
-Active only when ``torch.cuda.is_available()`` is False; on a GPU machine :func:`apply` is a no-op.
-We never fork or vendor megatron-core. Instead, inside the few megatron modules listed in
+Two scopes. Where a library is absent, on any device (a plain PyTorch CUDA image has neither TE nor apex):
+``moe_utils.te_general_gemm`` is defined as None (:func:`_define_missing_te_gemm`), torch's norms take sequence
+parallelism (:func:`_torch_norms_under_sequence_parallel`), and :func:`fused_softmax_available` tells the model
+config whether apex's softmax kernels exist. Where CUDA is absent (``torch.cuda.is_available()`` False), the rest
+below; on a GPU machine those stay off. We never fork or vendor megatron-core. Instead, inside the few megatron modules listed in
 ``PATCHED_MODULES`` (and nowhere else), the module-global name ``torch`` is rebound to
 :class:`_TorchOnCpu`, a thin proxy that forwards everything to the real ``torch`` except:
 
@@ -48,6 +52,7 @@ import contextlib
 import copy
 import functools
 import importlib
+import importlib.util
 import logging
 import types
 
@@ -84,7 +89,8 @@ _CUDA_TYPE_NAMES = {
 }
 
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint")
-_applied = False
+_applied = False  # the CPU patches
+_libraries_applied = False  # the absent libraries' compat
 
 
 def _cpu_device(device):
@@ -340,9 +346,29 @@ def is_active() -> bool:
     return _applied
 
 
+def fused_softmax_available() -> bool:
+    """apex's fused softmax kernels, which ``FusedScaleMaskSoftmax`` imports when ``masked_softmax_fusion`` is
+    on (megatron/core/fusions/fused_softmax.py): absent on CPU and on a CUDA image without apex."""
+    kernels = ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda")
+    return torch.cuda.is_available() and all(importlib.util.find_spec(name) is not None for name in kernels)
+
+
+def _apply_library_compat() -> None:
+    """What an absent Transformer Engine or apex needs on any device: the TE gemm's name, and the local spec's
+    torch norm (megatron builds WrappedTorchNorm for RMSNorm without TE, apex or not) under sequence parallelism."""
+    global _libraries_applied
+    if _libraries_applied:
+        return
+    _define_missing_te_gemm()
+    _torch_norms_under_sequence_parallel()
+    _libraries_applied = True
+
+
 def apply() -> bool:
-    """Patch the modules in ``PATCHED_MODULES`` if CUDA is absent. Idempotent; returns whether active."""
+    """The compat for absent libraries, then the modules in ``PATCHED_MODULES`` if CUDA is absent. Idempotent;
+    returns whether the CPU patches are active."""
     global _applied
+    _apply_library_compat()
     if _applied or torch.cuda.is_available():
         return _applied
     proxy = _TorchOnCpu()
@@ -355,9 +381,7 @@ def apply() -> bool:
     logging.getLogger(random_module.__name__).addFilter(_DropForkWarning())
     _patch_tied_embedding_setup()
     _patch_optimizer_type_checks()
-    _define_missing_te_gemm()
     _host_split_sizes_as_on_cuda()
     _gather_uneven_by_padding()
-    _torch_norms_under_sequence_parallel()
     _applied = True
     return True

@@ -64,6 +64,17 @@ def _canonical(t, fp32_model_keys: set):
     return replace(t, key=key) if key != t.key else t
 
 
+def _init_state(opt) -> None:
+    """States to load into: zero moments from megatron's own allocator; its CPU offload has none
+    (``init_state_fn=None``, optimizer/__init__.py), so a fresh HybridDeviceOptimizer takes one step of random
+    grads to make them, where they live, as megatron's DistributedOptimizer.load_state_dict does
+    (distrib_optimizer.py, megatron-core 0.16.1). The load then replaces moments, masters and params alike."""
+    if opt.init_state_fn is not None:
+        opt.init_state_fn(opt.optimizer, opt.config)
+    elif not opt.optimizer.state and hasattr(opt.optimizer, "dummy_step"):
+        opt.optimizer.dummy_step()
+
+
 def _optimizer_tensors(actor, model_sd: dict, is_loading: bool) -> tuple[list, list]:
     """The optimizer state in model space (module doc) as ShardedTensors (the layers of a stage share a key and
     differ in offset), and per tensor where a loaded value goes: (None, target) copies into the optimizer's
@@ -79,7 +90,7 @@ def _optimizer_tensors(actor, model_sd: dict, is_loading: bool) -> tuple[list, l
     tensors, routes = [], []
     for opt in _inner_optimizers(actor):
         if is_loading:
-            opt.init_state_fn(opt.optimizer, opt.config)  # zero moments to load into (megatron's own allocator)
+            _init_state(opt)
         if isinstance(opt, DistributedOptimizer):
             # model-param-shaped (TP shard) tensors gathered over DP: on DP rank 0 when saving (None elsewhere),
             # on every rank (empty, to be filled) when loading
@@ -120,27 +131,44 @@ def _load_optimizer_tensors(actor, routes: list, values: list) -> None:
         opt.load_parameter_state_from_fully_reshardable(by_param)
 
 
+def _groups_with_params(inner) -> list[dict]:
+    """TE's FusedAdam before 2.19 skips an empty group before advancing its ``step`` (the distributed optimizer
+    leaves a group empty on a DP rank whose shard holds none of its params): megatron's
+    ChainedOptimizer._synchronize_steps reads and sets the step of the other groups only, and so do we."""
+    return [group for group in inner.param_groups if group["params"]]
+
+
+def _step_counters(actor) -> list:
+    """The optimizers that count steps: a HybridDeviceOptimizer's sub-optimizers (its host and device Adams) count
+    their own; its states are theirs (the same dicts), its param groups hold no step."""
+    return [
+        sub for opt in _inner_optimizers(actor) for sub in getattr(opt.optimizer, "sub_optimizers", [opt.optimizer])
+    ]
+
+
 def _common_step(actor) -> float:
     """The step count every parameter shares (torch Adam keeps it per parameter, TE's FusedAdam per group)."""
     steps = set()
-    for opt in _inner_optimizers(actor):
-        inner = opt.optimizer
+    for inner in _step_counters(actor):
         if isinstance(inner, torch.optim.Optimizer) and inner.state:
             steps |= {float(s["step"]) for s in inner.state.values() if "step" in s}
-        steps |= {float(g["step"]) for g in inner.param_groups if "step" in g}
+        steps |= {float(g["step"]) for g in _groups_with_params(inner) if "step" in g}
     if len(steps) > 1:
         raise RuntimeError(f"optimizer step counts differ between parameters ({sorted(steps)}); cannot save one")
     return steps.pop() if steps else 0.0
 
 
 def _set_common_step(actor, step: float) -> None:
-    for opt in _inner_optimizers(actor):
-        inner = opt.optimizer
+    for inner in _step_counters(actor):
         if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-            for state in inner.state.values():
-                state["step"] = torch.tensor(float(step), dtype=torch.float32)
-        else:  # TE / Apex FusedAdam: one step per group
             for group in inner.param_groups:
+                for p in group["params"]:
+                    if p in inner.state:  # torch's fused / capturable Adam keeps the step on the param's device
+                        on_param = group.get("fused") or group.get("capturable")
+                        device = p.device if on_param else torch.device("cpu")
+                        inner.state[p]["step"] = torch.tensor(float(step), dtype=torch.float32, device=device)
+        else:  # TE / Apex FusedAdam: one step per group
+            for group in _groups_with_params(inner):
                 group["step"] = int(step)
 
 

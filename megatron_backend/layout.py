@@ -23,7 +23,8 @@ qpg = nq // ng query heads per KV group, V vocab, Vp = V padded to a multiple of
 - ``linear_proj.weight`` [H, nq*d/TP]: o_proj split on columns.
 - ``linear_fc1.weight`` [2F/TP, H]: per TP rank [gate shard; up shard]; ``linear_fc2.weight`` [H, F/TP].
 - norms replicated: ``input_layernorm`` / ``pre_mlp_layernorm`` (Transformer Engine spec:
-  ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``), ``q_layernorm`` /
+  ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``, an MoE layer's stays
+  ``pre_mlp_layernorm``), ``q_layernorm`` /
   ``k_layernorm`` [d], ``decoder.final_layernorm`` [H].
 - MoE layers (``RankLayout.ep`` / ``etp``): the router ``mlp.router.weight`` [E, H] replicated; EP rank
   e holds experts [e * E/EP, (e+1) * E/EP), numbered 0.. locally, each split like a dense MLP by expert TP:
@@ -135,11 +136,14 @@ def _local_experts(shape: ModelShape, layout: RankLayout) -> range:
     return range(layout.ep_rank * per_rank, (layout.ep_rank + 1) * per_rank)
 
 
-def _megatron_name(part: Part, kind: str, layout: RankLayout, local: int, local_expert: int | None) -> str:
-    """``part``'s ``kind`` in local layer ``local`` (of local expert ``local_expert`` for an expert part)."""
+def _megatron_name(
+    part: Part, kind: str, layout: RankLayout, local: int, local_expert: int | None, sparse: bool
+) -> str:
+    """``part``'s ``kind`` in local layer ``local`` (of local expert ``local_expert`` for an expert part);
+    ``sparse``: the layer is an MoE layer (TE fuses the pre-MLP norm only into a dense MLP)."""
     if part.expert:
         return f"decoder.layers.{local}." + part.megatron_expert_param(kind, local_expert, layout.grouped_experts)
-    return f"decoder.layers.{local}." + part.megatron_param(kind, layout.te_norms)
+    return f"decoder.layers.{local}." + part.megatron_param(kind, layout.te_norms, sparse)
 
 
 def _part_pieces(shape: ModelShape, layout: RankLayout, part: Part, kind: str, layer: int, local: int, vp_stage: int):
@@ -160,7 +164,7 @@ def _split_pieces(shape, layout: RankLayout, part: Part, kind: str, layer: int, 
     if part.expert:  # each expert is split by expert TP
         tp, r = layout.expert_tp, layout.etp_rank
     hf_name, offset = shape.family.hf_slot(part, kind, layer, full_sizes(shape), global_expert)
-    mg = _megatron_name(part, kind, layout, local, local_expert)
+    mg = _megatron_name(part, kind, layout, local, local_expert, shape.is_moe_layer(layer))
     local_sizes = _megatron_rank_sizes(shape, layout)
     # parts before this one in its megatron parameter (stacked along rows there)
     before = [p for p, k in layer_parts(shape, layer) if k == kind and p.megatron == part.megatron]
@@ -255,7 +259,7 @@ def local_param_shapes(shape: ModelShape, layout: RankLayout) -> dict[tuple[int,
             for part, kind in layer_parts(shape, layer):  # stacked parts add their rows to one parameter
                 rows, *rest = dims_size(part.kind_dims(kind), local_sizes)
                 for local_expert in range(num_local_experts) if part.expert else (None,):
-                    key = (vp, _megatron_name(part, kind, layout, local, local_expert))
+                    key = (vp, _megatron_name(part, kind, layout, local, local_expert, shape.is_moe_layer(layer)))
                     out[key] = (out.get(key, (0,))[0] + rows, *rest)
         if last:
             out[(vp, "decoder.final_layernorm.weight")] = (h,)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron_backend import cpu_compat
 from megatron_backend.layout import padded_vocab_size
 from megatron_backend.parallel import ParallelDims
 from modelspec import ModelShape, torch_dtype
@@ -260,7 +261,7 @@ def transformer_config(
         use_cpu_initialization=on_cpu,
         # fused kernels are CUDA-only
         bias_dropout_fusion=not on_cpu,
-        masked_softmax_fusion=not on_cpu,
+        masked_softmax_fusion=cpu_compat.fused_softmax_available(),  # apex's kernels
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,

@@ -101,6 +101,8 @@ def initialize_model_parallel(
         virtual_pipeline_model_parallel_size=vpp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
+        # its subgroups' timeout (default 30 min): a hung TP/PP/DP collective fails when the default group's does
+        distributed_timeout_minutes=timeout_s / 60,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return ParallelDims(

@@ -61,6 +61,9 @@ class Part:
     # one tensor per routed expert: the HF name holds ``{expert}``; ``vllm`` is a FusedMoE parameter stem
     # (``<block>.experts.routed_experts.w13`` -> ``w13_weight`` [E, 2m, h]) whose dim 0 is the expert; splits apply per expert
     expert: bool = False
+    # the TE name fuses it into the dense MLP's linear_fc1: megatron's TE spec gives an MoE layer its own norm
+    # (gpt_layer_specs.py: ``pre_mlp_layernorm=backend.layer_norm() if num_experts else IdentityOp``)
+    te_dense_only: bool = False
 
     def __post_init__(self) -> None:
         if self.megatron_split not in MEGATRON_SPLITS:
@@ -74,10 +77,11 @@ class Part:
         """The dims of this part's ``weight`` or ``bias`` (a bias has the weight's output rows)."""
         return self.dims if kind == "weight" else self.dims[:1]
 
-    def megatron_param(self, kind: str, te_norms: bool) -> str:
+    def megatron_param(self, kind: str, te_norms: bool, sparse: bool = False) -> str:
+        """The parameter under ``decoder.layers.<n>.``; ``sparse``: in an MoE layer."""
         if self.expert:
             raise ValueError(f"part {self.name} is one per expert: use megatron_expert_param")
-        if te_norms and self.megatron_te_name:
+        if te_norms and self.megatron_te_name and not (sparse and self.te_dense_only):
             return self.megatron_te_name
         return f"{self.megatron}.{kind}"
 
@@ -126,6 +130,7 @@ POST_NORM = Part(
     "post_attention_layernorm",
     "replicate",
     megatron_te_name="mlp.linear_fc1.layer_norm_weight",
+    te_dense_only=True,
 )
 LAYER_PARTS = (Q, K, V, O_PROJ, Q_NORM, K_NORM, GATE, UP, DOWN, INPUT_NORM, POST_NORM)
 OPTIONAL_PARTS = (Q_NORM, K_NORM)  # a family has both (Qwen3) or neither

@@ -237,14 +237,20 @@ def _the_worker(wrapper: Any) -> Any:
     return wrapper.worker
 
 
-def routed_experts_of(out, prompt_len: int) -> torch.Tensor:
-    """vLLM's ``CompletionOutput.routed_experts`` [seq_len, layers, top_k] (the aux-output connector's rows of
-    tokens [0, num_tokens - 1): the prompt and every sampled token but the last) -> ours [layers, tokens, k]."""
+def routed_experts_of(out, prompt_len: int, moe_layers: tuple[int, ...]) -> torch.Tensor:
+    """vLLM's ``CompletionOutput.routed_experts`` [seq_len, decoder layers, top_k] (the aux-output connector's rows
+    of tokens [0, num_tokens - 1): the prompt and every sampled token but the last) -> ours [MoE layers, tokens, k].
+    vLLM's capturer keeps a row per decoder layer, a dense layer's zero (routed_experts_capturer.py); the actor
+    indexes MoE layers only, so the rows of ``moe_layers`` (the shape's, in order) are kept."""
     expected = prompt_len + len(out.token_ids) - 1
-    if out.routed_experts is None or out.routed_experts.shape[0] != expected:
-        got = None if out.routed_experts is None else out.routed_experts.shape
-        raise RuntimeError(f"vLLM returned routed experts {got} for {expected} tokens (prompt + sampled - 1)")
-    return torch.from_numpy(out.routed_experts).permute(1, 0, 2).to(torch.int16)
+    routed = out.routed_experts
+    if routed is None or routed.shape[0] != expected or routed.shape[1] <= max(moe_layers, default=-1):
+        got = None if routed is None else routed.shape
+        raise RuntimeError(
+            f"vLLM returned routed experts {got} for {expected} tokens (prompt + sampled - 1) and MoE layers "
+            f"{moe_layers}"
+        )
+    return torch.from_numpy(routed[:, list(moe_layers)]).permute(1, 0, 2).to(torch.int16)
 
 
 def to_vllm_sampling_params(params: SamplingParams, seed: int):
@@ -453,6 +459,8 @@ class VllmEngine:
         if self.returns_routed_experts:
             # vLLM's routed-experts capture runs in Model Runner V2 only (its config check; prefix caching is on)
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+        shape = shape if shape is not None else ModelShape.from_pretrained(model_path)
+        self.moe_layers = shape.moe_layers  # the decoder layers whose routed experts the actor replays
         kwargs = engine_args(cfg, model_path, mesh, self.platform, dtype=dtype, load=load, shape=shape, **overrides)
         with _keep_process_settings():
             self.llm = LLM(**kwargs)
@@ -517,7 +525,7 @@ class VllmEngine:
                 logprobs = [float(step[t].logprob) for t, step in zip(token_ids, out.logprobs or [])]
                 completion = Completion(i, out.index, token_ids, logprobs, out.finish_reason)
                 if params.return_routed_experts:
-                    completion.routed_experts = routed_experts_of(out, len(prompts[i]))
+                    completion.routed_experts = routed_experts_of(out, len(prompts[i]), self.moe_layers)
                 samples.append(completion)
             results.append(samples)
         return results

@@ -10,6 +10,7 @@ Pure config checks (sizes that must divide, ranges) live in the configs' ``__pos
 from __future__ import annotations
 
 import fcntl
+import importlib.metadata
 import importlib.util
 import os
 from dataclasses import asdict
@@ -34,6 +35,10 @@ from run.config import RunConfig
 from run.memory_plan import LaunchPlan
 from telemetry.tracking import SUMMARY_FILE
 
+# Transformer Engine before 2.12 has no attention backend for float32 THD (packed) sequences: flash and fused
+# attention take fp16/bf16 only and get_attention_backend disabled unfused attention for qkv_format="thd"
+# (dot_product_attention/utils.py; the filter was removed by TE commit 93c5c65, released in 2.12.0)
+TE_FLOAT32_THD = (2, 12)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 # keys that may change between the run that saved a checkpoint and the one that resumes it automatically
 RESUMABLE_CHANGES = ("resume", "trainer.steps")
@@ -43,6 +48,7 @@ def preflight(cfg: RunConfig, run_dir: Path | None, launch: LaunchPlan) -> None:
     """Every file-level check; ``cfg.model.path`` must already be resolved (tiny checkpoints written). ``launch``:
     the launch's memory plan (run.memory_plan.plan_launch), whose KV cache is checked."""
     check_engine_installed(cfg)
+    check_attention_backend(cfg)
     shape = cfg.model.shape()
     check_tokenizer(cfg, shape)
     check_model_files(cfg, shape)
@@ -63,6 +69,25 @@ def check_engine_installed(cfg: RunConfig) -> None:
         raise ConfigError(
             f"rollout.engine={cfg.rollout.engine} needs the {package} package, which is not importable here; "
             f"install it (`make install EXTRAS=dev,gpu` on a GPU machine) or use rollout.engine=native"
+        )
+
+
+def check_attention_backend(cfg: RunConfig) -> None:
+    """A CUDA run with Transformer Engine installed attends through TE (megatron_backend.model.layer_spec): refuse
+    float32 packed sequences on a TE without a backend for them, rather than fail at the first forward."""
+    if cfg.device_kind == "cpu" or cfg.model.dtype != "float32" or not cfg.actor.remove_padding:
+        return
+    try:
+        installed = importlib.metadata.version("transformer_engine")
+    except importlib.metadata.PackageNotFoundError:
+        return  # megatron's local spec (no TE) attends float32 THD itself
+    from packaging.version import Version
+
+    if Version(installed).release[:2] < TE_FLOAT32_THD:
+        raise ConfigError(
+            f"model.dtype=float32 with actor.remove_padding=true: Transformer Engine {installed} has no attention "
+            "backend for float32 packed sequences; set model.dtype=bfloat16, or actor.remove_padding=false, or "
+            "install transformer-engine>=2.12"
         )
 
 

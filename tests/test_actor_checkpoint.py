@@ -36,7 +36,7 @@ def _clear_moments(optimizer) -> None:
             (opt if isinstance(opt, torch.optim.Optimizer) else opt.optimizer).state.clear()
 
 
-def _save_then_load_elsewhere(rank, world_size, hf_dir, ckpt_dir, save_layout, load_layout):
+def _save_then_load_elsewhere(rank, world_size, hf_dir, ckpt_dir, save_layout, load_layout, dtype="float32"):
     """Train 2 steps at ``save_layout``, save, train 1 more (the reference); load at ``load_layout``,
     train the same step; also that step from a fresh optimizer (which must differ)."""
     from configs.actor import ActorConfig
@@ -54,7 +54,7 @@ def _save_then_load_elsewhere(rank, world_size, hf_dir, ckpt_dir, save_layout, l
         config = ActorConfig(
             tp=tp, pp=pp, vpp=vpp, ep=ep, micro_batch_size=1 if vpp else 2, lr=1e-3, moe_aux_loss_coef=1e-2
         )
-        return Actor(hf_dir, config, dims)
+        return Actor(hf_dir, config, dims, dtype=dtype)
 
     def step(actor):
         batch = _batch(actor.shape.vocab_size)
@@ -168,10 +168,10 @@ def test_moe_checkpoint_at_ep2_reloads_bit_exact_and_reshards_experts(tiny_model
 
 @pytest.mark.gpu
 def test_megatron_optimizer_checkpoint_round_trip(tiny_model_dirs, tmp_path):
-    """CUDA: megatron-core's optimizer with TE's FusedAdam (step per group) through the same save/load."""
-    result = run_ranks(
-        _save_then_load_elsewhere, 1, tiny_model_dirs["qwen2"], str(tmp_path / "gpu"), (1, 1, None), (1, 1, None)
-    )[0]
+    """CUDA: megatron-core's optimizer with TE's FusedAdam (step per group) through the same save/load, in bf16:
+    TE before 2.12 has no attention backend for float32 packed sequences (run/preflight.py refuses it)."""
+    hf_dir, ckpt_dir = tiny_model_dirs["qwen2"], str(tmp_path / "gpu")
+    result = run_ranks(_save_then_load_elsewhere, 1, hf_dir, ckpt_dir, (1, 1, None), (1, 1, None), "bfloat16")[0]
     result = {
         k: ({n: t.cpu() for n, t in v.items()} if k.endswith(("state", "saved", "loaded")) else v)
         for k, v in result.items()
@@ -252,3 +252,137 @@ def test_a_torch_adamw_checkpoint_resumes_with_its_moments_in_megatrons_optimize
         for k in old:  # carried over bit for bit (vocab-padded rows: as many as TP pads to, cut on load)
             rows = min(len(old[k]), len(new[k]))
             assert torch.equal(new[k][:rows], old[k][:rows]), (name, k)
+
+
+class _FusedAdamSteps:
+    """The step count of TE's FusedAdam before 2.19 (transformer_engine/pytorch/optimizers/fused_adam.py, ``step``:
+    ``if len(group["params"]) == 0: continue`` before ``group["step"] += 1``; 2.19 advances empty groups too, TE
+    commit 734ce31): one ``step`` per param group, an empty group's left behind."""
+
+    def __init__(self, param_groups):
+        self.param_groups, self.state = param_groups, {}
+
+    def step(self):
+        for group in self.param_groups:
+            if group["params"]:
+                group["step"] = group.get("step", 0) + 1
+
+
+def _steps_after_resume_with_an_empty_group(rank, world_size, hf_dir):
+    """DP=2 (megatron's DistributedOptimizer): a rank whose shard lies inside the embedding has
+    an empty param group (no norm or bias in it); the resumed step count is set, one step taken, the count read."""
+    from configs.actor import ActorConfig
+    from megatron_backend.actor import Actor
+    from megatron_backend.dist_checkpoint import _common_step, _inner_optimizers, _set_common_step
+    from megatron_backend.parallel import initialize_model_parallel
+
+    actor = Actor(hf_dir, ActorConfig(micro_batch_size=1), initialize_model_parallel(tp=1, pp=1))
+    empty = [not g["params"] for opt in _inner_optimizers(actor) for g in opt.optimizer.param_groups]
+    for opt in _inner_optimizers(actor):
+        opt.optimizer = _FusedAdamSteps(opt.optimizer.param_groups)
+    _set_common_step(actor, 3.0)
+    for opt in _inner_optimizers(actor):
+        opt.optimizer.step()
+    return any(empty), _common_step(actor)
+
+
+def test_resumed_step_count_skips_empty_param_groups(tmp_path):
+    """dist_checkpoint sets and reads the step as megatron's ChainedOptimizer._synchronize_steps does (groups with
+    params only): an empty group's step is never compared, so the save after a resume does not refuse."""
+    from modelspec.tiny import write_tiny_model
+
+    # the (tied) embedding, 16384 x 128, outweighs the two layers: one DP rank's half lies inside it
+    hf_dir = write_tiny_model(
+        "qwen2", tmp_path / "big_vocab", vocab_size=16384, num_hidden_layers=2, tie_word_embeddings=True
+    )
+    results = run_ranks(_steps_after_resume_with_an_empty_group, 2, str(hf_dir))
+    assert any(empty for empty, _ in results), results  # the case this test is for
+    assert [step for _, step in results] == [4.0, 4.0]
+
+
+class _NoStream:  # the CUDA streams and events HybridDeviceOptimizer asks for (hybrid_optimizer.py)
+    def wait_stream(self, stream):
+        pass
+
+    def record_event(self):
+        return self
+
+    def wait(self, stream):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def _hybrid_optimizer_steps(rank, world_size):
+    """megatron's HybridDeviceOptimizer built on CPU params (its host sub-optimizers: torch AdamW, one per param);
+    a step as HDO.step ends it (each sub-optimizer steps, then _sync_sub_optimizers_state_to_hdo): HDO.step itself
+    copies device grads to host and cannot run without CUDA."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    from megatron_backend.dist_checkpoint import _common_step, _set_common_step
+
+    torch.cuda.current_stream, torch.cuda.Stream = (lambda device=None: _NoStream()), _NoStream
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    params = [torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))]
+    hdo = HybridDeviceOptimizer(
+        params, cpu_optimizer_cls=torch.optim.AdamW, gpu_optimizer_cls=torch.optim.AdamW, param_update_in_fp32=True
+    )
+    hdo.cpu_copys_map_gpu_param.update({p: p for p in params})  # each host param is its own device copy here
+
+    def step():
+        for p in params:
+            p.grad = torch.randn_like(p)
+        for sub in hdo.sub_optimizers:
+            sub.step()
+        hdo._sync_sub_optimizers_state_to_hdo()
+
+    actor = SimpleNamespace(optimizer=SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=hdo)]))
+    step()
+    _set_common_step(actor, 5.0)  # as a resume does
+    step()
+    return _common_step(actor)
+
+
+def test_a_hybrid_optimizers_step_count_is_its_sub_optimizers(tmp_path):
+    """actor.optimizer_offload_fraction > 0: the step a resume sets reaches the Adams that step (the
+    HybridDeviceOptimizer's sub-optimizers), so they continue from it and the next save reads one count."""
+    assert run_ranks(_hybrid_optimizer_steps, 1)[0] == 6.0
+
+
+def _hybrid_optimizer_states_to_load_into(rank, world_size):
+    """A fresh HybridDeviceOptimizer (megatron gives it ``init_state_fn=None``) as the resume's template finds it."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    from megatron_backend.dist_checkpoint import _optimizer_tensors
+
+    torch.cuda.current_stream, torch.cuda.Stream = (lambda device=None: _NoStream()), _NoStream
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    params = [torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))]
+    hdo = HybridDeviceOptimizer(
+        params,
+        cpu_optimizer_cls=torch.optim.AdamW,
+        gpu_optimizer_cls=torch.optim.AdamW,
+        param_update_in_fp32=True,
+        pin_cpu_grads=False,
+    )
+    hdo.cpu_copys_map_gpu_param.update({p: p for p in params})  # each host param is its own device copy here
+    opt = SimpleNamespace(init_state_fn=None, optimizer=hdo, config=None, sharded_state_dict=lambda *a, **k: {})
+    actor = SimpleNamespace(optimizer=SimpleNamespace(chained_optimizers=[opt]))
+    _optimizer_tensors(actor, {}, is_loading=True)
+    return [sorted(hdo.state[p]) for p in params]
+
+
+def test_a_fresh_hybrid_optimizer_gets_states_to_load_into():
+    """Resume with actor.optimizer_offload_fraction > 0: megatron's CPU offload has no state allocator
+    (optimizer/__init__.py: ``init_state_fn = None``); the template's optimizer states come from one step of the
+    HybridDeviceOptimizer, as megatron's DistributedOptimizer.load_state_dict makes them (``dummy_step``), with the
+    keys its precision-aware load reads (_get_main_param_and_optimizer_states: ``master_param`` -> ``param``)."""
+    keys = ["exp_avg", "exp_avg_sq", "master_param", "step"]
+    assert run_ranks(_hybrid_optimizer_states_to_load_into, 1)[0] == [keys, keys]

@@ -295,3 +295,46 @@ def test_make_run_with_a_bad_tp_exits_nonzero_naming_actor_tp():
     )
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "actor.tp=3" in proc.stderr, proc.stderr
+
+
+def _te_version(monkeypatch, installed: str) -> None:
+    """As if Transformer Engine ``installed`` were the version here (importlib.metadata's answer)."""
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    te = {"transformer_engine", "transformer-engine"}
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: installed if name in te else real(name))
+
+
+@pytest.mark.parametrize(
+    "installed,overrides,refused",
+    [
+        ("2.11.0", [], True),  # float32 + remove_padding (the defaults): no attention backend
+        ("2.12.0", [], False),  # unfused attention takes THD from 2.12
+        ("2.11.0", ["model.dtype=bfloat16"], False),
+        ("2.11.0", ["actor.remove_padding=false"], False),
+    ],
+)
+def test_te_float32_packed_attention_is_refused_before_launch(
+    tiny_model_dirs, tmp_path, monkeypatch, installed, overrides, refused
+):
+    """TE before 2.12 has no attention backend for float32 THD (packed) sequences: flash and fused attention take
+    fp16/bf16 only, and get_attention_backend disabled unfused attention for qkv_format="thd"
+    (transformer_engine/pytorch/attention/dot_product_attention/utils.py, "Disabling UnfusedDotProductAttention
+    for qkv_format = thd", removed by TE commit 93c5c65, first released in 2.12.0). A CUDA run there is refused
+    by preflight in one line naming what to change; a CPU run (no TE) never is."""
+    from run.compose import ConfigError, compose
+    from run.main import check_launch
+    from run.preflight import preflight
+
+    _te_version(monkeypatch, installed)
+    cfg = compose("tiny_cpu", ["cluster.device=H100-80GB", *overrides])
+    launch = check_launch(cfg, None)
+    cfg.model.path = tiny_model_dirs["qwen2"]
+    if refused:
+        with pytest.raises(ConfigError) as err:
+            preflight(cfg, None, launch)
+        assert str(err.value).count("\n") == 0 and "model.dtype=bfloat16" in str(err.value), err.value
+        assert "actor.remove_padding=false" in str(err.value) and "transformer-engine>=2.12" in str(err.value)
+    else:
+        preflight(cfg, None, launch)

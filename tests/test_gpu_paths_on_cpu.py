@@ -133,3 +133,51 @@ def test_megatron_scales_the_loss_by_the_optimizers_scale(tiny_model_dirs):
     # megatron's backward_step multiplied the loss by 1024 through config.grad_scale_func (a power of two:
     # exact in floating point); the megatron optimizer divides it back out in step()
     assert all(torch.allclose(s, 1024 * p, rtol=1e-5, atol=0) for p, s in zip(plain, scaled))
+
+
+def _on_cuda_without_te_or_apex(rank: int, world_size: int) -> dict:
+    """A fresh process that answers torch.cuda.is_available() True (a plain PyTorch CUDA image: no TE, no apex)."""
+    from types import SimpleNamespace
+
+    torch.cuda.is_available = lambda: True
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.utils import attention_mask_func
+
+    from megatron_backend import cpu_compat
+    from megatron_backend.model import transformer_config
+    from modelspec import ModelShape
+
+    cpu_compat.apply()
+    dims = SimpleNamespace(device=torch.device("cuda"), tp=2, pp=1, vpp=None)
+    config = transformer_config(ModelShape.from_pretrained("tiny:qwen2"), dims, "bfloat16", sequence_parallel=True)
+    norm = WrappedTorchNorm(config, config.hidden_size)  # the local spec's norm (MoE at TP > 1: SP is on)
+    softmax = FusedScaleMaskSoftmax(  # as megatron's DotProductAttention builds it from the config
+        input_in_fp16=False,
+        input_in_bf16=True,
+        attn_mask_type=AttnMaskType.causal,
+        scaled_masked_softmax_fusion=config.masked_softmax_fusion,
+        mask_func=attention_mask_func,
+        softmax_in_fp32=True,
+        scale=None,
+    )
+    mask = torch.ones(32, 32, dtype=torch.bool).triu(1)[None, None]  # megatron's causal mask (True: masked)
+    probs = softmax(torch.randn(1, 4, 32, 32, dtype=torch.bfloat16), mask)  # a shape the fused kernel takes
+    return dict(
+        te_general_gemm=hasattr(moe_utils, "te_general_gemm") and moe_utils.te_general_gemm is None,
+        norm_marked=all(getattr(p, "sequence_parallel", False) for p in norm.parameters()),
+        softmax_sums_to_one=bool(torch.allclose(probs.float().sum(-1), torch.ones(1, 4, 32), atol=1e-2)),
+        cpu_patches=cpu_compat.is_active(),
+    )
+
+
+def test_a_cuda_node_without_te_or_apex_gets_the_compat_for_the_absent_libraries():
+    """cpu_compat is scoped to the library that is absent, not to "no CUDA": megatron-core 0.16.1's moe_utils
+    reads ``te_general_gemm`` (defined only in its TE import), the local spec's WrappedTorchNorm asserts
+    ``not config.sequence_parallel`` (torch_norm.py) and FusedScaleMaskSoftmax imports apex's
+    ``scaled_masked_softmax_cuda`` when ``masked_softmax_fusion`` is on (fused_softmax.py, get_batch_per_block).
+    Its CPU-only patches (the torch proxy, CUDA type names) stay off on CUDA."""
+    result = run_ranks(_on_cuda_without_te_or_apex, 1)[0]
+    assert result == dict(te_general_gemm=True, norm_marked=True, softmax_sums_to_one=True, cpu_patches=False)

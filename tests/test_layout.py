@@ -142,3 +142,50 @@ def test_parity_cli_rejects_bad_input_before_launching(tmp_path, tiny_model_dirs
     assert main(["--hf", tiny_model_dirs["qwen2"], "--tp", "4"]) == 2
     err = capsys.readouterr().err
     assert "actor.tp=4 must divide" in err and len(err.strip().splitlines()) == 1
+
+
+def test_te_norm_names_follow_megatrons_te_spec_in_dense_and_moe_layers(monkeypatch):
+    """Under TE, megatron-core 0.16.1's TE layer spec (models/gpt/gpt_layer_specs.py, lines 265/291:
+    ``pre_mlp_layernorm=backend.layer_norm() if num_experts else IdentityOp``) fuses the pre-MLP norm into
+    ``linear_fc1`` only in a dense layer; an MoE layer keeps ``pre_mlp_layernorm``. TE is not installed here, so the
+    spec is built on the local provider with TESpecProvider's two fusing answers (transformer_engine_spec_provider.py)."""
+    from megatron.core.models import backends
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from modelspec.tiny import tiny_hf_config
+
+    class LayerNormLinear:  # stands for TELayerNormColumnParallelLinear: its norm is ``layer_norm_weight``
+        pass
+
+    class TEFusing(backends.LocalSpecProvider):
+        def fuse_layernorm_and_linear(self):
+            return True
+
+        def column_parallel_layer_norm_linear(self):
+            return LayerNormLinear
+
+    monkeypatch.setattr(gpt_layer_specs, "TESpecProvider", TEFusing, raising=False)
+
+    def library_names(num_experts) -> set[str]:
+        sub = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts).submodules
+        names = set()
+        if sub.input_layernorm is IdentityOp:
+            assert sub.self_attention.submodules.linear_qkv is LayerNormLinear
+            names.add("self_attention.linear_qkv.layer_norm_weight")
+        if sub.pre_mlp_layernorm is IdentityOp:
+            assert sub.mlp.submodules.linear_fc1 is LayerNormLinear
+            names.add("mlp.linear_fc1.layer_norm_weight")
+        else:
+            names.add("pre_mlp_layernorm.weight")
+        return names
+
+    shape = ModelShape.from_hf_config(tiny_hf_config("qwen3_moe"))
+    assert shape.moe_layers == (0, 1, 3)  # layer 2 is dense (mlp_only_layers)
+    layout = RankLayout(1, 1, None, 0, 0, te_norms=True, grouped_experts=True)
+    names = {p.megatron_name for p in rank_pieces(shape, layout)}
+    assert names == {name for _, name in local_param_shapes(shape, layout)}
+    for layer in range(shape.num_layers):
+        norms = {n.removeprefix(f"decoder.layers.{layer}.") for n in names if n.startswith(f"decoder.layers.{layer}.")}
+        norms = {n for n in norms if "norm" in n and "q_layernorm" not in n and "k_layernorm" not in n}
+        assert norms == library_names(8 if shape.is_moe_layer(layer) else None), layer

@@ -295,11 +295,11 @@ def test_vllm_routed_experts_become_layers_first():
     out = CompletionOutput(
         index=0, text="", token_ids=[5, 6, 7], cumulative_logprob=None, logprobs=None, routed_experts=rows
     )
-    routed = routed_experts_of(out, prompt_len=4)
+    routed = routed_experts_of(out, prompt_len=4, moe_layers=(0, 1, 2))
     assert routed.shape == (3, 6, 2) and routed.dtype == torch.int16
     assert torch.equal(routed.permute(1, 0, 2).long(), torch.from_numpy(rows).long())
     with pytest.raises(RuntimeError, match="for 5 tokens"):
-        routed_experts_of(out, prompt_len=3)
+        routed_experts_of(out, prompt_len=3, moe_layers=(0, 1, 2))
 
 
 def _vllm_gpu_routing(rank: int, world_size: int, hf_dir: str) -> list:
@@ -384,3 +384,44 @@ def test_replay_narrows_the_gap_to_an_engine_that_routes_otherwise(tiny_model_di
         )
         assert out["mismatch"] > 0.01
         assert out[True][1] < out[False][1]
+
+
+def test_vllm_routed_experts_keep_the_rows_of_the_moe_layers(monkeypatch):
+    """vLLM 0.32's buffer, built by its own RoutedExpertsCapturer (model_executor/layers/fused_moe/
+    routed_experts_capturer.py): one row per decoder layer (``get_total_num_hidden_layers``), each MoE layer writing
+    at its decoder index (``MoERunner.layer_id``: ``extract_layer_index`` of its name), a dense layer's row left zero.
+    routed_experts_of keeps the MoE layers' rows in order, as rl/batching.py and ActorRouting index them. (vLLM's CPU
+    build cannot return routed experts: the capturer runs here on CPU tensors, outside a model.)"""
+    capturer_module = pytest.importorskip("vllm.model_executor.layers.fused_moe.routed_experts_capturer")
+    from types import SimpleNamespace
+
+    from modelspec import ModelShape
+    from modelspec.tiny import tiny_hf_config
+    from rollout.vllm_engine import routed_experts_of
+
+    config = tiny_hf_config("qwen3_moe")
+    shape = ModelShape.from_hf_config(config)
+    assert shape.moe_layers == (0, 1, 3)  # layer 2 is dense (mlp_only_layers)
+    model_config = SimpleNamespace(  # vLLM's ModelConfig answers these from the same config.json fields
+        get_total_num_hidden_layers=lambda: config.num_hidden_layers,
+        get_num_experts=lambda: config.num_experts,
+        get_num_experts_per_tok=lambda: config.num_experts_per_tok,
+        hf_text_config=config,
+    )
+    parallel_config = SimpleNamespace(data_parallel_rank=0, tensor_parallel_size=1)
+    vllm_config = SimpleNamespace(model_config=model_config, parallel_config=parallel_config)
+    capturer = capturer_module.RoutedExpertsCapturer(16, vllm_config)
+    monkeypatch.setattr(capturer_module, "get_forward_context", lambda: SimpleNamespace(dp_metadata=None))
+    prompt, sampled = [5, 6, 7], [8, 9, 10]
+    tokens = len(prompt) + len(sampled) - 1
+    gen = torch.Generator().manual_seed(0)
+    k = config.num_experts_per_tok
+    routed = {
+        layer: torch.stack([torch.randperm(config.num_experts, generator=gen)[:k] for _ in range(tokens)])
+        for layer in shape.moe_layers
+    }
+    for layer, experts in routed.items():  # what each MoE layer's router hook does in a forward
+        capturer.capture(layer, experts)
+    out = SimpleNamespace(routed_experts=capturer.snapshot_routing_data(tokens).numpy(), token_ids=sampled)
+    got = routed_experts_of(out, len(prompt), shape.moe_layers)
+    assert torch.equal(got.long(), torch.stack([routed[layer] for layer in shape.moe_layers]))
