@@ -122,6 +122,18 @@ def global_pieces(shape: ModelShape, te_norms: bool) -> dict[str, list[SlicePiec
     return out
 
 
+_LOCAL_SPEC_NORM = (".pre_mlp_layernorm.", ".mlp.linear_fc1.layer_norm_")
+
+
+def _holds(keys, name: str) -> bool:
+    """Whether the checkpoint has ``name``, as its own key or in its layer-stacked key (see :func:`_region`)."""
+    if name in keys:
+        return True
+    if not name.startswith(_LAYER_KEY_PREFIX):
+        return False
+    return _LAYER_KEY_PREFIX + name[len(_LAYER_KEY_PREFIX) :].split(".", 1)[-1] in keys
+
+
 def _region(piece: SlicePiece, hf: torch.Tensor, keys) -> tuple[str, list[int], torch.Tensor]:
     """(checkpoint key, offsets of the piece's block in that global tensor, the view of ``hf`` it fills)."""
     dest = hf.narrow(piece.dim, piece.hf_start, piece.length)
@@ -136,6 +148,11 @@ def _region(piece: SlicePiece, hf: torch.Tensor, keys) -> tuple[str, list[int], 
         prefix, index, module, grouped_module, grouped_index = expert.groups()
         name = f"{prefix}mlp.experts.experts.{module or grouped_module}.weight"
         offsets, dest = [int(index if index is not None else grouped_index), *offsets], dest.unsqueeze(0)
+    if _LOCAL_SPEC_NORM[0] in name and not _holds(keys, name):
+        # megatron's local spec saves every layer's pre-MLP norm under TE's fused name, an MoE layer's too
+        # (gpt_layer_specs.py's sharded_state_dict_keys_map, megatron-core 0.16.1); TE's spec keeps an MoE
+        # layer's own pre_mlp_layernorm (the layout's name)
+        name = name.replace(*_LOCAL_SPEC_NORM)
     if name.startswith(_LAYER_KEY_PREFIX) and name not in keys:
         # one key per parameter with the (global) layer index as a leading axis: megatron's layout for a
         # homogeneous decoder; [1, *block] at offset [layer, *offsets]
