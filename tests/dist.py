@@ -1,4 +1,10 @@
-"""Run a function on N gloo ranks in fresh processes (real torch.distributed, no mocks)."""
+"""Run a function on N gloo ranks in fresh processes (real torch.distributed, no mocks).
+
+The ranks are forked from one forkserver per pytest process that has imported torch, megatron-core and the
+project once (:data:`PRELOAD`): a rank starts in ~0.1 s instead of paying ~8 s of CPU on imports. Each rank is a
+new process with no process group, no parallel state and no tensors of an earlier test; it gets the caller's
+environment and working directory as they are when it starts (as a spawned one would), and the thread count.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +21,35 @@ from run.launch import free_port
 RANK_THREADS_ENV = "RLMEM_TEST_RANK_THREADS"
 
 
-def _entry(rank: int, world_size: int, port: int, fn, args, result_queue) -> None:
+# Imported once in the forkserver; every module a rank's function imports later costs that rank alone. Only
+# imports here: the server must not compute (a fork of a process whose OpenMP pool has started hangs in it).
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "megatron.core",
+    "megatron.core.models.gpt",
+    "megatron.core.optimizer",
+    "megatron.core.dist_checkpointing",
+    "transformers",
+    "safetensors.torch",
+    "megatron_backend.actor",
+    "rollout.native",
+    "weight_sync.sync",
+]
+
+
+def _context():
+    """The forkserver context with :data:`PRELOAD` (the server starts with the first rank, once per process)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args, result_queue, environ: dict, cwd: str) -> None:
+    # a forked rank has the server's environment and directory: take the caller's, as a spawned rank would
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     num_threads = int(os.environ.get(RANK_THREADS_ENV, "1"))
     os.environ.update(
         RANK=str(rank),
@@ -46,10 +80,14 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 300.0) -> list:
 
     ``fn`` must be importable (module level). Any rank's exception fails the caller with its traceback.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    environ, cwd = dict(os.environ), os.getcwd()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, environ, cwd))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results, errors = {}, []
