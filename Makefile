@@ -53,7 +53,7 @@ VLLM_BUILD := $(if $(filter gpu,$(subst $(comma), ,$(EXTRAS))),cuda,cpu)
 TINY_HF := $(if $(filter $(TINY_DIR)/%,$(HF)),$(HF)/config.json)
 
 PHONY_PLANNER := calibrate validate-plan mutate-plan
-.PHONY: $(PHONY_PLANNER) help install run eval plan report export compare sbatch sweep sweep-local test test-threads test-vllm test-gpu test-slow test-slurm lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout bench-train smoke clean
+.PHONY: $(PHONY_PLANNER) help install run eval plan report export compare sbatch sweep sweep-local test test-procs test-threads test-vllm test-gpu test-slow test-slurm lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout bench-train smoke clean
 
 help: ## list the targets
 	@echo "usage: make <target> [EXP=<experiment>] [ARGS=\"<hydra overrides>\"]"
@@ -121,8 +121,11 @@ validate-plan: $(STAMP) ## the memory plan vs the validation set's runs (never f
 mutate-plan: $(STAMP) ## double each term of the plan / zero each transient and re-check the stored validation runs: which check fails
 	@$(PY) -m tools.mutate_plan $(ARGS)
 
-test: $(STAMP) ## run the CPU test suite (excludes gpu, slow, slurm and vllm tests)
-	$(PY) -m pytest -q -m "not gpu and not slow and not slurm and not vllm" $(PYTEST_ARGS)
+test: $(STAMP) ## the fast CPU suite: units, plans, configs, in-process checks, a few multi-rank ones (tiers: tests/conftest.py)
+	$(PY) -m pytest -q -m "not gpu and not slow and not slurm and not vllm and not procs" $(PYTEST_ARGS)
+
+test-procs: $(STAMP) ## the CPU tests that start ranks or subprocesses (CI runs them after make test)
+	$(PY) -m pytest -q -m "procs and not gpu and not slow and not slurm and not vllm" $(PYTEST_ARGS)
 
 test-threads: $(STAMP) ## the `numeric` tests again with other thread counts (1 in pytest, 2 per spawned rank; make test: the reverse)
 	OMP_NUM_THREADS=1 RLMEM_TEST_RANK_THREADS=2 $(PY) -m pytest -q -m "numeric and not gpu and not slow and not slurm and not vllm" $(PYTEST_ARGS)

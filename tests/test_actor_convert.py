@@ -65,7 +65,6 @@ def _convert_all(rank, world_size, model_dirs):
     return report
 
 
-@pytest.mark.slow  # make test's 15 minutes: a real multi-process run, in CI's slow suite
 def test_roundtrip_bit_exact_and_logprob_parity_all_layouts(dense_model_dirs):
     report = run_ranks(_convert_all, 4, dense_model_dirs, timeout_s=600)[0]
     assert len(report) == len(LAYOUTS) * len(dense_model_dirs)  # every layout of every tiny family

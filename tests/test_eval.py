@@ -188,7 +188,6 @@ def _eval(*args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow  # one run, one make export and three make evals: ~1.5 min on 2 shared cores
 def test_make_eval_of_a_run_checkpoint_and_of_its_export_agree(tmp_path, tiny_model_dirs):
     """``make eval RUN=<run>`` and ``make eval HF=<its export of the same step>`` (tools/export.py, which
     carries the run's config beside the weights) print the same reference log-prob (<= 1e-6), accuracy and

@@ -331,7 +331,6 @@ def _train_step_at(rank: int, world_size: int, hf_dir: str, layouts: list):
     return out
 
 
-@pytest.mark.slow  # make test's 15 minutes: a real multi-process run, in CI's slow suite
 @pytest.mark.numeric
 def test_moe_train_step_at_tp2_with_sequence_parallelism_matches_tp1(tiny_model_dirs):
     """TP2 x EP2 x DP2 (megatron's sequence parallelism: the norms, router and residual stream on S / 2 tokens per TP

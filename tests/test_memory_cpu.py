@@ -19,7 +19,6 @@ from telemetry.memory_timeline import (
 )
 from tests.test_run import assert_plan_within, run_loop
 
-pytestmark = pytest.mark.slow
 MB = 10**6
 RANKS = (0, 1)
 

@@ -128,7 +128,6 @@ def variant_dirs(tmp_path_factory) -> dict[str, str]:
     return {name: str(write_tiny_model(family, root / name, **kw)) for name, (family, kw) in VARIANTS.items()}
 
 
-@pytest.mark.slow  # one spawned world of 4 ranks, 6 checkpoints: CI's slow suite, beside the other TP2 x EP2 run
 @pytest.mark.numeric
 def test_routing_variants_at_tp2_ep2_match_transformers(variant_dirs):
     for name, layers in SPARSE.items():

@@ -92,7 +92,6 @@ def _one_json_line(cmd: list[str]) -> dict:
     return json.loads(lines[0])
 
 
-@pytest.mark.slow  # make test's 15 minutes: a real multi-process run, in CI's slow suite
 def test_parity_with_transformers_tp2_pp2(tiny_model_dirs):
     out = _one_json_line(
         [sys.executable, "-m", "tools.parity", "--hf", tiny_model_dirs["phi3"], "--tp", "2", "--pp", "2"]

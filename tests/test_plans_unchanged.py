@@ -85,7 +85,6 @@ def differences(before, after, path: str = "") -> list[str]:
     return [] if before == after and type(before) is type(after) else [f"{path}: {before!r} -> {after!r}"]
 
 
-@pytest.mark.slow
 def test_every_plan_is_what_it_was_before_the_configs_moved():
     before = json.loads(gzip.decompress(RECORD.read_bytes()))
     after = capture()

@@ -22,7 +22,6 @@ def _files(checkpoint: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(checkpoint)): (p.stat().st_size, p.stat().st_mtime_ns) for p in checkpoint.rglob("*")}
 
 
-@pytest.mark.slow
 def test_a_dead_rank_stops_the_job_with_its_name_and_keeps_the_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [

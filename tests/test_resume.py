@@ -122,7 +122,6 @@ def assert_same_steps_as(reference_dir: Path, resumed_dir: Path) -> None:
     assert summary["steps"] == STEPS and summary["reward_last5"] == reference_summary["reward_last5"]
 
 
-@pytest.mark.slow
 def test_killed_and_resumed_run_equals_the_uninterrupted_run(tmp_path, reference_dir):
     resumed_dir = tmp_path / "resumed"
 
@@ -168,7 +167,6 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_run(tmp_path, reference
     assert per_run[-1] and per_run[-1][-1] == STEPS - 1, per_run  # the last attempt ended normally
 
 
-@pytest.mark.slow
 def test_a_full_disk_stops_the_run_in_one_line_and_the_resume_equals_the_uninterrupted_run(tmp_path, reference_dir):
     """The run directory on a 12 MiB tmpfs (a checkpoint of these settings is ~8 MiB, keep_last=2): the disk
     fills while a checkpoint is written. The run stops with one line naming the path and the kept checkpoint;
@@ -195,7 +193,6 @@ def test_a_full_disk_stops_the_run_in_one_line_and_the_resume_equals_the_uninter
         os.system(f"umount -l {mount}")
 
 
-@pytest.mark.slow
 def test_a_learning_rate_typo_stops_at_the_first_nan_in_one_line_keeping_the_last_good_checkpoint(tmp_path):
     """actor.lr=1e8 (meant 1e-8): step 0's update blows the weights up, step 1's grad norm is NaN. The run stops
     in that step's train phase before the optimizer applies it, with one line (no traceback) naming the step,
@@ -217,7 +214,6 @@ def test_a_learning_rate_typo_stops_at_the_first_nan_in_one_line_keeping_the_las
     assert logged_steps(run_dir) == [0]
 
 
-@pytest.mark.slow
 def test_sigterm_during_the_warm_up_exits_within_seconds(tmp_path):
     """Slurm's --signal grace is 60-120 s: SIGTERM in the middle of a long warm-up must not wait for its end.
     (Before the warm-up honoured stops, this run kept warming up for its 5000 steps.)"""

@@ -149,7 +149,6 @@ def test_short_run_writes_every_output_and_a_readable_wandb_run(tmp_path):
     assert all(wandb_summary[f"{FIGURES_KEY}/{k}"] == v for k, v in figures.items())
 
 
-@pytest.mark.slow
 def test_a_run_stopped_after_its_last_checkpoint_ends_with_its_final_eval_and_summary_on_resume(tmp_path):
     """Killed after the last step's checkpoint, before the final eval and summary.json (no summary.json:
     what a SIGTERM in the last step leaves), the resumed run does not stop at "nothing to do": it runs the end
@@ -172,7 +171,6 @@ def test_a_run_stopped_after_its_last_checkpoint_ends_with_its_final_eval_and_su
     assert again.returncode == 0 and "already did 1 steps (trainer.steps=1) and finished (summary.json written): nothing to do" in again.stdout
 
 
-@pytest.mark.slow
 def test_a_gap_above_tolerance_stops_the_run_naming_step_and_token(tmp_path):
     """trainer.max_logprob_gap far below what fp32 reaches: the first step's check must stop the run."""
     run_dir = tmp_path / "run"
@@ -185,7 +183,6 @@ def test_a_gap_above_tolerance_stops_the_run_naming_step_and_token(tmp_path):
     assert "response token" in proc.stderr and not (run_dir / "summary.json").exists()
 
 
-@pytest.mark.slow
 def test_make_run_default_experiment_learns(tmp_path):
     """The default experiment: >= 20 GRPO steps whose last 5 beat the first 5 by >= 0.2 reward."""
     summary = run_loop(tmp_path)
@@ -194,7 +191,6 @@ def test_make_run_default_experiment_learns(tmp_path):
     assert Path(summary["wandb_dir"]).is_dir()
 
 
-@pytest.mark.slow
 def test_pipeline_parallel_experiment_runs(tmp_path):
     """tiny_cpu_pp: actor TP=2 x PP=2 (tied embeddings, vocab 99) -> engine TP=4 on 4 ranks."""
     summary = run_loop(tmp_path, "trainer.steps=2", "wandb.mode=disabled", "weight_sync.verify=true", exp="tiny_cpu_pp")

@@ -44,7 +44,6 @@ def _sample(process: psutil.Process) -> dict[str, int] | None:
         return None
 
 
-@pytest.mark.slow
 def test_hundred_steps_and_nothing_grows(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "run.main", "--run-dir", str(run_dir), *SETTINGS]

@@ -306,7 +306,6 @@ def test_without_an_api_key_wandb_sweep_fails_in_one_line_and_leaves_nothing(tmp
     assert not list(tmp_path.glob("tiny_cpu/sweep-*"))
 
 
-@pytest.mark.slow
 def test_sweep_local_runs_its_points_and_skips_the_infeasible_ones(tmp_path):
     sweep = sweep_grid.load_sweep("cpu_smoke")
     sweep["parameters"] = {

@@ -15,7 +15,6 @@ import json
 import pytest
 
 
-@pytest.mark.slow
 def test_validate_plan_then_mutations(capsys):
     from tools import mutate_plan, validate_plan
 
