@@ -53,7 +53,7 @@ VLLM_BUILD := $(if $(filter gpu,$(subst $(comma), ,$(EXTRAS))),cuda,cpu)
 TINY_HF := $(if $(filter $(TINY_DIR)/%,$(HF)),$(HF)/config.json)
 
 PHONY_PLANNER := calibrate validate-plan mutate-plan
-.PHONY: $(PHONY_PLANNER) help install run eval plan report export compare sbatch sweep sweep-local test test-procs test-threads test-vllm test-gpu test-slow test-slurm lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout bench-train smoke clean
+.PHONY: $(PHONY_PLANNER) help install run eval plan report export compare sbatch sweep sweep-local test test-procs test-threads test-vllm test-gpu test-slow test-slurm lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout bench-train bench-step smoke clean
 
 help: ## list the targets
 	@echo "usage: make <target> [EXP=<experiment>] [ARGS=\"<hydra overrides>\"]"
@@ -168,6 +168,9 @@ bench-rollout: $(STAMP) ## native engine vs transformers generate tokens/s (batc
 
 bench-train: $(STAMP) ## train-phase levers (packing, token budgets, recompute, chunked log-prob) with/without, measured vs planned: one JSON line each
 	@$(PY) -m tools.bench_train $(ARGS)
+
+bench-step: $(STAMP) ## COMMITS="<a> <b>" | CONFIGS="'<overrides a>' '<overrides b>'" [REPEATS=3] [EXP=tiny_cpu] [ARGS=]: alternating runs, step/phase medians, user/system time, page faults: one JSON line
+	@$(PY) -m tools.bench_step $(if $(COMMITS),--commits $(COMMITS)) $(if $(CONFIGS),--configs $(CONFIGS)) --repeats $(or $(REPEATS),3) --exp $(EXP) $(ARGS)
 
 smoke: $(STAMP) ## every documented target that needs no GPU, once, at its smallest, as from a fresh clone (CI): one line each
 	@$(PY) -m tools.smoke $(ARGS)

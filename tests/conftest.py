@@ -55,7 +55,7 @@ REPO = Path(__file__).resolve().parent.parent
 # weight sync across layouts, a run's bad input refused before any rank starts.
 FAST_PROCS = (
     "tests/test_local_layer_count.py",
-    "tests/test_weight_sync_dist.py",
+    "tests/test_weight_sync_dist.py::test_executor_verify_and_baseline_on_four_ranks",
     "tests/test_run.py::test_bad_config_fails_before_any_rank_starts",
 )
 

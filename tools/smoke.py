@@ -139,6 +139,13 @@ STEPS: tuple[Step, ...] = (
         json_keys=("lever", "with_peak_mib", "without_peak_mib", "with_predicted_mib"),
         why="one lever, one repeat, a 1-layer model of hidden 128 (default: 8 levers x 3 repeats, hidden 512)",
     ),
+    Step(
+        "bench-step",
+        "CONFIGS=\"'rollout.wake_strategy=staged' 'rollout.wake_strategy=all_at_once'\" REPEATS=1 "
+        'ARGS="trainer.steps=2 trainer.sft_warmup_steps=0 wandb.mode=disabled"',
+        json_keys=("sides", "b_over_a", "machine_speed_seconds"),
+        why="one run of each side, 2 steps without warm-up (default: 3 alternating runs of make run's 12 steps)",
+    ),
     Step("clean", TINY),
 )
 
@@ -146,8 +153,9 @@ STEPS: tuple[Step, ...] = (
 ELSEWHERE: dict[str, str] = {
     "install": ".ci/run (first)",
     "test": ".ci/run",
+    "test-procs": ".ci/run (after make test)",
     "test-threads": "not in CI: the numeric tests with pytest and the ranks at other thread counts (~4 min on a slow "
-    "CI machine); make test runs them once; run it when a numeric path changes",
+    "CI machine); make test and make test-procs run them once; run it when a numeric path changes",
     "calibrate": "not in CI: its 7 fit runs are ~9 of a slow CI machine's 90 minutes; tests/test_calibrate_cpu.py "
     "checks the fit on timelines made with known constants, and make test-slow validates the committed ones",
     "test-vllm": ".ci/run",
@@ -160,8 +168,8 @@ ELSEWHERE: dict[str, str] = {
     "smoke": "this",
     # CI's suites run these tools (python -m tools.X) themselves; the make recipe's flags are checked against
     # what each tool declares by tests/test_smoke.py (make -n), so the smoke does not run them a second time
-    "parity": "make test (tests/test_parity_cli.py: TP=2 x PP=2, tied embeddings, odd vocab)",
-    "verify-sync": "make test (tests/test_weight_sync_dist.py::test_verify_sync_cli_end_to_end)",
+    "parity": "make test-procs (tests/test_parity_cli.py: TP=2 x PP=2, tied embeddings, odd vocab)",
+    "verify-sync": "make test-procs (tests/test_weight_sync_dist.py::test_verify_sync_cli_end_to_end)",
     "eval": "make test-slow (tests/test_eval.py: a run's checkpoint and its export, and that they agree)",
     "sweep-local": "make test-slow (tests/test_sweep.py: its points run, the infeasible one skipped)",
 }
