@@ -141,7 +141,7 @@ def _tier_items(items) -> None:
         if nodeid.startswith(FAST_PROCS) or not hasattr(item, "function"):
             continue
         fixtures = [
-            d.func for defs in getattr(item, "_fixtureinfo").name2fixturedefs.values() for d in defs
+            d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs
         ]
         functions = [f for f in map(_project_function, [item.function, *fixtures]) if f is not None]
         if any(_reaches(f, sinks, memo) for f in functions):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 
 from modelspec import TokenBatch

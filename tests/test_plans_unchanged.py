@@ -16,8 +16,6 @@ import math
 import sys
 from pathlib import Path
 
-import pytest
-
 RECORD = Path(__file__).parent / "data" / "plans_at_120ac35.json.gz"
 MIB = 2**20
 CUDA_PRESET = "H100-80GB"

@@ -9,8 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from checkpointing.checkpoint import complete_checkpoints, is_complete
 from tests.test_resume import rank_processes, wait_for
 

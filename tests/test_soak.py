@@ -13,7 +13,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import psutil
-import pytest
 
 from tests.test_resume import logged_steps, rank_processes
 

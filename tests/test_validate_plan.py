@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 
 def test_validate_plan_then_mutations(capsys):
     from tools import mutate_plan, validate_plan
