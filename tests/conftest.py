@@ -116,7 +116,8 @@ def _project_function(obj) -> types.FunctionType | None:
     if not isinstance(fn, types.FunctionType):
         return None
     path = Path(fn.__code__.co_filename).resolve()
-    return fn if REPO in path.parents and ".venv" not in path.parts else None
+    # this file's own functions name the process starts they look for: not followed
+    return fn if REPO in path.parents and ".venv" not in path.parts and path != Path(__file__).resolve() else None
 
 
 def _reaches(fn: types.FunctionType, sinks, memo: dict) -> bool:
