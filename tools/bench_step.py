@@ -1,11 +1,11 @@
 """``make bench-step``: the step of two commits (or two configs) measured in alternating runs on this machine.
 
 The machine's speed drifts by up to 1.4x within minutes, so one run of each side compares nothing: the two
-sides run in turn (A B A B ...) and each figure is the median over a side's runs. Per run: the run's own
+sides run in turn (A B B A A B ...) and each figure is the median over a side's runs. Per run: the run's own
 ``summary.json`` (median step seconds and each phase's median, steps 1.. after the warm-up), the wall time of
-``python -m run.main`` from start to exit, and what the kernel charged to it and its ranks (``getrusage`` of
-the reaped children: user and system seconds, minor page faults). A commit runs from a detached ``git worktree``
-of it with this checkout's venv; a config is this checkout with its overrides. One JSON object on stdout;
+the side's ``make run`` from start to exit, and what the kernel charged to it and its ranks (``getrusage`` of
+the reaped children: user and system seconds, minor page faults). A commit runs its own ``make run`` recipe
+from a detached ``git worktree`` of it with this checkout's venv; a config is this checkout with its overrides. One JSON object on stdout;
 progress on stderr.
 
     python -m tools.bench_step --commits 20932f8 HEAD [--repeats 3] [--exp tiny_cpu] [overrides ...]
@@ -64,19 +64,23 @@ def machine_speed_seconds() -> float:
     return best
 
 
-def run_once(side: Side, exp: str, run_dir: Path, common: list[str]) -> RunFigures:
-    """One ``python -m run.main`` of ``side``: its figures, from the run's summary and the kernel's rusage."""
-    env = {**os.environ, "PYTHONPATH": str(side.repo)}
-    cmd = [sys.executable, "-m", "run.main", "--exp", exp, "--run-dir", str(run_dir), *common, *side.overrides]
+def run_once(side: Side, exp: str, out_dir: Path, common: list[str]) -> RunFigures:
+    """One ``make run`` of ``side`` (its own Makefile's recipe: the entry point moved between commits), with
+    this checkout's venv: its figures, from the run's summary and the kernel's rusage."""
+    env = {**os.environ, "PYTHONPATH": str(side.repo)}  # the side's packages before the venv's editable install
+    overrides = [*common, *side.overrides, f"output_dir={out_dir}"]
+    venv = Path(sys.executable).parent.parent
+    cmd = ["make", "-s", "-C", str(side.repo), "run", f"EXP={exp}", f"VENV={venv}", f"ARGS={shlex.join(overrides)}"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=side.repo, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if proc.returncode != 0:
+    summaries = sorted(out_dir.glob(f"{exp}/*/summary.json"))
+    if proc.returncode != 0 or len(summaries) != 1:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
         raise SystemExit(f"error: {side.label}'s run failed (exit {proc.returncode}): {shlex.join(cmd)}\n{tail}")
-    times = json.loads((run_dir / "summary.json").read_text())["time"]
+    times = json.loads(summaries[0].read_text())["time"]
     return RunFigures(
         wall_seconds=wall,
         user_seconds=after.ru_utime - before.ru_utime,
@@ -149,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             for repeat in range(args.repeats):
                 for side in sides if repeat % 2 == 0 else sides[::-1]:  # A B B A A B ...: neither side always first
                     print(f"bench-step: run {repeat + 1}/{args.repeats} of {side.label} ...", file=sys.stderr, flush=True)
-                    run_dir = scratch / f"run_{sides.index(side)}_{repeat}"
-                    figures = run_once(side, args.exp, run_dir, list(args.overrides))
+                    out_dir = scratch / f"run_{sides.index(side)}_{repeat}"
+                    figures = run_once(side, args.exp, out_dir, list(args.overrides))
                     results.setdefault(side.label, []).append(figures)
                     print(
                         f"bench-step:   step {figures.step_median_seconds:.2f} s, wall {figures.wall_seconds:.0f} s,"
