@@ -51,8 +51,8 @@ def _vllm_importable() -> bool:
 
 REPO = Path(__file__).resolve().parent.parent
 
-# The multi-rank / subprocess checks make test keeps (node id prefixes): the actor's TP=2 step against TP=1, the
-# weight sync across layouts, a run's bad input refused before any rank starts.
+# The multi-rank / subprocess checks make test keeps (node id prefixes): the actor's layer counts at TP=2
+# against autograd, the weight sync on four ranks, a run's bad input refused before any rank starts.
 FAST_PROCS = (
     "tests/test_local_layer_count.py",
     "tests/test_weight_sync_dist.py::test_executor_verify_and_baseline_on_four_ranks",
@@ -99,7 +99,7 @@ def _referenced(code: types.CodeType, namespace: dict) -> list:
     modules = [o for o in objects if isinstance(o, types.ModuleType)]
     modules += [sys.modules[n] for n in names if n in sys.modules]
     for name in names:
-        if "." in name and name.split(".")[0] in {"run", "tools", "tests", "megatron_backend", "rollout"}:
+        if "." in name and (REPO / name.split(".")[0]).is_dir():  # a project module imported inside a function
             try:
                 modules.append(importlib.import_module(name))
             except ImportError:
