@@ -101,6 +101,43 @@ def write_tiny_model(family: str, out_dir: str | os.PathLike, seed: int = SEED, 
     return publish_dir(out_dir, lambda tmp: _save_tiny_model(family, tmp, seed, **overrides))
 
 
+def write_random_model(
+    architecture: str,
+    out_dir: str | os.PathLike,
+    device: str = "cpu",
+    dtype: str = "bfloat16",
+    seed: int = SEED,
+    **overrides,
+) -> Path:
+    """A HF checkpoint of a shipped architecture (``modelspec/architectures/<architecture>.json``, ``overrides``
+    changing its sizes) with random weights and the tiny models' character tokenizer, built on ``device`` (a
+    1.5B model is drawn on a GPU in seconds; no download). Norms and biases are random as in every tiny model;
+    the tokenizer's ids (< 99) lie inside any vocabulary, and the config names its special tokens."""
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from modelspec.shape import ARCHITECTURES_DIR
+
+    published = json.loads((ARCHITECTURES_DIR / f"{architecture}.json").read_text())
+    specials = {name: SPECIAL_TOKENS.index(tok) for name, tok in (("bos_token_id", "<s>"), ("eos_token_id", "</s>"))}
+    kwargs = {k: v for k, v in published.items() if k not in ("architectures", "model_type", "transformers_version")}
+    config = AutoConfig.for_model(published["model_type"], **{**kwargs, **specials, **overrides})
+
+    def write(tmp: Path) -> None:
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        randomize_norms_and_biases(model, seed)
+        hf_logging.disable_progress_bar()
+        model.save_pretrained(tmp)
+        build_tokenizer().save_pretrained(tmp)
+
+    return publish_dir(out_dir, write)
+
+
 def resolve_model_path(path: str, tiny_dir: str | os.PathLike = DEFAULT_TINY_DIR) -> str:
     """``tiny:<family>`` -> a directory holding that checkpoint (built once); any other path as is.
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from colocation.engines import EngineProfile
 from configs import ActorConfig, RolloutConfig
+from configs.rollout import MIN_KV_CACHE_BYTES
 from modelspec.dtypes import element_bytes
 from modelspec.mesh import check_actor_split, check_rollout_experts, check_rollout_split, uses_sequence_parallel
 from modelspec.shape import ModelShape
@@ -283,8 +284,12 @@ class PlanInputs:
         the packed micro-batches' real tokens and the log-prob pass's rows."""
         response = max(1, lengths.longest_response)
         prompt = max(1, lengths.longest_sequence - response)
+        # a cache under the least a run may set (rollout.kv_cache_bytes >= 1 MiB, a guard against MB written for
+        # bytes) is one the sizing rule capped at max_num_seqs x max_model_len tokens, which no recorded length
+        # changes: the rule sizes the same cache again
+        fixed = self.with_rollout(kv_cache_bytes=kv_cache_bytes) if kv_cache_bytes >= MIN_KV_CACHE_BYTES else self
         return dataclasses.replace(
-            self.with_rollout(kv_cache_bytes=kv_cache_bytes),
+            fixed,
             prompt_tokens=prompt,
             response_tokens=response,
             routed_copies_ratio=lengths.routed_copies_ratio,

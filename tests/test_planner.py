@@ -50,6 +50,7 @@ def components_differ(a, b) -> dict[str, dict[str, int]]:
 def test_shipped_architectures_have_the_published_parameter_counts():
     expected = {
         "Qwen2.5-0.5B-Instruct": 494_032_768,
+        "Qwen2.5-1.5B-Instruct": 1_543_714_304,
         "Qwen2.5-7B-Instruct": 7_615_616_512,
         "Qwen2.5-32B-Instruct": 32_763_876_352,
         "Llama-3.1-8B-Instruct": 8_030_261_248,

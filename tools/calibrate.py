@@ -422,6 +422,47 @@ def fit_cuda(run_dirs: dict[str, Path], specs: dict) -> tuple[dict[str, tuple[fl
     }, evidence
 
 
+def fit_one_run(spec, run_dir: Path, kind: str) -> tuple[dict[str, tuple[float, float]], dict]:
+    """What one single-GPU run without vLLM can fit (``make gpu-check``'s run, tools/gpu_check.py): the runtime
+    level (``runtime_overhead_bytes``: the median level residual, as :func:`fit_cuda`) and the activation factor of
+    the layer that ran (``local_spec_activation_factor`` without Transformer Engine, ``fused_activation_factor``
+    with it): the train phase's measured rise over the activations the factor scales, the rest of the rise as
+    planned. One run gives one equation, so ``train_workspace_bytes`` stays as it is and the factor carries what
+    a workspace would; there is no left-out fit: the runtime's uncertainty is its in-fit spread, the factor's is
+    kept from the calibration it replaces (the evidence says so). The plan is checked on a run it did not see."""
+    inputs = inputs_for(spec)
+    factor_name = "local_spec_activation_factor" if inputs.attention == "unfused" else "fused_activation_factor"
+    base = load(kind)
+    zero = base.with_values(runtime_overhead_bytes=0, **{factor_name: 1.0})
+    if "runtime_after_launch_bytes" in base.constants:  # CPU: plan on the fitted level, not the launch's
+        zero = zero.with_values(runtime_after_launch_bytes=0)
+    residuals = level_residuals(*_residuals(spec, run_dir, zero, launch=False))
+    if not residuals:
+        raise ValueError(f"{spec.name}: no phase without a transient was measured in {run_dir}")
+    runtime = _median_and_spread(residuals)
+    fitted = zero.with_values(runtime_overhead_bytes=runtime[0])
+    predicted, measured = _residuals(spec, run_dir, fitted, launch=False)
+    if "train" not in measured:
+        raise ValueError(f"{spec.name}: {run_dir} measured no train phase")
+    act, _ = _scaled_part(spec, fitted, factor_name, "train", lambda p: p.components["activations"])
+    other = predicted["train"].rise_bytes - act
+    evidence = {
+        "level_residual_bytes": residuals,
+        "train_rise": {"measured": measured["train"].rise_bytes, "planned_activations": act, "planned_other": other},
+        "one_run": f"no leave-one-out: {factor_name}'s uncertainty is kept from the {base[factor_name].source} it "
+        f"replaces ({base[factor_name].uncertainty})",
+    }
+    values = {"runtime_overhead_bytes": runtime}
+    if act < MIN_ACTIVATION_BYTES:  # the rise is the level's noise, not the activations
+        evidence["not_fitted"] = (
+            f"{factor_name}: the run's planned activations ({act} B) are under {MIN_ACTIVATION_BYTES} B"
+        )
+    else:
+        factor = (measured["train"].rise_bytes - other) / act
+        values[factor_name] = (round(factor, 3), base[factor_name].uncertainty)
+    return values, evidence
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rerun", action="store_true", help="run the fit set again even where finished runs exist")

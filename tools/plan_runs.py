@@ -291,7 +291,8 @@ def ensure_run(spec: RunSpec, run_dir: Path, rerun: bool = False, timeout_s: flo
     cmd = [sys.executable, "-m", "run.main", "--exp", spec.exp, "--run-dir", str(run_dir), *spec.all_overrides]
     print(f"{spec.name}: running {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
     start = time.monotonic()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # the repo first, then what the caller's path adds (make gpu-check's kit of wheels installed beside the image)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
     with open(run_dir / "run.log", "w") as log:
         proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
     if proc.returncode != 0 or not (run_dir / "summary.json").exists():
