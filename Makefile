@@ -53,7 +53,7 @@ VLLM_BUILD := $(if $(filter gpu,$(subst $(comma), ,$(EXTRAS))),cuda,cpu)
 TINY_HF := $(if $(filter $(TINY_DIR)/%,$(HF)),$(HF)/config.json)
 
 PHONY_PLANNER := calibrate validate-plan mutate-plan
-.PHONY: $(PHONY_PLANNER) help install run eval plan report export compare sbatch sweep sweep-local test test-procs test-threads test-vllm test-gpu test-slow test-slurm lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout bench-train bench-step smoke clean
+.PHONY: $(PHONY_PLANNER) help install run eval plan report export compare sbatch sweep sweep-local test test-procs test-threads test-vllm test-gpu test-slow test-slurm lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout bench-train bench-step smoke gpu-wheels clean
 
 help: ## list the targets
 	@echo "usage: make <target> [EXP=<experiment>] [ARGS=\"<hydra overrides>\"]"
@@ -144,6 +144,9 @@ test-slurm: $(STAMP) ## the slurm-marked tests: start a local Slurm (.ci/slurm-u
 
 lint: $(STAMP) ## ruff over the whole repo
 	$(PY) -m ruff check .
+
+gpu-wheels: $(STAMP) ## the cp312 wheels a GPU device image lacks (megatron-core, hydra, omegaconf, antlr4) -> .gpu-wheels/ (tools/gpu_kit.py)
+	$(PY) -m tools.gpu_kit wheels --out .gpu-wheels
 
 tiny-models: $(STAMP) ## write the tiny HF checkpoint of every family (modelspec/families/) to $(TINY_DIR)/
 	$(PY) -m modelspec.tiny --out $(TINY_DIR)
