@@ -53,7 +53,7 @@ VLLM_BUILD := $(if $(filter gpu,$(subst $(comma), ,$(EXTRAS))),cuda,cpu)
 TINY_HF := $(if $(filter $(TINY_DIR)/%,$(HF)),$(HF)/config.json)
 
 PHONY_PLANNER := calibrate validate-plan mutate-plan
-.PHONY: $(PHONY_PLANNER) help install run eval plan report export compare sbatch sweep sweep-local test test-procs test-threads test-vllm test-gpu gpu-check test-slow test-slurm lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout bench-train bench-step smoke clean
+.PHONY: $(PHONY_PLANNER) help install run eval plan report export compare sbatch sweep sweep-local test test-procs test-threads test-vllm test-gpu gpu-wheels gpu-check test-slow test-slurm lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout bench-train bench-step smoke clean
 
 help: ## list the targets
 	@echo "usage: make <target> [EXP=<experiment>] [ARGS=\"<hydra overrides>\"]"
@@ -138,6 +138,9 @@ test-slow: $(STAMP) ## run the slow end-to-end tests
 
 test-gpu: $(STAMP) ## run the gpu-marked tests (needs CUDA; `make install EXTRAS=dev,gpu` for vLLM)
 	$(PY) -m pytest -q -m "gpu" $(PYTEST_ARGS)
+
+gpu-wheels: $(STAMP) ## the cp312 wheels a GPU device image lacks (megatron-core, hydra, omegaconf, antlr4) -> .gpu-wheels/ (tools/gpu_kit.py)
+	$(PY) -m tools.gpu_kit wheels --out .gpu-wheels
 
 # On a lent GPU (docs/gpu-check.md) the image's python3 runs it with the kit `make gpu-wheels` filled here; on this
 # machine `make gpu-check GPU_PY=.venv/bin/python GPU_WHEELS= ARGS="--device cpu"` runs the same stages on CPU.
