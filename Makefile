@@ -146,9 +146,10 @@ gpu-wheels: $(STAMP) ## the cp312 wheels a GPU device image lacks (megatron-core
 # machine `make gpu-check GPU_PY=.venv/bin/python GPU_WHEELS= ARGS="--device cpu"` runs the same stages on CPU.
 GPU_PY ?= python3
 GPU_WHEELS ?= .gpu-wheels
-OUT ?= runs/gpu_check/out
-gpu-check: ## on a lent GPU: install the kit offline, run the time-boxed stages (main job, fit, sync, MoE, gpu tests), report to $(OUT)
-	PYTHONUNBUFFERED=1 $(GPU_PY) -m tools.gpu_check $(if $(GPU_WHEELS),--wheels $(GPU_WHEELS)) --out $(OUT) $(ARGS)
+# the report's folder: the device tool's $$OUT (an environment variable there), else this one
+GPU_OUT ?= $(if $(filter environment%,$(origin OUT)),$(OUT),runs/gpu_check/out)
+gpu-check: ## on a lent GPU: install the kit offline, run the time-boxed stages (main job, fit, sync, MoE, gpu tests), report to $OUT
+	PYTHONUNBUFFERED=1 $(GPU_PY) -m tools.gpu_check $(if $(GPU_WHEELS),--wheels $(GPU_WHEELS)) --out $(GPU_OUT) $(ARGS)
 
 test-slurm: $(STAMP) ## the slurm-marked tests: start a local Slurm (.ci/slurm-up, root) if none answers, submit jobs
 	$(PY) -m pytest -q -m "slurm" $(PYTEST_ARGS)
