@@ -190,7 +190,11 @@ def stage_fit(device: str, work: Path, out: Path) -> dict:
     if kind == "cuda":
         import torch
 
+        from planner.devices import CUDA_PRESETS
+
         free, total = torch.cuda.mem_get_info()
+        # the preset's total is an estimate from NVML's (planner/devices.py): this reading sources it
+        device_info["preset_total_bytes"] = CUDA_PRESETS[preset].total_bytes
         device_info.update(
             mem_get_info_total_bytes=total,
             mem_get_info_free_bytes=free,
