@@ -212,6 +212,9 @@ class Actor:
         self.optimizer = get_megatron_optimizer(opt_config, self.models)
         use_loss_scaling(self.chunks, self.optimizer)
         self.ledger.set("actor_grads", resident_bytes=storage_bytes(self._grad_tensors()))
+        # bf16/fp16: megatron builds the fp32 masters here (the moments come at the first step); uncounted, an
+        # offload before the first step would take the tag below zero and inflate the launch's runtime level
+        self.ledger.set("optimizer", resident_bytes=storage_bytes(self._optimizer_tensors()))
 
     # ---------------------------------------------------------------- forward passes
     def _micro_batches(self, batch: TokenBatch, max_tokens: int | None, response_only: bool) -> list[MicroBatch]:

@@ -147,3 +147,24 @@ def test_offload_onload_bit_exact_and_measured(tiny_model_dirs, tmp_path):
     reference = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
     assert (reference - out["trained_logprobs"]).abs().max() < 1e-4
     print({tag: {k: v for k, v in row.items() if k != "peak"} for tag, row in out["wide_rss"].items()})
+
+
+def _bf16_ledger_before_the_first_step(rank, world_size, tiny_dir):
+    from configs.actor import ActorConfig
+    from megatron_backend.actor import Actor
+    from megatron_backend.memory import storage_bytes
+    from megatron_backend.parallel import initialize_model_parallel
+
+    dims = initialize_model_parallel(tp=1, pp=1)
+    actor = Actor(tiny_dir, ActorConfig(micro_batch_size=2, lr=1e-3), dims, dtype="bfloat16")
+    masters = storage_bytes(actor._optimizer_tensors())  # megatron's fp32 copies, built with the optimizer
+    built = actor.memory()["optimizer"]
+    actor.offload(["optimizer"])  # what a run's setup does before its first step (the launch measurement)
+    return {"masters": masters, "built": built, "offloaded": actor.memory()["optimizer"]}
+
+
+def test_a_bf16_actor_counts_its_fp32_masters_from_the_start(tiny_model_dirs):
+    """Issue 40, defect 10: the optimizer tag read 0 until the first step, so offloading the bf16 masters before it
+    took the tag to -masters and every phase of a bf16 run's plan rose by them (through the launch level)."""
+    out = run_ranks(_bf16_ledger_before_the_first_step, 1, tiny_model_dirs["qwen2"])[0]
+    assert out["masters"] > 0 and out["built"] == out["masters"] and out["offloaded"] == 0, out

@@ -269,6 +269,14 @@ VALIDATION_SET = (
         "so that the dispatched copies and expert activations are ~40% of train's rise and ~75% of old_logprob's "
         "(doubled, they move those checks 1.9 and 2.8 allowances); two native replicas holding every expert",
     ),
+    RunSpec(
+        "memory_cpu_bf16",
+        "memory_cpu",
+        ("model.dtype=bfloat16",),
+        "bf16, what users run: megatron's Float16Optimizer with fp32 main params beside the bf16 params, bf16 engine "
+        "weights and KV cache; memory_cpu's sizes keep each state >= 60 MB (issue 40, defect 10: no bf16 run had been "
+        "checked, and one measured ~120 MiB over its plan in every phase)",
+    ),
 )
 
 
