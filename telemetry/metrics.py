@@ -234,6 +234,7 @@ def step_metrics(
         "perf/train_tokens_per_s": num_train_tokens / max(phase_seconds.get("train", 0.0), 1e-9),
         "weight_sync/bytes_sent": sync.stats.bytes_sent,
         "weight_sync/seconds": sync.stats.seconds,
+        REFERENCE_LAYER: sync.reference_layer,
         "rollout/engine_actor_logprob_diff_max": gap.value,
         "rollout/engine_actor_logprob_diff_mean": gap.mean,
         "rollout/engine_actor_logprob_diff_p99": gap.p99,
@@ -246,10 +247,12 @@ def step_metrics(
 
 LENGTHS_PREFIX = "lengths/"
 # StepLengths' fields a step's samples give (lengths/<field>); its routed_copies_ratio is the train pass's metric
-_LENGTH_FIELDS = tuple(f.name for f in fields(StepLengths) if f.name != "routed_copies_ratio")
+_LENGTH_FIELDS = tuple(f.name for f in fields(StepLengths) if f.name not in ("routed_copies_ratio", "reference_layer"))
 # the most routed copies an EP rank's experts received in the train pass, over balanced routing's
 # (megatron_backend/model.py::RoutedCopies; MoE actors only)
 ROUTED_COPIES_RATIO = "train/moe/routed_copies_max_ratio"
+# the layer the step's weight-sync reference check sampled (-1: none), for the plan at the step (StepLengths)
+REFERENCE_LAYER = "weight_sync/reference_layer"
 
 
 class RoutingWatch:
@@ -317,6 +320,7 @@ def recorded_lengths(records: list[dict]) -> dict[int, StepLengths]:
             out[int(record["trainer/step"])] = StepLengths(
                 **{n: v if n.startswith("mean") else int(v) for n, v in values.items()},
                 routed_copies_ratio=record.get(ROUTED_COPIES_RATIO, 1.0),
+                reference_layer=None if REFERENCE_LAYER not in record else int(record[REFERENCE_LAYER]),
             )
     return out
 

@@ -16,18 +16,17 @@ and compared there; the vocab tensors every L-th check.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from modelspec import ColocatedMesh, ModelShape
-from modelspec.family import hf_tensor_shapes
+from modelspec.family import HF_LAYER, hf_tensor_shapes
 from rollout.layout import engine_expert_split, local_view, vllm_param_layouts
 from weight_sync.verify import _BITS
 
-_LAYER = re.compile(r"\.layers\.(\d+)\.")
+_LAYER = HF_LAYER
 
 
 class WeightLayoutError(RuntimeError):

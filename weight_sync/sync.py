@@ -66,6 +66,7 @@ class SyncResult:
     verified: bool
     num_checked: int
     num_reference_checked: int = 0  # engine slices compared with the actor's full tensors (this rank)
+    reference_layer: int = -1  # the layer the reference check sampled (with 0: the vocab tensors too); -1: none
 
 
 class WeightSync:
@@ -88,10 +89,12 @@ class WeightSync:
         tensor (written in place)."""
         stats = execute_sync(self.plan, self.rank, src_tensors, dst_tensors, transport=self.transport)
         num_checked = verify_sync(self.plan, self.rank, src_tensors, dst_tensors) if self.verify else 0
-        num_reference = 0
+        num_reference, layer = 0, -1
         if self.reference is not None and self.num_syncs % self.check_every == 0:
             # before the caller's finish_weight_update: vLLM's CPU build repacks the tensors there
-            names = sample_names(self.reference.shape, self.num_syncs // self.check_every)
+            check = self.num_syncs // self.check_every
+            names = sample_names(self.reference.shape, check)
             num_reference = self.reference(self.rank, src_tensors, dst_tensors, names)
+            layer = check % self.reference.shape.num_layers
         self.num_syncs += 1
-        return SyncResult(stats, self.verify, num_checked, num_reference)
+        return SyncResult(stats, self.verify, num_checked, num_reference, layer)
