@@ -169,9 +169,9 @@ def load_hf_into_chunks(chunks, hf_dir: str | Path, shape: ModelShape, layout: R
     return num_bytes_read
 
 
-def local_shards(chunks, shape: ModelShape, layout: RankLayout, primary_only: bool = True):
-    """This rank's (piece, local block view) pairs: what a weight-sync planner moves, no copies."""
-    params = chunk_params(chunks)
+def local_shards(params: dict, shape: ModelShape, layout: RankLayout, primary_only: bool = True):
+    """This rank's (piece, local block view) pairs of ``params`` ((vp_stage, megatron name) -> tensor, as
+    :func:`chunk_params` gives): what a weight-sync planner moves, no copies."""
     out = []
     for piece in rank_pieces(shape, layout):
         if primary_only and not piece.primary:
@@ -186,16 +186,37 @@ def gather_hf_state_dict(
 ) -> dict[str, torch.Tensor] | None:
     """Full HF tensors on global rank ``dst`` (None elsewhere). Only DP rank 0 contributes, and for the
     experts (which EP spreads over the DP ranks) expert-DP rank 0."""
+    return gather_hf_tensors(chunk_params(chunks), shape, layout, dp_rank, dst, expert_dp_rank)
+
+
+def gather_hf_tensors(
+    params: dict,
+    shape: ModelShape,
+    layout: RankLayout,
+    dp_rank: int = 0,
+    dst: int | None = 0,
+    expert_dp_rank: int = 0,
+    names: set[str] | None = None,
+    group=None,
+) -> dict[str, torch.Tensor] | None:
+    """:func:`gather_hf_state_dict` of ``params`` (:func:`chunk_params`' keys); ``names``: only those HF
+    tensors; ``dst`` None: on every rank of ``group``."""
     blocks = [
         (piece, block.cpu().clone())
-        for piece, block in local_shards(chunks, shape, layout)
-        if (expert_dp_rank if piece.is_expert else dp_rank) == 0
+        for piece, block in local_shards(params, shape, layout)
+        if (expert_dp_rank if piece.is_expert else dp_rank) == 0 and (names is None or piece.hf_name in names)
     ]
-    gathered = [None] * dist.get_world_size() if dist.get_rank() == dst else None
-    dist.gather_object(blocks, gathered, dst=dst)
-    if dist.get_rank() != dst:
-        return None
-    full_shapes = hf_tensor_shapes(shape)
+    if not dist.is_initialized():  # one process holds the whole model
+        gathered = [blocks]
+    elif dst is None:
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, blocks, group=group)
+    else:
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+        dist.gather_object(blocks, gathered, dst=dst)
+        if dist.get_rank() != dst:
+            return None
+    full_shapes = {n: s for n, s in hf_tensor_shapes(shape).items() if names is None or n in names}
     out: dict[str, torch.Tensor] = {}
     filled: dict[str, int] = defaultdict(int)
     seen: set[tuple] = set()  # replicated pieces (norms) arrive from every TP rank: count once

@@ -29,12 +29,16 @@ of experts, top-k and its normalisation come from config.json (``ModelShape``).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from modelspec.shape import ModelShape
+
+# an HF tensor name's decoder layer (``model.layers.<i>.``); the others are the vocab tensors and the final norm
+HF_LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 # megatron-core's TP splits (megatron_backend/layout.py implements them)
 MEGATRON_SPLITS = ("qkv_groups", "rows", "columns", "replicate")

@@ -31,6 +31,9 @@ Per rank, on CUDA:
 - ``hf_file_writing``: in ``export_hf`` (``trainer.export_every`` / ``export_at_end``), the HF files written
   tensor by tensor from that save: one HF tensor plus the two stored chunks DCP's reader keeps
   (planner/plan.py ``hf_file_writing_bytes``), host memory beside the device's state.
+- ``reference_check``: in ``weight_sync``, the weight sync's reference check (weight_sync/reference.py): the rank's
+  block clones of the sampled tensors, every rank's blocks unpickled from all_gather_object and the full HF tensors
+  assembled from them, host memory (planner/plan.py ``reference_check_bytes``; its byte tensors are the device's).
 - ``runtime``: the process besides those (Python, torch with CUDA, NCCL, megatron-core, vLLM in-process):
   ``host_runtime_bytes``, an estimate until a GPU run's RSS is read.
 - ``data``: the task's records (the data file's bytes; ``PlanInputs.data_host_bytes``).
@@ -50,7 +53,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from colocation.phases import EXPORT_PHASE
-from planner.plan import PHASES, Plan, _stage, actor_stage_counts, hf_file_writing_bytes, optimizer_host_bytes
+from planner.plan import (
+    PHASES,
+    Plan,
+    _stage,
+    actor_stage_counts,
+    hf_file_writing_bytes,
+    optimizer_host_bytes,
+    reference_check_bytes,
+)
 from planner.sizes import (
     FP32_BYTES,
     actor_stage_tensor_elements,
@@ -66,6 +77,7 @@ HOST_COMPONENTS = (
     "engine_sleep_copy",
     "checkpoint_staging",
     "hf_file_writing",
+    "reference_check",
     "offload_page_cache",
     "rank",
     "data",
@@ -188,8 +200,10 @@ def host_plan(plan: Plan) -> HostPlan:
             data=inp.data_host_bytes,
             routing=routing,
         )
+        reference = reference_check_bytes(inp, plan.pp_stage)[1]
         for name in PHASES:  # every phase alike: the buffers are kept for the run, the staging after a save
-            phases.append(HostPhase(name, {**base, "checkpoint_staging": staging}))
+            check = {"reference_check": reference} if name == "weight_sync" else {}
+            phases.append(HostPhase(name, {**base, "checkpoint_staging": staging, **check}))
         if inp.checkpoint_saves:
             phases.append(HostPhase(SAVE_PHASE, {**base, "checkpoint_staging": staging}))
         if inp.hf_exports:  # after the save, as in the step

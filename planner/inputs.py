@@ -65,6 +65,22 @@ class StepLengths:
     # MoE: the most routed copies an EP rank's experts received in the step's train pass, over balanced routing's
     # (train/moe/routed_copies_max_ratio; 1: balanced, or not recorded)
     routed_copies_ratio: float = 1.0
+    # the layer the step's weight-sync reference check sampled (weight_sync/reference.py; weight_sync/reference_layer):
+    # -1 none this step; None not recorded (the plan counts the largest check)
+    reference_layer: int | None = None
+
+
+@dataclass(frozen=True)
+class ReferenceSample:
+    """What one weight-sync reference check gathers (weight_sync/reference.py, check k samples layer k mod L and,
+    with k mod L = 0, the vocab tensors and the final norm), in elements, counted by run/memory_plan.py from the
+    pieces megatron_backend/checkpoint.py::gather_hf_tensors sends."""
+
+    own: tuple[int, ...]  # per actor pipeline stage, the most one of its ranks sends (its blocks' clones)
+    largest: int  # the most any rank sends (all_gather_object pads every rank's bytes to it)
+    gathered: int  # what every rank sends, summed: each rank unpickles all of it
+    full: int  # the sampled HF tensors, assembled whole on every rank
+    ranks: int  # the world the check all-gathers over
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +140,10 @@ class PlanInputs:
     # run/memory_plan.py). None: not computed; planned as the bucket's bound (planner/plan.py::sync_staging_bytes)
     sync_staged_bytes: tuple[int, ...] | None = None
     verify_sync: bool = False  # weight_sync.verify: int64 checksums of every slice after each sync
+    # weight_sync.check_every > 0: per layer k, what check k gathers (run/memory_plan.py::reference_samples); None or
+    # () (check_every=0): no reference check. The plan counts the largest, or the one of ``reference_layer``
+    reference_check: tuple[ReferenceSample, ...] | None = None
+    reference_layer: int | None = None  # a step's recorded check (StepLengths.reference_layer); None: the largest
     margin_fraction: float | None = None  # None: the calibration's margin_fraction
     runtime_overhead_bytes: int | None = None  # None: launch_runtime_bytes + runtime_after_launch_bytes, or the fit
     # CPU: the rank's level beside its tensors as the run measured it at launch, before the first step
@@ -293,6 +313,7 @@ class PlanInputs:
             prompt_tokens=prompt,
             response_tokens=response,
             routed_copies_ratio=lengths.routed_copies_ratio,
+            reference_layer=lengths.reference_layer,
             mean_prompt_tokens=max(1, min(prompt, round(lengths.mean_prompt))),
             mean_response_tokens=max(1, min(response, round(lengths.mean_response))),
         )

@@ -25,7 +25,7 @@ import configs
 from colocation.engines import ENGINE_PROFILES, EngineProfile, KvSizing
 from colocation.phases import EVAL_PHASE, EXPORT_PHASE, StepFlags, phase_names, step_phases, wake_window_phases
 from configs.rollout import AUTO, MIN_KV_CACHE_BYTES
-from planner.inputs import PlanInputs, StepLengths
+from planner.inputs import PlanInputs, ReferenceSample, StepLengths
 from planner.sizes import (
     FP32_BYTES,
     VERIFY_BYTES_PER_ELEMENT,
@@ -67,6 +67,7 @@ COMPONENTS = (
     "engine_reserve",
     "comm_buffers",
     "sync_bucket",
+    "reference_check",
     "export_staging",
 )
 # state that comes and goes between phases (colocation.phases.STATE, memory tags) -> its component
@@ -342,7 +343,14 @@ def _phases(inp: PlanInputs, st: _Stage, kv_cache_bytes: int) -> tuple[PhasePlan
         "rollout_heap": {"engine_reserve": sleep_reserve} if sleep_reserve else {},
         "forward_pass": {"activations": st.forward_activations, "logits": st.forward_logits},
         "train_pass": {"activations": st.train_activations, "logits": st.train_logits},
-        "sync_bucket": {"sync_bucket": bucket, "engine_reserve": persistent_reserve + reload},
+        "sync_bucket": {
+            "sync_bucket": bucket,
+            # execute_sync frees its buckets, then verify, the reference check and the engine's reload
+            # (finish_weight_update) run one after another (weight_sync/sync.py, run/shared_device.py): the check
+            # holds what it needs beyond the others' freed memory
+            "reference_check": max(0, reference_check_bytes(inp, st.stage)[0] - bucket - reload),
+            "engine_reserve": persistent_reserve + reload,
+        },
         "hf_export": {"export_staging": export_staging_bytes(inp, st)},
     }
     flags = step_flags(inp)
@@ -439,6 +447,57 @@ def sync_staging_bytes(inp: PlanInputs, st: _Stage, engine_weight_bytes: int) ->
         staged,
         VERIFY_BYTES_PER_ELEMENT * largest_engine_tensor_elements(inp.shape, inp.rollout.tp, *inp.engine_expert_split),
     )
+
+
+def reference_sample(inp: PlanInputs) -> ReferenceSample | None:
+    """The reference check the plan counts: a step's recorded one (``inp.reference_layer``), else the largest
+    (:func:`reference_check_bytes` of every layer's; the first check, a layer with the vocab tensors, in a model
+    whose layers are alike). None: no check (``weight_sync.check_every=0``, or none in the recorded step)."""
+    samples = inp.reference_check or ()
+    if not samples or (inp.reference_layer is not None and inp.reference_layer < 0):
+        return None
+    if inp.reference_layer is not None:
+        return samples[inp.reference_layer % len(samples)]
+    return max(samples, key=lambda s: sum(_reference_bytes(inp, s, stage) for stage in range(len(s.own))))
+
+
+def reference_check_bytes(inp: PlanInputs, stage: int) -> tuple[int, int]:
+    """(device, host) bytes the weight sync's reference check holds at its peak on a rank of ``stage``
+    (weight_sync/reference.py; the sample: :func:`reference_sample`). 0 with ``weight_sync.check_every=0``. On CPU
+    both are the host's RSS, counted as the device's (the first)."""
+    sample = reference_sample(inp)
+    if sample is None:
+        return 0, 0
+    if not inp.on_cuda:
+        return _reference_bytes(inp, sample, stage), 0
+    e, largest, w = inp.element_bytes, sample.largest * inp.element_bytes, sample.ranks
+    # NCCL: all_gather_object's byte tensors are on the device: the serialized blocks padded to the largest, the
+    # gathered [W x largest] tensor and NCCL's flat output it copies from (ProcessGroupNCCL::allgather, newLikeFlat)
+    device = (1 + 2 * w) * largest
+    # the host: the rank's block clones, each rank's gathered bytes copied back (tensor.cpu()) and read out
+    # (tobytes), the pickled storages while they load (pickle's memo), every rank's unpickled blocks; or, once
+    # they are assembled, the blocks, the unpickled copies and the full tensors
+    own, gathered = sample.own[stage] * e, sample.gathered * e
+    host = max(own + 3 * largest + gathered, own + gathered + sample.full * e)
+    return device, host
+
+
+def _reference_bytes(inp: PlanInputs, sample: ReferenceSample, stage: int) -> int:
+    """The reference check's peak on CPU (gloo), where every byte is the host's, per rank of ``stage``, from the
+    code: megatron_backend/checkpoint.py::gather_hf_tensors clones the rank's blocks of the sample (``own``) and
+    all-gathers them with torch.distributed's all_gather_object (torch 2.13, distributed_c10d.py), which pickles
+    them into a byte tensor resized to the largest rank's (1 x largest), gathers every rank's into one
+    [W x largest] tensor through gloo's flat output of the same size (freed when the all_gather returns), and
+    unpickles rank by rank: the rank's bytes read out (``tobytes``, largest) and its pickled storages held while
+    they load (the unpickler's memo, largest) beside the blocks already unpickled (``gathered`` in all). Then the
+    full HF tensors (``full``) are filled from the unpickled blocks, the serialized ones freed: the largest of the
+    three moments. memory_cpu at DP=2 (rank 0 sends all 14.5 MiB of a layer): 7 x 14.5 = 101.5 MiB counted, the
+    weight_sync rise measured 101.4 MiB (make validate-plan, memory_cpu_resident_all_at_once)."""
+    e, largest, w = inp.element_bytes, sample.largest * inp.element_bytes, sample.ranks
+    own, gathered = sample.own[stage] * e, sample.gathered * e
+    all_gather = own + (1 + 2 * w) * largest
+    unpickling = own + (1 + w) * largest + 2 * largest + gathered
+    return max(all_gather, unpickling, own + gathered + sample.full * e)
 
 
 def engine_rollout_activation_bytes(inp: PlanInputs, sequences: int | None = None) -> int:

@@ -23,6 +23,7 @@ SHORT = {
     "engine_reserve": "eng_res",
     "comm_buffers": "comm",
     "sync_bucket": "bucket",
+    "reference_check": "refchk",
     "export_staging": "export",
 }
 

@@ -38,10 +38,10 @@ from run.warmup import StopDuringWarmup, exit_during_warmup, resume_or_warm_up
 from telemetry.memory_timeline import EXPORT_PHASE, SAVE_PHASE
 from telemetry.metrics import (
     ROUTING_MISMATCH,
+    LogprobGapWatch,
     RoutingWatch,
     RunFacts,
     check_finite,
-    check_logprob_gap,
     closing_lines,
     engine_actor_logprob_gap,
     log_rows_after_last_step,
@@ -107,9 +107,9 @@ def rl_step(ctx: RankContext, step: int) -> StepResult:
         if batch.routed_experts is not None:  # recorded by the pass without replay
             routing_metrics[ROUTING_MISMATCH] = actor.take_routing_mismatch()
         check_finite(step, "old_logprob", {"old log-prob": batch.old_logprobs}, response, device=device)
-        # the engine-vs-actor gap over all ranks (p99, max); too large: stop before training on wrong log-probs
+        # the engine-vs-actor gap over all ranks (p99, max): a metric and a warning (rounding moves it too);
+        # wrong weights stop the run at the weight sync's reference check (weight_sync/reference.py)
         gap = engine_actor_logprob_gap(batch)
-        check_logprob_gap(gap, step, logprob_gap_rule(cfg.trainer, cfg.model.dtype), cfg.model.dtype)
     with phase("ref_logprob", step):
         if ref_actor is not None:
             batch.ref_logprobs = ref_actor.compute_logprobs(
@@ -239,6 +239,7 @@ def run_rank(cfg: RunConfig, run_dir: str, launch: LaunchPlan | None = None) -> 
     syncs, logprob_gaps = [], []  # per step of this attempt
     progress = tqdm(total=steps, initial=ctx.start_step, desc=cfg.exp, disable=ctx.rank != 0, dynamic_ncols=True)
     routing = RoutingWatch(ctx.plan if ctx.rank == 0 else None)  # MoE: routing the plan does not fit
+    gap_watch = LogprobGapWatch(logprob_gap_rule(cfg.trainer, cfg.model.dtype), cfg.model.dtype)
     for step in range(ctx.start_step, steps):
         rank_state = capture_rank_state(ctx.task)  # the state at this step's start (a stop before train saves it)
         try:
@@ -262,8 +263,9 @@ def run_rank(cfg: RunConfig, run_dir: str, launch: LaunchPlan | None = None) -> 
             rewards.append(result.metrics["reward/mean"])
             progress.update()
             progress.set_postfix(reward=f"{rewards[-1]:.3f}", peak_mib=f"{peak_bytes / 2**20:.0f}")
-            if warning := routing.check(step, result.metrics):
-                progress.write(warning)
+            for warning in (routing.check(step, result.metrics), gap_watch.check(step, result.metrics)):
+                if warning:
+                    progress.write(warning)
         if stopping:
             progress.close()
             return stop_saving(step + 1, capture_rank_state(ctx.task), pending=result.pending_save)

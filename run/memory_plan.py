@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 
+from modelspec.family import HF_LAYER, hf_tensor_shapes
 from planner import Plan, PlanInputs, device_preset
 from planner.devices import MIB
 from planner.sizes import capacity_routed_copies_ratio
@@ -80,7 +82,8 @@ def plan_inputs(
     # after PlanInputs has checked the splits: the sync plan the run will execute, planned the same way
     staged = sync_staged_bytes(shape, cfg.mesh(), inputs.sync_bucket_bytes, inputs.element_bytes)
     peers = sync_peers(shape, cfg.mesh(), inputs.sync_bucket_bytes, inputs.element_bytes)
-    return dataclasses.replace(inputs, sync_staged_bytes=staged, sync_peers=peers)
+    reference = reference_samples(shape, cfg.mesh()) if cfg.weight_sync.check_every else ()
+    return dataclasses.replace(inputs, sync_staged_bytes=staged, sync_peers=peers, reference_check=reference)
 
 
 def _data_file_bytes(path: str | None) -> int:
@@ -188,6 +191,50 @@ def sync_peers(shape, mesh, bucket_bytes: int, element_bytes: int) -> int:
             peers.setdefault(t.src_rank, set()).add(t.dst_rank)
             peers.setdefault(t.dst_rank, set()).add(t.src_rank)
     return max((len(p) for p in peers.values()), default=0)
+
+
+@functools.lru_cache(maxsize=32)
+def reference_samples(shape, mesh) -> tuple:
+    """Per layer k, what the weight sync's reference check k gathers (planner.inputs.ReferenceSample, elements):
+    the pieces megatron_backend/checkpoint.py::gather_hf_tensors sends from each rank (its primary pieces of the
+    sampled HF tensors, DP rank 0's, for the experts expert-DP rank 0's) for weight_sync/reference.py::sample_names
+    (layer k, and with k = 0 the vocab tensors and the final norm). The norm naming changes no size."""
+    from planner.inputs import ReferenceSample
+    from weight_sync.layouts import actor_sources
+
+    full_shapes = hf_tensor_shapes(shape)
+
+    def layer_of(name: str) -> int:  # the vocab tensors and the final norm go with layer 0
+        match = HF_LAYER.search(name)
+        return int(match.group(1)) if match else 0
+
+    num_layers = shape.num_layers
+    full = [0] * num_layers
+    for name, dims in full_shapes.items():
+        full[layer_of(name)] += math.prod(dims)
+    sent = {}  # rank -> per layer, the elements it sends
+    for rank, pieces in actor_sources(shape, mesh).items():
+        c = mesh.actor_coords(rank)
+        counts = [0] * num_layers
+        for piece in pieces:
+            if piece.primary and (c.expert_dp_rank if piece.is_expert else c.dp_rank) == 0:
+                dims = full_shapes[piece.hf_name]
+                counts[layer_of(piece.hf_name)] += math.prod(dims) // dims[piece.dim] * piece.length
+        sent[rank] = counts
+    stage_of = {rank: mesh.actor_coords(rank).pp_rank for rank in sent}
+    return tuple(
+        ReferenceSample(
+            own=tuple(
+                max(counts[k] for rank, counts in sent.items() if stage_of[rank] == stage)
+                for stage in range(mesh.actor_pp)
+            ),
+            largest=max(counts[k] for counts in sent.values()),
+            gathered=sum(counts[k] for counts in sent.values()),
+            full=full[k],
+            ranks=mesh.world_size,
+        )
+        for k in range(num_layers)
+    )
 
 
 # ---------------------------------------------------------------- the plan inside a run

@@ -1,8 +1,9 @@
-"""The engine-vs-actor log-prob check: the worst token over every rank, and a run that stops on it."""
+"""The engine-vs-actor log-prob gap: the worst token over every rank, a metric and a warning (never a stop)."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -12,9 +13,8 @@ from run.config import TrainerConfig
 from telemetry.metrics import (
     LOGPROB_GAP_RULE,
     LogprobGap,
-    LogprobGapError,
     LogprobGapRule,
-    check_logprob_gap,
+    LogprobGapWatch,
     engine_actor_logprob_gap,
     gap_distribution,
     logprob_gap_rule,
@@ -46,24 +46,40 @@ def test_the_worst_response_token_is_found_and_named():
     assert gap.value == pytest.approx(0.25, abs=1e-6) and gap.num_tokens == 3 * 5
     assert (gap.sample, gap.response_token, gap.token_id) == (11, 3, int(batch.input_ids[1, 6]))
     assert gap.mean == pytest.approx((0.25 + 14 * 1e-7) / 15, rel=1e-3)
-    with pytest.raises(LogprobGapError, match=r"step 7: .*sample 11, response token 3") as info:
-        check_logprob_gap(gap, step=7, rule=logprob_gap_rule(TrainerConfig(), "float32"), dtype="float32")
-    assert "max 0.25 > trainer.max_logprob_gap=0.01" in str(info.value)
-    check_logprob_gap(
-        gap,
-        step=7,
-        rule=logprob_gap_rule(TrainerConfig(max_logprob_gap=0.5, max_logprob_gap_p99=0.5), "float32"),
-        dtype="float32",
-    )  # raised bars
+    assert "sample 11, response token 3" in gap.describe()
+    metrics = {"rollout/engine_actor_logprob_diff_p99": gap.p99, "rollout/engine_actor_logprob_diff_max": gap.value}
+    warning = LogprobGapWatch(logprob_gap_rule(TrainerConfig(), "float32"), "float32").check(7, metrics)
+    assert warning.startswith("warning: step 7: engine vs actor log-prob gap") and "max 0.25" in warning
+    raised = logprob_gap_rule(TrainerConfig(max_logprob_gap=0.5, max_logprob_gap_p99=0.5), "float32")
+    assert LogprobGapWatch(raised, "float32").check(7, metrics) is None  # raised bars
     # a token-balanced DP share is not contiguous: the batch names each row's sample
     batch.sample_index = torch.tensor([4, 0, 9])
     assert engine_actor_logprob_gap(batch).sample == 0
 
 
-def test_one_rare_outlier_passes_in_bf16_a_shifted_distribution_stops():
-    """The bf16 rule: kernel noise (small gaps, one token of 1000 at 1.5 nats) passes; a layout error (a
-    broad shift of the distribution, every token off by ~0.3-0.6 nat) stops on the p99 though no token
-    reaches the max bound."""
+def _metrics(gap: LogprobGap) -> dict[str, float]:
+    return {"rollout/engine_actor_logprob_diff_p99": gap.p99, "rollout/engine_actor_logprob_diff_max": gap.value}
+
+
+def test_a_bf16_gap_beyond_the_rule_warns_once_per_new_high_and_does_not_stop():
+    """Defect 9: the healthy bf16 vLLM run's step 38 (p99 0.106 > 0.1, the sync exact) stopped the run with
+    LogprobGapError; now it is a warning, printed again only at a new high."""
+    watch = LogprobGapWatch(LOGPROB_GAP_RULE["bfloat16"], "bfloat16")
+    step38 = LogprobGap(value=0.153, mean=0.00561, p99=0.106, num_tokens=1030)
+    assert watch.check(37, _metrics(dataclasses.replace(step38, p99=0.05))) is None  # within the rule
+    line = watch.check(38, _metrics(step38))
+    assert line == (
+        "warning: step 38: engine vs actor log-prob gap p99 0.106, max 0.153, a new high beyond "
+        "trainer.max_logprob_gap_p99=0.1 / trainer.max_logprob_gap=3 (bfloat16); bfloat16 rounding can do this, "
+        "a wrong layout stops the run at weight_sync.check_every's check"
+    )
+    assert watch.check(39, _metrics(dataclasses.replace(step38, p99=0.104))) is None  # not a new high
+    assert watch.check(40, _metrics(dataclasses.replace(step38, p99=0.12))).startswith("warning: step 40:")
+
+
+def test_one_rare_outlier_passes_in_bf16_a_shifted_distribution_warns():
+    """The bf16 rule: kernel noise (small gaps, one token of 1000 at 1.5 nats) is quiet; a broad shift of the
+    distribution (every token off by ~0.3-0.6 nat) warns on the p99 though no token reaches the max bound."""
     gen = torch.Generator().manual_seed(0)
     rule = LOGPROB_GAP_RULE["bfloat16"]
     noise = torch.rand(1000, generator=gen) * 0.05
@@ -74,14 +90,13 @@ def test_one_rare_outlier_passes_in_bf16_a_shifted_distribution_stops():
     per_token = torch.zeros(100, 12)  # [B, S-1]: the noise at the response targets
     per_token[:, 2:] = noise.view(100, 10)
     kernel.old_logprobs = kernel.engine_logprobs + per_token
-    check_logprob_gap(engine_actor_logprob_gap(kernel), step=0, rule=rule, dtype="bfloat16")
+    assert LogprobGapWatch(rule, "bfloat16").check(0, _metrics(engine_actor_logprob_gap(kernel))) is None
     shifted = dataclasses.replace(
         kernel, old_logprobs=kernel.engine_logprobs + kernel.loss_mask * (0.3 + per_token / 5)
     )
     gap = engine_actor_logprob_gap(shifted)
     assert gap.value < rule.max
-    with pytest.raises(LogprobGapError, match=r"p99 0\.3\d* > trainer.max_logprob_gap_p99"):
-        check_logprob_gap(gap, step=0, rule=rule, dtype="bfloat16")
+    assert re.search(r"p99 0\.3\d*, max", LogprobGapWatch(rule, "bfloat16").check(0, _metrics(gap)))
     assert rule.p99 > LOGPROB_GAP_RULE["float32"].p99 and rule.max > rule.p99
     assert logprob_gap_rule(TrainerConfig(max_logprob_gap_p99=0.5), "bfloat16") == LogprobGapRule(p99=0.5, max=rule.max)
 
@@ -93,18 +108,13 @@ def _gap_on_ranks(rank: int, world_size: int):
     batch = _batch(seed=rank, first_sample=rank * 3)
     if rank == 1:  # only this DP rank's share is wrong
         batch.old_logprobs[0, 4] -= 2.0
-    gap = engine_actor_logprob_gap(batch)
-    try:
-        check_logprob_gap(gap, step=3, rule=LogprobGapRule(p99=1e-3, max=1e-3), dtype="float32")
-    except LogprobGapError as exc:
-        return str(exc)
-    return "trained on it"
+    return engine_actor_logprob_gap(batch).describe()
 
 
-def test_every_rank_stops_on_a_gap_seen_by_one():
+def test_every_rank_sees_the_gap_of_one():
     messages = run_ranks(_gap_on_ranks, 2)
-    assert messages[0] == messages[1]  # the same gathered verdict, so no rank trains on
-    assert "step 3" in messages[0] and "rank 1, sample 3, response token 2" in messages[0]
+    assert messages[0] == messages[1]  # the same gathered distribution on every rank
+    assert "rank 1, sample 3, response token 2" in messages[0]
 
 
 def test_a_non_finite_reward_or_logprob_names_step_phase_and_quantity():
@@ -155,10 +165,10 @@ def test_bad_gap_bounds_fail_naming_the_key():
             TrainerConfig(**{key: 0})
 
 
-def test_the_bf16_rule_passes_the_synced_engine_and_trips_on_a_swapped_shard(capfd):
+def test_the_bf16_rule_is_quiet_on_the_synced_engine_and_warns_on_a_swapped_shard(capfd):
     """The real pair in bf16 (``tools.logprob_gap --corrupt`` on memory_cpu's model: a megatron actor, the native
     engine filled by the weight sync, then one layer's down_proj column halves swapped, a TP shard in the
-    other rank's slot): the rule passes what the sync gives and stops the layout error. (On the 128-wide
+    other rank's slot): the warning is quiet on what the sync gives and prints on the layout error. (On the 128-wide
     tests' tiny qwen2 the same swap moves the p99 to only 0.09: too small a model to show a layout error.)"""
     import json
 
@@ -171,6 +181,6 @@ def test_the_bf16_rule_passes_the_synced_engine_and_trips_on_a_swapped_shard(cap
     def gap(stats: dict) -> LogprobGap:
         return LogprobGap(value=stats["max"], mean=stats["mean"], p99=stats["p99"], num_tokens=stats["num_tokens"])
 
-    check_logprob_gap(gap(out["synced"]), step=0, rule=rule, dtype="bfloat16")
-    with pytest.raises(LogprobGapError, match="p99 .* > trainer.max_logprob_gap_p99"):
-        check_logprob_gap(gap(out["corrupt"]), step=0, rule=rule, dtype="bfloat16")
+    watch = LogprobGapWatch(rule, "bfloat16")
+    assert watch.check(0, _metrics(gap(out["synced"]))) is None
+    assert watch.check(0, _metrics(gap(out["corrupt"]))).startswith("warning: step 0:")

@@ -684,3 +684,71 @@ def test_a_run_that_exports_plans_the_export_hf_phase_with_what_the_export_holds
     assert dist.phase(EXPORT_PHASE).components["export_staging"] == stage_params
     gpu = make_plan(qwen7b_inputs(hf_exports=True))
     assert EXPORT_PHASE in gpu.names and gpu.phase(EXPORT_PHASE).components["export_staging"] == 0
+
+
+def test_weight_sync_phase_counts_the_reference_check_from_the_models_shape():
+    """weight_sync.check_every > 0: the weight_sync phase holds the reference check's gather at its largest
+    check (the first: layer 0, the vocab tensors and the final norm), counted from tiny_cpu's shape (qwen2, actor
+    TP=2, 2 gloo ranks): each rank's clones (the split tensors halved, the norms whole), the serialized copy and
+    all_gather_object's gathered bytes (gloo's flat copy while it gathers), one rank's bytes read out and its pickled
+    storages while they load, every rank's unpickled blocks, then the full tensors (planner/plan.py::_reference_bytes),
+    beyond the sync's freed buckets (they run one after another). 0 with check_every=0; on a
+    CUDA preset the host plan has the blocks and the full tensors, the device only the byte tensors."""
+    from planner.host import host_plan
+    from planner.sizes import megatron_padded_vocab
+    from run.compose import compose
+    from run.memory_plan import plan_inputs
+
+    plan = make_plan(plan_inputs(compose("tiny_cpu"), 6))
+    s, e, w, tp = plan.inputs.shape, plan.inputs.element_bytes, 2, 2
+    assert (plan.inputs.actor.tp, plan.inputs.actor.pp, plan.inputs.actor_dp) == (tp, 1, 1)
+    assert s.model_type == "qwen2" and not s.tie_word_embeddings and s.qkv_bias and not s.is_moe
+    h, i, q, kv, vocab = (
+        s.hidden_size,
+        s.intermediate_size,
+        s.num_heads * s.head_dim,
+        s.num_kv_heads * s.head_dim,
+        s.vocab_size,
+    )
+    norms = 2 * h  # input and post-attention norms: replicated, every TP rank sends them
+    layer = h * q + q + 2 * (kv * h + kv) + q * h + 3 * i * h + norms
+    full = layer + 2 * vocab * h + h  # + embed_tokens and lm_head (untied) + the final norm
+    # embed_tokens and lm_head: megatron's padded vocab split in rows over TP, each rank sends its real rows
+    rows = megatron_padded_vocab(vocab, tp) // tp
+    sent = [
+        (layer - norms) // tp + norms + h + 2 * h * max(0, min(vocab, (r + 1) * rows) - r * rows) for r in range(tp)
+    ]
+    own = largest = max(sent)  # one stage: its worst rank is the largest
+    gathered = sum(sent)
+    check = e * max(
+        own + (1 + 2 * w) * largest,  # the all_gather: the serialized blocks, the gathered tensor, gloo's flat output
+        own + (1 + w) * largest + 2 * largest + gathered,  # unpickling: one rank's bytes and memo, every rank's blocks
+        own + gathered + full,  # assembled
+    )
+    sync = plan.phase("weight_sync")
+    # after the sync's buckets are freed (the native engine reloads nothing): what the check needs beyond them
+    expected = check - sync.components["sync_bucket"]
+    assert sync.components["reference_check"] == expected > 0
+    assert sum(p.components["reference_check"] for p in plan.phases) == expected  # the weight_sync phase only
+    assert sync.start_components.get("reference_check", 0) == 0  # a transient: the phase's rise has it
+    off = make_plan(plan_inputs(compose("tiny_cpu", ["weight_sync.check_every=0"]), 6))
+    assert off.inputs.reference_check == () and off.phase("weight_sync").components["reference_check"] == 0
+    assert sync.predicted_bytes - off.phase("weight_sync").predicted_bytes == expected
+    # a later step's recorded check (StepLengths.reference_layer): layer 1 alone, smaller; -1 (none): 0
+    lengths = plan.inputs.planned_lengths()
+    later = plan.at_lengths(replace(lengths, reference_layer=1)).phase("weight_sync").components["reference_check"]
+    assert 0 < later < expected
+    assert plan.at_lengths(replace(lengths, reference_layer=-1)).phase("weight_sync").components["reference_check"] == 0
+
+    # CUDA (NCCL): all_gather_object's byte tensors on the device, the rest is host memory
+    cuda = make_plan(plan_inputs(compose("tiny_cpu", ["cluster.device=H100-80GB"]), 6))
+    cuda_sync = cuda.phase("weight_sync").components
+    device_part = (1 + 2 * w) * largest * cuda.inputs.element_bytes
+    assert cuda_sync["reference_check"] == max(0, device_part - cuda_sync["sync_bucket"]) > 0
+    host = {p.name: p.components["reference_check"] for p in host_plan(cuda).phases}
+    e = cuda.inputs.element_bytes
+    assert host["weight_sync"] == e * max(own + 3 * largest + gathered, own + gathered + full)
+    assert sum(host.values()) == host["weight_sync"]
+    cuda_off = make_plan(plan_inputs(compose("tiny_cpu", ["cluster.device=H100-80GB", "weight_sync.check_every=0"]), 6))
+    assert cuda_off.phase("weight_sync").components["reference_check"] == 0
+    assert all(p.components["reference_check"] == 0 for p in host_plan(cuda_off).phases)

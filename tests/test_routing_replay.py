@@ -244,9 +244,12 @@ def test_routing_replay_config_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^actor.moe_expert_capacity_factor=1.0 but tiny:qwen3 has no MoE layers"):
         run_config("tiny:qwen3", "native", replay=False, capacity_factor=1.0)
     assert run_config("tiny:qwen3_moe", "native", replay=False, capacity_factor=1.0).actor.moe_expert_capacity_factor
-    # its dropped copies move the actor's log-probs off the engine's: the run's gap check must be told how far
-    with pytest.raises(ValueError, match=r"^actor.moe_expert_capacity_factor=1.0 drops routed copies the engine"):
-        run_config("tiny:qwen3_moe", "native", replay=False, capacity_factor=1.0, gap=None)
+    # its dropped copies move the actor's log-probs off the engine's: only the gap's warning reacts (defect 9), so
+    # the thresholds are not required
+    assert (
+        run_config("tiny:qwen3_moe", "native", replay=False, capacity_factor=1.0, gap=None).trainer.max_logprob_gap
+        is None
+    )
     with pytest.raises(ValueError, match=r"^actor.moe_expert_capacity_factor=0 must be > 0"):
         ActorConfig(moe_expert_capacity_factor=0)
 

@@ -171,16 +171,17 @@ def test_a_run_stopped_after_its_last_checkpoint_ends_with_its_final_eval_and_su
     assert again.returncode == 0 and "already did 1 steps (trainer.steps=1) and finished (summary.json written): nothing to do" in again.stdout
 
 
-def test_a_gap_above_tolerance_stops_the_run_naming_step_and_token(tmp_path):
-    """trainer.max_logprob_gap far below what fp32 reaches: the first step's check must stop the run."""
+def test_a_gap_above_tolerance_warns_and_the_run_goes_on(tmp_path):
+    """Defect 9: trainer.max_logprob_gap far below what the healthy run reaches (as bf16 rounding gets past the
+    default): a warning at the new high, not a stop; the weight sync's reference check (every step) passes."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "run.main", "--exp", "tiny_cpu", "--run-dir", str(run_dir)]
     cmd += ["trainer.steps=2", "trainer.sft_warmup_steps=0", "wandb.mode=disabled", "trainer.max_logprob_gap=1e-12"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode != 0
-    assert "LogprobGapError: step 0: old_logprobs vs engine_logprobs over" in proc.stderr
-    assert "> trainer.max_logprob_gap=1e-12" in proc.stderr
-    assert "response token" in proc.stderr and not (run_dir / "summary.json").exists()
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "warning: step 0: engine vs actor log-prob gap" in proc.stdout + proc.stderr
+    assert "trainer.max_logprob_gap=1e-12" in proc.stdout + proc.stderr
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
 
 
 def test_make_run_default_experiment_learns(tmp_path):

@@ -14,9 +14,11 @@ CASES = [((2, 2, None), 4), ((1, 2, None), 2), ((2, 2, 2), 1), ((4, 1, None), 2)
 def _sync_all_layouts(rank: int, world_size: int, family: str):
     import torch.distributed as dist
 
+    from tests.test_weight_sync_reference import swap_gate_up
     from weight_sync import TorchP2PTransport, execute_sync, plan_sync
     from weight_sync.baseline import baseline_sync, make_peer_export
     from weight_sync.layouts import actor_sources, engine_destinations
+    from weight_sync.reference import ReferenceCheck, WeightLayoutError, sample_names
     from weight_sync.verify import WeightSyncMismatch, verify_sync
 
     dist.init_process_group("gloo")
@@ -36,6 +38,9 @@ def _sync_all_layouts(rank: int, world_size: int, family: str):
             plan, rank, src, dst, transport=TorchP2PTransport(), direct_min_bytes=0 if case % 2 else 1 << 20
         )
         checked = verify_sync(plan, rank, src, dst)
+        # the reference check (actor's full tensors gathered over TP/PP, cut by the engine's layout) passes
+        reference = ReferenceCheck(cfg, layout)
+        reference_checked = sum(reference(rank, src, dst, sample_names(cfg, i)) for i in range(cfg.num_layers))
         for name, got in dst.items():
             assert torch.equal(got, reference_vllm_shard(hf, cfg, name, rtp, rank % rtp)), (tp, pp, vpp, rtp, name)
         base_dst = {p.name: torch.zeros(p.local_shape) for p in destinations[rank]}
@@ -48,6 +53,7 @@ def _sync_all_layouts(rank: int, world_size: int, family: str):
                 planned=stats.__dict__,
                 baseline=base.__dict__,
                 checked=checked,
+                reference_checked=reference_checked,
                 plan_bytes=plan.bytes_moved,
                 # one full model as megatron holds it (vocab padded): the shards of one DP replica, without
                 # the tied embedding's copy on the last stage (not exported)
@@ -68,6 +74,19 @@ def _sync_all_layouts(rank: int, world_size: int, family: str):
         report.append("not caught")
     except WeightSyncMismatch as exc:
         report.append(str(exc))
+    # a wrong engine layout in the plan (gate and up exchanged, actor TP 2 -> rollout TP 2): the plan's
+    # checksums agree, the reference check stops every rank with the same line
+    layout = mesh(2, 1, None, 2)
+    plan = plan_sync(actor_sources(cfg, layout), swap_gate_up(engine_destinations(cfg, layout)), 8 << 10, 4)
+    src = megatron_shards(hf, "llama_kv4", 2, 1, None, rank)
+    dst = {p.name: torch.zeros(p.local_shape) for p in engine_destinations(cfg, layout)[rank]}
+    execute_sync(plan, rank, src, dst, transport=TorchP2PTransport())
+    verify_sync(plan, rank, src, dst)
+    try:
+        ReferenceCheck(cfg, layout)(rank, src, dst, sample_names(cfg, 0))
+        report.append("wrong layout not caught")
+    except WeightLayoutError as exc:
+        report.append(str(exc))
     return report
 
 
@@ -86,8 +105,11 @@ def test_executor_verify_and_baseline_on_four_ranks():
         expected = WORLD * model_bytes * ((pp - 1) / pp / tp + (tp - 1) / tp)
         received = sum(r["baseline"]["bytes_received"] for r in per_rank)
         assert expected * 0.95 <= received <= expected, (per_rank[0]["layout"], received, expected)
+        assert all(r["reference_checked"] > 0 for r in per_rank)
     for r in reports:
-        assert "engine rank 1 model.layers.2.mlp.down_proj.weight" in r[-1], r[-1]
+        assert "engine rank 1 model.layers.2.mlp.down_proj.weight" in r[-2], r[-2]
+        assert r[-1] == reports[0][-1]
+    assert reports[0][-1].startswith("weight sync check failed: engine rank 0 model.layers.0.mlp.gate_up_proj.weight")
 
 
 def test_verify_sync_cli_end_to_end(tiny_model_dirs):
