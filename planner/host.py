@@ -33,7 +33,7 @@ Per rank, on CUDA:
   (planner/plan.py ``hf_file_writing_bytes``), host memory beside the device's state.
 - ``reference_check``: in ``weight_sync``, the weight sync's reference check (weight_sync/reference.py): the rank's
   block clones of the sampled tensors, every rank's blocks unpickled from all_gather_object and the full HF tensors
-  assembled from them, host memory (planner/plan.py ``reference_check_bytes``; its byte tensors are the device's).
+  assembled from them, gathered over a gloo group: all host memory (planner/plan.py ``reference_check_bytes``).
 - ``runtime``: the process besides those (Python, torch with CUDA, NCCL, megatron-core, vLLM in-process):
   ``host_runtime_bytes``, an estimate until a GPU run's RSS is read.
 - ``data``: the task's records (the data file's bytes; ``PlanInputs.data_host_bytes``).

@@ -464,22 +464,12 @@ def reference_sample(inp: PlanInputs) -> ReferenceSample | None:
 def reference_check_bytes(inp: PlanInputs, stage: int) -> tuple[int, int]:
     """(device, host) bytes the weight sync's reference check holds at its peak on a rank of ``stage``
     (weight_sync/reference.py; the sample: :func:`reference_sample`). 0 with ``weight_sync.check_every=0``. On CPU
-    both are the host's RSS, counted as the device's (the first)."""
+    the host's RSS is the device's (the first); on CUDA it is all the host's (the second)."""
     sample = reference_sample(inp)
     if sample is None:
         return 0, 0
-    if not inp.on_cuda:
-        return _reference_bytes(inp, sample, stage), 0
-    e, largest, w = inp.element_bytes, sample.largest * inp.element_bytes, sample.ranks
-    # NCCL: all_gather_object's byte tensors are on the device: the serialized blocks padded to the largest, the
-    # gathered [W x largest] tensor and NCCL's flat output it copies from (ProcessGroupNCCL::allgather, newLikeFlat)
-    device = (1 + 2 * w) * largest
-    # the host: the rank's block clones, each rank's gathered bytes copied back (tensor.cpu()) and read out
-    # (tobytes), the pickled storages while they load (pickle's memo), every rank's unpickled blocks; or, once
-    # they are assembled, the blocks, the unpickled copies and the full tensors
-    own, gathered = sample.own[stage] * e, sample.gathered * e
-    host = max(own + 3 * largest + gathered, own + gathered + sample.full * e)
-    return device, host
+    # on CUDA the check gathers over its own gloo group (weight_sync/reference.py::host_group): all host memory
+    return (0, _reference_bytes(inp, sample, stage)) if inp.on_cuda else (_reference_bytes(inp, sample, stage), 0)
 
 
 def _reference_bytes(inp: PlanInputs, sample: ReferenceSample, stage: int) -> int:

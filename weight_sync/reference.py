@@ -29,6 +29,16 @@ from weight_sync.verify import _BITS
 _LAYER = HF_LAYER
 
 
+def host_group() -> dist.ProcessGroup | None:
+    """The world over gloo, for the check's object gathers (collective: every rank calls it, in the same order).
+    all_gather_object over NCCL serialises into device byte tensors, padded to the largest rank's and gathered
+    [world x largest] on every GPU (torch 2.13 distributed_c10d.py, _object_to_tensor / all_gather_object): tens of
+    GiB at 8 GPUs for one layer of an 8B model. Over gloo they stay on the host. None where the world is gloo."""
+    if not dist.is_initialized() or dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo")
+
+
 class WeightLayoutError(RuntimeError):
     """An engine slice differs from the same slice of the actor's own full tensor: the layout is wrong."""
 
@@ -57,14 +67,17 @@ class ReferenceCheck:
     shape: ModelShape
     mesh: ColocatedMesh
     te_norms: bool = False
+    # the world over gloo (:func:`host_group`): the gathered objects stay in host memory; None: the default group
+    group: dist.ProcessGroup | None = None
 
     @torch.no_grad()
     def __call__(
         self, rank: int, src_tensors: dict, dst_tensors: dict, names: set[str], group: dist.ProcessGroup | None = None
     ) -> int:
-        """Compare this rank's engine slices of ``names`` with the actor's; collective over ``group`` (the
-        world); raises :class:`WeightLayoutError` on every rank with the first mismatch's line. Returns how
-        many slices this rank compared."""
+        """Compare this rank's engine slices of ``names`` with the actor's; collective over ``group`` (default:
+        the check's own, the world); raises :class:`WeightLayoutError` on every rank with the first mismatch's
+        line. Returns how many slices this rank compared."""
+        group = group if group is not None else self.group
         from megatron_backend.checkpoint import gather_hf_tensors  # megatron-core: only where an actor runs
         from weight_sync.layouts import actor_rank_layout
 

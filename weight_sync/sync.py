@@ -15,7 +15,7 @@ import torch
 from modelspec import ColocatedMesh, ModelShape, element_bytes
 from weight_sync.execute import SyncStats, execute_sync
 from weight_sync.layouts import actor_sources, engine_destinations
-from weight_sync.reference import ReferenceCheck, sample_names
+from weight_sync.reference import ReferenceCheck, host_group, sample_names
 from weight_sync.transfers import SyncPlan, plan_sync
 from weight_sync.transport import TorchP2PTransport, Transport
 from weight_sync.verify import verify_sync
@@ -46,10 +46,11 @@ class WeightSyncConfig:
         te_norms: bool = False,
         transport: Transport | None = None,
     ) -> WeightSync:
-        """Plan the sync for this model on this mesh (every rank plans the same, no communication)."""
+        """Plan the sync for this model on this mesh (every rank plans the same; collective only where the
+        reference check needs its gloo group, :func:`weight_sync.reference.host_group`)."""
         sources = actor_sources(shape, mesh, te_norms=te_norms)
         plan = plan_sync(sources, engine_destinations(shape, mesh), self.bucket_mb << 20, element_bytes(dtype))
-        reference = ReferenceCheck(shape, mesh, te_norms) if self.check_every else None
+        reference = ReferenceCheck(shape, mesh, te_norms, host_group()) if self.check_every else None
         return WeightSync(
             plan,
             rank,
