@@ -62,7 +62,8 @@ def executor_staging(s: ModelShape, mesh: ColocatedMesh, rank: int) -> tuple[int
     from rollout.layout import vllm_param_layouts
     from weight_sync import WeightSyncConfig
 
-    sync = WeightSyncConfig(bucket_mb=BUCKET >> 20).build(s, mesh, rank, dtype="float32")
+    # check_every=0: one rank of the mesh in one process; the reference check gathers shards no other rank sends here
+    sync = WeightSyncConfig(bucket_mb=BUCKET >> 20, check_every=0).build(s, mesh, rank, dtype="float32")
     c = mesh.actor_coords(rank)
     layout = RankLayout(mesh.actor_tp, mesh.actor_pp, mesh.actor_vpp, c.tp_rank, c.pp_rank)
     src = {k: torch.zeros(v) for k, v in local_param_shapes(s, layout).items()}

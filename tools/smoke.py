@@ -165,6 +165,9 @@ ELSEWHERE: dict[str, str] = {
     "(planner/calibration/cpu.json, fitted on another machine) against this machine's runs",
     "mutate-plan": "make test-slow (tests/test_validate_plan.py), on validate-plan's runs",
     "test-gpu": "needs CUDA (here its tests are only collected and skipped)",
+    "gpu-wheels": "make test-procs (tests/test_gpu_kit.py: the loop's imports against the image and the kit; no "
+    "download in CI)",
+    "gpu-check": "make test-procs (tests/test_gpu_check.py runs its stages with --device cpu); on a GPU: docs/gpu-check.md",
     "smoke": "this",
     # CI's suites run these tools (python -m tools.X) themselves; the make recipe's flags are checked against
     # what each tool declares by tests/test_smoke.py (make -n), so the smoke does not run them a second time
