@@ -750,3 +750,19 @@ def test_weight_sync_phase_counts_the_reference_check_from_the_models_shape():
     cuda_off = make_plan(plan_inputs(compose("tiny_cpu", ["cluster.device=H100-80GB", "weight_sync.check_every=0"]), 6))
     assert cuda_off.phase("weight_sync").components["reference_check"] == 0
     assert all(p.components["reference_check"] == 0 for p in host_plan(cuda_off).phases)
+
+
+def test_a_step_replayed_at_its_lengths_keeps_a_kv_cache_under_the_floor_a_user_may_set():
+    """The engine sizes a cache of max_num_seqs x max_model_len tokens, under 1 MiB for a small model; replaying a
+    step's recorded lengths (the run's summary) refused it as if a user had set it (make gpu-check on CPU ended
+    with "rollout.kv_cache_bytes=131072 must be an integer >= 1048576" after its steps)."""
+    from configs.rollout import MIN_KV_CACHE_BYTES
+    from run.compose import compose
+    from run.memory_plan import plan_inputs
+
+    cfg = compose("tiny_cpu", ["rollout.max_num_seqs=4", "rollout.max_model_len=32", "rollout.max_new_tokens=8"])
+    plan = make_plan(plan_inputs(cfg, 6))
+    assert 0 < plan.kv_cache_bytes < MIN_KV_CACHE_BYTES
+    again = plan.at_lengths(plan.inputs.planned_lengths())
+    assert again.kv_cache_bytes == plan.kv_cache_bytes
+    assert again.phase("rollout").predicted_bytes == plan.phase("rollout").predicted_bytes
