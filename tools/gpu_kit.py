@@ -195,8 +195,16 @@ def loop_distributions(timeout_s: float = 600) -> list[str]:
         _run_recorded(["-m", "run.main", "--run-dir", str(dump_dir / "run"), *LOOP_ARGS], dump_dir, timeout_s)
         _run_recorded(["-c", "; ".join(f"import {m}" for m in TOOLS)], dump_dir, timeout_s)
         edges = {tuple(e) for f in dump_dir.glob("*.json") for e in json.loads(f.read_text())}
+    # a package's vendored copies come with it (setuptools puts setuptools/_vendor on sys.path once imported, and
+    # its jaraco, more_itertools, backports then map to distributions of their own): not the image's to lack
+    vendored = {
+        canonicalize_name(d.metadata["Name"])
+        for d in importlib.metadata.distributions()
+        if "_vendor" in Path(str(d.locate_file(""))).parts
+    }
     module_dists = {
-        top: {canonicalize_name(d) for d in dists} for top, dists in importlib.metadata.packages_distributions().items()
+        top: {canonicalize_name(d) for d in dists} - vendored
+        for top, dists in importlib.metadata.packages_distributions().items()
     }
     roots = project_packages() | set(sys.stdlib_module_names) | {"", "__main__", "__mp_main__"}
     counted: set[str] = set()
