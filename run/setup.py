@@ -222,6 +222,10 @@ def setup(
     weight_sync = cfg.weight_sync.build(
         actor.shape, mesh, dims.rank, dtype=cfg.model.dtype, te_norms=actor.layout.te_norms
     )
+    if resumed_state is not None:
+        # the syncs continue the resumed run's count (one at start-up, one per step), so step k's reference check
+        # samples the layer the uninterrupted run's did
+        weight_sync.num_syncs = resumed_state.completed_steps
     device = SharedDevice(
         actor=actor,
         ref_actor=ref_actor,
