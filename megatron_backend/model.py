@@ -280,13 +280,17 @@ def _varlen_attention_class():
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class VarlenDotProductAttention(DotProductAttention):
-        """megatron's local (unfused) attention, THD-capable: one causal attention per packed sequence.
+        """megatron's local (unfused) attention, THD-capable: the packed sequences attend in one batched call.
 
-        With ``packed_seq_params.qkv_format == "thd"`` megatron's SelfAttention hands q/k/v as
-        [T, heads, d] (batch dim squeezed, RoPE already applied per sequence); each sequence
-        ``cu_seqlens[i]:cu_seqlens[i+1]`` goes through the parent's forward as [L_i, 1, heads, d], so its
-        scores are [heads, L_i, L_i] (not [heads, T, T]) and the math is the padded path's. Output
-        [T, 1, heads * d], which SelfAttention reshapes as it does TE's THD output.
+        With ``packed_seq_params.qkv_format == "thd"`` megatron's SelfAttention hands q/k/v as [T, heads, d] (batch
+        dim squeezed, RoPE already applied per sequence). Each sequence ``cu_seqlens[i]:cu_seqlens[i+1]`` is placed
+        at the start of row i of [b, heads, L, d] (L: the longest), zeros after it, and the b rows go through
+        torch's ``scaled_dot_product_attention`` with a causal mask at once: a real query attends only to keys at
+        or before it, all of its own sequence, so the padding changes nothing it reads; the padded queries' rows
+        are dropped. On CPU torch runs its flash kernel (no [L, L] scores kept; backward keeps q, k, v, the output
+        and an fp32 log-sum-exp per query head, planner/sizes.py). One call per layer instead of one per sequence
+        (and per sequence an RNG-tracker fork and a causal-mask build): the step's largest cost on CPU before.
+        Output [T, 1, heads * d], which SelfAttention reshapes as it does TE's THD output.
         """
 
         def forward(
@@ -296,13 +300,27 @@ def _varlen_attention_class():
                 return super().forward(
                     query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
                 )
-            bounds = packed_seq_params.cu_seqlens_q.tolist()
-            outs = []
-            for start, end in zip(bounds[:-1], bounds[1:]):
-                if end > start:
-                    q, k, v = (x[start:end].unsqueeze(1) for x in (query, key, value))  # [L, 1, heads, d]
-                    outs.append(super().forward(q, k, v, None, attn_mask_type, attention_bias, None))
-            return torch.cat(outs, dim=0)  # [T, 1, heads * d]
+            bounds = packed_seq_params.cu_seqlens_q.to(torch.long)  # [b + 1]
+            lengths = bounds[1:] - bounds[:-1]
+            num_tokens, longest = int(bounds[-1]), int(lengths.max())
+            row = torch.repeat_interleave(torch.arange(len(lengths), device=bounds.device), lengths)  # [T]: its sequence
+            position = torch.arange(num_tokens, device=bounds.device) - bounds[row]  # [T]: its place in it
+
+            def padded(x):  # [T, heads, d] -> [b, heads, L, d], zeros after each sequence
+                rows = x.new_zeros(len(lengths), longest, *x.shape[1:])
+                return rows.index_put_((row, position), x).transpose(1, 2)
+
+            heads, groups = self.num_attention_heads_per_partition, self.num_query_groups_per_partition
+            out = F.scaled_dot_product_attention(
+                padded(query),
+                padded(key),
+                padded(value),
+                dropout_p=self.config.attention_dropout if self.training else 0.0,
+                is_causal=True,
+                scale=self.softmax_scale * (self.scale_mask_softmax.scale or 1.0),  # apply_query_key_layer_scaling
+                enable_gqa=heads != groups,
+            )  # [b, heads, L, d]
+            return out.transpose(1, 2)[row, position].reshape(num_tokens, 1, -1)  # [T, 1, heads * d]
 
     return VarlenDotProductAttention
 

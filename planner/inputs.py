@@ -48,6 +48,7 @@ class MicroBatches:
     model_tokens: int  # tokens the model runs on: sequences x padded length, or their real tokens packed
     response_tokens: int  # rows of the log-prob pass
     attention_span: float  # each sequence's attention length: the padded length, or (packed) its mean
+    padded_tokens: int  # sequences x the longest: the rows megatron_backend.model's packed attention pads them to
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -337,6 +338,7 @@ class PlanInputs:
             model_tokens=math.ceil(sequences * per_seq),
             response_tokens=math.ceil(sequences * response),
             attention_span=per_seq,
+            padded_tokens=sequences * self.seq_len,
         )
 
     @property

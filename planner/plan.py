@@ -43,6 +43,8 @@ from planner.sizes import (
     layer_activation_bytes_per_token,
     layer_forward_bytes_per_token,
     local_layer_forward_bytes,
+    local_packed_attention_padding_bytes_per_token,
+    local_packed_layer_forward_bytes,
     logits_bytes,
     moe_layer_kinds,
     native_engine_activation_bytes,
@@ -118,33 +120,42 @@ def _layer_bytes(inp: PlanInputs, mb, recomputed: tuple[str, ...] = (), train: b
     ``train=False``, one layer's working set in a forward without grad (counted, not scaled: nothing is kept)."""
     s, e, tp, etp = inp.shape, inp.element_bytes, inp.actor.tp, inp.expert_tp
     # an MoE model's layers: the larger of a dense and a sparse layer's when they mix (mlp_only_layers)
-    if not train and inp.attention == "unfused":
-        # without grad nothing is kept: packed sequences go through the attention one at a time
-        # (megatron_backend/model.py, VarlenDotProductAttention) and free their [Hq/t, L, L] scores before the
-        # next; a padded micro-batch attends all its rows at once
-        at_once = 1 if inp.actor.remove_padding else mb.sequences
-        scores = unfused_attention_bytes(s, tp, e, at_once, mb.attention_span)
+    packed = inp.attention == "unfused" and inp.actor.remove_padding
+    if not train and packed:
+        # without grad nothing is kept: the layer's widest moment over the micro-batch's sequences, padded to its
+        # longest for torch's flash kernel (megatron_backend/model.py, VarlenDotProductAttention)
+        return max(
+            local_packed_layer_forward_bytes(
+                s, tp, e, mb.model_tokens, mb.padded_tokens, mb.sequences, sparse, etp, inp.routed_copies_ratio
+            )
+            for sparse in moe_layer_kinds(s)
+        )
+    if not train and inp.attention == "unfused":  # padded rows: megatron's attention over all of them at once
+        scores = unfused_attention_bytes(s, tp, e, mb.sequences, mb.attention_span)
         return max(
             local_layer_forward_bytes(
-                s, tp, e, mb.model_tokens, at_once * mb.attention_span, scores, sparse, etp, inp.routed_copies_ratio
+                s, tp, e, mb.model_tokens, mb.model_tokens, scores, sparse, etp, inp.routed_copies_ratio
             )
             for sparse in moe_layer_kinds(s)
         )
     if train:
         per_token = max(
             layer_activation_bytes_per_token(
-                s, tp, e, inp.attention, recomputed, sparse, etp, inp.sequence_parallel_on, inp.routed_copies_ratio
+                s, tp, e, inp.attention, recomputed, sparse, etp, inp.sequence_parallel_on, inp.routed_copies_ratio,
+                packed,
             )
             for sparse in moe_layer_kinds(s)
-        )
+        )  # fmt: skip
     else:
         per_token = max(
             layer_forward_bytes_per_token(s, tp, e, sparse, etp, inp.routed_copies_ratio)
             for sparse in moe_layer_kinds(s)
         )
     per_layer = mb.model_tokens * per_token
+    if packed and train:  # what the attention keeps per padded row: the sequences x the longest
+        per_layer += mb.padded_tokens * local_packed_attention_padding_bytes_per_token(s, tp, e)
     scores = 0
-    if inp.attention == "unfused" and "core_attn" not in recomputed:
+    if inp.attention == "unfused" and not packed and "core_attn" not in recomputed:
         scores = unfused_attention_bytes(s, tp, e, mb.sequences, mb.attention_span, kept=True)
     # megatron's local spec (CPU) runs RMSNorm, RoPE, SwiGLU and attention unfused: autograd keeps more per
     # token than the fused count above; the factor is fitted by `make calibrate` (planner/calibration/cpu.json)
@@ -179,22 +190,15 @@ def train_activation_bytes(inp: PlanInputs, layers: int, layers_per_chunk: int, 
     return activations + micro_batches_in_flight * stage_input
 
 
-def train_backward_bytes(inp: PlanInputs, stage: int, layers: int, logits_pass: int = 0) -> int:
+def train_backward_bytes(inp: PlanInputs, stage: int, logits_pass: int = 0) -> int:
     """What train holds beside the kept activations and the log-prob pass, on a rank of ``stage`` holding
-    ``layers`` in-flight layers of the largest train micro-batch: the largest weight's gradient before DDP's
-    hook adds it into main_grad (sizes.largest_actor_weight_elements), what megatron's local attention keeps
-    per packed sequence and layer beyond its tensors (VarlenDotProductAttention runs each sequence through its
-    own autograd nodes and small tensors: ``local_attention_sequence_bytes``, calibrated on CPU, where those
-    host objects are the device's memory; 0 on CUDA), and a fixed workspace (``train_workspace_bytes``).
-    The weight gradients come after the log-prob pass's backward (``logits_pass``, last stage), whose buffers
-    are freed by then: the stage holds the larger of the two."""
+    the largest train micro-batch: the largest weight's gradient before DDP's
+    hook adds it into main_grad (sizes.largest_actor_weight_elements) and a fixed workspace
+    (``train_workspace_bytes``). The weight gradients come after the log-prob pass's backward (``logits_pass``,
+    last stage), whose buffers are freed by then: the stage holds the larger of the two."""
     s, e = inp.shape, inp.element_bytes
     weight_grad = max(0, largest_actor_weight_elements(s, inp.actor.tp, inp.actor.pp, stage) * e - logits_pass)
-    per_sequence = 0
-    if inp.attention == "unfused" and inp.actor.remove_padding:
-        sequences = inp.micro_batches(train=True).sequences
-        per_sequence = round(sequences * layers * inp.constants.value("local_attention_sequence_bytes"))
-    return weight_grad + per_sequence + int(inp.constants.value("train_workspace_bytes"))
+    return weight_grad + int(inp.constants.value("train_workspace_bytes"))
 
 
 def logprob_pass_bytes(inp: PlanInputs, train: bool) -> int:
@@ -243,7 +247,7 @@ def _stage(inp: PlanInputs, stage: int) -> _Stage:
     ids = stage_ends_activation_bytes_per_token(s, inp.actor.tp, e, local, first=stage == 0, last=False, split=1)
     norm = stage_ends_activation_bytes_per_token(s, inp.actor.tp, e, local, first=False, last=last, split=split)
     train_activations += inp.micro_batches(train=True).model_tokens * (micro_batches_in_flight * ids + norm)
-    train_activations += train_backward_bytes(inp, stage, layers, train_logits)
+    train_activations += train_backward_bytes(inp, stage, train_logits)
     # the DistributedOptimizer's grad sync (DDP finish_grad_sync, after the last backward: activations and
     # logits freed) is a reduce_scatter_tensor of the fp32 grad buffer; gloo runs it as an all-reduce of a
     # copy of the whole input (measured: +100 MB RSS for a 100 MB buffer; all_gather_into_tensor: none).

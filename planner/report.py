@@ -268,10 +268,6 @@ def constants_used(plan: Plan) -> list[dict]:
     if inp.attention == "unfused":
         factor = cal.value("local_spec_activation_factor")
         used.append(("local_spec_activation_factor", factor, peak["activations"] / factor if factor else 0.0))
-        if inp.actor.remove_padding:  # per sequence of the train micro-batch and in-flight layer (at most a stage's)
-            in_train = plan.peak_phase == "train"
-            per_unit = inp.micro_batches(train=True).sequences * inp.shape.num_layers if in_train else 0
-            used.append(("local_attention_sequence_bytes", cal.value("local_attention_sequence_bytes"), per_unit))
     if cal.value("train_workspace_bytes") or cal["train_workspace_bytes"].uncertainty:
         used.append(("train_workspace_bytes", cal.value("train_workspace_bytes"), float(plan.peak_phase == "train")))
     if not inp.engine_profile.profiles_activations(inp.device.kind):

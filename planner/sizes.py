@@ -154,6 +154,7 @@ def layer_activation_bytes_per_token(
     etp: int | None = None,
     sequence_parallel: bool = False,
     routed_copies_ratio: float = 1.0,
+    packed: bool = False,
 ) -> int:
     """Bytes one decoder layer keeps for backward per token (megatron).
 
@@ -165,7 +166,10 @@ def layer_activation_bytes_per_token(
     ``LinearWithGradAccumulationAndAsyncCommunication`` saves its local input shard and all-gathers it again in
     backward), so 4h / t; without it they are not split by TP. ``attention="unfused"`` (megatron's local spec,
     used on CPU, no sequence parallelism): its own count (:func:`local_layer_activation_elements_per_token`); the
-    [Hq/t, s, s] scores and probabilities are counted by the caller (:func:`unfused_attention_bytes`). ``recomputed`` (megatron's selective ``recompute_modules``) drops
+    [Hq/t, s, s] scores and probabilities are counted by the caller (:func:`unfused_attention_bytes`), and with
+    ``packed`` sequences (megatron_backend/model.py ``VarlenDotProductAttention``, torch's flash kernel) the two
+    int64 indices that place each token in the padded rows; what the kernel keeps per padded row is the caller's
+    (:func:`local_packed_attention_padding_bytes_per_token`). ``recomputed`` (megatron's selective ``recompute_modules``) drops
     what those modules recompute: ``layernorm`` the two norm outputs (2h), ``mlp`` the MLP's
     internals (3I / t), ``core_attn`` the log-sum-exp (and the unfused scores, by the caller). ``sparse``: an MoE
     layer, its router and experts in place of the dense MLP (:func:`moe_activation_bytes_per_token`; ``mlp`` or
@@ -178,9 +182,11 @@ def layer_activation_bytes_per_token(
     """
     h, d, t = shape.hidden_size, shape.head_dim, tp
     sp = t if sequence_parallel else 1  # the sequence-parallel region's split
-    qk_rstdevs = 0
+    qk_rstdevs = indices = 0
     if attention == "unfused":
-        elements = local_layer_activation_elements_per_token(shape, tp, recomputed, sparse)
+        elements = local_layer_activation_elements_per_token(shape, tp, recomputed, sparse, packed)
+        if packed:
+            indices = 2 * INT64_BYTES
     else:
         norms = (4 * h - (2 * h if "layernorm" in recomputed else 0)) // sp
         mlp = 0 if "mlp" in recomputed or sparse else 3 * shape.intermediate_size // t
@@ -195,7 +201,7 @@ def layer_activation_bytes_per_token(
         moe = moe_activation_bytes_per_token(
             shape, etp or t, element_bytes, sp, local=attention == "unfused", routed_copies_ratio=routed_copies_ratio
         )
-    return elements * element_bytes + lse + moe + qk_rstdevs
+    return elements * element_bytes + lse + moe + qk_rstdevs + indices
 
 
 def stage_ends_activation_bytes_per_token(
@@ -222,7 +228,7 @@ def stage_ends_activation_bytes_per_token(
 
 
 def local_layer_activation_elements_per_token(
-    shape: ModelShape, tp: int, recomputed: tuple[str, ...] = (), sparse: bool = False
+    shape: ModelShape, tp: int, recomputed: tuple[str, ...] = (), sparse: bool = False, packed: bool = False
 ) -> int:
     """Elements one decoder layer of megatron's local spec (CPU: no Transformer Engine, no Apex) keeps for backward per
     token, counted with ``torch.autograd.graph.saved_tensors_hooks`` on the tiny Qwen2 (TP 1; at head_dim 32 and 48,
@@ -235,6 +241,9 @@ def local_layer_activation_elements_per_token(
       fusion): cos and sin [s, 1, 1, d] for q and again for k, 4d;
     - attention (megatron/core/transformer/dot_product_attention.py): q, k and v with k and v repeated to the
       Hq/t query heads (``repeat_interleave`` for GQA) for the bmm's, and the context (linear_proj's input), 4 Hq d/t;
+      ``packed`` (megatron_backend/model.py ``VarlenDotProductAttention``: torch's flash kernel over the sequences
+      padded to [b, H, L, d]): the context gathered from the kernel's output, Hq d/t per real token (the padded q,
+      k, v and output are per padded row: :func:`local_packed_attention_padding_bytes_per_token`, the caller's);
     - the MLP (megatron/core/transformer/mlp.py, unfused ``glu``): fc1's output [s, b, 2I/t] and three I/t tensors
       of SwiGLU's chunk / SiLU / product.
     - Qwen3's q and k norms (``qk_norm``: megatron's ``q_layernorm`` / ``k_layernorm``, torch's composite RMSNorm
@@ -249,7 +258,8 @@ def local_layer_activation_elements_per_token(
     h, d, t = shape.hidden_size, shape.head_dim, tp
     norms = 2 * h if "layernorm" in recomputed else 6 * h + 2
     heads = shape.num_heads * d // t
-    attention = 4 * heads + 4 * d  # with core_attn recomputed too (the scores apart): an upper bound, not measured
+    # with core_attn recomputed too (the scores apart): an upper bound, not measured
+    attention = (heads if packed else 4 * heads) + 4 * d
     if shape.qk_norm:
         q_heads, kv_heads = shape.num_heads // t, engine_kv_heads_per_rank(shape, t)
         qk = (q_heads + 2 * kv_heads) * d + (q_heads + kv_heads) * (d + 1)
@@ -378,6 +388,55 @@ def layer_forward_bytes_per_token(
     return max(attention, mlp) * element_bytes
 
 
+def local_packed_attention_padding_bytes_per_token(shape: ModelShape, tp: int, element_bytes: int) -> int:
+    """What megatron_backend/model.py's packed attention holds per padded row (the micro-batch's sequences x the
+    longest): the padded q, k and v ((Hq + 2 Hkv) d / t), torch's flash output (Hq d / t) and its fp32 log-sum-exp
+    (Hq / t), with grad (kept for backward) or without (the forward's widest moment)."""
+    q, kv = shape.num_heads * shape.head_dim // tp, shape.num_kv_heads * shape.head_dim // tp
+    return (2 * q + 2 * kv) * element_bytes + FP32_BYTES * shape.num_heads // tp
+
+
+def local_packed_layer_forward_bytes(
+    shape: ModelShape,
+    tp: int,
+    element_bytes: int,
+    num_tokens: int,
+    padded_tokens: int,
+    sequences: int,
+    sparse: bool = False,
+    etp: int | None = None,
+    routed_copies_ratio: float = 1.0,
+) -> int:
+    """Peak bytes of one decoder layer of megatron's local spec (CPU) over ``sequences`` packed sequences
+    (``num_tokens`` real, padded to ``padded_tokens`` rows) in a forward without grad (old/ref_logprob), beyond its
+    input: the live tensors at its widest moment, counted per aten op (tests/test_local_layer_count.py).
+
+    - attention, at torch's flash kernel's output (megatron_backend/model.py ``VarlenDotProductAttention``): the
+      normed input (h), the qkv output ((Hq + 2Hkv) d / t), the query regrouped by a copy (Hq d / t), RoPE's q and
+      k ((Hq + Hkv) d / t), per padded row :func:`local_packed_attention_padding_bytes_per_token` (q, k, v, the
+      output, the log-sum-exp), the two int64 token indices and the int64 bounds and lengths (2b + 1). The
+      kernel's own per-thread buffers ([q block, kv block] floats, at most 256 x 512 a thread,
+      aten/src/ATen/native/cpu/FlashAttentionKernel.cpp) are made below the dispatcher: not counted here;
+    - the MLP (mlp.py, unfused ``glu``): the attention's residual sum and the normed input (2h), fc1's output
+      (2I / t), SiLU, ``x_linear + glu_linear_offset`` and the product (I / t each);
+    - ``sparse``: the residual sum and the normed input (2h) and the MoE block beyond them
+      (:func:`moe_forward_bytes_per_token`, ``local``) in place of the MLP.
+    """
+    h, t = shape.hidden_size, tp
+    q, kv = shape.num_heads * shape.head_dim // t, shape.num_kv_heads * shape.head_dim // t
+    attention = (
+        num_tokens * ((h + 3 * q + 3 * kv) * element_bytes + 2 * INT64_BYTES)
+        + padded_tokens * local_packed_attention_padding_bytes_per_token(shape, t, element_bytes)
+        + INT64_BYTES * (2 * sequences + 1)
+    )
+    if sparse:
+        moe = moe_forward_bytes_per_token(shape, etp or t, element_bytes, True, routed_copies_ratio=routed_copies_ratio)
+        block = num_tokens * (2 * h * element_bytes + moe)
+    else:
+        block = num_tokens * (2 * h + 5 * shape.intermediate_size // t) * element_bytes
+    return max(attention, block)
+
+
 def local_layer_forward_bytes(
     shape: ModelShape,
     tp: int,
@@ -389,16 +448,17 @@ def local_layer_forward_bytes(
     etp: int | None = None,
     routed_copies_ratio: float = 1.0,
 ) -> int:
-    """Peak bytes of one decoder layer of megatron's local spec (CPU) in a forward without grad (old/ref_logprob),
+    """Peak bytes of one decoder layer of megatron's local spec (CPU) over padded rows (``actor.remove_padding``
+    false; packed sequences: :func:`local_packed_layer_forward_bytes`) in a forward without grad (old/ref_logprob),
     beyond its input (the residual stream [N, h], the caller's): the live tensors at the layer's widest moment,
     counted per aten op with a ``TorchDispatchMode`` on the tiny Qwen2 (exact at Hq/Hkv 4/2 and 8/2, head_dim 32 and
-    48, intermediate 256 and 384, 1-8 packed sequences: tests/test_local_layer_count.py).
+    48, intermediate 256 and 384, when megatron's attention ran 1-8 sequences one at a time).
 
     - attention (megatron/core/transformer/attention.py ``get_query_key_value_tensors``, dot_product_attention.py),
       for the whole micro-batch: the normed input (h), the qkv output ((Hq + 2Hkv) d / t), the query regrouped
       [s, b, Hkv, Hq/Hkv d] and copied [s, b, Hq, d] (2 Hq d / t) and the key (Hkv d / t), and the contexts of the
-      sequences already attended (Hq d / t); for the ``attending_tokens`` of the sequences attending at once
-      (megatron_backend/model.py ``VarlenDotProductAttention``: one packed sequence at a time) the key and value
+      sequences already attended (Hq d / t); for the ``attending_tokens`` of the sequences attending at once the key
+      and value
       repeated to the Hq query heads, the bmm's context and its contiguous copy (3 Hq d / t beyond the context
       counted above), with ``scores_bytes`` (:func:`unfused_attention_bytes`); at the contexts' ``torch.cat``
       the whole micro-batch's contexts twice (the widest moment when many short sequences are packed);

@@ -1,6 +1,7 @@
 """The planner's count of what megatron's local (CPU) decoder layer keeps for backward per token
 (planner/sizes.py::local_layer_activation_elements_per_token) against autograd's saved tensors of a real layer,
-counted with ``torch.autograd.graph.saved_tensors_hooks`` (parameters and the unfused scores and mask apart)."""
+counted with ``torch.autograd.graph.saved_tensors_hooks`` (parameters apart), packed sequences through
+megatron_backend/model.py's attention (torch's flash kernel: no [s, s] scores)."""
 
 from __future__ import annotations
 
@@ -54,14 +55,14 @@ def test_the_local_layer_count_is_what_autograd_keeps(tp, head_dim, intermediate
     import dataclasses
 
     from modelspec import ModelShape
-    from planner.sizes import layer_activation_bytes_per_token, unfused_attention_bytes
+    from planner.sizes import layer_activation_bytes_per_token, local_packed_attention_padding_bytes_per_token
 
     shape = dataclasses.replace(
         ModelShape.from_pretrained("tiny:qwen2"), head_dim=head_dim, intermediate_size=intermediate
     )
     saved = run_ranks(_saved_bytes_of_first_layer, tp, head_dim, intermediate)[0]
-    scores = unfused_attention_bytes(shape, tp, 4, 1, TOKENS, kept=True)  # fp32 tiny model
-    assert saved - scores == TOKENS * layer_activation_bytes_per_token(shape, tp, 4, "unfused")
+    per_token = layer_activation_bytes_per_token(shape, tp, 4, "unfused", packed=True)
+    assert saved == TOKENS * (per_token + local_packed_attention_padding_bytes_per_token(shape, tp, 4))  # fp32 tiny
 
 
 @pytest.mark.parametrize("tp", [1, 2])  # 2 and 1 KV heads per rank: the query regrouped by a copy, or a view
@@ -69,13 +70,13 @@ def test_qwen3s_q_and_k_norms_are_counted(tp):
     """Qwen3's per-head q and k RMSNorms keep their x * rsqrt, rsqrt and inputs (the fused qkv output, and the query's
     copy when it is regrouped): planner/sizes.py::local_layer_activation_elements_per_token, on tiny:qwen3."""
     from modelspec import ModelShape
-    from planner.sizes import layer_activation_bytes_per_token, unfused_attention_bytes
+    from planner.sizes import layer_activation_bytes_per_token, local_packed_attention_padding_bytes_per_token
 
     shape = ModelShape.from_pretrained("tiny:qwen3")
     assert shape.qk_norm
     saved = run_ranks(_saved_bytes_of_first_layer, tp, shape.head_dim, shape.intermediate_size, "qwen3")[0]
-    scores = unfused_attention_bytes(shape, tp, 4, 1, TOKENS, kept=True)
-    assert saved - scores == TOKENS * layer_activation_bytes_per_token(shape, tp, 4, "unfused")
+    per_token = layer_activation_bytes_per_token(shape, tp, 4, "unfused", packed=True)
+    assert saved == TOKENS * (per_token + local_packed_attention_padding_bytes_per_token(shape, tp, 4))
 
 
 def _saved_bytes_outside_the_layers(rank: int, world_size: int) -> int:
@@ -127,7 +128,7 @@ def test_the_ends_of_the_model_are_counted(tp):
     assert saved == TOKENS * per_token
 
 
-def _forward_peak_of_first_layer(rank: int, world_size: int, dims: dict, sequences: int) -> int:
+def _forward_peak_of_first_layer(rank: int, world_size: int, dims: dict, lengths: list[int]) -> int:
     import dataclasses
 
     import torch
@@ -144,14 +145,14 @@ def _forward_peak_of_first_layer(rank: int, world_size: int, dims: dict, sequenc
     live = LiveTensorBytes()
     layer.register_forward_pre_hook(lambda *_: [live.__enter__(), None][1])  # a hook's result replaces the args
     layer.register_forward_hook(lambda *_: live.__exit__(None, None, None))
-    length = FORWARD_TOKENS // sequences
-    cu = torch.arange(0, FORWARD_TOKENS + 1, length, dtype=torch.int32)
+    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     params = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=length, max_seqlen_kv=length
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths)
     )
-    ids = torch.randint(0, shape.vocab_size, (1, FORWARD_TOKENS), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, shape.vocab_size, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
     with torch.no_grad():
-        model(ids, torch.arange(length).repeat(sequences).unsqueeze(0), attention_mask=None, packed_seq_params=params)
+        model(ids, positions, attention_mask=None, packed_seq_params=params)
     return live.peak
 
 
@@ -159,27 +160,29 @@ FORWARD_TOKENS = 384
 
 
 @pytest.mark.parametrize(
-    ("dims", "sequences"),
+    ("dims", "lengths"),
     [
-        ({"head_dim": 32, "intermediate_size": 256}, 1),  # the attention's widest moment (one long sequence)
-        ({"head_dim": 48, "intermediate_size": 384}, 2),
-        ({"head_dim": 32, "intermediate_size": 256, "num_heads": 8, "num_kv_heads": 2}, 3),
-        ({"head_dim": 32, "intermediate_size": 512}, 8),  # the MLP's (short sequences)
+        ({"head_dim": 32, "intermediate_size": 64}, [FORWARD_TOKENS]),  # the attention's widest moment
+        ({"head_dim": 48, "intermediate_size": 384}, [192, 192]),  # the MLP's
+        ({"head_dim": 32, "intermediate_size": 256, "num_heads": 8, "num_kv_heads": 2}, [128] * 3),
+        ({"head_dim": 64, "intermediate_size": 64, "num_heads": 8, "num_kv_heads": 2}, [96] * 4),
+        ({"head_dim": 32, "intermediate_size": 64}, [200, 100, 50, 34]),  # padded to 200: 800 rows for 384 tokens
+        ({"head_dim": 32, "intermediate_size": 512}, [48] * 8),  # the MLP's (short sequences)
     ],
 )
-def test_the_local_layer_forward_count_is_its_live_peak(dims, sequences):
-    """old/ref_logprob's layer (planner/sizes.py::local_layer_forward_bytes): the live tensors' peak of one layer's
-    forward under torch.no_grad, counted per aten op, at four shapes (the attention's and the MLP's moments)."""
+def test_the_local_layer_forward_count_is_its_live_peak(dims, lengths):
+    """old/ref_logprob's layer over packed sequences (planner/sizes.py::local_packed_layer_forward_bytes): the live
+    tensors' peak of one layer's forward under torch.no_grad, counted per aten op, at the attention's and the MLP's
+    moments, with sequences of one length and of four (padded to the longest)."""
     import dataclasses
 
     from modelspec import ModelShape
-    from planner.sizes import local_layer_forward_bytes, unfused_attention_bytes
+    from planner.sizes import local_packed_layer_forward_bytes
 
     shape = dataclasses.replace(ModelShape.from_pretrained("tiny:qwen2"), **dims)
-    peak = run_ranks(_forward_peak_of_first_layer, 1, dims, sequences)[0]
-    length = FORWARD_TOKENS // sequences
-    scores = unfused_attention_bytes(shape, 1, 4, 1, length)  # fp32 tiny model, one packed sequence at a time
-    assert peak == local_layer_forward_bytes(shape, 1, 4, FORWARD_TOKENS, length, scores)
+    peak = run_ranks(_forward_peak_of_first_layer, 1, dims, lengths)[0]
+    padded = len(lengths) * max(lengths)
+    assert peak == local_packed_layer_forward_bytes(shape, 1, 4, sum(lengths), padded, len(lengths))  # fp32 tiny
 
 
 def _moe_block_bytes(rank: int, world_size: int, tokens: int, train: bool) -> tuple[int, int]:

@@ -491,31 +491,36 @@ def test_the_local_spec_factor_scales_per_token_activations_not_the_attention_sc
     assert layer(2.0) == 2 * per_token + scores
 
 
-def test_a_forward_without_grad_holds_one_packed_sequences_attention_scores_at_a_time():
-    """old/ref_logprob: packed sequences attend one at a time (VarlenDotProductAttention) and nothing is kept,
-    so the planned scores are one sequence's; a padded micro-batch attends all its rows at once. Measured on
-    long_sequences (make validate-plan): old_logprob rise 79 MiB planned, 88 measured; with every row's
-    scores planned, 111."""
+def test_packed_sequences_on_the_local_spec_hold_no_attention_scores_and_count_their_padded_rows():
+    """megatron_backend/model.py's packed attention (torch's flash kernel over the sequences padded to the longest)
+    keeps no [s, s] scores, with grad or without; what grows with the padding is the padded q, k, v, output and
+    log-sum-exp (per padded row: shorter sequences padded to the same longest keep as much). A padded
+    micro-batch goes through megatron's own attention: every row's scores, which selective core_attn drops."""
     from planner.plan import _layer_bytes
-    from planner.sizes import unfused_attention_bytes
+    from planner.sizes import local_packed_attention_padding_bytes_per_token, unfused_attention_bytes
 
-    for packed in (True, False):
-        inp = qwen7b_inputs(
-            actor=dict(micro_batch_size=4, remove_padding=packed), attention="unfused", sequences_per_step=8
-        )
-        mb = inp.micro_batches(train=False)
-        assert mb.sequences == 4
-        at_once = 1 if packed else mb.sequences
-        scores = unfused_attention_bytes(inp.shape, inp.actor.tp, inp.element_bytes, at_once, mb.attention_span)
-        per_token_only = replace(inp, attention="flash")  # the same layer without the [s, s] scores
-        assert _layer_bytes(inp, mb, train=False) - _layer_bytes(per_token_only, mb, train=False) > 0
-        # train keeps every row's probabilities and causal mask: more than every row's probabilities without grad
-        # (a third of the forward's three [s, s] tensors: the global buffer, the scores, the probabilities), less
-        # than all three; one packed sequence's three are fewer
-        kept = unfused_attention_bytes(inp.shape, inp.actor.tp, inp.element_bytes, 4, mb.attention_span, kept=True)
-        all_rows = unfused_attention_bytes(inp.shape, inp.actor.tp, inp.element_bytes, 4, mb.attention_span)
-        assert all_rows > kept > all_rows / 3 > (scores if packed else 0)
-        assert _layer_bytes(inp, mb) - _layer_bytes(inp, mb, ("core_attn",)) == kept  # selective drops just them
+    packed = qwen7b_inputs(
+        actor=dict(micro_batch_size=4, remove_padding=True), attention="unfused", sequences_per_step=8
+    )
+    packed = replace(packed, calibration=packed.constants.with_values(local_spec_activation_factor=1.0))
+    mb = packed.micro_batches(train=True)
+    assert mb.padded_tokens == mb.model_tokens == 4 * packed.seq_len  # lengths as planned: no padding
+    assert _layer_bytes(packed, mb) == _layer_bytes(packed, mb, ("core_attn",))  # no scores to drop
+    shorter = replace(packed, mean_response_tokens=packed.response_tokens // 2)
+    short_mb = shorter.micro_batches(train=True)
+    assert short_mb.padded_tokens == mb.padded_tokens > short_mb.model_tokens
+    per_row = local_packed_attention_padding_bytes_per_token(packed.shape, packed.actor.tp, packed.element_bytes)
+    per_token = _layer_bytes(packed, mb) // mb.model_tokens
+    assert _layer_bytes(shorter, short_mb) - _layer_bytes(packed, mb) == (
+        short_mb.model_tokens - mb.model_tokens
+    ) * (per_token - per_row)
+
+    padded = packed.with_actor(remove_padding=False)
+    mb = padded.micro_batches(train=True)
+    kept = unfused_attention_bytes(padded.shape, padded.actor.tp, padded.element_bytes, 4, mb.attention_span, True)
+    assert _layer_bytes(padded, mb) - _layer_bytes(padded, mb, ("core_attn",)) == kept > 0  # selective drops them
+    forward = _layer_bytes(padded, padded.micro_batches(train=False), train=False)
+    assert forward > _layer_bytes(packed, packed.micro_batches(train=False), train=False)
 
 
 def test_a_forward_without_grad_counts_its_working_set_and_the_logprob_pass_one_after_the_other():
@@ -626,26 +631,9 @@ def test_train_holds_the_largest_weight_gradient_unless_the_logprob_pass_is_larg
 
     inp = qwen7b_inputs(actor=dict(pp=4), attention="flash", actor_dp=1, distributed_optimizer=False)
     workspace = int(inp.constants.value("train_workspace_bytes"))
-    assert train_backward_bytes(inp, 1, 7) == fc1 * inp.element_bytes + workspace
-    assert train_backward_bytes(inp, 3, 7, logits_pass=fc1) == vocab_rows * inp.element_bytes - fc1 + workspace
-    assert train_backward_bytes(inp, 3, 7, logits_pass=10 * vocab_rows) == workspace
-
-
-def test_the_local_attention_loop_costs_per_packed_sequence_and_in_flight_layer():
-    """megatron's local attention runs each packed sequence through its own autograd nodes
-    (VarlenDotProductAttention): ``local_attention_sequence_bytes`` per sequence of the train micro-batch and
-    in-flight layer; a padded micro-batch attends in one call, and flash attention has no loop."""
-    from planner.plan import train_backward_bytes
-
-    per_sequence = 30_000
-    packed = qwen7b_inputs(
-        actor=dict(micro_batch_size=4, remove_padding=True), attention="unfused", sequences_per_step=16
-    )
-    packed = replace(packed, calibration=packed.constants.with_values(local_attention_sequence_bytes=per_sequence))
-    base = train_backward_bytes(replace(packed, attention="flash"), 0, 28)
-    assert train_backward_bytes(packed, 0, 28) - base == 4 * 28 * per_sequence
-    assert train_backward_bytes(packed, 0, 14) - base == 4 * 14 * per_sequence
-    assert train_backward_bytes(packed.with_actor(remove_padding=False), 0, 28) == base
+    assert train_backward_bytes(inp, 1) == fc1 * inp.element_bytes + workspace
+    assert train_backward_bytes(inp, 3, logits_pass=fc1) == vocab_rows * inp.element_bytes - fc1 + workspace
+    assert train_backward_bytes(inp, 3, logits_pass=10 * vocab_rows) == workspace
 
 
 def test_a_run_that_exports_plans_the_export_hf_phase_with_what_the_export_holds():

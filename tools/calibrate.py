@@ -9,14 +9,12 @@ constants being fitted zeroed (or 1 for a factor), and fits, in this order:
    runs whose plan has no transient (sleep, on/offloads, wakes), measured peak - planned bytes - the launch
    level; the middle of their range. ``runtime_overhead_bytes`` is the same without the launch level: what
    ``make plan`` uses before a launch (the run replaces it with its measurement).
-2. ``local_spec_activation_factor``, ``local_attention_sequence_bytes`` and ``train_workspace_bytes`` (CPU):
+2. ``local_spec_activation_factor`` and ``train_workspace_bytes`` (CPU):
    what the train phase's RSS holds per token over the counted saved tensors of megatron's local layer
    (``planner.sizes.local_layer_activation_elements_per_token``: unfused RMSNorm, RoPE, SwiGLU and attention,
-   counted), what its attention loop keeps per packed sequence and in-flight layer beside its tensors, and the
-   fixed workspace the train phase takes beside them. Least squares of the measured rises of ``train``
-   (workspace + factor x planned activations + per_sequence x sequence-layers), less what the plan counts
-   (logits, attention scores, the embedding's ids and the final norm, the largest weight gradient). A negative
-   per_sequence is not a cost: the term is then left out and the other two are the line fit (:func:`_actor_fit`).
+   counted), and the fixed workspace the train phase takes beside them. The line fit of the measured rises of
+   ``train`` (workspace + factor x planned activations), less what the plan counts (logits, attention scores, the
+   embedding's ids and the final norm, the largest weight gradient).
    A forward without grad (old/ref_logprob) keeps nothing: its working set is counted
    (``planner.sizes.layer_forward_bytes_per_token``), not fitted.
 3. ``engine_activation_factor`` and ``engine_workspace_bytes`` (CPU): the rollout phase's measured rise
@@ -132,7 +130,6 @@ WHY_FITTED = {
     "(planner.sizes.local_layer_activation_elements_per_token): backward's per-token buffers beyond the count and "
     "the pages of tensors under a page in glibc's heap (colocation/host_memory.py), which no library reports",
     "train_workspace_bytes": "the train phase's fixed temporaries beside its counted tensors",
-    "local_attention_sequence_bytes": "megatron's local attention loop's per-sequence autograd nodes (host objects)",
     "engine_activation_factor": "RSS over the native engine's counted live tensors (planner.sizes."
     "native_engine_activation_bytes, byte for byte against its forward): the pages its buffers touch at their "
     "widest moment (a buffer's untouched pages are not resident) and the kernels' own scratch (the sampler's "
@@ -193,26 +190,6 @@ def _line_fit(points: list[tuple[float, float, bool]]) -> tuple[float, float, fl
     return f, k, residual
 
 
-def _actor_fit(rows: list[tuple[float, float, float]]) -> tuple[float, float, float, float]:
-    """Least squares of y = workspace + factor x act + per_sequence x sequence_layers over (act,
-    sequence_layers, y): (workspace, factor, per_sequence, largest residual). With fewer rows than unknowns, no
-    spread in sequence_layers, or a negative per_sequence (bytes a sequence's autograd nodes hold cannot be
-    negative: the term would be absorbing something else, and pushing the factor up with it), per_sequence is 0
-    and the rest is the line fit."""
-    import numpy as np
-
-    a = np.array([[1.0, act, seq] for act, seq, _ in rows])
-    y = np.array([r[2] for r in rows])
-    per_sequence = 0.0
-    if len(rows) >= 3 and np.linalg.matrix_rank(a) == 3:
-        (workspace, factor, per_sequence), *_ = np.linalg.lstsq(a, y, rcond=None)
-    if per_sequence <= 0:
-        workspace, factor, residual = _line_fit([(act, y_, True) for act, _, y_ in rows])
-        return workspace, factor, 0.0, residual
-    residual = float(np.abs(a @ np.array([workspace, factor, per_sequence]) - y).max())
-    return float(workspace), float(factor), float(per_sequence), residual
-
-
 def fit(run_dirs: dict[str, Path]) -> tuple[dict[str, tuple[float, float]], dict]:
     """name -> (value, leave-one-out uncertainty), and the per-run evidence (with each left-out fit)."""
     values, evidence, level_residuals_of = _fit_values(run_dirs)
@@ -264,7 +241,6 @@ def _fit_values(run_dirs: dict[str, Path]) -> tuple[dict[str, float | None], dic
         local_spec_activation_factor=1.0,
         engine_activation_factor=1.0,
         train_workspace_bytes=0,
-        local_attention_sequence_bytes=0,
         engine_workspace_bytes=0,
         heap_retention_bytes=0,
     )
@@ -292,8 +268,7 @@ def _fit_values(run_dirs: dict[str, Path]) -> tuple[dict[str, float | None], dic
     # 2. the actor's transients (every fit run: the actor is the same with either engine):
     #    rise(train) = workspace + factor x activations + logits
     #    (the factor covers the per-token tensors: the planned [s, s] attention scores are not scaled by it)
-    #    + per_sequence x (sequences x in-flight layers: megatron's local attention loop, counted by the plan)
-    actor_rows = []  # (activations the factor scales, sequence-layers, measured rise less the rest)
+    actor_rows = []  # (activations the factor scales, measured rise less the rest, with the workspace)
     for name in run_dirs:
         predicted, measured = planned[name]
         if "train" not in measured or not specs[name].fits_transients:
@@ -309,17 +284,14 @@ def _fit_values(run_dirs: dict[str, Path]) -> tuple[dict[str, float | None], dic
         if at[3.0].components["activations"] - at[2.0].components["activations"] != act:
             evidence[name]["train_rise"] = "skipped: the DistributedOptimizer's grad-sync copy binds (planner/plan.py)"
             continue
-        per_byte = predicted_phases(plan_for(specs[name], zero.with_values(local_attention_sequence_bytes=1)))
-        sequence_layers = per_byte["train"].rise_bytes - predicted["train"].rise_bytes
         other = predicted["train"].rise_bytes - act
-        actor_rows.append((act, sequence_layers, measured["train"].rise_bytes - other))
+        actor_rows.append((act, measured["train"].rise_bytes - other, True))
         evidence[name]["train_rise"] = {
             "measured": measured["train"].rise_bytes,
             "planned_activations": act,
-            "sequence_layers": sequence_layers,
             "planned_other": other,
         }
-    train_workspace, factor, per_sequence, actor_residual = _actor_fit(actor_rows)
+    train_workspace, factor, actor_residual = _line_fit(actor_rows)
 
     # 3. the native engine's rollout: rise = workspace + factor x planned layer working set + sampler
     engine_points, retained = [], []
@@ -349,7 +321,6 @@ def _fit_values(run_dirs: dict[str, Path]) -> tuple[dict[str, float | None], dic
         local_spec_activation_factor=factor,
         engine_activation_factor=engine_factor,
         train_workspace_bytes=train_workspace,
-        local_attention_sequence_bytes=per_sequence,
         engine_workspace_bytes=engine_workspace,
         heap_retention_bytes=retention,
     )
@@ -364,7 +335,6 @@ def _fit_values(run_dirs: dict[str, Path]) -> tuple[dict[str, float | None], dic
         "runtime_after_launch_bytes": runtime_after_launch,
         "local_spec_activation_factor": factor if has_actor else None,
         "train_workspace_bytes": train_workspace if has_actor else None,
-        "local_attention_sequence_bytes": per_sequence if has_actor else None,
         "engine_activation_factor": engine_factor if has_engine else None,
         "engine_workspace_bytes": engine_workspace if has_engine else None,
         "heap_retention_bytes": retention if retained else None,

@@ -22,7 +22,6 @@ _TRANSIENT_CONSTANTS = (
     "local_spec_activation_factor",
     "engine_activation_factor",
     "train_workspace_bytes",
-    "local_attention_sequence_bytes",
     "engine_workspace_bytes",
     "heap_retention_bytes",
     "margin_fraction",
