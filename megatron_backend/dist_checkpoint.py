@@ -210,6 +210,15 @@ def save(actor, directory: str | Path) -> None:
     dist_checkpointing.save(sharded_state_dict(actor, is_loading=False)[0], str(directory))
 
 
+def save_params(chunks, directory: str | Path) -> None:
+    """Write this rank's shards of the params alone into the existing ``directory`` (collective; the HF export's
+    source, :func:`megatron_backend.hf_export.save_live`)."""
+    from megatron.core import dist_checkpointing
+
+    _in_process_results_queue()
+    dist_checkpointing.save({"model": model_sharded_state_dict(chunks)}, str(directory))
+
+
 def saved_param_dtype(directory: str | Path) -> str | None:
     """The dtype the model's params were saved in (``"float32"``, ``"bfloat16"``, ...), from the checkpoint's
     ``torch_dist`` metadata alone (no megatron, no tensor read); None: no model tensor in it. A run resumed in

@@ -365,9 +365,8 @@ def save_live(
     import shutil
 
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
 
-    from megatron_backend.dist_checkpoint import _in_process_results_queue, model_sharded_state_dict
+    from megatron_backend.dist_checkpoint import save_params
 
     out_dir = Path(out_dir)
     params_dir = out_dir.with_name(f".params-{out_dir.name}")
@@ -377,8 +376,7 @@ def save_live(
         params_dir.mkdir(parents=True)
     dist.barrier()
     try:
-        _in_process_results_queue()
-        dist_checkpointing.save({"model": model_sharded_state_dict(actor.chunks)}, str(params_dir))
+        save_params(actor.chunks, params_dir)
         dtype = dtype or getattr(torch, actor.dtype)
         plan = plan_export(actor.shape, dtype, max_shard_bytes, source_tensor_names(actor.hf_dir))
         write_hf_dir(

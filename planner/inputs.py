@@ -102,7 +102,7 @@ class PlanInputs:
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     actor_dp: int = 1  # the world over actor TP x PP (RunConfig.dp)
-    # megatron's distributed optimizer shards optimizer states over DP (megatron_backend.actor: DP > 1, or
+    # megatron's distributed optimizer shards optimizer states over DP (megatron_backend.actor_train: DP > 1, or
     # actor.optimizer_offload_fraction > 0, since megatron wires its HybridDeviceOptimizer into it only)
     distributed_optimizer: bool = False
     entropy_grad: bool = False  # an entropy term in the loss (algorithm.entropy_coef > 0)

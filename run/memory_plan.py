@@ -52,7 +52,7 @@ def plan_inputs(
         actor=actor,
         rollout=rollout,
         actor_dp=cfg.dp,
-        # megatron_backend.actor: megatron-core's optimizer on every device, its DistributedOptimizer when DP > 1
+        # megatron_backend.actor_train: megatron-core's optimizer on every device, its DistributedOptimizer when DP > 1
         # or when it offloads (megatron wires its HybridDeviceOptimizer into the distributed optimizer only)
         distributed_optimizer=cfg.dp > 1 or actor.optimizer_offload_fraction > 0,
         reference_model=cfg.algorithm.kl_coef > 0,

@@ -444,7 +444,7 @@ def first_forward_backward(ctx: RankContext) -> None:
     ctx.actor.compute_grads(batch.to(dims.device), sft_loss)
     for model in ctx.actor.models:
         model.zero_grad_buffer()
-    ctx.actor._release_freed_host_memory()
+    ctx.actor.release_freed_host_memory()
 
 
 def _tagged(memory: dict[str, int], device: torch.device, rename: dict[str, str] | None = None) -> dict[str, int]:

@@ -24,8 +24,8 @@ def _batch(actor, num_seqs=4, seq_len=16):
 
 def _state(actor):
     params = [p.detach().clone() for c in actor.chunks for p in c.parameters()]
-    grads = [t.clone() for t in actor._grad_tensors()]
-    optim = [t.clone() for t in actor._optimizer_tensors()]
+    grads = [t.clone() for t in actor.states.tensors("grads")]
+    optim = [t.clone() for t in actor.states.tensors("optimizer")]
     return params, grads, optim
 
 
@@ -157,7 +157,7 @@ def _bf16_ledger_before_the_first_step(rank, world_size, tiny_dir):
 
     dims = initialize_model_parallel(tp=1, pp=1)
     actor = Actor(tiny_dir, ActorConfig(micro_batch_size=2, lr=1e-3), dims, dtype="bfloat16")
-    masters = storage_bytes(actor._optimizer_tensors())  # megatron's fp32 copies, built with the optimizer
+    masters = storage_bytes(actor.states.tensors("optimizer"))  # megatron's fp32 copies, built with the optimizer
     built = actor.memory()["optimizer"]
     actor.offload(["optimizer"])  # what a run's setup does before its first step (the launch measurement)
     return {"masters": masters, "built": built, "offloaded": actor.memory()["optimizer"]}

@@ -79,7 +79,7 @@ def _offloaded_optimizer_step(rank, world_size, hf_dir, dtype="float32"):
         batch = TokenBatch(input_ids=ids, loss_mask=torch.ones(4, 15), advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
         batch.old_logprobs = actor.compute_logprobs(batch).cpu()
         actor.train_step(batch, loss_fn)
-        devices = {t.device.type for t in actor._optimizer_tensors()}
+        devices = {t.device.type for t in actor.states.tensors("optimizer")}
         actor.offload("optimizer")  # the device's states only: the hybrid optimizer's host part stays
         actor.onload("optimizer")
         out[fraction] = ({k: v.cpu() for k, v in actor.export_hf().items()}, devices)
@@ -116,8 +116,8 @@ def _offload_with_a_state_aliasing_a_param(rank, world_size, hf_dir):
     # megatron-core 0.16.1 hybrid_optimizer.py, _sync_sub_optimizers_state_to_hdo (line 326):
     # ``new_state[orig_param]["master_param"] = param``, for a float32 param the param itself
     state["master_param"] = param
-    params = actor._param_tensors()
-    collected = actor._optimizer_tensors()
+    params = actor.states.tensors("params")
+    collected = actor.states.tensors("optimizer")
     aliases = sum(t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for t in collected for p in params)
     actor.offload("optimizer")
     resident = all(p.untyped_storage().nbytes() > 0 for p in params)

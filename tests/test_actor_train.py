@@ -103,7 +103,7 @@ def _one_good_step(model_dir, config, dims, dtype="float32"):
     batch.old_logprobs = actor.compute_logprobs(batch)
     batch.advantages = grpo_advantages(torch.tensor([1.0, 0.0, 0.5, 0.0]), group_size=2)
     actor.train_step(batch, loss_fn)
-    return actor, batch, loss_fn, actor.export_hf(dst=0), [t.clone() for t in actor._optimizer_tensors()]
+    return actor, batch, loss_fn, actor.export_hf(dst=0), [t.clone() for t in actor.states.tensors("optimizer")]
 
 
 def _nan_step_is_not_applied(rank, world_size, model_dir):
@@ -121,7 +121,7 @@ def _nan_step_is_not_applied(rank, world_size, model_dir):
     except FloatingPointError as exc:
         error = str(exc)
     after = actor.export_hf(dst=0)
-    unchanged = all(torch.equal(a, b) for a, b in zip(moments, actor._optimizer_tensors()))
+    unchanged = all(torch.equal(a, b) for a, b in zip(moments, actor.states.tensors("optimizer")))
     return dict(
         error=error,
         moments_unchanged=unchanged,
@@ -166,7 +166,7 @@ def _nan_gradient_is_not_applied(rank, world_size, model_dir):
         out[actor.optimizer_name] = dict(
             error=error,
             grad_norm=None if metrics is None else metrics["grad_norm"],
-            moments_unchanged=all(torch.equal(a, b) for a, b in zip(moments, actor._optimizer_tensors())),
+            moments_unchanged=all(torch.equal(a, b) for a, b in zip(moments, actor.states.tensors("optimizer"))),
             params_unchanged=before is None or all(torch.equal(before[k], after[k]) for k in before),
         )
     return out

@@ -97,7 +97,8 @@ def _grads_with_and_without_loss_scaling(rank, world_size, tiny_dir):
     from megatron.core.optimizer.optimizer import MegatronOptimizer
 
     from configs.actor import ActorConfig
-    from megatron_backend.actor import Actor, use_loss_scaling
+    from megatron_backend.actor import Actor
+    from megatron_backend.actor_train import use_loss_scaling
     from megatron_backend.parallel import initialize_model_parallel
     from rl.losses import PolicyLoss, PolicyLossConfig
 
@@ -123,7 +124,7 @@ def _grads_with_and_without_loss_scaling(rank, world_size, tiny_dir):
         batch = TokenBatch(input_ids=input_ids, loss_mask=loss_mask, advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
         batch.old_logprobs = actor.compute_logprobs(batch)
         actor.compute_grads(batch, loss_fn)
-        grads.append([t.clone() for t in actor._grad_tensors()])
+        grads.append([t.clone() for t in actor.states.tensors("grads")])
     return grads
 
 
