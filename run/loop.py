@@ -1,12 +1,13 @@
 """The colocated RL loop: one GRPO step per iteration, its phases named and ordered as in docs/DESIGN.md.
 
-Every rank runs :func:`run_rank`; :func:`rl_step` is the paper-level view of a step. The actor
-(megatron-core, TP x PP x DP) and the engine (rollout TP x replicas) share each rank's device. Building
-the rank (:mod:`run.setup`), batching, the rollout across replicas (:mod:`rl.generation`), metrics and
-checkpoints (:mod:`run.save_and_stop`) live beside it. A checkpoint is written right after ``train``, when the
-actor is resident and the engine asleep (no extra device memory), and completed in the step's ``log`` phase;
-SIGUSR1 / SIGTERM act at the next boundary every rank agrees on (:func:`stop_at`), and every such stop leaves
-through one exit (:func:`exit_at_stop`; docs/DESIGN.md, "Checkpoints, resume, preemption")."""
+Every rank runs :func:`run_rank`, a rank's life on one screen; :func:`rl_step` is the paper-level view of a step.
+The actor (megatron-core, TP x PP x DP) and the engine (rollout TP x replicas) share each rank's device. Building
+the rank (:mod:`run.setup`), the warm-up (:mod:`run.warmup`), batching, the rollout across replicas
+(:mod:`rl.generation`), the stops and their checkpoints (:mod:`run.save_and_stop`) and the run's record
+(:mod:`run.record`) live beside it. A checkpoint is written right after ``train``, when the actor is resident and
+the engine asleep (no extra device memory), and completed in the step's ``log`` phase; SIGUSR1 / SIGTERM act at
+the next boundary every rank agrees on, and every such stop leaves through one exit
+(:func:`run.save_and_stop.exit_at_stop`; docs/DESIGN.md, "Checkpoints, resume, preemption")."""
 
 from __future__ import annotations
 

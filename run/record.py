@@ -26,8 +26,9 @@ class RunRecord:
         self.rewards = [m["reward/mean"] for m in ctx.writer.previous_metrics] if ctx.writer is not None else []
         self.syncs: list[SyncResult] = []
         self.logprob_gaps: list[float] = []
-        bar = dict(total=cfg.trainer.steps, initial=ctx.start_step, desc=cfg.exp, dynamic_ncols=True)
-        self.progress = tqdm(**bar, disable=ctx.rank != 0)
+        self.progress = tqdm(
+            total=cfg.trainer.steps, initial=ctx.start_step, desc=cfg.exp, disable=ctx.rank != 0, dynamic_ncols=True
+        )
         self.routing = RoutingWatch(ctx.plan if ctx.rank == 0 else None)  # MoE: routing the plan does not fit
         self.gap_watch = LogprobGapWatch(logprob_gap_rule(cfg.trainer, cfg.model.dtype), cfg.model.dtype)
 
