@@ -324,7 +324,7 @@ def plan_and_build_engine(ctx: RankContext) -> RankContext:
 
     The KV cache and the plan are the launch's (``ctx.launch``, run.memory_plan.plan_launch: made once before the
     ranks started; on CUDA an ``auto`` KV cache is bounded by the free memory measured now, the least over ranks).
-    The plan is kept for the wake checks and the predicted-vs-measured calibration (the device's ``plan``)."""
+    The plan is kept for the wake checks and the predicted-vs-measured calibration (``ctx.shared.plan``)."""
     cfg, dims = ctx.cfg, ctx.dims
     if ctx.launch is None:  # set up outside run.main (tests, tools): the launch's plan, made here
         ctx = dataclasses.replace(ctx, launch=plan_launch(cfg))
