@@ -136,6 +136,6 @@ def communicators(inp, channels: float, channels_uncertainty: float) -> tuple[Co
                     0,
                 )
             )
-    elif r * inp.rollout.ep > 1:  # the native engine: its replica's process group (run/setup.py rollout_groups)
-        nccl("native engine TP x EP", r * inp.rollout.ep, "run/setup.py rollout_groups", "the engine's all-reduces")
+    elif r * inp.rollout.ep > 1:  # the native engine: its replica's process group (run/setup.py build_rank)
+        nccl("native engine TP x EP", r * inp.rollout.ep, "run/setup.py build_rank", "the engine's all-reduces")
     return tuple(out)

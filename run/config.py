@@ -272,15 +272,21 @@ class RunConfig:
         return step_flags(self.actor, self.rollout, reference_model=self.algorithm.kl_coef > 0)
 
     def mesh(self) -> ColocatedMesh:
-        """Every rank's actor and rollout coordinates (the one place this arithmetic lives)."""
-        return ColocatedMesh(
-            world_size=self.cluster.world_size,
-            actor_tp=self.actor.tp,
-            actor_pp=self.actor.pp,
-            actor_vpp=self.actor.vpp,
-            rollout_tp=self.rollout.tp,
-            actor_ep=self.actor.ep,
-            actor_etp=self.actor.etp,
-            rollout_ep=self.rollout.ep,
-            rollout_experts_span_replicas=self.rollout.profile.experts_span_replicas,
-        )
+        """Every rank's actor and rollout coordinates."""
+        return colocated_mesh(self.cluster.world_size, self.actor, self.rollout)
+
+
+def colocated_mesh(world_size: int, actor: ActorConfig, rollout: RolloutConfig) -> ColocatedMesh:
+    """Every rank's actor and rollout coordinates over ``world_size`` ranks (the one place this arithmetic lives:
+    a run's config and a rank built without one, run/setup.py::build_rank)."""
+    return ColocatedMesh(
+        world_size=world_size,
+        actor_tp=actor.tp,
+        actor_pp=actor.pp,
+        actor_vpp=actor.vpp,
+        rollout_tp=rollout.tp,
+        actor_ep=actor.ep,
+        actor_etp=actor.etp,
+        rollout_ep=rollout.ep,
+        rollout_experts_span_replicas=rollout.profile.experts_span_replicas,
+    )

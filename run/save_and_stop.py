@@ -1,6 +1,8 @@
-"""Saving the run at a step boundary: the actor's shards (inside the step, right after ``train``), every
-rank's RNG/task state and rank 0's :class:`~checkpointing.checkpoint.RLState`, and the stop a signal asks for.
-See docs/DESIGN.md, "Checkpoints, resume, preemption"."""
+"""Every way a run stops early. A stop every rank agreed on (SIGUSR1 / SIGTERM) is raised at the boundary where
+they agreed (:class:`StopDuringWarmup`, :func:`stop_at`) and leaves through one exit, :func:`exit_at_stop`: the
+actor's shards (or the checkpoint the step began right after ``train``), every rank's RNG/task state and rank 0's
+:class:`~checkpointing.checkpoint.RLState` saved first. A full or read-only disk, or a non-finite value, ends the rank
+with one line (:func:`stops_on_storage_faults`). See docs/DESIGN.md, "Checkpoints, resume, preemption"."""
 
 from __future__ import annotations
 
@@ -10,18 +12,94 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from checkpointing.checkpoint import CHECKPOINT_DIR, Checkpointer, RLState, StopRequest, complete_checkpoints
+from checkpointing.checkpoint import (
+    CHECKPOINT_DIR,
+    Checkpointer,
+    RLState,
+    capture_rank_state,
+    complete_checkpoints,
+    step_dir_name,
+)
 from run.launch import PREEMPTED_EXIT_CODE
-from run.shared_device import SharedDevice
 from telemetry.metrics import NonFiniteError
 from telemetry.tracking import RunWriter
 
+if TYPE_CHECKING:
+    from run.setup import RankContext
 
-class StopBeforeTrain(Exception):
-    """Every rank agreed to stop before this step's ``train``: the training state is still the step's start."""
+
+class AgreedStop(Exception):
+    """Every rank agreed at one of the run's boundaries to stop (SIGUSR1 / SIGTERM): raised there, it leaves
+    through :func:`exit_at_stop` (run/loop.py::run_rank)."""
+
+
+class StopDuringWarmup(AgreedStop):
+    """Before the warm-up's last step, after ``done`` of them: no checkpoint exists before its end."""
+
+    def __init__(self, done: int):
+        super().__init__(f"stop during the warm-up, after {done} of its steps")
+        self.done = done
+
+
+class StopAndSave(AgreedStop):
+    """After the warm-up: what to save is the state after ``completed_steps`` steps, this rank's RNGs and data cursor
+    then (``rank_state``), rank 0's RLState (``state``, None on the other ranks), and ``pending``, the checkpoint
+    the step began after ``train`` (completed instead of a new one)."""
+
+    def __init__(self, completed_steps: int, rank_state: dict, state: RLState | None, pending: Path | None = None):
+        super().__init__(f"stop after {completed_steps} steps")
+        self.completed_steps, self.rank_state, self.state, self.pending = completed_steps, rank_state, state, pending
+
+
+def stop_at(ctx: RankContext, completed_steps: int, rank_state: dict | None = None, pending: Path | None = None):
+    """The stop every rank agreed on at a boundary after the warm-up, to raise there: the state after
+    ``completed_steps`` steps (``rank_state``: this rank's then; None: now), completing ``pending`` if the step began
+    a checkpoint."""
+    rank_state = capture_rank_state(ctx.task) if rank_state is None else rank_state
+    return StopAndSave(completed_steps, rank_state, ctx.rl_state(completed_steps, rank_state), pending)
+
+
+def exit_at_stop(ctx: RankContext, stopped: AgreedStop) -> int:
+    """The one exit of an agreed stop: close the outputs without a summary and return the exit code job.sbatch
+    requeues on. During the warm-up at once: no checkpoint can hold part of it (every checkpoint is after the
+    warm-up, and a resume skips it), so a requeue starts the run over. Anywhere else once the state ``stopped``
+    names is saved: its pending checkpoint completed, else a new one unless that step's exists."""
+    if isinstance(stopped, StopDuringWarmup):
+        what = (
+            f"during the supervised warm-up (after {stopped.done} of {ctx.cfg.trainer.sft_warmup_steps} steps); no "
+            "checkpoint before the warm-up ends: run again with the same run directory to start over"
+        )
+    else:
+        path = _save(ctx, stopped)
+        what = (
+            f"after {stopped.completed_steps} steps; checkpoint {path}; run again with the same run directory "
+            "(resume=auto) to continue"
+        )
+    if ctx.writer is not None:
+        ctx.writer.close()
+        print(f"stopped by {ctx.stop.received or 'a signal to another rank'} {what}", file=sys.stderr, flush=True)
+    dist.barrier()
+    return PREEMPTED_EXIT_CODE
+
+
+def _save(ctx: RankContext, stopped: StopAndSave) -> Path:
+    checkpointer, steps, rank_state, state = (
+        ctx.checkpointer,
+        stopped.completed_steps,
+        stopped.rank_state,
+        stopped.state,
+    )
+    if stopped.pending is not None:
+        return finish_checkpoint(checkpointer, ctx.writer, stopped.pending, rank_state, state)
+    if checkpointer.exists(steps):  # resumed from exactly this state and trained nothing since
+        return checkpointer.root / step_dir_name(steps)
+    ctx.shared.hold_the_actor()  # the run ends: the engine released, room for the actor's state on the device
+    tmp = checkpointer.save_actor(ctx.shared.actor, steps)
+    return finish_checkpoint(checkpointer, ctx.writer, tmp, rank_state, state)
 
 
 def finish_checkpoint(
@@ -33,40 +111,6 @@ def finish_checkpoint(
     if writer is not None:
         writer.flush_wandb()
     return path
-
-
-def save_and_stop(
-    checkpointer: Checkpointer,
-    device: SharedDevice,
-    writer: RunWriter | None,
-    stop: StopRequest,
-    *,
-    completed_steps: int,
-    rank_state: dict,
-    state: RLState | None,
-    pending: Path | None = None,
-) -> int:
-    """A stop was agreed: save the state after ``completed_steps`` steps (completing ``pending``, the
-    checkpoint the step began after train, or unless that checkpoint exists), close the outputs without a
-    summary, return the exit code job.sbatch requeues on. ``state``: rank 0's RLState for the checkpoint."""
-    if pending is not None:
-        path = finish_checkpoint(checkpointer, writer, pending, rank_state, state)
-    elif checkpointer.exists(completed_steps):  # resumed from exactly this state and trained nothing since
-        path = checkpointer.root / f"step_{completed_steps:08d}"
-    else:
-        device.hold_the_actor()  # the run ends: the engine released, room for the actor's state on the device
-        tmp = checkpointer.save_actor(device.actor, completed_steps)
-        path = finish_checkpoint(checkpointer, writer, tmp, rank_state, state)
-    if writer is not None:
-        writer.close()
-        print(
-            f"stopped by {stop.received or 'a signal to another rank'} after {completed_steps} steps; checkpoint "
-            f"{path}; run again with the same run directory (resume=auto) to continue",
-            file=sys.stderr,
-            flush=True,
-        )
-    dist.barrier()
-    return PREEMPTED_EXIT_CODE
 
 
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)

@@ -1,6 +1,8 @@
-"""Build everything one rank holds for a run, in order: process groups and the mesh, the checkpoint to
-resume from (if any), the memory timeline, the actor (and reference actor, loaded from the checkpoint
-when resuming), the engine, the weight-sync plan, the task, the writer, the checkpointer."""
+"""Build everything one rank holds for a run, in order: the parts every rank holding the actor and the engine
+builds, in a run and in the tools alike (:func:`build_rank`: process groups and the mesh, the memory probe, the
+actor, the weight-sync plan), then the run's own: the checkpoint to resume from (if any, loaded into the actor),
+the memory timeline, the reference actor, the shared device, the writer, the task, the checkpointer; the engine
+comes at the start of the rollout (:func:`start_rollout`)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from transformers import AutoTokenizer
 
 from checkpointing.checkpoint import (
     ACTOR_DIR,
@@ -23,45 +26,123 @@ from checkpointing.checkpoint import (
     model_sizes,
     resolve_resume,
 )
-from colocation.host_memory import freeze_long_lived_objects
+from colocation.host_memory import configure_host_allocator, freeze_long_lived_objects
 from colocation.phases import HOLDERS
+from configs import ActorConfig, RolloutConfig
+from megatron_backend.actor import Actor
+from megatron_backend.parallel import ParallelDims, default_device, initialize_model_parallel
 from modelspec import ColocatedMesh, ModelShape, TokenBatch, torch_dtype
 from rl.batching import Sample, make_batch, pack_sequences
 from rl.data import DigitSumTask, Gsm8kTask, Problem, longest_prompt_tokens
 from rl.evaluation import eval_problems
 from rl.generation import sampling_seed
 from rl.losses import PolicyLoss, sft_loss
-from run.config import RunConfig
-from run.memory_plan import KvCacheChoice, LaunchPlan, with_launch_runtime
+from rollout import RolloutEngine, make_engine
+from run.config import ModelConfig, RunConfig, colocated_mesh
+from run.launch import ClusterConfig
+from run.memory_plan import KvCacheChoice, LaunchPlan, bounded_by_free_memory, plan_launch, with_launch_runtime
 from run.shared_device import SharedDevice
 from telemetry.memory_timeline import TAGS, MemoryProbe, MemoryTimeline
 from telemetry.tracking import RunWriter
+from weight_sync import WeightSync, WeightSyncConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from megatron_backend.actor import Actor
-    from megatron_backend.parallel import ParallelDims
     from planner import Plan
-    from rollout import RolloutEngine
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankParts:
+    """What every rank holding the actor and the engine side by side is built from, the same way in a run
+    (:func:`setup`) and in the tools that check or measure the pair (verify-sync, bench-sync, eval, logprob_gap):
+    :func:`build_rank` builds it, :meth:`start_engine` adds the engine."""
+
+    model: ModelConfig
+    rollout: RolloutConfig  # the engine's (a run's engine takes the launch plan's KV cache instead)
+    dims: ParallelDims  # this rank's actor groups (megatron's)
+    mesh: ColocatedMesh
+    rollout_group: dist.ProcessGroup | None  # this rank's engine replica (native engine: its TP x EP ranks)
+    probe: MemoryProbe  # its CPU baseline: the process after the imports and process groups, before the actor
+    actor: Actor
+    weight_sync: WeightSync  # the planned reshard of the actor's shards into the engine's weights
+
+    def start_engine(self, rollout: RolloutConfig | None = None, **engine_args) -> RolloutEngine:
+        """The engine with empty weights (the weight sync writes them) on this rank's mesh and replica group;
+        ``rollout``: its config when not the rank's; ``engine_args``: :func:`rollout.make_engine`'s."""
+        return make_engine(
+            self.rollout if rollout is None else rollout,
+            self.model.path,
+            mesh=self.mesh,
+            rank=self.dims.rank,
+            group=self.rollout_group,
+            device=self.dims.device,
+            dtype=self.model.dtype,
+            load=False,
+            shape=self.model.shape(),
+            **engine_args,
+        )
+
+
+def build_rank(
+    model: ModelConfig,
+    actor: ActorConfig,
+    rollout: RolloutConfig,
+    weight_sync: WeightSyncConfig,
+    *,
+    train: bool = True,
+    timeout_s: float = ClusterConfig.timeout_s,
+) -> RankParts:
+    """This rank's process groups for ``actor``'s layout (the host allocator tuned first on CPU), the mesh they
+    must match, one group per engine replica, the memory probe, the actor loaded from ``model.path`` (``train``:
+    with its optimizer) and the weight sync planned into ``rollout``'s layout. A run (:func:`setup`) and every tool
+    that pairs the actor with an engine build a rank here; each passes what differs."""
+    # megatron-core warns at import about missing Apex / Transformer Engine / CUDA env vars; on CPU that is expected
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
+    if default_device().type == "cpu":
+        # the process's memory is the device's here: keep it from creeping with allocator fragmentation
+        configure_host_allocator()
+    dims = initialize_model_parallel(
+        actor.tp, actor.pp, actor.vpp, seed=actor.seed, timeout_s=timeout_s, ep=actor.ep, etp=actor.expert_tp
+    )
+    mesh = colocated_mesh(dims.world_size, actor, rollout)
+    coords = mesh.actor_coords(dims.rank)
+    planned = (coords.tp_rank, coords.pp_rank, coords.dp_rank, coords.ep_rank, coords.etp_rank)
+    if planned != (dims.tp_rank, dims.pp_rank, dims.dp_rank, dims.ep_rank, dims.etp_rank):
+        raise RuntimeError(
+            "megatron's rank order is not tp-dp-pp (experts tp-ep-dp-pp); the weight-sync plan would be wrong"
+        )
+    # one group per replica, every rank creating every group in the same order
+    groups = [dist.new_group(mesh.replica_ranks(i)) for i in range(mesh.num_replicas)]
+    probe = MemoryProbe(dims.device)  # after imports and process-group setup: the CPU baseline
+    built = Actor(model.path, actor, dims, dtype=model.dtype, train=train, shape=model.shape())
+    return RankParts(
+        model=model,
+        rollout=rollout,
+        dims=dims,
+        mesh=mesh,
+        rollout_group=groups[mesh.replica(dims.rank)] if mesh.replica_size > 1 else None,
+        probe=probe,
+        actor=built,
+        weight_sync=weight_sync.build(built.shape, mesh, dims.rank, dtype=model.dtype, te_norms=built.layout.te_norms),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
 class RankContext:
-    """What one rank builds once for the run: :func:`setup` builds it, :func:`start_rollout` returns it with
-    the engine. Never reassigned: what a step changes comes back from ``rl_step`` (:class:`run.loop.StepResult`).
-    The objects it holds (the actor, the engine, the timeline, the writer) keep their own state."""
+    """What one rank builds once for the run: :func:`setup` builds it, :func:`run.warmup.resume_or_warm_up` returns
+    it with the warm-up's losses and :func:`start_rollout` with the engine. Never reassigned: what a step changes
+    comes back from ``rl_step`` (:class:`run.loop.StepResult`). The objects it holds (the actor, the engine, the
+    timeline, the writer) keep their own state."""
 
     cfg: RunConfig
-    mesh: ColocatedMesh
-    dims: ParallelDims  # this rank's actor groups (megatron's)
-    device: SharedDevice  # the actor, the reference actor, the engine, the weight sync, moved by the step's table
+    parts: RankParts  # the process groups, the mesh, the actor and the weight sync, as every tool builds them
+    shared: SharedDevice  # the actor, the reference actor, the engine, the weight sync, moved by the step's table
     tokenizer: PreTrainedTokenizerBase
     task: DigitSumTask | Gsm8kTask
     loss: PolicyLoss
     timeline: MemoryTimeline
     writer: RunWriter | None  # rank 0 only
-    rollout_group: dist.ProcessGroup | None  # this rank's engine replica (native engine: its TP x EP ranks)
     checkpointer: Checkpointer
     stop: StopRequest
     eval_problems: list[Problem]  # the eval phase's problems (rl/evaluation.py; empty when the run does not evaluate)
@@ -69,6 +150,7 @@ class RankContext:
     resumed_from: Path | None = None
     resumed_state: RLState | None = None
     resumed_rank_state: dict | None = None
+    warmup_losses: list[float] = field(default_factory=list)  # the SFT warm-up's (the checkpoint's when resuming)
     t0: float = field(default_factory=time.monotonic)
     # the launch's memory plan (run/main.py, handed to every rank); after start_rollout(): the engine's (the same
     # object unless a CUDA rank's measured free memory bounded an ``auto`` KV cache)
@@ -80,17 +162,25 @@ class RankContext:
         return self.launch.kv_choice if self.launch is not None else None
 
     @property
+    def dims(self) -> ParallelDims:
+        return self.parts.dims
+
+    @property
+    def mesh(self) -> ColocatedMesh:
+        return self.parts.mesh
+
+    @property
     def actor(self) -> Actor:
-        return self.device.actor
+        return self.shared.actor
 
     @property
     def engine(self) -> RolloutEngine | None:
-        return self.device.engine
+        return self.shared.engine
 
     @property
     def plan(self) -> Plan | None:
         """The memory plan made with the engine's KV cache (None: not plannable)."""
-        return self.device.plan
+        return self.shared.plan
 
     @property
     def start_step(self) -> int:
@@ -109,7 +199,7 @@ class RankContext:
     def replica(self) -> int:
         return self.mesh.replica(self.rank)
 
-    def rl_state(self, completed_steps: int, rank_state: dict, warmup_losses: list[float]) -> RLState | None:
+    def rl_state(self, completed_steps: int, rank_state: dict) -> RLState | None:
         """Rank 0's RLState for the checkpoint after ``completed_steps`` steps (None on the other ranks)."""
         if self.writer is None:
             return None
@@ -127,7 +217,7 @@ class RankContext:
             ),
             model=model_sizes(self.actor.shape),
             exp=self.cfg.exp,
-            warmup_losses=list(warmup_losses),
+            warmup_losses=list(self.warmup_losses),
         )
 
     def make_batch(self, samples: list[Sample]) -> tuple[TokenBatch, torch.Tensor]:
@@ -144,11 +234,6 @@ class RankContext:
         )
 
 
-def rollout_groups(mesh: ColocatedMesh) -> list[dist.ProcessGroup]:
-    """One process group per engine replica (every rank creates every group, in the same order)."""
-    return [dist.new_group(mesh.replica_ranks(i)) for i in range(mesh.num_replicas)]
-
-
 def _checkpoint_to_resume(cfg: RunConfig, run_dir: Path, rank: int) -> Path | None:
     """Rank 0 decides (a run started under torchrun has no parent that did), every rank follows."""
     box = [resolve_resume(cfg.resume, run_dir) if rank == 0 else None]
@@ -156,53 +241,16 @@ def _checkpoint_to_resume(cfg: RunConfig, run_dir: Path, rank: int) -> Path | No
     return box[0]
 
 
-def init_rank(cfg: RunConfig) -> ParallelDims:
-    """A rank's process as the run and the tools need it: the host allocator on CPU, then megatron's process
-    groups for the actor's layout."""
-    from colocation.host_memory import configure_host_allocator
-    from megatron_backend.parallel import default_device, initialize_model_parallel
-
-    # megatron-core warns at import about missing Apex / Transformer Engine / CUDA env vars; on CPU that is expected
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
-    if default_device().type == "cpu":
-        # the process's memory is the device's here: keep it from creeping with allocator fragmentation
-        configure_host_allocator()
-    return initialize_model_parallel(
-        cfg.actor.tp,
-        cfg.actor.pp,
-        cfg.actor.vpp,
-        seed=cfg.actor.seed,
-        timeout_s=cfg.cluster.timeout_s,
-        ep=cfg.actor.ep,
-        etp=cfg.actor.expert_tp,
-    )
-
-
 def setup(
     cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None, launch: LaunchPlan | None = None
 ) -> RankContext:
-    from transformers import AutoTokenizer
-
-    from megatron_backend.actor import Actor
-
-    mesh = cfg.mesh()
-    dims = init_rank(cfg)
-    coords = mesh.actor_coords(dims.rank)
-    planned = (coords.tp_rank, coords.pp_rank, coords.dp_rank, coords.ep_rank, coords.etp_rank)
-    if planned != (dims.tp_rank, dims.pp_rank, dims.dp_rank, dims.ep_rank, dims.etp_rank):
-        raise RuntimeError(
-            "megatron's rank order is not tp-dp-pp (experts tp-ep-dp-pp); the weight-sync plan would be wrong"
-        )
-    groups = rollout_groups(mesh)
+    parts = build_rank(cfg.model, cfg.actor, cfg.rollout, cfg.weight_sync, timeout_s=cfg.cluster.timeout_s)
+    dims, actor = parts.dims, parts.actor
     checkpoint = _checkpoint_to_resume(cfg, run_dir, dims.rank)
     resumed_state = RLState.read(checkpoint) if checkpoint else None
-
-    probe = MemoryProbe(dims.device)  # after imports and process-group setup: the CPU baseline
     timeline = MemoryTimeline(
-        probe, dims.rank, interval_s=cfg.trainer.memory_sample_interval_s, count_tensors=cfg.trainer.count_tensors
+        parts.probe, dims.rank, interval_s=cfg.trainer.memory_sample_interval_s, count_tensors=cfg.trainer.count_tensors
     )
-    shape = cfg.model.shape()  # read once, in the launcher (it came with cfg)
-    actor = Actor(cfg.model.path, cfg.actor, dims, dtype=cfg.model.dtype, shape=shape)
     cluster = cfg.cluster
     checkpointer = Checkpointer(
         run_dir, dims.rank, cfg.trainer.keep_last, timeout_s=cluster.timeout_s, file_timeout_s=cluster.file_timeout_s
@@ -212,30 +260,27 @@ def setup(
             actor.load_checkpoint(checkpoint / ACTOR_DIR)  # any saved layout: dist checkpointing reshards
     ref_actor = None
     if cfg.algorithm.kl_coef > 0:
-        ref_actor = Actor(cfg.model.path, cfg.actor, dims, dtype=cfg.model.dtype, train=False, shape=shape)
-    probe.add_ledger(lambda: _tagged(actor.memory(), dims.device))
+        ref_actor = Actor(cfg.model.path, cfg.actor, dims, dtype=cfg.model.dtype, train=False, shape=cfg.model.shape())
+    parts.probe.add_ledger(lambda: _tagged(actor.memory(), dims.device))
     if ref_actor is not None:
         # the reference actor's state under its own tags (its ledger, an actor's, calls them the actor's)
         actor_tag = {name: state for state, (holder, name) in HOLDERS.items() if holder == "actor"}
         rename = {actor_tag[name]: state for state, (holder, name) in HOLDERS.items() if holder == "ref_actor"}
-        probe.add_ledger(lambda: _tagged(ref_actor.memory(), dims.device, rename=rename))
-    weight_sync = cfg.weight_sync.build(
-        actor.shape, mesh, dims.rank, dtype=cfg.model.dtype, te_norms=actor.layout.te_norms
-    )
+        parts.probe.add_ledger(lambda: _tagged(ref_actor.memory(), dims.device, rename=rename))
     if resumed_state is not None:
         # the syncs continue the resumed run's count (one at start-up, one per step), so step k's reference check
         # samples the layer the uninterrupted run's did
-        weight_sync.num_syncs = resumed_state.completed_steps
-    device = SharedDevice(
+        parts.weight_sync.num_syncs = resumed_state.completed_steps
+    shared = SharedDevice(
         actor=actor,
         ref_actor=ref_actor,
-        weight_sync=weight_sync,
+        weight_sync=parts.weight_sync,
         flags=cfg.step_flags(),
         timeline=timeline,
         device=dims.device,
         procs_per_node=cluster.procs_per_node,
     )
-    device.offload_between_uses("ref_actor")  # on host until its first ref_logprob (as the flags say)
+    shared.offload_between_uses("ref_actor")  # on host until its first ref_logprob (as the flags say)
     writer = None
     if dims.rank == 0:
         writer = cfg.wandb.build(
@@ -253,15 +298,13 @@ def setup(
         timeline.t0 = time.monotonic() - box[0]
     ctx = RankContext(
         cfg=cfg,
-        mesh=mesh,
-        dims=dims,
-        device=device,
+        parts=parts,
+        shared=shared,
         tokenizer=AutoTokenizer.from_pretrained(cfg.model.path),
         task=cfg.data.build(seed=cfg.trainer.seed),
         loss=PolicyLoss(cfg.algorithm),
         timeline=timeline,
         writer=writer,
-        rollout_group=groups[mesh.replica(dims.rank)] if mesh.replica_size > 1 else None,
         checkpointer=checkpointer,
         stop=stop or StopRequest(dims.rank),
         eval_problems=eval_problems(cfg) if cfg.eval.enabled else [],
@@ -281,11 +324,9 @@ def plan_and_build_engine(ctx: RankContext) -> RankContext:
 
     The KV cache and the plan are the launch's (``ctx.launch``, run.memory_plan.plan_launch: made once before the
     ranks started; on CUDA an ``auto`` KV cache is bounded by the free memory measured now, the least over ranks).
-    The plan is kept for the wake checks and the predicted-vs-measured calibration (the device's ``plan``)."""
+    The plan is kept for the wake checks and the predicted-vs-measured calibration (``ctx.shared.plan``)."""
     cfg, dims = ctx.cfg, ctx.dims
     if ctx.launch is None:  # set up outside run.main (tests, tools): the launch's plan, made here
-        from run.memory_plan import plan_launch
-
         ctx = dataclasses.replace(ctx, launch=plan_launch(cfg))
     # the plan covers sequences as long as the longest prompt (the task's, the eval's) + max_new_tokens
     eval_tokens = [len(ctx.tokenizer(p.prompt).input_ids) for p in ctx.eval_problems]
@@ -307,11 +348,11 @@ def plan_and_build_engine(ctx: RankContext) -> RankContext:
         native_decode_tp1=cfg.rollout.engine == "native" and cfg.rollout.tp == 1 and cfg.model.dtype == "float32",
     )
     launch = ctx.launch if launch_runtime is None else with_launch_runtime(ctx.launch, launch_runtime)
-    engine, launch = build_engine(cfg, dims, ctx.mesh, ctx.rollout_group, launch)
+    engine, launch = build_engine(cfg, ctx.parts, launch)
     ctx.timeline.probe.add_ledger(lambda: _tagged(engine.memory(), dims.device))
     if ctx.writer is not None and launch.plan is not None:
         ctx.writer.predicted_bytes = {name: launch.plan.measurable_bytes(name) for name in launch.plan.names}
-    ctx.device.attach_engine(engine, launch.plan)
+    ctx.shared.attach_engine(engine, launch.plan)
     return dataclasses.replace(ctx, launch=launch)
 
 
@@ -334,7 +375,7 @@ def launch_runtime_bytes(
         return None
     first_use_of_kernels(shape, torch_dtype(dtype), decode_sequences, rollout_tp)
     if native_decode_tp1:
-        from rollout.native.decode_tp1 import first_use
+        from rollout.native.decode_tp1 import first_use  # the native engine's: a vLLM run never imports it
 
         first_use(
             shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate_size,
@@ -372,14 +413,10 @@ def first_use_of_kernels(
     del x, w, logits
 
 
-def build_engine(
-    cfg: RunConfig, dims: ParallelDims, mesh: ColocatedMesh, group: dist.ProcessGroup | None, launch: LaunchPlan
-) -> tuple[RolloutEngine, LaunchPlan]:
+def build_engine(cfg: RunConfig, parts: RankParts, launch: LaunchPlan) -> tuple[RolloutEngine, LaunchPlan]:
     """The engine with empty weights, its KV cache as ``launch`` says (:func:`plan_and_build_engine`), and the plan
     it was started with (``launch`` itself unless the measured free memory bounded it)."""
-    from rollout import make_engine
-    from run.memory_plan import bounded_by_free_memory
-
+    dims = parts.dims
     if launch.plan is None:
         print(f"rank {dims.rank}: no memory plan ({launch.problem}); no wake checks or calibration", flush=True)
     else:
@@ -389,42 +426,21 @@ def build_engine(
             launch = bounded_by_free_memory(cfg, launch, int(least))
         if dims.rank == 0:
             print(launch.kv_choice.line(), flush=True)
-    engine = make_engine(
-        launch.engine_rollout(cfg),
-        cfg.model.path,
-        mesh=mesh,
-        rank=dims.rank,
-        group=group,
-        device=dims.device,
-        dtype=cfg.model.dtype,
-        load=False,
-        shape=cfg.model.shape(),
-        **(
-            {"enable_return_routed_experts": True}
-            if cfg.rollout.engine == "vllm" and cfg.returns_routed_experts
-            else {}
-        ),
+    routed = cfg.rollout.engine == "vllm" and cfg.returns_routed_experts
+    engine = parts.start_engine(
+        launch.engine_rollout(cfg), **({"enable_return_routed_experts": True} if routed else {})
     )
     return engine, launch
 
 
 def start_rollout(ctx: RankContext) -> RankContext:
     """Before the first step: the actor offloads what its flags say, the engine starts sized for that
-    (:func:`plan_and_build_engine`, which leaves it fully awake), then the first weight sync follows the step's own wake
-    order (run/loop.py, ``wake_weights`` .. ``wake_kv_cache``): the engine sleeps, the actor's params come back,
-    the engine wakes what ``wake_weights`` wakes (checked against the plan), takes the weights, the params go
-    back to host, then the KV cache wakes (checked). So the start-up never holds more than a step does (a
-    fully awake engine beside the actor's params would hold params and KV cache together, which the staged
-    strategy exists to avoid). Ends where a step ends: engine awake, actor offloaded. Returns ``ctx`` with the
-    engine."""
-    device = ctx.device
-    device.offload_between_uses("actor")
+    (:func:`plan_and_build_engine`, which leaves it fully awake), then the first weight sync walks the step's
+    table (:meth:`run.shared_device.SharedDevice.first_sync`). Ends where a step ends: engine awake, actor
+    offloaded. Returns ``ctx`` with the engine."""
+    ctx.shared.offload_between_uses("actor")
     ctx = plan_and_build_engine(ctx)
-    for phase in ("engine_sleep", "onload_params", "wake_weights"):
-        device.apply(phase)  # the step's moves in these phases (the wake checked against the plan)
-    device.sync_weights()
-    for phase in ("offload_params", "wake_kv_cache"):
-        device.apply(phase)
+    ctx.shared.first_sync()
     freeze_long_lived_objects()  # the engine's objects too
     return ctx
 

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 # the order state leaves the device in: the engine's, the reference actor's, then the actor's last-built first
 # (the optimizer's states, the grads, the params); it comes back in STATE's order
 DROP_ORDER = (*ENGINE_STATE, *REF_STATE, *reversed(ACTOR_STATE))
+# what the weight sync reads (the actor's params) and writes (the engine's state): all the start-up's sync moves
+SYNC_STATE = frozenset(("actor_params", *ENGINE_STATE))
 
 
 class MemoryPlanError(RuntimeError):
@@ -153,6 +155,19 @@ class SharedDevice:
         if shortfall > 0:
             rank = gathered.index((shortfall, line))
             raise MemoryPlanError(f"rank {rank}: {line}")
+
+    def first_sync(self) -> SyncResult:
+        """The start-up's weight sync, from the engine fully awake and the actor as a step starts: the step's
+        hand-offs that move what the sync reads or writes (:data:`SYNC_STATE`) in the table's order, the sync where
+        the table has it. So the start-up never holds more than a step does: the engine sleeps, the params come
+        back, ``wake_weights`` (checked against the plan), the sync, the params go back, ``wake_kv_cache``
+        (checked): never the params beside the KV cache under the staged strategy."""
+        for phase in self.order.phases:
+            if phase.name == "weight_sync":
+                result = self.sync_weights()
+            elif phase.hand_off and SYNC_STATE & {*phase.adds, *phase.drops}:
+                self.apply(phase.name)
+        return result
 
     def sync_weights(self) -> SyncResult:
         """Planned reshard of the actor's shards straight into the engine's (awake) weights."""

@@ -1,24 +1,44 @@
-"""The optional supervised warm-up before RL (``trainer.sft_warmup_steps``): the task's format examples."""
+"""A rank's start before RL: what a resumed run has left to do, and the optional supervised warm-up
+(``trainer.sft_warmup_steps``) on the task's format examples."""
 
 from __future__ import annotations
 
-import sys
+import dataclasses
+from pathlib import Path
 
-import torch.distributed as dist
-
-from checkpointing.checkpoint import StopRequest
+from checkpointing.checkpoint import HF_DIR, step_dir_name
 from rl.batching import Sample, pack_sequences
 from rl.losses import sft_loss
-from run.launch import PREEMPTED_EXIT_CODE
+from run.preflight import nothing_left
+from run.save_and_stop import StopDuringWarmup
 from run.setup import RankContext
-from telemetry.tracking import RunWriter
+from telemetry.tracking import SUMMARY_FILE
 
 
-class StopDuringWarmup(Exception):
-    """SIGUSR1 / SIGTERM agreed before the warm-up's last step (no checkpoint exists before its end)."""
-
-    def __init__(self, done: int):
-        self.done = done
+def nothing_left_to_do(ctx: RankContext, run_dir: Path) -> bool:
+    """Whether a resumed run has nothing left (the launcher said so before starting the ranks; a rank started
+    otherwise says it too). One resumed with every step done (stopped after its last checkpoint, before its final
+    eval and summary) has its end left: rank 0 says so. Its final export was written inside the last step, before
+    its checkpoint was complete, unless trainer.export_* changed since: then ``make export`` writes it from the
+    checkpoint (the loop exports only inside a step)."""
+    steps = ctx.cfg.trainer.steps
+    done = nothing_left(ctx.start_step, steps, run_dir) if ctx.resumed_from is not None else None
+    if ctx.rank != 0:
+        return done is not None
+    if done is not None:
+        print(done)
+    elif ctx.start_step == steps:
+        print(
+            f"{ctx.resumed_from}: all {steps} steps done; the run's end follows: its final eval (eval.every) and "
+            f"{SUMMARY_FILE}"
+        )
+        export = run_dir / HF_DIR / step_dir_name(steps)
+        if ctx.cfg.trainer.exports_after(steps - 1) and not export.is_dir():
+            print(
+                f"warning: {export} (trainer.export_*) is missing: `make export RUN={run_dir}` writes it from the "
+                "checkpoint"
+            )
+    return done is not None
 
 
 def sft_warmup(ctx: RankContext) -> list[float]:
@@ -41,34 +61,14 @@ def sft_warmup(ctx: RankContext) -> list[float]:
     return losses
 
 
-def resume_or_warm_up(ctx: RankContext) -> list[float] | StopDuringWarmup:
-    """The warm-up's losses: the checkpoint's when resuming (every checkpoint is after the warm-up), else
-    the warm-up runs now; a :class:`StopDuringWarmup` when a stop signal cut it short."""
+def resume_or_warm_up(ctx: RankContext) -> RankContext:
+    """``ctx`` with the warm-up's losses: the checkpoint's when resuming (every checkpoint is after the warm-up),
+    else the warm-up runs now (:class:`StopDuringWarmup` when a stop signal cuts it short)."""
     if ctx.resumed_state is not None:
         if ctx.rank == 0:
             print(f"resuming from {ctx.resumed_from} (step {ctx.start_step} of {ctx.cfg.trainer.steps})", flush=True)
-        return ctx.resumed_state.warmup_losses
-    try:
-        losses = sft_warmup(ctx)
-    except StopDuringWarmup as stop:
-        return stop
+        return dataclasses.replace(ctx, warmup_losses=ctx.resumed_state.warmup_losses)
+    losses = sft_warmup(ctx)
     if ctx.rank == 0 and losses:
         print(f"supervised warm-up: loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
-    return losses
-
-
-def exit_during_warmup(writer: RunWriter | None, stop: StopRequest, cut: StopDuringWarmup, num_steps: int) -> int:
-    """A stop during the warm-up (``cut`` after some of its ``num_steps`` steps): no checkpoint can hold a part
-    of it (every checkpoint is after the warm-up, and a resume skips it), so exit cleanly at once; a requeue
-    starts the run over (resume=auto finds no checkpoint in the run directory)."""
-    if writer is not None:
-        writer.close()
-        print(
-            f"stopped by {stop.received or 'a signal to another rank'} during the supervised warm-up (after "
-            f"{cut.done} of {num_steps} steps); no checkpoint before the warm-up ends: "
-            "run again with the same run directory to start over",
-            file=sys.stderr,
-            flush=True,
-        )
-    dist.barrier()
-    return PREEMPTED_EXIT_CODE
+    return dataclasses.replace(ctx, warmup_losses=losses)

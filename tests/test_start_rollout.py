@@ -1,4 +1,4 @@
-"""The first weight sync at start-up follows the step's staged wake order (run/setup.py::start_rollout), so it
+"""The first weight sync at start-up walks the step's table (run/shared_device.py::SharedDevice.first_sync), so it
 never holds the actor's params and the KV cache together unless the wake strategy (checked against the plan)
 does."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import run.setup as rl_setup
-from colocation.phases import StepFlags
+from colocation import phases
+from colocation.phases import Phase, StepFlags
 from run.setup import start_rollout
 from run.shared_device import SharedDevice
 
@@ -24,7 +25,7 @@ class Recorder:
 
 def _start(strategy: str, monkeypatch) -> list:
     calls: list = []
-    device = SharedDevice(
+    shared = SharedDevice(
         actor=Recorder(calls),
         ref_actor=None,
         weight_sync=None,
@@ -33,17 +34,17 @@ def _start(strategy: str, monkeypatch) -> list:
         device=None,
         procs_per_node=1,
     )
-    device.check_wake = lambda phase: calls.append(("check_wake", phase))
-    device.sync_weights = lambda: calls.append(("sync_weights",))
+    shared.check_wake = lambda phase: calls.append(("check_wake", phase))
+    shared.sync_weights = lambda: calls.append(("sync_weights",))
 
     def plan_and_build_engine(ctx):
         calls.append(("plan_and_build_engine",))  # the engine comes up fully awake
-        ctx.device.attach_engine(Recorder(calls), plan=None)
+        ctx.shared.attach_engine(Recorder(calls), plan=None)
         return ctx
 
     monkeypatch.setattr(rl_setup, "plan_and_build_engine", plan_and_build_engine)
     monkeypatch.setattr(rl_setup, "freeze_long_lived_objects", lambda: None)
-    start_rollout(SimpleNamespace(device=device))
+    start_rollout(SimpleNamespace(shared=shared))
     return calls
 
 
@@ -76,3 +77,29 @@ def test_an_all_at_once_start_up_is_checked_against_the_plan_like_its_wake(monke
         ("offload", "params"),
     ]
     assert ("check_wake", "wake_kv_cache") not in calls
+
+
+def test_a_hand_off_added_to_the_table_is_walked_by_the_start_up_too(monkeypatch):
+    """The start-up restates no phase: a hand-off that moves the actor's params, added to the table alone, runs
+    in its place (here the params leave and come back before ``wake_weights``)."""
+    table = phases.step_phases
+
+    def with_added(flags):
+        names = [p.name for p in table(flags)]
+        added = (
+            Phase(name="offload_params_early", what="the params to host", drops=("actor_params",), hand_off=True),
+            Phase(name="onload_params_again", what="the params back", adds=("actor_params",), hand_off=True),
+        )
+        at = names.index("wake_weights")
+        return (*table(flags)[:at], *added, *table(flags)[at:])
+
+    monkeypatch.setattr(phases, "step_phases", with_added)
+    calls = _start("staged", monkeypatch)
+    at = calls.index(("onload", "params"))
+    assert calls[at : at + 5] == [
+        ("onload", "params"),
+        ("offload", "params"),
+        ("onload", "params"),
+        ("check_wake", "wake_weights"),
+        ("wake_up", ("weights",)),
+    ]

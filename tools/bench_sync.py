@@ -102,16 +102,15 @@ def memcpy_gbps(num_bytes: int, repeats: int = 5) -> float:
 
 
 def _rank_main(args: argparse.Namespace, layout: str) -> None:
+    # the rank's imports: the launcher (its argument checks, --layout paper) never loads megatron or an engine
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
     from configs.actor import ActorConfig
     from configs.rollout import RolloutConfig
-    from megatron_backend.actor import Actor
-    from megatron_backend.parallel import initialize_model_parallel
-    from modelspec import ColocatedMesh
-    from rollout import SamplingParams, make_engine
-    from run.setup import rollout_groups
+    from rollout import SamplingParams
+    from run.config import ModelConfig
+    from run.setup import build_rank
     from telemetry.memory_timeline import ProcessMemory
     from weight_sync import WeightSyncConfig
     from weight_sync.baseline import gather_full_hf_tensors, make_peer_export
@@ -122,9 +121,6 @@ def _rank_main(args: argparse.Namespace, layout: str) -> None:
     spec = LAYOUTS[layout]
     train_tp, train_pp, train_ep, rollout_tp = spec.train_tp, spec.train_pp, spec.train_ep, spec.rollout_tp
     model_path = args.model_paths[layout]
-    dims = initialize_model_parallel(train_tp, train_pp, ep=train_ep)
-    rank, world = dims.rank, dims.world_size
-    actor = Actor(model_path, ActorConfig(tp=train_tp, pp=train_pp, ep=train_ep), dims, train=False)
     rollout_cfg = RolloutConfig(
         engine=args.engine,
         tp=rollout_tp,
@@ -132,28 +128,18 @@ def _rank_main(args: argparse.Namespace, layout: str) -> None:
         max_model_len=128,
         kv_cache_bytes=args.kv_cache_mb << 20 if args.engine == "vllm" else None,
     )
-    mesh = ColocatedMesh(
-        world_size=world,
-        actor_tp=train_tp,
-        actor_pp=train_pp,
-        actor_ep=train_ep,
-        rollout_tp=rollout_tp,
-        rollout_experts_span_replicas=rollout_cfg.profile.experts_span_replicas,
-    )
-    groups = rollout_groups(mesh)
-    engine = make_engine(
+    parts = build_rank(
+        ModelConfig(path=model_path),
+        ActorConfig(tp=train_tp, pp=train_pp, ep=train_ep),
         rollout_cfg,
-        model_path,
-        mesh=mesh,
-        rank=rank,
-        group=groups[mesh.replica(rank)] if rollout_tp > 1 else None,
-        device=dims.device,
-        dtype=actor.dtype,
-        load=False,
+        WeightSyncConfig(bucket_mb=args.bucket_mb),
+        train=False,
     )
+    dims, mesh, actor, planned = parts.dims, parts.mesh, parts.actor, parts.weight_sync
+    rank, world = dims.rank, dims.world_size
+    engine = parts.start_engine()
     te_norms = actor.layout.te_norms
     element_bytes = next(iter(actor.local_params().values())).element_size()
-    planned = WeightSyncConfig(bucket_mb=args.bucket_mb).build(actor.shape, mesh, rank, actor.dtype, te_norms)
     export = make_peer_export(rank, actor.shape, mesh, te_norms=te_norms)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompt_ids = [tokenizer(p).input_ids for p in PROMPTS]

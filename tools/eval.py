@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from checkpointing.checkpoint import RUN_CONFIG_COPY as RUN_CONFIG_FILE  # an export's copy of its run's config.yaml
@@ -119,32 +121,28 @@ def check_input(args: argparse.Namespace):
 
 
 def _rank_main(cfg, checkpoint: Path | None, step: int | None) -> None:
-    import warnings
-
+    # the rank's imports: the launcher's input check never loads megatron or an engine
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
     from checkpointing.checkpoint import ACTOR_DIR
-    from megatron_backend.actor import Actor
     from rl.evaluation import eval_problems, evaluate, reference_logprob_mean
     from run.memory_plan import plan_launch
-    from run.setup import build_engine, init_rank, rollout_groups
+    from run.setup import build_engine, build_rank
     from run.shared_device import sync_actor_into_engine
 
     # reading a checkpoint: torch's deprecation notices for what megatron-core 0.16 calls, once per rank
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(megatron\.core|torch\.distributed\.checkpoint)")
-    start = time.monotonic()
-    dims = init_rank(cfg)
-    mesh = cfg.mesh()
-    groups = rollout_groups(mesh)
+    start, rank0 = time.monotonic(), int(os.environ.get("RANK", "0")) == 0
 
     def progress(what: str) -> None:  # long work: say what runs now, on rank 0
-        if dims.rank == 0:
+        if rank0:
             print(f"eval: {what} ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
 
     weights = str(checkpoint / ACTOR_DIR) if checkpoint is not None else cfg.model.path
     progress(f"the actor (TP {cfg.actor.tp} x PP {cfg.actor.pp}) from {weights}")
-    actor = Actor(cfg.model.path, cfg.actor, dims, dtype=cfg.model.dtype, train=False, shape=cfg.model.shape())
+    parts = build_rank(cfg.model, cfg.actor, cfg.rollout, cfg.weight_sync, train=False, timeout_s=cfg.cluster.timeout_s)
+    dims, mesh, actor = parts.dims, parts.mesh, parts.actor
     if checkpoint is not None:
         actor.load_checkpoint(checkpoint / ACTOR_DIR)  # any saved layout: dist checkpointing reshards
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -158,15 +156,10 @@ def _rank_main(cfg, checkpoint: Path | None, step: int | None) -> None:
     if offload:
         actor.offload("params")
     progress(f"the {cfg.rollout.engine} engine (rollout TP {cfg.rollout.tp})")
-    engine, _ = build_engine(
-        cfg, dims, mesh, groups[mesh.replica(dims.rank)] if mesh.rollout_tp > 1 else None, plan_launch(cfg)
-    )
+    engine, _ = build_engine(cfg, parts, plan_launch(cfg))
     if offload:
         actor.onload("params")
-    weight_sync = cfg.weight_sync.build(
-        actor.shape, mesh, dims.rank, dtype=cfg.model.dtype, te_norms=actor.layout.te_norms
-    )
-    sync_actor_into_engine(weight_sync, actor, engine)
+    sync_actor_into_engine(parts.weight_sync, actor, engine)
     if offload:
         actor.offload("params")
     ev = cfg.eval

@@ -19,23 +19,20 @@ from colocation.engines import ENGINES
 
 
 def _rank_main(args: argparse.Namespace) -> None:
+    # the rank's imports: the launcher never loads megatron or an engine
     import torch
     from transformers import AutoTokenizer
 
     from configs.actor import ActorConfig
     from configs.rollout import RolloutConfig
-    from megatron_backend.actor import Actor
-    from megatron_backend.parallel import initialize_model_parallel
-    from modelspec import ColocatedMesh
     from rl.batching import Sample, pack_sequences
-    from rollout import SamplingParams, make_engine
+    from rollout import SamplingParams
+    from run.config import ModelConfig
+    from run.setup import build_rank
     from telemetry.metrics import gap_distribution
     from weight_sync import WeightSyncConfig
 
     model_path = args.model_path
-    dims = initialize_model_parallel(1, 1)
-    actor = Actor(model_path, ActorConfig(), dims, dtype=args.dtype, train=False)
-    mesh = ColocatedMesh(world_size=1)
     rollout_cfg = RolloutConfig(
         engine=args.engine,
         tp=1,
@@ -43,8 +40,10 @@ def _rank_main(args: argparse.Namespace) -> None:
         max_model_len=128,
         kv_cache_bytes=64 << 20 if args.engine == "vllm" else None,
     )
-    engine = make_engine(rollout_cfg, model_path, mesh=mesh, rank=0, device=dims.device, dtype=args.dtype, load=False)
-    sync = WeightSyncConfig().build(actor.shape, mesh, 0, args.dtype, te_norms=actor.layout.te_norms)
+    parts = build_rank(
+        ModelConfig(path=model_path, dtype=args.dtype), ActorConfig(), rollout_cfg, WeightSyncConfig(), train=False
+    )
+    actor, sync, engine = parts.actor, parts.weight_sync, parts.start_engine()
     # the loop's bf16 actor keeps some params (the norms) in fp32: the sync sends the engine's dtype
     torch_dtype = getattr(torch, args.dtype)
     sync({k: v.to(torch_dtype).contiguous() for k, v in actor.local_params().items()}, engine.begin_weight_update())

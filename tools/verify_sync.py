@@ -82,54 +82,39 @@ def _rank_main(args: argparse.Namespace) -> None:
 
 def sync_and_score(args: argparse.Namespace) -> dict | None:
     """The check on this rank (every rank of the world calls it): rank 0 returns the JSON line's fields."""
+    # the rank's imports: the launcher's input check never loads megatron or an engine
     import torch
     import torch.distributed as dist
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from configs.actor import ActorConfig
     from configs.rollout import RolloutConfig
-    from megatron_backend.actor import Actor
-    from megatron_backend.parallel import initialize_model_parallel
-    from modelspec import ColocatedMesh
     from rollout import SamplingParams, make_engine
-    from run.setup import rollout_groups
+    from run.config import ModelConfig
+    from run.setup import build_rank
     from weight_sync import WeightSyncConfig
 
-    tp, pp, ep, etp = args.train_tp, args.train_pp, args.train_ep, args.train_etp
-    dims = initialize_model_parallel(tp, pp, ep=ep, etp=etp)
-    rank, world = dims.rank, dims.world_size
-    actor = Actor(args.hf, ActorConfig(tp=tp, pp=pp, ep=ep, etp=etp), dims, train=False)
-    rtp, rep = args.rollout_tp, args.rollout_ep
     tokenizer = AutoTokenizer.from_pretrained(args.hf)
     prompt_ids = [tokenizer(p).input_ids for p in PROMPTS]
-    max_len = max(len(p) for p in prompt_ids) + args.max_new_tokens
     rollout_cfg = RolloutConfig(
         engine=args.engine,
-        tp=rtp,
-        ep=rep,
+        tp=args.rollout_tp,
+        ep=args.rollout_ep,
         max_new_tokens=args.max_new_tokens,
         temperature=0.0,
-        max_model_len=max_len,
+        max_model_len=max(len(p) for p in prompt_ids) + args.max_new_tokens,
         kv_cache_bytes=args.kv_cache_mb << 20 if args.engine == "vllm" else None,
     )
-    mesh = ColocatedMesh(
-        world_size=world,
-        actor_tp=tp,
-        actor_pp=pp,
-        actor_ep=ep,
-        actor_etp=etp,
-        rollout_tp=rtp,
-        rollout_ep=rep,
-        rollout_experts_span_replicas=rollout_cfg.profile.experts_span_replicas,
+    parts = build_rank(
+        ModelConfig(path=args.hf),
+        ActorConfig(tp=args.train_tp, pp=args.train_pp, ep=args.train_ep, etp=args.train_etp),
+        rollout_cfg,
+        WeightSyncConfig(bucket_mb=args.bucket_mb, verify=True),
+        train=False,
     )
-    groups = rollout_groups(mesh)
-    group = groups[mesh.replica(rank)] if mesh.replica_size > 1 else None
-    engine = make_engine(
-        rollout_cfg, args.hf, mesh=mesh, rank=rank, group=group, device=dims.device, dtype=actor.dtype, load=False
-    )
-    sync = WeightSyncConfig(bucket_mb=args.bucket_mb, verify=True).build(
-        actor.shape, mesh, rank, dtype=actor.dtype, te_norms=actor.layout.te_norms
-    )
+    dims, mesh, actor, sync = parts.dims, parts.mesh, parts.actor, parts.weight_sync
+    rank, world = dims.rank, dims.world_size
+    engine = parts.start_engine()
     result = sync(actor.local_params(), engine.begin_weight_update())
     engine.finish_weight_update()
     greedy = SamplingParams(n=1, temperature=0.0, max_tokens=args.max_new_tokens)
@@ -158,8 +143,6 @@ def sync_and_score(args: argparse.Namespace) -> dict | None:
     dist.all_gather_object(seconds, result.stats.seconds)
     line = None
     if rank == 0:
-        from transformers import AutoModelForCausalLM
-
         model = AutoModelForCausalLM.from_pretrained(args.hf, torch_dtype=torch.float32)
         max_diff, num_tokens = 0.0, 0
         with torch.no_grad():
@@ -177,8 +160,8 @@ def sync_and_score(args: argparse.Namespace) -> dict | None:
             train_pp=args.train_pp,
             train_ep=args.train_ep,
             train_etp=dims.etp,
-            rollout_tp=rtp,
-            rollout_ep=rep,
+            rollout_tp=args.rollout_tp,
+            rollout_ep=args.rollout_ep,
             world_size=world,
             engine=args.engine,
             max_abs_logprob_diff=max_diff,
