@@ -287,8 +287,8 @@ def _varlen_attention_class():
         at the start of row i of [b, heads, L, d] (L: the longest), zeros after it, and the b rows go through
         torch's ``scaled_dot_product_attention`` with a causal mask at once: a real query attends only to keys at
         or before it, all of its own sequence, so the padding changes nothing it reads; the padded queries' rows
-        are dropped. On CPU torch runs its flash kernel (no [L, L] scores kept; backward keeps q, k, v, the output
-        and an fp32 log-sum-exp per query head, planner/sizes.py). One call per layer instead of one per sequence
+        are dropped. On CPU torch runs its flash kernel, in fp32 (no [L, L] scores kept; backward keeps q, k, v, the
+        output and a log-sum-exp per query head, planner/sizes.py). One call per layer instead of one per sequence
         (and per sequence an RNG-tracker fork and a causal-mask build): the step's largest cost on CPU before.
         Output [T, 1, heads * d], which SelfAttention reshapes as it does TE's THD output.
         """
@@ -306,9 +306,13 @@ def _varlen_attention_class():
             row = torch.repeat_interleave(torch.arange(len(lengths), device=bounds.device), lengths)  # [T]: its sequence
             position = torch.arange(num_tokens, device=bounds.device) - bounds[row]  # [T]: its place in it
 
+            # on CPU a 16-bit attention runs in fp32: torch's CPU flash kernel caches its reduced-precision backward
+            # per sequence length (measured: +0.5 MiB RSS for each new length, never released)
+            dtype = torch.float32 if query.device.type == "cpu" else query.dtype
+
             def padded(x):  # [T, heads, d] -> [b, heads, L, d], zeros after each sequence
-                rows = x.new_zeros(len(lengths), longest, *x.shape[1:])
-                return rows.index_put_((row, position), x).transpose(1, 2)
+                rows = x.new_zeros(len(lengths), longest, *x.shape[1:], dtype=dtype)
+                return rows.index_put_((row, position), x.to(dtype)).transpose(1, 2)
 
             heads, groups = self.num_attention_heads_per_partition, self.num_query_groups_per_partition
             out = F.scaled_dot_product_attention(
@@ -320,7 +324,7 @@ def _varlen_attention_class():
                 scale=self.softmax_scale * (self.scale_mask_softmax.scale or 1.0),  # apply_query_key_layer_scaling
                 enable_gqa=heads != groups,
             )  # [b, heads, L, d]
-            return out.transpose(1, 2)[row, position].reshape(num_tokens, 1, -1)  # [T, 1, heads * d]
+            return out.transpose(1, 2)[row, position].reshape(num_tokens, 1, -1).to(query.dtype)  # [T, 1, heads * d]
 
     return VarlenDotProductAttention
 

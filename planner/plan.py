@@ -153,7 +153,7 @@ def _layer_bytes(inp: PlanInputs, mb, recomputed: tuple[str, ...] = (), train: b
         )
     per_layer = mb.model_tokens * per_token
     if packed and train:  # what the attention keeps per padded row: the sequences x the longest
-        per_layer += mb.padded_tokens * local_packed_attention_padding_bytes_per_token(s, tp, e)
+        per_layer += mb.padded_tokens * local_packed_attention_padding_bytes_per_token(s, tp)
     scores = 0
     if inp.attention == "unfused" and not packed and "core_attn" not in recomputed:
         scores = unfused_attention_bytes(s, tp, e, mb.sequences, mb.attention_span, kept=True)

@@ -388,12 +388,13 @@ def layer_forward_bytes_per_token(
     return max(attention, mlp) * element_bytes
 
 
-def local_packed_attention_padding_bytes_per_token(shape: ModelShape, tp: int, element_bytes: int) -> int:
+def local_packed_attention_padding_bytes_per_token(shape: ModelShape, tp: int) -> int:
     """What megatron_backend/model.py's packed attention holds per padded row (the micro-batch's sequences x the
-    longest): the padded q, k and v ((Hq + 2 Hkv) d / t), torch's flash output (Hq d / t) and its fp32 log-sum-exp
-    (Hq / t), with grad (kept for backward) or without (the forward's widest moment)."""
+    longest): the padded q, k and v ((Hq + 2 Hkv) d / t), torch's flash output (Hq d / t) and its log-sum-exp
+    (Hq / t), all fp32 on CPU whatever the model's dtype, with grad (kept for backward) or without (the forward's
+    widest moment)."""
     q, kv = shape.num_heads * shape.head_dim // tp, shape.num_kv_heads * shape.head_dim // tp
-    return (2 * q + 2 * kv) * element_bytes + FP32_BYTES * shape.num_heads // tp
+    return (2 * q + 2 * kv + shape.num_heads // tp) * FP32_BYTES
 
 
 def local_packed_layer_forward_bytes(
@@ -412,9 +413,12 @@ def local_packed_layer_forward_bytes(
     input: the live tensors at its widest moment, counted per aten op (tests/test_local_layer_count.py).
 
     - attention, at torch's flash kernel's output (megatron_backend/model.py ``VarlenDotProductAttention``): the
-      normed input (h), the qkv output ((Hq + 2Hkv) d / t), the query regrouped by a copy (Hq d / t), RoPE's q and
+      normed input (h), the qkv output ((Hq + 2Hkv) d / t), the query regrouped by a copy (Hq d / t; a view at one
+      KV head a rank), RoPE's q and
       k ((Hq + Hkv) d / t), per padded row :func:`local_packed_attention_padding_bytes_per_token` (q, k, v, the
-      output, the log-sum-exp), the two int64 token indices and the int64 bounds and lengths (2b + 1). The
+      output, the log-sum-exp), the two int64 token indices and the int64 bounds and lengths (2b + 1); in 16 bits
+      (the kernel runs in fp32 on CPU) the moment after it may be wider: its fp32 output, the real rows gathered
+      from it (fp32) and cast back (the dtype), the padded q, k, v and the log-sum-exp freed. The
       kernel's own per-thread buffers ([q block, kv block] floats, at most 256 x 512 a thread,
       aten/src/ATen/native/cpu/FlashAttentionKernel.cpp) are made below the dispatcher: not counted here;
     - the MLP (mlp.py, unfused ``glu``): the attention's residual sum and the normed input (2h), fc1's output
@@ -424,11 +428,13 @@ def local_packed_layer_forward_bytes(
     """
     h, t = shape.hidden_size, tp
     q, kv = shape.num_heads * shape.head_dim // t, shape.num_kv_heads * shape.head_dim // t
-    attention = (
-        num_tokens * ((h + 3 * q + 3 * kv) * element_bytes + 2 * INT64_BYTES)
-        + padded_tokens * local_packed_attention_padding_bytes_per_token(shape, t, element_bytes)
-        + INT64_BYTES * (2 * sequences + 1)
-    )
+    query_copy = q if shape.num_kv_heads // t > 1 else 0  # regrouping [s, b, Hkv, Hq/Hkv d] copies the query
+    held = num_tokens * ((h + 2 * q + query_copy + 3 * kv) * element_bytes + 2 * INT64_BYTES)
+    held += INT64_BYTES * (2 * sequences + 1)
+    attention = held + padded_tokens * local_packed_attention_padding_bytes_per_token(shape, t)
+    if element_bytes < FP32_BYTES:  # the fp32 output's rows gathered and cast back, the rest of the kernel's freed
+        gathered = padded_tokens * q * FP32_BYTES + num_tokens * q * (FP32_BYTES + element_bytes)
+        attention = max(attention, held + gathered)
     if sparse:
         moe = moe_forward_bytes_per_token(shape, etp or t, element_bytes, True, routed_copies_ratio=routed_copies_ratio)
         block = num_tokens * (2 * h * element_bytes + moe)

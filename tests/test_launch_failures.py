@@ -18,11 +18,12 @@ from run.launch import ClusterConfig, describe_exit, rank_environ, spawn_local
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_cuda_ranks_get_nccls_error_handling_and_cpu_ranks_nothing():
+def test_cuda_ranks_get_nccls_error_handling_and_cpu_ranks_no_onednn_kernel_cache():
     cuda = ClusterConfig(device="H100-80GB", procs_per_node=8)
     assert rank_environ(cuda, {}) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
     assert rank_environ(cuda, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}) == {}  # the user's choice stays
-    assert rank_environ(ClusterConfig(device="cpu"), {}) == {}
+    assert rank_environ(ClusterConfig(device="cpu"), {}) == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}
+    assert rank_environ(ClusterConfig(device="cpu"), {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}) == {}
 
 
 def _rank_1_dies_rank_0_waits_silently(marker_dir: str) -> int:

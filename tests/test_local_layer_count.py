@@ -62,7 +62,7 @@ def test_the_local_layer_count_is_what_autograd_keeps(tp, head_dim, intermediate
     )
     saved = run_ranks(_saved_bytes_of_first_layer, tp, head_dim, intermediate)[0]
     per_token = layer_activation_bytes_per_token(shape, tp, 4, "unfused", packed=True)
-    assert saved == TOKENS * (per_token + local_packed_attention_padding_bytes_per_token(shape, tp, 4))  # fp32 tiny
+    assert saved == TOKENS * (per_token + local_packed_attention_padding_bytes_per_token(shape, tp))  # fp32 tiny
 
 
 @pytest.mark.parametrize("tp", [1, 2])  # 2 and 1 KV heads per rank: the query regrouped by a copy, or a view
@@ -76,7 +76,7 @@ def test_qwen3s_q_and_k_norms_are_counted(tp):
     assert shape.qk_norm
     saved = run_ranks(_saved_bytes_of_first_layer, tp, shape.head_dim, shape.intermediate_size, "qwen3")[0]
     per_token = layer_activation_bytes_per_token(shape, tp, 4, "unfused", packed=True)
-    assert saved == TOKENS * (per_token + local_packed_attention_padding_bytes_per_token(shape, tp, 4))
+    assert saved == TOKENS * (per_token + local_packed_attention_padding_bytes_per_token(shape, tp))
 
 
 def _saved_bytes_outside_the_layers(rank: int, world_size: int) -> int:
@@ -128,7 +128,9 @@ def test_the_ends_of_the_model_are_counted(tp):
     assert saved == TOKENS * per_token
 
 
-def _forward_peak_of_first_layer(rank: int, world_size: int, dims: dict, lengths: list[int]) -> int:
+def _forward_peak_of_first_layer(
+    rank: int, world_size: int, dims: dict, lengths: list[int], dtype: str = "float32"
+) -> int:
     import dataclasses
 
     import torch
@@ -140,7 +142,7 @@ def _forward_peak_of_first_layer(rank: int, world_size: int, dims: dict, lengths
     from telemetry.live_tensors import LiveTensorBytes
 
     shape = dataclasses.replace(ModelShape.from_pretrained("tiny:qwen2"), **dims)
-    [model] = build_gpt_chunks(shape, initialize_model_parallel(tp=world_size, pp=1, vpp=None))
+    [model] = build_gpt_chunks(shape, initialize_model_parallel(tp=world_size, pp=1, vpp=None), dtype)
     layer = next(m for m in model.modules() if type(m).__name__ == "TransformerLayer")
     live = LiveTensorBytes()
     layer.register_forward_pre_hook(lambda *_: [live.__enter__(), None][1])  # a hook's result replaces the args
@@ -160,17 +162,20 @@ FORWARD_TOKENS = 384
 
 
 @pytest.mark.parametrize(
-    ("dims", "lengths"),
+    ("dims", "lengths", "dtype"),
     [
-        ({"head_dim": 32, "intermediate_size": 64}, [FORWARD_TOKENS]),  # the attention's widest moment
-        ({"head_dim": 48, "intermediate_size": 384}, [192, 192]),  # the MLP's
-        ({"head_dim": 32, "intermediate_size": 256, "num_heads": 8, "num_kv_heads": 2}, [128] * 3),
-        ({"head_dim": 64, "intermediate_size": 64, "num_heads": 8, "num_kv_heads": 2}, [96] * 4),
-        ({"head_dim": 32, "intermediate_size": 64}, [200, 100, 50, 34]),  # padded to 200: 800 rows for 384 tokens
-        ({"head_dim": 32, "intermediate_size": 512}, [48] * 8),  # the MLP's (short sequences)
+        ({"head_dim": 32, "intermediate_size": 64}, [FORWARD_TOKENS], "float32"),  # the attention's widest moment
+        ({"head_dim": 48, "intermediate_size": 384}, [192, 192], "float32"),  # the MLP's
+        ({"head_dim": 32, "intermediate_size": 256, "num_heads": 8, "num_kv_heads": 2}, [128] * 3, "float32"),
+        ({"head_dim": 64, "intermediate_size": 64, "num_heads": 8, "num_kv_heads": 2}, [96] * 4, "float32"),
+        ({"head_dim": 32, "intermediate_size": 64}, [200, 100, 50, 34], "float32"),  # 800 padded rows, 384 tokens
+        ({"head_dim": 32, "intermediate_size": 512}, [48] * 8, "float32"),  # the MLP's (short sequences)
+        # 16 bits: the kernel in fp32; at 8 query heads a KV head the gathered output is the wider moment
+        ({"head_dim": 32, "intermediate_size": 64}, [200, 100, 50, 34], "bfloat16"),
+        ({"head_dim": 32, "intermediate_size": 64, "num_heads": 8, "num_kv_heads": 1}, [96] * 4, "bfloat16"),
     ],
 )
-def test_the_local_layer_forward_count_is_its_live_peak(dims, lengths):
+def test_the_local_layer_forward_count_is_its_live_peak(dims, lengths, dtype):
     """old/ref_logprob's layer over packed sequences (planner/sizes.py::local_packed_layer_forward_bytes): the live
     tensors' peak of one layer's forward under torch.no_grad, counted per aten op, at the attention's and the MLP's
     moments, with sequences of one length and of four (padded to the longest)."""
@@ -180,9 +185,9 @@ def test_the_local_layer_forward_count_is_its_live_peak(dims, lengths):
     from planner.sizes import local_packed_layer_forward_bytes
 
     shape = dataclasses.replace(ModelShape.from_pretrained("tiny:qwen2"), **dims)
-    peak = run_ranks(_forward_peak_of_first_layer, 1, dims, lengths)[0]
-    padded = len(lengths) * max(lengths)
-    assert peak == local_packed_layer_forward_bytes(shape, 1, 4, sum(lengths), padded, len(lengths))  # fp32 tiny
+    peak = run_ranks(_forward_peak_of_first_layer, 1, dims, lengths, dtype)[0]
+    padded, element_bytes = len(lengths) * max(lengths), 4 if dtype == "float32" else 2
+    assert peak == local_packed_layer_forward_bytes(shape, 1, element_bytes, sum(lengths), padded, len(lengths))
 
 
 def _moe_block_bytes(rank: int, world_size: int, tokens: int, train: bool) -> tuple[int, int]:

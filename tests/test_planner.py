@@ -509,7 +509,7 @@ def test_packed_sequences_on_the_local_spec_hold_no_attention_scores_and_count_t
     shorter = replace(packed, mean_response_tokens=packed.response_tokens // 2)
     short_mb = shorter.micro_batches(train=True)
     assert short_mb.padded_tokens == mb.padded_tokens > short_mb.model_tokens
-    per_row = local_packed_attention_padding_bytes_per_token(packed.shape, packed.actor.tp, packed.element_bytes)
+    per_row = local_packed_attention_padding_bytes_per_token(packed.shape, packed.actor.tp)
     per_token = _layer_bytes(packed, mb) // mb.model_tokens
     assert _layer_bytes(shorter, short_mb) - _layer_bytes(packed, mb) == (
         short_mb.model_tokens - mb.model_tokens
