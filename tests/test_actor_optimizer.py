@@ -29,14 +29,14 @@ def _one_step(rank, world_size, hf_dir):
     params = dict(actor.models[0].named_parameters())
     before = {name: p.detach().clone() for name, p in params.items()}
     grads = {}
-    compute_grads = actor.compute_grads
+    compute_grads = actor.trainer.compute_grads  # what the train step calls before the optimizer's step
 
     def capture(*args):  # the reduced gradient the optimizer is handed
         metrics = compute_grads(*args)
         grads.update({name: p.main_grad.detach().clone() for name, p in params.items()})
         return metrics
 
-    actor.compute_grads = capture
+    actor.trainer.compute_grads = capture
     metrics = actor.train_step(batch, loss_fn)
     # the reference: torch AdamW (megatron's defaults: betas 0.9/0.999, eps 1e-8, no weight decay here)
     norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
