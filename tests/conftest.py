@@ -182,3 +182,29 @@ def pytest_configure(config):
         "numeric: compares one quantity across layouts/kernels within ulp-derived bounds (tests/numeric.py); "
         "`make test-threads` runs them again with other thread counts",
     )
+
+
+@pytest.fixture(autouse=True)
+def _no_vllm_cpu_shm_names_taken(request):
+    """vLLM's CPU build names each TP group's shared-memory segment after the group's ranks only
+    (``cpu_communicator.py::make_group_name``: with external_launcher the instance part is the same every time) and
+    creates it exclusively: a second engine over the same ranks, while the first lives (a module's rank pool) or after
+    its processes were killed, fails with ``create shm in SHMManager failed. errno: 17`` (seen on a 2-core AMD EPYC,
+    at dfed459 too: the TP=2 pool's segments, then the four-rank test). Before each vLLM test the names are freed:
+    an engine that made its segment keeps it mapped, so unlinking the name takes nothing from it."""
+    if "vllm" in request.keywords:
+        _free_vllm_cpu_shm_names()
+    yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_vllm_cpu_shm_names_taken_by_an_earlier_module():
+    """The same before a module's own rank pools start: a killed pool of an earlier module leaves its names."""
+    _free_vllm_cpu_shm_names()
+    yield
+
+
+def _free_vllm_cpu_shm_names() -> None:
+    if Path("/dev/shm").is_dir():
+        for name in Path("/dev/shm").glob("*cpushm*"):
+            name.unlink(missing_ok=True)
