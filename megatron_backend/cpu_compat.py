@@ -342,10 +342,6 @@ def _torch_norms_under_sequence_parallel() -> None:
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
 
 
-def is_active() -> bool:
-    return _applied
-
-
 def fused_softmax_available() -> bool:
     """apex's fused softmax kernels, which ``FusedScaleMaskSoftmax`` imports when ``masked_softmax_fusion`` is
     on (megatron/core/fusions/fused_softmax.py): absent on CPU and on a CUDA image without apex."""

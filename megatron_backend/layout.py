@@ -235,15 +235,6 @@ def rank_pieces(shape: ModelShape, layout: RankLayout) -> list[SlicePiece]:
     return pieces
 
 
-def all_rank_pieces(shape: ModelShape, tp: int, pp: int, vpp: int | None = None) -> dict[tuple[int, int], list]:
-    """(tp_rank, pp_rank) -> that rank's pieces, for a planner that needs the whole grid (no groups)."""
-    return {
-        (tp_rank, pp_rank): rank_pieces(shape, RankLayout(tp, pp, vpp, tp_rank, pp_rank))
-        for pp_rank in range(pp)
-        for tp_rank in range(tp)
-    }
-
-
 def local_param_shapes(shape: ModelShape, layout: RankLayout) -> dict[tuple[int, str], tuple[int, ...]]:
     """(vp_stage, megatron name) -> local shape of every parameter this rank holds."""
     tp, h = layout.tp, shape.hidden_size

@@ -66,10 +66,6 @@ class TPShape:
     vocab_per_rank: int  # P / T
     vocab_start: int  # first (padded) vocab row on this rank
 
-    @property
-    def qkv_rows(self) -> int:
-        return self.num_heads + 2 * self.num_kv_heads
-
 
 def tp_shape(shape: ModelShape, tp: int, tp_rank: int) -> TPShape:
     if not 0 <= tp_rank < tp:

@@ -363,13 +363,6 @@ def phase_peaks(rows: Iterable[dict], metric: str = PEAK_METRIC) -> dict[str, in
     return peaks
 
 
-def window_peak(rows: Iterable[dict], first_phase: str, last_phase: str, metric: str = PEAK_METRIC) -> int:
-    """Max of ``metric`` over the phases from ``first_phase`` to ``last_phase`` (in PHASES order)."""
-    i, j = PHASES.index(first_phase), PHASES.index(last_phase)
-    window = set(PHASES[i : j + 1])
-    return max((int(r[metric]) for r in rows if r["phase"] in window), default=0)
-
-
 def steady_peak(rows: list[dict], phases: Iterable[str], rank: int) -> int:
     """Median over the steady steps that ran ``phases`` (eval, save_checkpoint: only some steps do) of one
     rank's measured peak over them (one step each)."""

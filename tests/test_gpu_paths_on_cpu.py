@@ -170,7 +170,7 @@ def _on_cuda_without_te_or_apex(rank: int, world_size: int) -> dict:
         te_general_gemm=hasattr(moe_utils, "te_general_gemm") and moe_utils.te_general_gemm is None,
         norm_marked=all(getattr(p, "sequence_parallel", False) for p in norm.parameters()),
         softmax_sums_to_one=bool(torch.allclose(probs.float().sum(-1), torch.ones(1, 4, 32), atol=1e-2)),
-        cpu_patches=cpu_compat.is_active(),
+        cpu_patches=cpu_compat._applied,
     )
 
 

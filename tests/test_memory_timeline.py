@@ -21,7 +21,6 @@ from telemetry.memory_timeline import (
     phase_peaks,
     read_timeline_csv,
     released_bytes,
-    window_peak,
 )
 from telemetry.tracking import RunWriter
 from tests.wandb_records import find_run_file, history_rows, summary_items
@@ -238,10 +237,8 @@ def test_drift_is_the_growth_of_a_phase_peak_over_the_steady_steps():
     assert phase_drift(rows[: 4 * 3]) == {}  # fewer than 3 steady steps: no verdict
 
 
-def test_peaks_and_window():
+def test_phase_peaks_take_the_max_over_ranks():
     rows = [dict(phase=p, device_peak=i, rank=0) for i, p in enumerate(PHASES)]
-    assert window_peak(rows, "wake_weights", "wake_kv_cache") == PHASES.index("wake_kv_cache")
-    assert window_peak(rows, "rollout", "engine_sleep") == 1
     assert phase_peaks(rows + [dict(phase="train", device_peak=10**9, rank=1)])["train"] == 10**9
 
 
