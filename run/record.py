@@ -4,6 +4,7 @@ raise, and at the run's end summary.json and its closing lines (:func:`telemetry
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import TYPE_CHECKING
 
 from tqdm import tqdm
@@ -26,6 +27,10 @@ class RunRecord:
         self.rewards = [m["reward/mean"] for m in ctx.writer.previous_metrics] if ctx.writer is not None else []
         self.syncs: list[SyncResult] = []
         self.logprob_gaps: list[float] = []
+        # tqdm's default lock holds a named semaphore (for bars shared with child processes; a rank's never is)
+        # that a rank ended by os._exit (a storage or numeric fault) or by the launcher's SIGKILL cannot release:
+        # the launcher's resource tracker would then print its leak warnings after the run's last line
+        tqdm.set_lock(threading.RLock())
         self.progress = tqdm(
             total=cfg.trainer.steps, initial=ctx.start_step, desc=cfg.exp, disable=ctx.rank != 0, dynamic_ncols=True
         )

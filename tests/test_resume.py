@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -167,6 +168,15 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_run(tmp_path, reference
     assert per_run[-1] and per_run[-1][-1] == STEPS - 1, per_run  # the last attempt ended normally
 
 
+def assert_ends_with_the_runs_own_lines(out: str, fault: str) -> None:
+    """The last lines a user reads are the project's: the rank's fault line, then the launcher's stopping the other
+    ranks; no resource_tracker warning about a semaphore or shared memory a rank ended by os._exit or SIGKILL held."""
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert "resource_tracker" not in out, lines[-6:]
+    stopping = re.fullmatch(r"rank \d+ exited with code 1; stopping ranks \[.*\]", lines[-1])
+    assert lines[-2] == fault and stopping, lines[-6:]
+
+
 def test_a_full_disk_stops_the_run_in_one_line_and_the_resume_equals_the_uninterrupted_run(tmp_path, reference_dir):
     """The run directory on a 12 MiB tmpfs (a checkpoint of these settings is ~8 MiB, keep_last=2): the disk
     fills while a checkpoint is written. The run stops with one line naming the path and the kept checkpoint;
@@ -183,6 +193,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_the_resume_equals_the_uninter
         kept = complete_checkpoints(run_dir / "checkpoints")
         assert len(faults) == 1 and "no space left on device" in faults[0], out[-4000:]
         assert kept and f"the last complete checkpoint {kept[-1]} is kept" in faults[0], faults
+        assert_ends_with_the_runs_own_lines(out, faults[0])
         assert logged_steps(run_dir) and logged_steps(run_dir)[-1] < STEPS - 1  # it stopped early
         subprocess.run(["mount", "-o", "remount,size=300m", str(mount)], check=True)  # space returns
         out, _ = (proc := start(run_dir)).communicate(timeout=900)
@@ -211,6 +222,7 @@ def test_a_learning_rate_typo_stops_at_the_first_nan_in_one_line_keeping_the_las
     assert lines[0].startswith("numeric error: step 1, phase train: grad_norm=nan is not finite; stopped before the optimizer"), lines
     assert f"the last complete checkpoint {kept[-1]} is kept" in lines[0], lines
     assert "Traceback" not in out, out[-4000:]
+    assert_ends_with_the_runs_own_lines(proc.stderr, lines[0])
     assert logged_steps(run_dir) == [0]
 
 
