@@ -35,8 +35,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout
+
+from megatron_backend.parallel import rng_tracker_states, set_rng_tracker_states
 
 if TYPE_CHECKING:
     from megatron_backend.actor import Actor
@@ -154,9 +158,6 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
 
 def capture_rank_state(task) -> dict[str, Any]:
     """Every RNG this rank draws from, and the task's data cursor (a deep copy, cheap: a few KiB)."""
-    import numpy as np
-
-    from megatron_backend.parallel import rng_tracker_states
 
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
@@ -171,9 +172,6 @@ def capture_rank_state(task) -> dict[str, Any]:
 
 
 def restore_rank_state(state: dict[str, Any], task) -> None:
-    import numpy as np
-
-    from megatron_backend.parallel import set_rng_tracker_states
 
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
@@ -221,7 +219,6 @@ def collective_timeout(timeout_s: float, restore_s: float) -> Iterator[None]:
     collectives begun inside the block keep the long timeout. Chosen over moving the work out of the window
     (the next collective would then wait on it instead) and over a gloo side group (megatron's checkpoint
     collectives run on the default group, which only this reaches)."""
-    from torch.distributed.distributed_c10d import _set_pg_timeout
 
     if not dist.is_initialized():
         yield

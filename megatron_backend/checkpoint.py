@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
 
 from megatron_backend.layout import (
     ModelShape,
@@ -28,7 +29,6 @@ from modelspec.family import hf_tensor_shapes
 
 def safetensors_index(hf_dir: str | Path) -> dict[str, Path]:
     """HF tensor name -> the safetensors file holding it (sharded or single-file checkpoints)."""
-    from safetensors import safe_open
 
     hf_dir = Path(hf_dir)
     index = hf_dir / "model.safetensors.index.json"
@@ -51,7 +51,6 @@ def verify_hf_checkpoint(hf_dir: str | Path, shape: ModelShape) -> None:
     shape (headers only), and every value of those tensors finite (read file by file, a bounded block of
     rows at a time: a disk read of the model, seconds for the experiments here). Raises ValueError naming
     the file and the tensor."""
-    from safetensors import SafetensorError, safe_open
 
     hf_dir = Path(hf_dir)
     index_file = hf_dir / "model.safetensors.index.json"
@@ -142,7 +141,6 @@ def check_params_match_layout(chunks, shape: ModelShape, layout: RankLayout) -> 
 @torch.no_grad()
 def load_hf_into_chunks(chunks, hf_dir: str | Path, shape: ModelShape, layout: RankLayout) -> int:
     """Fill this rank's chunks from the HF checkpoint; returns the number of bytes read from disk."""
-    from safetensors import safe_open
 
     check_params_match_layout(chunks, shape, layout)
     params = chunk_params(chunks)

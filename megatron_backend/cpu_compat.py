@@ -199,6 +199,7 @@ def _set_cpu_rng_state(new_state, device=-1, graph_safe=False):
 
 
 def _patch_tied_embedding_setup() -> None:
+    # first use: at the top megatron-core (~4 s) would load with `import checkpointing.checkpoint, megatron_backend.model ...`, which do not need it
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
     original = LanguageModule.setup_embeddings_and_output_layer
@@ -262,6 +263,7 @@ def _param_grads(parameters, *args, **kwargs):
 
 
 def _patch_optimizer_type_checks() -> None:
+    # first use: at the top megatron-core (~4 s) would load with `import checkpointing.checkpoint, megatron_backend.model ...`, which do not need it
     from megatron.core.optimizer import clip_grads, distrib_optimizer
     from megatron.core.optimizer import optimizer as optimizer_module
 

@@ -28,9 +28,12 @@ a plain ``queue.Queue`` instead, which is all the synchronous path needs (``put`
 
 from __future__ import annotations
 
+import queue
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 # megatron-core's distributed-optimizer format that reshards across TP, PP and DP (see the module doc)
 MEGATRON_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_sharded_model_space"}
@@ -56,7 +59,6 @@ _FULLY_RESHARDABLE = {"distrib_optim_fully_reshardable_mem_efficient": True}
 def _canonical(t, fp32_model_keys: set):
     """A megatron optimizer-state ShardedTensor under its model-space key, or None when not saved (fp32
     params are their own main params: their ``fp32_param`` is the model weight, saved under "model")."""
-    from dataclasses import replace
 
     key = t.key.replace(_STATE_PREFIX + "param.", _FP32_PARAM, 1)  # the DistributedOptimizer's name for it
     if key.startswith(_FP32_PARAM) and key[len(_FP32_PARAM) :] in fp32_model_keys:
@@ -79,6 +81,7 @@ def _optimizer_tensors(actor, model_sd: dict, is_loading: bool) -> tuple[list, l
     """The optimizer state in model space (module doc) as ShardedTensors (the layers of a stage share a key and
     differ in offset), and per tensor where a loaded value goes: (None, target) copies into the optimizer's
     own tensor; (DistributedOptimizer, (param index, state key)) is sliced to this DP rank by megatron."""
+    # first use: at the top megatron-core (~4 s) would load with `import run.main, run.preflight`, which do not need it
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
     from megatron.core.optimizer import DistributedOptimizer
@@ -193,8 +196,8 @@ def sharded_state_dict(actor, is_loading: bool) -> tuple[dict, list]:
 
 def _in_process_results_queue() -> None:
     """See the module doc: the synchronous writer's results stay in this process (no Manager server)."""
-    import queue
 
+    # first use: at the top megatron-core (~4 s) would load with `import run.main, run.preflight`, which do not need it
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
@@ -203,6 +206,7 @@ def _in_process_results_queue() -> None:
 
 def save(actor, directory: str | Path) -> None:
     """Write this rank's shards of params and optimizer into ``directory`` (collective: every rank calls it)."""
+    # first use: at the top megatron-core (~4 s) would load with `import run.main, run.preflight`, which do not need it
     from megatron.core import dist_checkpointing
 
     _in_process_results_queue()
@@ -213,6 +217,7 @@ def save(actor, directory: str | Path) -> None:
 def save_params(chunks, directory: str | Path) -> None:
     """Write this rank's shards of the params alone into the existing ``directory`` (collective; the HF export's
     source, :func:`megatron_backend.hf_export.save_live`)."""
+    # first use: at the top megatron-core (~4 s) would load with `import run.main, run.preflight`, which do not need it
     from megatron.core import dist_checkpointing
 
     _in_process_results_queue()
@@ -224,7 +229,6 @@ def saved_param_dtype(directory: str | Path) -> str | None:
     ``torch_dist`` metadata alone (no megatron, no tensor read); None: no model tensor in it. A run resumed in
     another ``model.dtype`` would otherwise fail inside megatron's load on the 16-bit optimizer's fp32 main
     params (``optimizer.state.fp32_param.*``), which a float32 checkpoint does not have."""
-    from torch.distributed.checkpoint import FileSystemReader
 
     for key, item in FileSystemReader(str(directory)).read_metadata().state_dict_metadata.items():
         properties = getattr(item, "properties", None)  # TensorStorageMetadata; bytes (extra state) have none
@@ -237,6 +241,7 @@ def saved_param_dtype(directory: str | Path) -> str | None:
 def load(actor, directory: str | Path) -> None:
     """Fill params (and optimizer state, when the actor has an optimizer) from ``directory``, resharding to this
     actor's layout (collective)."""
+    # first use: at the top megatron-core (~4 s) would load with `import run.main, run.preflight`, which do not need it
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 

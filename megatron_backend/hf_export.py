@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import struct
 import warnings
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed._shard._utils import narrow_tensor_by_index  # what DefaultLoadPlanner uses
 from torch.distributed.checkpoint import FileSystemReader, load
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -41,6 +43,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megatron_backend.checkpoint import safetensors_index
+from megatron_backend.dist_checkpoint import save_params
 from megatron_backend.layout import RankLayout, SlicePiece, rank_pieces
 from modelspec import ModelShape
 from modelspec.family import hf_tensor_shapes
@@ -278,7 +282,6 @@ GENERATION_CONFIG = "generation_config.json"
 
 def source_tensor_names(source_dir: str | Path) -> set[str]:
     """The tensor names of the source HF checkpoint (safetensors headers only)."""
-    from megatron_backend.checkpoint import safetensors_index
 
     return set(safetensors_index(source_dir))
 
@@ -314,7 +317,6 @@ def write_hf_dir(
     to copy there} (the run's config). ``write(tmp)``: writes every safetensors file of ``plan`` into ``tmp``
     instead of this process's share (``make export NPROC=<n>``: a pool of processes).
     """
-    import shutil
 
     source_dir, out_dir = Path(source_dir), Path(out_dir)
     tmp = out_dir.with_name(f".tmp-{out_dir.name}")
@@ -362,11 +364,6 @@ def save_live(
     of the actor calls it): each rank saves its param shards as a params-only distributed checkpoint beside
     ``out_dir`` (DP replicas write once), then each writes its share of the HF files from it; no rank
     gathers the model. The params must be resident."""
-    import shutil
-
-    import torch.distributed as dist
-
-    from megatron_backend.dist_checkpoint import save_params
 
     out_dir = Path(out_dir)
     params_dir = out_dir.with_name(f".params-{out_dir.name}")

@@ -39,6 +39,7 @@ def te_available() -> bool:
     if not torch.cuda.is_available():
         return False
     try:
+        # optional: Transformer Engine is imported where it is used, not every install has it
         import transformer_engine  # noqa: F401
     except ImportError:
         return False
@@ -118,6 +119,7 @@ def renormalised_top1(_router, _args, output: tuple[torch.Tensor, torch.Tensor])
 
 
 def renormalise_top1_routers(chunks) -> None:
+    # first use: keeps megatron-core (~4 s) out of `import megatron_backend.model` (tools/parity.py's input check reads rope_scaling_kwargs)
     from megatron.core.transformer.moe.router import TopKRouter
 
     for chunk in chunks:
@@ -132,6 +134,7 @@ ROUTER_LOSSES = {"load_balancing_loss": "moe_aux_loss_coef", "z_loss": "moe_z_lo
 
 def clear_router_losses() -> None:
     """Empty megatron's router-loss tracker (before a pass whose losses :func:`router_losses` reads)."""
+    # first use: keeps megatron-core (~4 s) out of `import megatron_backend.model` (tools/parity.py's input check reads rope_scaling_kwargs)
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
     clear_aux_losses_tracker()
@@ -143,6 +146,7 @@ def router_losses(dims: ParallelDims, names: list[str], num_moe_layers: int, num
     layers, micro-batches and DP ranks. Collective over the PP, DP and TP groups: every rank calls it."""
     if not names or not num_moe_layers:
         return {}
+    # first use: keeps megatron-core (~4 s) out of `import megatron_backend.model` (tools/parity.py's input check reads rope_scaling_kwargs)
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     tracker = get_moe_layer_wise_logging_tracker()
@@ -178,6 +182,7 @@ class RoutedCopies:
     on each ``MoELayer`` (its input [S, b, h]) and on its ``experts`` (their input [copies, h])."""
 
     def __init__(self, chunks, top_k: int, gathered: int = 1) -> None:
+        # first use: keeps megatron-core (~4 s) out of `import megatron_backend.model` (tools/parity.py's input check reads rope_scaling_kwargs)
         from megatron.core.transformer.moe.moe_layer import MoELayer
 
         self.balanced_per_token = top_k * gathered
@@ -226,6 +231,7 @@ def transformer_config(
     megatron's (``ActorConfig.sequence_parallel_for``); the model's input length must then divide by TP
     (``megatron_backend.packing`` pads it).
     """
+    # first use: keeps megatron-core (~4 s) out of `import megatron_backend.model` (tools/parity.py's input check reads rope_scaling_kwargs)
     from megatron.core.transformer import TransformerConfig
 
     params_dtype = torch_dtype(dtype)
@@ -277,6 +283,7 @@ def transformer_config(
 
 
 def _varlen_attention_class():
+    # first use: keeps megatron-core (~4 s) out of `import megatron_backend.model` (tools/parity.py's input check reads rope_scaling_kwargs)
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class VarlenDotProductAttention(DotProductAttention):
@@ -334,6 +341,7 @@ def layer_spec(config, vp_stage: int | None = None):
 
     An MoE config gets megatron's decoder block spec (this stage's layers, dense or MoE per
     ``moe_layer_freq``) instead of one layer spec."""
+    # first use: keeps megatron-core (~4 s) out of `import megatron_backend.model` (tools/parity.py's input check reads rope_scaling_kwargs)
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
@@ -368,6 +376,7 @@ def build_gpt_chunks(
 ):
     """One GPTModel per virtual pipeline stage held by this rank (a list of length vpp or 1).
     ``moe``: :func:`moe_kwargs` for an MoE shape; ``sequence_parallel``: see :func:`transformer_config`."""
+    # first use: keeps megatron-core (~4 s) out of `import megatron_backend.model` (tools/parity.py's input check reads rope_scaling_kwargs)
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
 

@@ -149,6 +149,7 @@ def _even_split(num_seqs: int, count: int) -> list[list[int]]:
 
 
 def _packed_seq_params(lengths: torch.Tensor, device: torch.device):
+    # first use: at the top megatron-core (~4 s) would load with `import rl.batching, rl.evaluation ...`, which do not need it
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int32)

@@ -85,6 +85,7 @@ def initialize_model_parallel(
 ) -> ParallelDims:
     """Set up megatron-core's TP/PP/DP groups (order tp-dp-pp as in megatron), its expert groups
     (etp x ep x expert-dp x pp; ``etp`` None follows ``tp``) and the RNG tracker."""
+    # first use: at the top megatron-core (~4 s) would load with `import checkpointing.checkpoint, megatron_backend.model ...`, which do not need it
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
@@ -132,18 +133,21 @@ def initialize_model_parallel(
 
 def rng_tracker_states() -> dict[str, torch.Tensor]:
     """Megatron's model-parallel RNG tracker states (name -> generator state), for checkpoints."""
+    # first use: at the top megatron-core (~4 s) would load with `import checkpointing.checkpoint, megatron_backend.model ...`, which do not need it
     from megatron.core import tensor_parallel
 
     return {name: state.clone() for name, state in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
 
 
 def set_rng_tracker_states(states: dict[str, torch.Tensor]) -> None:
+    # first use: at the top megatron-core (~4 s) would load with `import checkpointing.checkpoint, megatron_backend.model ...`, which do not need it
     from megatron.core import tensor_parallel
 
     tensor_parallel.get_cuda_rng_tracker().set_states({name: state.clone() for name, state in states.items()})
 
 
 def destroy() -> None:
+    # first use: at the top megatron-core (~4 s) would load with `import checkpointing.checkpoint, megatron_backend.model ...`, which do not need it
     from megatron.core import parallel_state as mpu
 
     if mpu.model_parallel_is_initialized():

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import torch
+
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 def torch_dtype(name: str):
     """'bfloat16' -> torch.bfloat16 (ValueError naming the choices otherwise)."""
-    import torch
 
     if name not in DTYPE_NAMES:
         raise ValueError(f"dtype {name!r} is not one of {DTYPE_NAMES}")

@@ -75,6 +75,7 @@ def _as_transformers_reads_it(config: dict, source: str) -> dict:
     """config.json through transformers' own config class (what ``AutoConfig.from_pretrained`` does with the
     file): its class defaults (``tie_word_embeddings``, sizes) and its RoPE normalization (a v4 ``rope_scaling``
     added to a v5 ``rope_parameters`` replaces it) apply, so this project and transformers read one model."""
+    # first use: at the top transformers would load with `import checkpointing.checkpoint, configs ...`, which do not need it
     from transformers import CONFIG_MAPPING
 
     model_type = _supported_model_type(config, source)
@@ -171,6 +172,7 @@ class ModelShape:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelShape:
         """From a HF checkpoint directory (its config.json), ``tiny:<family>`` or ``arch:<name>`` (no files needed)."""
+        # import cycle: modelspec.tiny imports this module at its top
         from modelspec.tiny import TINY_PREFIX, tiny_hf_config
 
         text = str(path)

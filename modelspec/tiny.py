@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import filecmp
+import json
 import os
 import shutil
 import string
@@ -29,8 +30,12 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file, save_file
+
 from modelspec.families import FAMILIES
 from modelspec.family import TINY_COMMON
+from modelspec.shape import ARCHITECTURES_DIR
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TINY_DIR = Path(os.environ.get("RLMEM_TINY_DIR", REPO_ROOT / "tiny_models"))
@@ -54,6 +59,7 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
 def tiny_hf_config(family: str, **overrides):
     """The transformers config of one tiny family (no files needed); ``overrides`` change its sizes (tests
     that need a bigger model, e.g. to measure memory well above noise)."""
+    # first use: at the top transformers would load with `import run.compose, run.config ...`, which do not need it
     import transformers
 
     if family not in TINY_FAMILIES:
@@ -64,6 +70,7 @@ def tiny_hf_config(family: str, **overrides):
 
 def build_tokenizer():
     """A character-level fast tokenizer: every printable ASCII char is one token."""
+    # first use: at the top tokenizers would load with `import run.compose, run.config ...`, which do not need it
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -83,7 +90,6 @@ def build_tokenizer():
 
 def randomize_norms_and_biases(model, seed: int) -> None:
     """Norm weights -> U(0.5, 1.5), biases -> N(0, 0.1^2), from their own generator (deterministic)."""
-    import torch
 
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -113,13 +119,10 @@ def write_random_model(
     changing its sizes) with random weights and the tiny models' character tokenizer, built on ``device`` (a
     1.5B model is drawn on a GPU in seconds; no download). Norms and biases are random as in every tiny model;
     the tokenizer's ids (< 99) lie inside any vocabulary, and the config names its special tokens."""
-    import json
 
-    import torch
+    # first use: at the top transformers would load with `import run.compose, run.config ...`, which do not need it
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
-
-    from modelspec.shape import ARCHITECTURES_DIR
 
     published = json.loads((ARCHITECTURES_DIR / f"{architecture}.json").read_text())
     specials = {name: SPECIAL_TOKENS.index(tok) for name, tok in (("bos_token_id", "<s>"), ("eos_token_id", "</s>"))}
@@ -155,7 +158,7 @@ def resolve_model_path(path: str, tiny_dir: str | os.PathLike = DEFAULT_TINY_DIR
 
 
 def _save_tiny_model(family: str, out_dir: Path, seed: int, **overrides) -> None:
-    import torch
+    # first use: at the top transformers would load with `import run.compose, run.config ...`, which do not need it
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -175,8 +178,6 @@ def sharpen_routers(out_dir: Path, router_name: str, seed: int) -> None:
     """Redraw every ``<router_name>.weight`` [E, h] of the saved checkpoint as N(0, ROUTER_STD^2) (module doc).
     On the saved file, by the checkpoint's names: transformers renames some MoE blocks in memory (Mixtral's
     ``block_sparse_moe`` is ``mlp`` there)."""
-    import torch
-    from safetensors.torch import load_file, save_file
 
     path = Path(out_dir) / "model.safetensors"
     tensors = load_file(path)
@@ -241,7 +242,6 @@ def _same_files(a: Path, b: Path) -> bool:
 def _is_current(family: str, out_dir: Path) -> bool:
     """``out_dir`` holds this family's checkpoint with today's sizes (one written by an older version of this
     file, e.g. with head_dim 16, is rebuilt rather than silently reused)."""
-    import json
 
     if family not in TINY_FAMILIES:
         raise ValueError(f"unknown tiny model family {family!r}; choose one of {sorted(TINY_FAMILIES)}")

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import psutil
+
 DEVICE_KINDS = ("cuda", "cpu")
 GIB = 2**30
 MIB = 2**20
@@ -127,7 +129,6 @@ def device_preset(name: str, ranks_per_node: int = 1, host_memory_bytes: int | N
     if canonical == "cpu":
         if ranks_per_node < 1:
             raise ValueError(f"ranks_per_node={ranks_per_node} must be >= 1")
-        import psutil  # the machine's memory; only the cpu preset needs it
 
         total = psutil.virtual_memory().total
         return DeviceSpec(

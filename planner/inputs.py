@@ -428,6 +428,7 @@ class PlanInputs:
     @property
     def communicators(self) -> tuple:
         """The communicators this rank's step uses, with their counted buffers (planner/comms.py)."""
+        # import cycle: planner.comms imports this module at its top
         from planner.comms import communicators
 
         if not self.on_cuda:
@@ -438,6 +439,7 @@ class PlanInputs:
     @property
     def num_communicators(self) -> int:
         """NCCL communicators this rank's step uses (planner/comms.py; vLLM's all-reduce buffers are not ones)."""
+        # import cycle: planner.comms imports this module at its top
         from planner.comms import NCCL_BUFFER_FREE
 
         return sum(c.name not in NCCL_BUFFER_FREE for c in self.communicators)

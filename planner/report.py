@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.comms import NCCL_PROTOCOL_BUFFER_BYTES
 from planner.host import host_plan
@@ -332,9 +332,6 @@ def recommend_optimizer_offload_fraction(inp, min_beyond_bytes: int = 0) -> floa
     """The smallest ``actor.optimizer_offload_fraction`` (in steps of 0.05) whose plan fits and keeps
     ``min_beyond_bytes`` of headroom beyond the uncertainty (megatron's distributed optimizer on CUDA); None: none
     does, or not CUDA."""
-    from dataclasses import replace
-
-    from planner.plan import make_plan
 
     if not inp.on_cuda:
         return None

@@ -110,6 +110,7 @@ def read_records(file: Path, fields: tuple[str, ...]) -> list[dict]:
                     raise ValueError(f"{where} line {number}: not valid JSON ({exc}); fix or drop that line") from None
                 lines.append(f"line {number}")
     elif file.suffix == ".parquet":
+        # first use: at the top pyarrow would load with `import rl.evaluation, rl.generation ...`, which do not need it
         import pyarrow.parquet as pq
 
         records = pq.read_table(file).to_pylist()

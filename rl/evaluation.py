@@ -21,6 +21,8 @@ import torch.distributed as dist
 
 from rl.batching import Sample, pack_sequences
 from rl.data import Gsm8kTask, Problem
+from rl.generation import generate_samples
+from rollout import SamplingParams
 
 
 @dataclass(kw_only=True)
@@ -94,7 +96,6 @@ def eval_problems(cfg) -> list[Problem]:
 
 def eval_sampling(cfg, replica: int):
     """The eval's SamplingParams (``cfg``: a RunConfig): its own temperature / top_p / n, the rollout's stops."""
-    from rollout import SamplingParams
 
     ev = cfg.eval
     return SamplingParams.from_config(
@@ -130,7 +131,6 @@ def eval_metrics(samples: list[Sample], num_problems: int, n_samples: int) -> di
 def evaluate(engine, tokenizer, task, problems: list[Problem], cfg, mesh, rank: int) -> dict[str, float]:
     """Every eval problem through the (awake) engine, spread over its replicas, scored by ``task``'s reward:
     :func:`eval_metrics` on every rank (collective)."""
-    from rl.generation import generate_samples
 
     params = eval_sampling(cfg, mesh.replica(rank))
     samples = generate_samples(engine, tokenizer, task, problems, params, mesh, rank)

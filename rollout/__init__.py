@@ -32,9 +32,11 @@ def make_engine(
     ``shape`` and EngineArgs fields.
     """
     if cfg.engine == "native":
+        # import cycle: rollout.native imports this package (rollout) while it loads
         from rollout.native import NativeEngine
 
         return NativeEngine(cfg, model_path, group=group, **kwargs)
+    # import cycle: rollout.vllm_engine imports this package (rollout) while it loads
     from rollout.vllm_engine import VllmEngine
 
     return VllmEngine(cfg, model_path, mesh=mesh, rank=rank, **kwargs)

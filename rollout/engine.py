@@ -6,6 +6,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from configs.rollout import RolloutConfig
@@ -16,7 +17,6 @@ SEED_BITS = 62  # vLLM gives sample i of a request seed + i: stay well inside in
 def derive_seed(*parts: int) -> int:
     """A well-mixed seed from integers, e.g. ``derive_seed(trainer_seed, step, replica)`` for one generate
     call: different for every step and replica, equal on every rank of one replica (same inputs)."""
-    import numpy as np
 
     words = np.random.SeedSequence([int(p) & (2**64 - 1) for p in parts]).generate_state(2, np.uint32)
     return ((int(words[0]) << 32) | int(words[1])) >> (64 - SEED_BITS)

@@ -40,6 +40,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from modelspec import ColocatedMesh, ModelShape
 from modelspec.family import dims_size, full_sizes, layer_parts
 from modelspec.mesh import check_rollout_split
@@ -259,7 +261,6 @@ def local_view(local, spec: SliceSpec):
 
 def assemble_local(layout: ParamLayout, hf_tensors: dict, dtype=None):
     """Build one local vLLM tensor from full HF tensors (reference implementation for tests / planners)."""
-    import torch
 
     first = hf_tensors[layout.slices[0].hf_name] if layout.slices else None
     out = torch.zeros(layout.local_shape, dtype=dtype or (first.dtype if first is not None else torch.float32))

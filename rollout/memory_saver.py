@@ -31,6 +31,7 @@ BACKENDS = ("auto", "portable", "torch_memory_saver")
 
 def torch_memory_saver_available() -> bool:
     try:
+        # optional: torch_memory_saver is imported where it is used, not every install has it
         import torch_memory_saver  # noqa: F401
     except ImportError:
         return False
@@ -52,6 +53,7 @@ class MemorySaver:
                     "rollout.memory_saver=torch_memory_saver needs CUDA and the package: "
                     "`make install EXTRAS=dev,gpu`, or use rollout.memory_saver=portable"
                 )
+            # optional: torch_memory_saver is imported where it is used, not every install has it
             import torch_memory_saver
 
             tms = torch_memory_saver.torch_memory_saver

@@ -70,6 +70,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from colocation.host_memory import release_freed_host_memory
 from configs.rollout import RolloutConfig, routed_experts_unsupported
@@ -88,6 +89,7 @@ INSTALL_HINT = (
 def check_vllm_available() -> None:
     """Raise one line saying how to install vLLM when it is not importable."""
     try:
+        # optional: vLLM is imported where it is used, not every install has it
         import vllm  # noqa: F401
     except ImportError:
         raise RuntimeError(INSTALL_HINT) from None
@@ -196,7 +198,6 @@ def _ensure_launcher_env(mesh: ColocatedMesh, rank: int) -> None:
     """external_launcher reads RANK / LOCAL_RANK from the environment (and, when it has to initialise
     torch.distributed itself, env:// addresses): check them against the mesh, and fill them in for a
     single-process caller (a script, a benchmark) that never set them."""
-    import torch.distributed as dist
 
     if dist.is_initialized():
         if dist.get_world_size() != mesh.world_size or dist.get_rank() != rank:
@@ -254,6 +255,7 @@ def routed_experts_of(out, prompt_len: int, moe_layers: tuple[int, ...]) -> torc
 
 
 def to_vllm_sampling_params(params: SamplingParams, seed: int):
+    # optional: vLLM is imported where it is used, not every install has it
     from vllm import SamplingParams as VllmSamplingParams
 
     return VllmSamplingParams(
@@ -349,6 +351,7 @@ class _CpuPlatform:
 
     def open_weights(self) -> None:
         """Give every repacked layer its unprocessed parameters back (vLLM's reload metadata), zeroed."""
+        # optional: vLLM is imported where it is used, not every install has it
         from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
         from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
@@ -380,6 +383,7 @@ class _CpuPlatform:
 
     def close_weights(self) -> None:
         """vLLM's own post-load processing over the whole model: every layer repacked from what was written."""
+        # optional: vLLM is imported where it is used, not every install has it
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
         for module in self.processed:
@@ -391,6 +395,7 @@ class _CpuPlatform:
     def packed_bytes(self) -> int:
         """Bytes of the packed weight copies the kernels hold: the tensor itself where the closure keeps one
         (sgl), else the unprocessed weight's size (a oneDNN handle packs the same elements)."""
+        # optional: vLLM is imported where it is used, not every install has it
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
         total = 0
@@ -437,6 +442,7 @@ class VllmEngine:
         **overrides: Any,
     ) -> None:
         check_vllm_available()
+        # optional: vLLM is imported where it is used, not every install has it
         from vllm import LLM
         from vllm.distributed import get_tensor_model_parallel_rank
         from vllm.platforms import current_platform
@@ -570,6 +576,7 @@ class VllmEngine:
     def finish_weight_update(self) -> None:
         if not self.updating:
             raise RuntimeError("finish_weight_update() without begin_weight_update()")
+        # optional: vLLM is imported where it is used, not every install has it
         from vllm.config import set_current_vllm_config
 
         with set_current_vllm_config(self.worker.vllm_config):
@@ -584,6 +591,7 @@ class VllmEngine:
         repacked layers restart from zeros, so pass every tensor of each layer (the full checkpoint)."""
         if "weights" in self.asleep:
             raise RuntimeError("weights are asleep: wake_up(['weights']) before load_weights")
+        # optional: vLLM is imported where it is used, not every install has it
         from vllm.config import set_current_vllm_config
 
         own_window = not self.updating

@@ -15,6 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from configs.actor import ActorConfig, OffloadConfig
 from configs.rollout import RolloutConfig
@@ -70,10 +74,8 @@ def _one_line(exc: BaseException) -> str:
 
 def compose_dict(exp: str = "tiny_cpu", overrides: Sequence[str] = ()) -> Any:
     """Compose experiments/conf with ``exp=<exp>`` and overrides; returns the (unvalidated) DictConfig."""
+    # hydra's `compose` at the top would shadow this module's own
     from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
 
     if exp not in list_experiments():
         raise ConfigError(f"EXP={exp!r} is not an experiment; choose one of {list_experiments()}")
@@ -105,8 +107,6 @@ def _unknown_key_message(key: str) -> str:
 
 def compose(exp: str = "tiny_cpu", overrides: Sequence[str] = ()) -> RunConfig:
     """Experiment name + dotted overrides -> a validated :class:`RunConfig` (raises :class:`ConfigError`)."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
 
     cfg = compose_dict(exp, overrides)
     try:
@@ -120,8 +120,6 @@ def compose(exp: str = "tiny_cpu", overrides: Sequence[str] = ()) -> RunConfig:
 def compose_from_file(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RunConfig:
     """A run's saved config (``<run dir>/config.yaml``, every key as the run resolved it) + dotted overrides ->
     a validated :class:`RunConfig` (raises :class:`ConfigError` naming the file)."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
 
     register_configs()
     try:

@@ -22,7 +22,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from planner.devices import CUDA_PRESETS, DEVICE_NAMES
 
@@ -105,7 +109,6 @@ def interface_to(address: str) -> tuple[str, str]:
     The kernel's route decides: ``connect`` on a UDP socket sends nothing, it only picks the source
     address, whose interface ``psutil.net_if_addrs`` names. Raises OSError if the name does not resolve.
     """
-    import psutil
 
     ip = socket.gethostbyname(address)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
@@ -177,7 +180,6 @@ def run_launched(fn: Callable, cluster: ClusterConfig, *args: Any) -> Any:
     and an exception recorded (torch's ``record``) in the error file torchrun gives each rank, from which torchrun
     names the first rank to fail ("Root Cause (first observed failure)": rank, host, exit code, traceback) before
     it stops the others; a rank killed by a signal it names by that signal. Every backend gives this."""
-    from torch.distributed.elastic.multiprocessing.errors import record
 
     os.environ.update(rank_environ(cluster))
     result = record(fn)(*args)
@@ -193,7 +195,6 @@ def missing_devices(cluster: ClusterConfig, external: bool) -> str | None:
     """
     if cluster.device not in CUDA_PRESETS:
         return None
-    import torch
 
     if not torch.cuda.is_available():
         return "this machine has no CUDA device"
@@ -264,7 +265,6 @@ def end_process_groups() -> None:
     wait in a collective). Without it gloo's worker threads outlive the interpreter, and a rank that finished every
     step can die at exit with "terminate called without an active exception" (SIGABRT: pytorch/pytorch#190489;
     seen once in CI's slow suite on 2026-11-26, tests/test_memory_cpu.py, rank 1 after its last step)."""
-    import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -19,8 +19,14 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import torch.distributed as dist
+import yaml
+
 from checkpointing.checkpoint import checkpoint_from_path
+from megatron_backend.parallel import init_distributed
 from modelspec.tiny import resolve_model_path
+from planner import make_plan
+from planner.report import format_table
 from run.compose import ConfigError, compose, resolve_path
 from run.config import RunConfig
 from run.launch import (
@@ -34,13 +40,12 @@ from run.launch import (
     run_launched,
     spawn_local,
 )
-from run.memory_plan import LaunchPlan, plan_launch
+from run.memory_plan import LaunchPlan, data_prompt_length, plan_inputs, plan_launch
 from run.preflight import find_unfinished_run, hold_run_dir, nothing_left, preflight, resume_point
 
 
 def prepare(cfg: RunConfig, run_dir: str | Path | None) -> Path:
     """Materialize tiny checkpoints, pick and create the run directory, save the composed config."""
-    import yaml
 
     cfg.model.path = resolve_model_path(resolve_path(cfg.model.path))
     if run_dir is None:
@@ -53,9 +58,6 @@ def prepare(cfg: RunConfig, run_dir: str | Path | None) -> Path:
 
 def needs_devices(cfg: RunConfig, overrides: list[str], problem: str) -> int:
     """No devices for this experiment here: print its memory plan, then one line saying what it needs; exit 2."""
-    from planner import make_plan
-    from planner.report import format_table
-    from run.memory_plan import data_prompt_length, plan_inputs
 
     try:
         print(
@@ -113,9 +115,8 @@ def check_launch(cfg: RunConfig, run_dir: str | None) -> LaunchPlan:
 def run_launched_rank(cfg: RunConfig, run_dir: str, launch: LaunchPlan) -> int:
     """One rank under torchrun / srun: gloo on the interface that reaches the master (several nodes), every
     rank's host and address known to all, so that a rank whose peer dies names it before it fails."""
-    import torch.distributed as dist
 
-    from megatron_backend.parallel import init_distributed
+    # the launcher checks the input before any rank starts; the rank's loop brings megatron-core (~4 s), transformers
     from run.loop import run_rank
 
     forked_children_die_with_this_process()  # torchrun / srun stop the ranks; their forked writers too
@@ -168,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_launched(run_launched_rank, cfg.cluster, cfg, str(run_dir), launch)
     resuming = f"; resuming after step {state.completed_steps}" if state is not None else ""
     print(f"run directory: {run_dir}{resuming}", flush=True)
+    # the launcher checks the input before any rank starts; the rank's loop brings megatron-core (~4 s), transformers
     from run.loop import run_rank
 
     return spawn_local(run_rank, cfg.cluster.world_size, (cfg, str(run_dir), launch), rank_environ(cfg.cluster))

@@ -9,12 +9,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 from modelspec.family import HF_LAYER, hf_tensor_shapes
-from planner import Plan, PlanInputs, device_preset
+from modelspec.tiny import TINY_PREFIX, build_tokenizer
+from planner import Plan, PlanInputs, device_preset, make_plan
 from planner.devices import MIB
+from planner.inputs import ReferenceSample
+from planner.report import verdict
 from planner.sizes import capacity_routed_copies_ratio
+from rl.data import DataConfig, longest_prompt_tokens
+from rl.evaluation import eval_problems
+from run.compose import resolve_path
+from weight_sync.layouts import actor_sources, engine_destinations
+from weight_sync.transfers import plan_sync
 
 # Prompts are data, not config: without rollout.max_model_len (which bounds prompt + response) plan for this
 # many prompt tokens (at most the checkpoint's max_position_embeddings - max_new_tokens).
@@ -88,9 +97,6 @@ def plan_inputs(
 
 def _data_file_bytes(path: str | None) -> int:
     """The task's data file's bytes (each rank reads all its records; 0 for a generated task or no file here)."""
-    import os
-
-    from run.compose import resolve_path
 
     if not path or not os.path.isfile(resolve_path(path)):
         return 0
@@ -117,8 +123,6 @@ def data_prompt_length(cfg) -> PromptLength:
 
 @functools.lru_cache(maxsize=8)
 def _data_prompt_length(model_path: str, task: str, data_path: str | None, max_operand: int, seed: int) -> PromptLength:
-    from rl.data import DataConfig, longest_prompt_tokens
-    from run.compose import resolve_path
 
     path = resolve_path(model_path)
     try:
@@ -137,10 +141,10 @@ def _data_prompt_length(model_path: str, task: str, data_path: str | None, max_o
 def _tokenizer(path: str):
     """The tokenizer the run loads (run/setup.py: AutoTokenizer at model.path); a ``tiny:`` checkpoint's without
     building the checkpoint (modelspec.tiny saves ``build_tokenizer()`` beside every tiny model)."""
-    from modelspec.tiny import TINY_PREFIX, build_tokenizer
 
     if path.startswith(TINY_PREFIX):
         return build_tokenizer()
+    # first use: at the top transformers would load with `import run.main, run.preflight ...`, which do not need it
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -150,7 +154,6 @@ def eval_sequences(cfg) -> int:
     """The eval batch (every eval problem x eval.n_samples; 0 when the run does not evaluate). An eval file not
     on this machine (a cluster experiment planned on a laptop) counts as eval.max_problems problems, else as
     one step's prompts."""
-    from rl.evaluation import eval_problems
 
     if not cfg.eval.enabled:
         return 0
@@ -166,8 +169,6 @@ def sync_staged_bytes(shape, mesh, bucket_bytes: int, element_bytes: int) -> tup
     """Per actor pipeline stage, the most bytes one of its ranks stages in one bucket of the weight sync: the
     plan run/setup.py builds (``WeightSyncConfig.build``: both sides' layouts, no communication) and its
     packed part (``SyncPlan.max_staged_bytes``). The actor's norm naming (``te_norms``) changes no size."""
-    from weight_sync.layouts import actor_sources, engine_destinations
-    from weight_sync.transfers import plan_sync
 
     plan = plan_sync(actor_sources(shape, mesh), engine_destinations(shape, mesh), bucket_bytes, element_bytes)
     stage_of = [mesh.actor_coords(rank).pp_rank for rank in range(mesh.world_size)]
@@ -181,8 +182,6 @@ def sync_staged_bytes(shape, mesh, bucket_bytes: int, element_bytes: int) -> tup
 def sync_peers(shape, mesh, bucket_bytes: int, element_bytes: int) -> int:
     """The most other ranks one rank sends to or receives from in the weight sync (the same plan as
     :func:`sync_staged_bytes`): the point-to-point peers whose NCCL buffers planner/comms.py counts."""
-    from weight_sync.layouts import actor_sources, engine_destinations
-    from weight_sync.transfers import plan_sync
 
     plan = plan_sync(actor_sources(shape, mesh), engine_destinations(shape, mesh), bucket_bytes, element_bytes)
     peers: dict[int, set[int]] = {}
@@ -199,8 +198,6 @@ def reference_samples(shape, mesh) -> tuple:
     the pieces megatron_backend/checkpoint.py::gather_hf_tensors sends from each rank (its primary pieces of the
     sampled HF tensors, DP rank 0's, for the experts expert-DP rank 0's) for weight_sync/reference.py::sample_names
     (layer k, and with k = 0 the vocab tensors and the final norm). The norm naming changes no size."""
-    from planner.inputs import ReferenceSample
-    from weight_sync.layouts import actor_sources
 
     full_shapes = hf_tensor_shapes(shape)
 
@@ -321,14 +318,12 @@ def launch_prompt_tokens(cfg) -> int | None:
     tokens = data_prompt_length(cfg).tokens
     if tokens is None or not cfg.eval.enabled:
         return tokens
-    from rl.evaluation import eval_problems
 
     tokenizer = _tokenizer(_resolved(cfg.model.path))
     return max([tokens, *(len(tokenizer(p.prompt).input_ids) for p in eval_problems(cfg))])
 
 
 def _resolved(path: str) -> str:
-    from run.compose import resolve_path
 
     return resolve_path(path)
 
@@ -336,8 +331,6 @@ def _resolved(path: str) -> str:
 def plan_launch(cfg) -> LaunchPlan:
     """The launch's :class:`LaunchPlan` (``rollout.gpu_memory_utilization=auto`` resolved: ``choose_kv_cache``
     without a measurement). ValueError in one line when ``auto`` has no plan, or none that fits."""
-    from planner import make_plan
-    from planner.report import verdict
 
     auto = cfg.rollout.utilization is None
     try:
@@ -360,7 +353,6 @@ def plan_launch(cfg) -> LaunchPlan:
 def bounded_by_free_memory(cfg, launch: LaunchPlan, measured_free_bytes: int) -> LaunchPlan:
     """On a CUDA rank with ``auto``: ``launch`` with its KV cache bounded by the free memory measured after the actor
     is built and offloaded (the least over ranks); the same object when the bound leaves the plan's KV cache."""
-    from planner import make_plan
 
     choice = choose_kv_cache(cfg, launch.plan, measured_free_bytes)
     if choice.kv_cache_bytes == launch.kv_choice.kv_cache_bytes:
@@ -374,7 +366,6 @@ def with_launch_runtime(launch: LaunchPlan, runtime_bytes: int) -> LaunchPlan:
     (run/setup.py::launch_runtime_bytes, the most over ranks), so the wake checks and the calibration compare with
     this machine's level; the engine keeps the launch's KV cache (``kv_choice``), so every rank starts the same engine
     the launcher checked."""
-    from planner import make_plan
 
     if launch.plan is None:
         return launch

@@ -17,6 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import yaml
+from packaging.version import Version
 
 from checkpointing.checkpoint import (
     ACTOR_DIR,
@@ -26,6 +27,7 @@ from checkpointing.checkpoint import (
     complete_checkpoints,
     model_sizes,
 )
+from megatron_backend.checkpoint import verify_hf_checkpoint
 from megatron_backend.dist_checkpoint import saved_param_dtype
 from modelspec import ModelShape
 from rl.evaluation import eval_problems
@@ -81,7 +83,6 @@ def check_attention_backend(cfg: RunConfig) -> None:
         installed = importlib.metadata.version("transformer_engine")
     except importlib.metadata.PackageNotFoundError:
         return  # megatron's local spec (no TE) attends float32 THD itself
-    from packaging.version import Version
 
     if Version(installed).release[:2] < TE_FLOAT32_THD:
         raise ConfigError(
@@ -92,7 +93,6 @@ def check_attention_backend(cfg: RunConfig) -> None:
 
 
 def check_model_files(cfg: RunConfig, shape: ModelShape) -> None:
-    from megatron_backend.checkpoint import verify_hf_checkpoint
 
     try:
         verify_hf_checkpoint(cfg.model.path, shape)
@@ -101,6 +101,7 @@ def check_model_files(cfg: RunConfig, shape: ModelShape) -> None:
 
 
 def check_tokenizer(cfg: RunConfig, shape: ModelShape) -> None:
+    # first use: at the top transformers would load with `import run.main`, which does not need it
     from transformers import AutoTokenizer
 
     if not any((Path(cfg.model.path) / name).is_file() for name in TOKENIZER_FILES):

@@ -38,6 +38,7 @@ from rl.evaluation import eval_problems
 from rl.generation import sampling_seed
 from rl.losses import PolicyLoss, sft_loss
 from rollout import RolloutEngine, make_engine
+from rollout.native.decode_tp1 import first_use
 from run.config import ModelConfig, RunConfig, colocated_mesh
 from run.launch import ClusterConfig
 from run.memory_plan import KvCacheChoice, LaunchPlan, bounded_by_free_memory, plan_launch, with_launch_runtime
@@ -375,8 +376,6 @@ def launch_runtime_bytes(
         return None
     first_use_of_kernels(shape, torch_dtype(dtype), decode_sequences, rollout_tp)
     if native_decode_tp1:
-        from rollout.native.decode_tp1 import first_use  # the native engine's: a vLLM run never imports it
-
         first_use(
             shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate_size,
             decode_sequences,

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from colocation.phases import ACTOR_STATE, ENGINE_STATE, HOLDERS, REF_STATE, STATE, PhaseOrder, StepFlags
+from planner import check_fits
 from telemetry.memory_timeline import MemoryTimeline, measured_free_bytes
 
 if TYPE_CHECKING:
@@ -146,7 +147,6 @@ class SharedDevice:
         ``rollout.kv_cache_bytes`` that fits) instead of dying inside the engine."""
         if self.plan is None:
             return
-        from planner import check_fits
 
         check = check_fits(self.plan, measured_free_bytes(self.device, self.procs_per_node), phase)
         gathered: list = [None] * dist.get_world_size()

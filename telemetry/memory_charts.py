@@ -117,6 +117,7 @@ def _draw_stages(ax, rows: list[dict], rank: int, step: int, scale: float, unit:
 
 
 def _legend_handles(tags_seen: list[str]):
+    # optional: matplotlib is imported where it is used, not every install has it
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
@@ -141,9 +142,11 @@ def plot_stages(
     """The stage chart (module doc) to ``path``: one panel per rank of one run's ``rows``, or, given
     ``[(label, rows), ...]``, the panels of each run one under the other on the same y-scale, to compare
     runs. ``step``: default :func:`representative_step` of each run."""
+    # optional: matplotlib is imported where it is used, not every install has it
     import matplotlib
 
     matplotlib.use("Agg")
+    # optional: matplotlib is imported where it is used, not every install has it
     import matplotlib.pyplot as plt
 
     if runs and isinstance(runs[0], dict):
@@ -183,9 +186,11 @@ def plot_stages(
 
 def plot_timeline(rows: list[dict], path: str | Path, max_ranks: int = 4) -> Path:
     """The whole run per rank against steps (module doc): measured used and peak, each tag, phases shaded."""
+    # optional: matplotlib is imported where it is used, not every install has it
     import matplotlib
 
     matplotlib.use("Agg")
+    # optional: matplotlib is imported where it is used, not every install has it
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 

@@ -54,6 +54,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from colocation.host_memory import release_freed_host_memory
 from colocation.phases import (  # noqa: F401 (re-exported)
     ACTOR_STATE,
     ALL_PHASES,
@@ -190,7 +191,6 @@ class MemoryProbe:
         is the plan's runtime level for this run (``PlanInputs.launch_runtime_bytes``), so the model's Python
         objects, the tokenizer, W&B's threads and what the warm-up left in the heap are measured on this
         machine, not fitted elsewhere."""
-        from colocation.host_memory import release_freed_host_memory
 
         release_freed_host_memory()
         sample = self.read()

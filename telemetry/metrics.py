@@ -14,7 +14,9 @@ import torch.distributed as dist
 
 from modelspec import TokenBatch
 from planner import Plan, StepLengths
+from planner.report import routing_headroom
 from rl.batching import Sample
+from rl.evaluation import eval_summary
 from telemetry.memory_timeline import (
     FIGURES_KEY,
     PEAK_METRIC,
@@ -261,7 +263,6 @@ class RoutingWatch:
     for a dense model, EP 1, or a plan that fits any routing."""
 
     def __init__(self, plan: Plan | None) -> None:
-        from planner.report import routing_headroom
 
         headroom = None if plan is None else routing_headroom(plan)
         fits = None if headroom is None else headroom.fits_up_to_ratio
@@ -285,7 +286,6 @@ def routing_summary(plan: Plan, records: list[dict]) -> dict | None:
     """summary.json's ``memory_plan.moe_routing``: the plan's routing headroom (planner.report.routing_headroom) and
     the most routed copies any step's train pass sent one rank (``recorded_max_ratio``); None for a dense model or
     EP 1."""
-    from planner.report import routing_headroom
 
     headroom = routing_headroom(plan)
     if headroom is None:
@@ -424,7 +424,6 @@ def summarize(
 ) -> dict:
     """summary.json: rewards first/last 5 steps, the evals' first and last (rl.evaluation.eval_summary of the
     ``evals`` records), the measured memory (:func:`memory_summary`), weight-sync totals."""
-    from rl.evaluation import eval_summary
 
     plan, sync_plan = facts.plan, facts.sync_plan
     return {

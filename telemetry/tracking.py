@@ -123,6 +123,7 @@ class RunWriter:
         self.wandb_step = wandb_step  # the next W&B step (explicit, so a resumed run continues the count)
         self.wandb_run = None
         if wandb_mode != "disabled":
+            # optional: W&B is imported where it is used, not every install has it
             import wandb
 
             wandb_run_id = wandb_run_id or os.environ.get("WANDB_RUN_ID")  # a requeued Slurm job's fixed id
@@ -258,6 +259,7 @@ class RunWriter:
         self._metrics_file.close()
         self._csv_file.close()
         if self.wandb_run is not None:
+            # optional: W&B is imported where it is used, not every install has it
             import wandb
 
             self.flush_wandb()

@@ -13,9 +13,11 @@ import resource
 import subprocess
 import sys
 
+import psutil
+
 
 def _measure(num_tokens: int, vocab_size: int, chunk_tokens: int | None) -> dict:
-    import psutil
+    # runs in a spawned rank: keeps torch (~1 s) out of the tool's argument parsing and input checks
     import torch
 
     from megatron_backend.logprobs import vocab_parallel_entropy

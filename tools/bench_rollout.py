@@ -14,9 +14,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
+import torch.distributed as dist
+
+from configs.rollout import RolloutConfig
+from modelspec import ColocatedMesh
+from modelspec.tiny import resolve_model_path
+from rollout.engine import SamplingParams
+from rollout.native import NativeEngine
+from rollout.vllm_engine import VllmEngine
+from run.launch import free_port
+from tools.bench_train import PeakRss
 
 
 def main() -> None:
@@ -37,12 +48,8 @@ def main() -> None:
         sweep_knobs(args)
         return
 
+    # first use: keeps transformers out of `import tools.bench_rollout` (its argument parsing and input checks)
     from transformers import AutoModelForCausalLM
-
-    from configs.rollout import RolloutConfig
-    from modelspec.tiny import resolve_model_path
-    from rollout.engine import SamplingParams
-    from rollout.native import NativeEngine
 
     torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
@@ -116,17 +123,10 @@ def main() -> None:
 def _vllm_engine(path: str, args, knobs: dict):
     """vLLM on one rank (a world of 1), or None when vLLM is not installed."""
     try:
+        # optional: vLLM is imported where it is used, not every install has it
         import vllm  # noqa: F401
     except ImportError:
         return None
-    import os
-
-    import torch.distributed as dist
-
-    from configs.rollout import RolloutConfig
-    from modelspec import ColocatedMesh
-    from rollout.vllm_engine import VllmEngine
-    from run.launch import free_port
 
     if not dist.is_initialized():
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -142,11 +142,6 @@ def _vllm_engine(path: str, args, knobs: dict):
 
 def sweep_knobs(args) -> None:
     """The native engine under (max_num_seqs, max_num_batched_tokens) settings, same prompts: one JSON line."""
-    from configs.rollout import RolloutConfig
-    from modelspec.tiny import resolve_model_path
-    from rollout.engine import SamplingParams
-    from rollout.native import NativeEngine
-    from tools.bench_train import PeakRss
 
     torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)

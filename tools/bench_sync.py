@@ -47,7 +47,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from colocation.engines import ENGINES
+from colocation.engines import ENGINES, engine_profile
 
 PROMPTS = ("1+2=", "3+4=", "2+2=")
 DENSE_MODEL, MOE_MODEL = "tiny:qwen2_memory_kv4", "tiny:qwen3_moe_memory"
@@ -88,6 +88,7 @@ def parse_layout(text: str) -> str:
 
 def memcpy_gbps(num_bytes: int, repeats: int = 5) -> float:
     """One process copying ``num_bytes`` from one buffer to another: median GB/s."""
+    # first use: keeps torch (~1 s) out of `import tools.bench_sync` (its argument parsing and input checks)
     import torch
 
     src = torch.ones(max(num_bytes, 1 << 20) // 4)
@@ -237,6 +238,7 @@ def _rank_main(args: argparse.Namespace, layout: str) -> None:
 
 def paper_estimate(exp: str, overrides: list[str]) -> dict:
     """The experiment's planned sync on its GPUs, estimated from bytes and bandwidths (nothing allocated)."""
+    # first use: keeps torch (~1 s) out of `import tools.bench_sync` (its argument parsing and input checks)
     from run.compose import compose
     from weight_sync.estimate import refit_estimate
 
@@ -247,6 +249,7 @@ def paper_estimate(exp: str, overrides: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # first use: keeps torch (~1 s) out of `import tools.bench_sync` (its argument parsing and input checks)
     from run.launch import spawn_local
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -264,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     if layouts == [PAPER]:
+        # first use: keeps torch (~1 s) out of `import tools.bench_sync` (its argument parsing and input checks)
         from run.compose import ConfigError
 
         try:
@@ -278,15 +282,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats and --bucket-mb must be >= 1")
     if args.engine == "vllm":
         try:
+            # optional: vLLM is imported where it is used, not every install has it
             import vllm  # noqa: F401
         except ImportError:
             print(
                 "bench-sync: ENGINE=vllm needs the vllm package (`make install` brings its CPU build)", file=sys.stderr
             )
             return 2
+    # first use: keeps torch (~1 s) out of `import tools.bench_sync` (its argument parsing and input checks)
     import torch
 
-    from colocation.engines import engine_profile
     from modelspec import ModelShape
     from modelspec.tiny import resolve_model_path
 

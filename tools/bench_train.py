@@ -24,15 +24,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
-from colocation.host_memory import MMAP_THRESHOLD_BYTES
+import psutil
+
+from colocation.host_memory import MMAP_THRESHOLD_BYTES, release_freed_host_memory
 
 MIB = 2**20
 
@@ -71,7 +75,6 @@ LEVERS = {
 def response_lengths(num_seqs: int, shortest: int, longest: int) -> list[int]:
     """A long tail, deterministic: most responses short, a few near ``longest`` (quadratic spacing), in a
     fixed shuffled order (samples arrive in no length order)."""
-    import random
 
     lengths = [shortest + round((longest - shortest) * (i / max(1, num_seqs - 1)) ** 2) for i in range(num_seqs)]
     random.Random(0).shuffle(lengths)
@@ -80,6 +83,7 @@ def response_lengths(num_seqs: int, shortest: int, longest: int) -> list[int]:
 
 def write_model(out_dir: Path, args) -> Path:
     """A Qwen2-shaped HF checkpoint with random weights (fixed seed), written once per shape."""
+    # first use: keeps torch (~1 s) out of `import tools.bench_train` (its argument parsing and input checks)
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -106,6 +110,7 @@ def write_model(out_dir: Path, args) -> Path:
 
 
 def make_batch(args, vocab_size: int):
+    # first use: keeps torch (~1 s) out of `import tools.bench_train` (its argument parsing and input checks)
     import torch
 
     from modelspec import TokenBatch
@@ -151,7 +156,6 @@ class PeakRss:
         raise RuntimeError(f"{key} not in /proc/self/status")
 
     def __enter__(self):
-        import psutil
 
         self.before = psutil.Process().memory_info().rss
         self.sampled, self._stop = self.before, threading.Event()
@@ -163,7 +167,6 @@ class PeakRss:
         return self
 
     def _sample(self):
-        import psutil
 
         proc = psutil.Process()
         while not self._stop.wait(0.002):
@@ -179,9 +182,8 @@ class PeakRss:
 
 
 def _measure(phase_fn, device) -> dict:
+    # first use: keeps torch (~1 s) out of `import tools.bench_train` (its argument parsing and input checks)
     import torch
-
-    from colocation.host_memory import release_freed_host_memory
 
     release_freed_host_memory()
     if device.type == "cuda":
@@ -201,11 +203,12 @@ def _measure(phase_fn, device) -> dict:
 
 
 def worker(args) -> dict:
-    import warnings
 
+    # first use: keeps torch (~1 s) out of `import tools.bench_train` (its argument parsing and input checks)
     import torch
 
     warnings.filterwarnings("ignore")
+    # runs in a spawned rank: keeps torch (~1 s) out of the tool's argument parsing and input checks
     from configs.actor import ActorConfig
     from megatron_backend.actor import Actor
     from megatron_backend.parallel import initialize_model_parallel
@@ -243,6 +246,7 @@ def worker(args) -> dict:
 # ---------------------------------------------------------------- the planner's side
 def predicted(args, name: str, shape, phase: str, device_kind: str) -> dict:
     """The planner's bytes of ``phase`` for config ``name``: total and activations + logits."""
+    # first use: keeps torch (~1 s) out of `import tools.bench_train` (its argument parsing and input checks)
     from configs import ActorConfig, OffloadConfig, RolloutConfig
     from configs.rollout import MIN_KV_CACHE_BYTES
     from planner import PlanInputs, device_preset, make_plan
@@ -336,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(worker(args)))
         return 0
 
+    # first use: keeps torch (~1 s) out of `import tools.bench_train` (its argument parsing and input checks)
     from modelspec import ModelShape
 
     shape_tag = "-".join(
@@ -392,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _cuda() -> bool:
+    # first use: keeps torch (~1 s) out of `import tools.bench_train` (its argument parsing and input checks)
     import torch
 
     return torch.cuda.is_available()

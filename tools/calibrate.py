@@ -46,10 +46,16 @@ import json
 import platform
 import statistics
 import sys
+from dataclasses import replace
 from importlib import metadata
 from pathlib import Path
 
+import psutil
+import torch
+
 from planner.calibration import Constant, load, write
+from planner.devices import CUDA_PRESETS
+from telemetry.memory_timeline import read_timeline_csv
 from tools.plan_runs import (
     FIT_SET,
     REPO,
@@ -79,9 +85,6 @@ def library_versions() -> dict[str, str]:
 
 def cuda_preset() -> str:
     """The planner device preset (planner/devices.py) of this node's first GPU, by name and memory."""
-    import torch
-
-    from planner.devices import CUDA_PRESETS
 
     props = torch.cuda.get_device_properties(0)
     for name, preset in CUDA_PRESETS.items():
@@ -95,11 +98,8 @@ def cuda_preset() -> str:
 
 
 def device_description(kind: str = "cpu") -> dict:
-    import psutil
 
     if kind == "cuda":
-        import torch
-
         props = torch.cuda.get_device_properties(0)
         return {
             "kind": "cuda",
@@ -352,9 +352,6 @@ def _median_and_spread(values: list[float]) -> tuple[int, int]:
 def _with_measured_kv_cache(spec, run_dir: Path):
     """``spec`` with ``rollout.kv_cache_bytes`` pinned to the KV cache the run allocated (its timeline's
     ``tag/kv_cache``, largest over ranks and steps)."""
-    from dataclasses import replace
-
-    from telemetry.memory_timeline import read_timeline_csv
 
     kv = max((int(r.get("tag/kv_cache", 0)) for r in read_timeline_csv(run_dir / "memory_timeline.csv")), default=0)
     if kv <= 0:
@@ -443,8 +440,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     kind = args.kind
     if kind == "auto":
-        import torch
-
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     fit_set = FIT_SET if kind == "cpu" else cuda_fit_set(cuda_preset())
     run_dirs = {spec.name: ensure_run(spec, run_dir_for(spec, SET_NAME), rerun=args.rerun) for spec in fit_set}

@@ -28,7 +28,17 @@ import time
 import warnings
 from pathlib import Path
 
+import torch.distributed as dist
+
+from checkpointing.checkpoint import ACTOR_DIR, CHECKPOINT_DIR, RLState, complete_checkpoints, model_sizes
 from checkpointing.checkpoint import RUN_CONFIG_COPY as RUN_CONFIG_FILE  # an export's copy of its run's config.yaml
+from modelspec.tiny import resolve_model_path
+from rl.evaluation import eval_problems, evaluate, reference_logprob_mean
+from run.compose import ConfigError, compose, compose_from_file, resolve_path
+from run.launch import missing_devices, spawn_local
+from run.memory_plan import plan_launch
+from run.preflight import check_engine_installed
+from run.shared_device import sync_actor_into_engine
 
 
 class BadInput(ValueError):
@@ -37,8 +47,6 @@ class BadInput(ValueError):
 
 def _run_config_and_checkpoint(run: str, step: int | None, overrides: list[str]):
     """``--run``: the run's config (+ overrides) and the checkpoint directory to evaluate."""
-    from checkpointing.checkpoint import CHECKPOINT_DIR, RLState, complete_checkpoints, model_sizes
-    from run.compose import ConfigError, compose_from_file
 
     run_dir = Path(run)
     if not (run_dir / "config.yaml").is_file():
@@ -73,7 +81,6 @@ def _run_config_and_checkpoint(run: str, step: int | None, overrides: list[str])
 
 def _hf_config(hf: str, exp: str | None, overrides: list[str]):
     """``--hf``: the export's run config (+ overrides), else the experiment's, with model.path = the checkpoint."""
-    from run.compose import ConfigError, compose, compose_from_file
 
     path = Path(hf)
     if not (path / "config.json").is_file():
@@ -94,10 +101,6 @@ def _hf_config(hf: str, exp: str | None, overrides: list[str]):
 
 def check_input(args: argparse.Namespace):
     """(config, checkpoint dir or None, step or None), or BadInput."""
-    from modelspec.tiny import resolve_model_path
-    from run.compose import ConfigError, resolve_path
-    from run.launch import missing_devices
-    from run.preflight import check_engine_installed
 
     if (args.hf is None) == (args.run is None):
         raise BadInput("make eval needs exactly one of HF=<HF checkpoint dir> or RUN=<run dir> [STEP=<n>]")
@@ -122,14 +125,9 @@ def check_input(args: argparse.Namespace):
 
 def _rank_main(cfg, checkpoint: Path | None, step: int | None) -> None:
     # the rank's imports: the launcher's input check never loads megatron or an engine
-    import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from checkpointing.checkpoint import ACTOR_DIR
-    from rl.evaluation import eval_problems, evaluate, reference_logprob_mean
-    from run.memory_plan import plan_launch
     from run.setup import build_engine, build_rank
-    from run.shared_device import sync_actor_into_engine
 
     # reading a checkpoint: torch's deprecation notices for what megatron-core 0.16 calls, once per rank
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(megatron\.core|torch\.distributed\.checkpoint)")
@@ -186,7 +184,6 @@ def _rank_main(cfg, checkpoint: Path | None, step: int | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from run.launch import spawn_local
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hf", default=None, help="a Hugging Face checkpoint directory")

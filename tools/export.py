@@ -17,12 +17,17 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import multiprocessing
 import resource
 import shutil
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
+
+from colocation.host_memory import configure_host_allocator
 
 RUN_CONFIG = "config.yaml"
 EXPORT_DTYPES = ("bfloat16", "float32")
@@ -55,8 +60,8 @@ def _peak_rss_bytes() -> int:
 
 def resolve(run: str, step: int | None, out: str | None, dtype: str | None, force: bool) -> ExportJob:
     """Check the input (files and headers only) and pick the checkpoint, OUT and dtype; ExportError if bad."""
-    import yaml
 
+    # first use: keeps torch (~1 s) out of `import tools.export` (its argument parsing and input checks)
     from checkpointing.checkpoint import (
         CHECKPOINT_DIR,
         HF_DIR,
@@ -89,6 +94,7 @@ def resolve(run: str, step: int | None, out: str | None, dtype: str | None, forc
             f"the run's model.path {source_dir} has no config.json (its config and tokenizer are exported with the "
             "weights); restore that checkpoint directory"
         )
+    # first use: keeps torch (~1 s) out of `import tools.export` (its argument parsing and input checks)
     from modelspec import ModelShape
 
     shape = ModelShape.from_pretrained(source_dir)
@@ -115,7 +121,7 @@ def _print_file(name: str, num_bytes: int) -> None:
 
 def _write_share(actor_dir: str, source_dir: str, plan, out_dir: str, rank: int, num_procs: int) -> int:
     """One process of ``--procs``: its files (index % num_procs == rank); returns its peak RSS."""
-    from colocation.host_memory import configure_host_allocator
+    # first use: keeps torch (~1 s) out of `import tools.export` (its argument parsing and input checks)
     from megatron_backend.hf_export import write_files
     from modelspec import ModelShape
 
@@ -127,6 +133,7 @@ def _write_share(actor_dir: str, source_dir: str, plan, out_dir: str, rank: int,
 def export(job: ExportJob, max_shard_bytes: int, num_procs: int = 1) -> dict:
     """Write ``job.out_dir`` (``num_procs`` processes writing the files); returns the summary (files, bytes,
     seconds, RSS: with several processes ``peak_rss_bytes`` is the largest of theirs and this one's)."""
+    # first use: keeps torch (~1 s) out of `import tools.export` (its argument parsing and input checks)
     import torch
 
     from checkpointing.checkpoint import ACTOR_DIR, RUN_CONFIG_COPY
@@ -161,7 +168,6 @@ def export(job: ExportJob, max_shard_bytes: int, num_procs: int = 1) -> dict:
     worker_peaks: list[int] = []
 
     def write_in_pool(tmp: Path) -> None:
-        import multiprocessing
 
         args = [(str(actor_dir), str(job.source_dir), plan, str(tmp), r, num_procs) for r in range(num_procs)]
         with multiprocessing.get_context("spawn").Pool(num_procs) as pool:
@@ -210,7 +216,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shard-mb", type=float, default=2048.0, help="largest safetensors file (MiB)")
     parser.add_argument("--procs", type=int, default=1, help="processes writing the files, each its share")
     args = parser.parse_args(argv)
-    from colocation.host_memory import configure_host_allocator
 
     configure_host_allocator()  # freed chunk buffers go back to the OS: the RSS stays at one tensor's reads
     try:

@@ -30,14 +30,20 @@ stage imports the project in its own process.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import json as _json
 import os
+import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from tools.plan_runs import RunSpec, check, ensure_run, measured_phases, model_phases, plan_for, predicted_phases
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -116,7 +122,6 @@ def run_overrides(size: str, device: str, preset: str, model_dir: Path) -> list[
 
 # ---------------------------------------------------------------- the stages (each in its own process)
 def _spec(size: str, device: str, preset: str, work: Path):
-    from tools.plan_runs import RunSpec
 
     return RunSpec(f"gpu_check_{size}", EXP, tuple(run_overrides(size, device, preset, work / f"model_{size}")))
 
@@ -124,16 +129,16 @@ def _spec(size: str, device: str, preset: str, work: Path):
 def _preset(device: str) -> str:
     if device == "cpu":
         return "cpu"
+    # first use: keeps torch (~1 s) out of `import tools.gpu_check` (its argument parsing and input checks)
     from tools.calibrate import cuda_preset
 
     return cuda_preset()
 
 
 def stage_main(size: str, device: str, work: Path) -> dict:
-    import json as _json
 
+    # first use: keeps torch (~1 s) out of `import tools.gpu_check` (its argument parsing and input checks)
     from modelspec.tiny import write_random_model
-    from tools.plan_runs import ensure_run
 
     preset = _preset(device)
     start = time.monotonic()
@@ -163,12 +168,10 @@ def stage_main(size: str, device: str, work: Path) -> dict:
 
 
 def stage_fit(device: str, work: Path, out: Path) -> dict:
-    import datetime
-    import platform
 
+    # first use: keeps torch (~1 s) out of `import tools.gpu_check` (its argument parsing and input checks)
     from planner.calibration import Constant, load, write
     from tools.calibrate import device_description, fit_one_run, library_versions
-    from tools.plan_runs import check, measured_phases, model_phases, plan_for, predicted_phases
 
     kind = "cuda" if device == "cuda" else "cpu"
     preset = _preset(device)
@@ -188,6 +191,7 @@ def stage_fit(device: str, work: Path, out: Path) -> dict:
         )
     device_info = device_description(kind) if kind == "cuda" else {"kind": "cpu", "machine": platform.machine()}
     if kind == "cuda":
+        # first use: keeps torch (~1 s) out of `import tools.gpu_check` (its argument parsing and input checks)
         import torch
 
         from planner.devices import CUDA_PRESETS
@@ -226,6 +230,7 @@ def stage_fit(device: str, work: Path, out: Path) -> dict:
 
 def _nvidia_driver() -> str | None:
     try:
+        # optional: pynvml is imported where it is used, not every install has it
         import pynvml
 
         pynvml.nvmlInit()
@@ -235,8 +240,8 @@ def _nvidia_driver() -> str | None:
 
 
 def stage_sync(device: str, work: Path) -> dict:
-    import statistics
 
+    # first use: keeps torch (~1 s) out of `import tools.gpu_check` (its argument parsing and input checks)
     import torch
 
     summary = json.loads((work / "run_0.5b" / "summary.json").read_text())
@@ -266,8 +271,8 @@ def stage_sync(device: str, work: Path) -> dict:
 
 
 def stage_moe(device: str, work: Path) -> dict:
+    # first use: keeps torch (~1 s) out of `import tools.gpu_check` (its argument parsing and input checks)
     from modelspec.tiny import write_tiny_model
-    from tools.plan_runs import RunSpec, ensure_run
 
     model_dir = write_tiny_model(MOE_FAMILY[device], work / "model_moe")
     spec = RunSpec(

@@ -83,6 +83,7 @@ def _rank_main(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # first use: keeps torch (~1 s) out of `import tools.logprob_gap` (its argument parsing and input checks)
     from run.launch import spawn_local
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-threshold", type=float, default=0.1)
     parser.add_argument("--corrupt", action="store_true")
     args = parser.parse_args(argv)
+    # first use: keeps torch (~1 s) out of `import tools.logprob_gap` (its argument parsing and input checks)
     from modelspec.tiny import resolve_model_path
 
     args.model_path = resolve_model_path(args.hf)  # built here, before the rank starts: it only reads it

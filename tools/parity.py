@@ -20,6 +20,7 @@ from pathlib import Path
 
 def check_input(hf_dir: str, tp: int, pp: int, vpp: int | None, ep: int = 1, etp: int | None = None) -> str | None:
     """One line describing what is wrong, or None."""
+    # first use: keeps torch (~1 s) out of `import tools.parity` (its argument parsing and input checks)
     from modelspec import ModelShape
     from modelspec.mesh import check_actor_split, check_expert_split
 
@@ -33,6 +34,7 @@ def check_input(hf_dir: str, tp: int, pp: int, vpp: int | None, ep: int = 1, etp
     if tp < 1 or pp < 1 or ep < 1 or (vpp is not None and vpp < 1) or (etp is not None and etp < 1):
         return f"TP={tp} PP={pp} VPP={vpp} EP={ep} ETP={etp}: sizes must be positive integers"
     try:
+        # first use: keeps torch (~1 s) out of `import tools.parity` (its argument parsing and input checks)
         from megatron_backend.model import rope_scaling_kwargs
 
         shape = ModelShape.from_pretrained(path)
@@ -48,6 +50,7 @@ def _worker(args) -> None:
     result = parity(args)
     if result is not None:
         print(json.dumps(result), flush=True)
+    # runs in a spawned rank: keeps torch (~1 s) out of the tool's argument parsing and input checks
     from megatron_backend.parallel import destroy
 
     destroy()
@@ -55,6 +58,7 @@ def _worker(args) -> None:
 
 def parity(args) -> dict | None:
     """The check on this rank (every rank of the layout calls it): rank 0 returns the JSON line's fields."""
+    # runs in a spawned rank: keeps torch (~1 s) out of the tool's argument parsing and input checks
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -114,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # first use: keeps torch (~1 s) out of `import tools.parity` (its argument parsing and input checks)
     from modelspec.mesh import min_world_size
 
     args.batch = max(args.batch, args.pp) if args.vpp else args.batch

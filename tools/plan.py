@@ -16,6 +16,7 @@ from pathlib import Path
 from planner import make_plan, variants
 from planner.plan import with_kv_cache
 from planner.report import format_table, gib, plan_json, recommend_optimizer_offload_fraction, verdict
+from run.compose import ConfigError, compose
 
 # plan_inputs lives in run/ so run.main can plan too
 from run.memory_plan import DEFAULT_PROMPT_TOKENS, PromptLength, data_prompt_length, plan_inputs
@@ -38,8 +39,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 when the plan does not fit")
     parser.add_argument("overrides", nargs="*", help="hydra overrides, as for make run")
     args = parser.parse_args(argv)
-
-    from run.compose import ConfigError, compose
 
     try:
         cfg = compose(args.exp, args.overrides)

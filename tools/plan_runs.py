@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -27,6 +28,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from rl.data import longest_prompt_tokens
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 2**20
@@ -41,6 +44,7 @@ SAVE_EVERY_STEP = "trainer.save_every=1"
 
 @functools.cache
 def _experiment_saves(exp: str, overrides: tuple[str, ...]) -> bool:
+    # first use: keeps torch (~1 s) out of `import tools.plan_runs` (its argument parsing and input checks)
     from run.compose import compose
 
     return compose(exp, list(overrides)).trainer.save_every > 0
@@ -292,8 +296,6 @@ def ensure_run(spec: RunSpec, run_dir: Path, rerun: bool = False, timeout_s: flo
         print(f"{spec.name}: reading {run_dir}", file=sys.stderr, flush=True)
         return run_dir
     if run_dir.exists():
-        import shutil
-
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     cmd = [sys.executable, "-m", "run.main", "--exp", spec.exp, "--run-dir", str(run_dir), *spec.all_overrides]
@@ -320,6 +322,7 @@ class Measured:
 
 
 def measured_phases(run_dir: Path) -> dict[str, Measured]:
+    # first use: keeps torch (~1 s) out of `import tools.plan_runs` (its argument parsing and input checks)
     from telemetry.memory_timeline import PEAK_METRIC, phase_samples, read_timeline_csv, steady_steps
 
     rows = read_timeline_csv(run_dir / "memory_timeline.csv")
@@ -352,6 +355,7 @@ class Predicted:
 
 @functools.cache
 def spec_config(spec: RunSpec):
+    # first use: keeps torch (~1 s) out of `import tools.plan_runs` (its argument parsing and input checks)
     from run.compose import compose
 
     return compose(spec.exp, list(spec.all_overrides))
@@ -359,10 +363,10 @@ def spec_config(spec: RunSpec):
 
 def run_prompt_tokens(cfg) -> int:
     """The task's longest prompt in tokens, as run/setup.py::plan_and_build_engine plans with."""
+    # first use: keeps transformers out of `import tools.plan_runs` (its argument parsing and input checks)
     from transformers import AutoTokenizer
 
     from modelspec.tiny import resolve_model_path
-    from rl.data import longest_prompt_tokens
     from run.compose import resolve_path
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(resolve_path(cfg.model.path)))
@@ -385,6 +389,7 @@ def launch_runtime_of(run_dir: Path | None) -> int | None:
 def inputs_for(spec: RunSpec, calibration=None, run_dir: Path | None = None, launch_runtime_bytes: int | None = None):
     """The planner inputs the run planned with, optionally under another calibration; with the runtime level the
     run in ``run_dir`` measured at launch (``launch_runtime_bytes`` given: that instead)."""
+    # first use: keeps torch (~1 s) out of `import tools.plan_runs` (its argument parsing and input checks)
     from run.memory_plan import plan_inputs
 
     launch = launch_runtime_bytes if launch_runtime_bytes is not None else launch_runtime_of(run_dir)
@@ -396,6 +401,7 @@ def inputs_for(spec: RunSpec, calibration=None, run_dir: Path | None = None, lau
 def plan_for(spec: RunSpec, calibration=None, run_dir: Path | None = None, launch_runtime_bytes: int | None = None):
     """The plan the run made for itself (same inputs, the launch level of the run in ``run_dir``), optionally under
     another calibration or launch level."""
+    # first use: keeps torch (~1 s) out of `import tools.plan_runs` (its argument parsing and input checks)
     from planner import make_plan
 
     return make_plan(inputs_for(spec, calibration, run_dir, launch_runtime_bytes))
@@ -417,6 +423,7 @@ def predicted_phases(plan, mutate: Callable[[dict[str, int]], dict[str, int]] | 
 
 def recorded_lengths_of(run_dir: Path | None) -> dict:
     """step -> :class:`planner.StepLengths` the run in ``run_dir`` recorded (metrics.jsonl; {}: none)."""
+    # first use: keeps torch (~1 s) out of `import tools.plan_runs` (its argument parsing and input checks)
     from telemetry.metrics import recorded_lengths
 
     path = run_dir / "metrics.jsonl" if run_dir is not None else None
@@ -429,6 +436,7 @@ def model_phases(plan, run_dir: Path | None, mutate=None) -> dict[str, Predicted
     """What the model predicts the run held: per phase, the median over the steady steps of :func:`predicted_phases`
     of ``plan`` at each step's recorded lengths (telemetry.memory_timeline.plans_at_recorded_lengths); ``plan``
     itself (the launch's bound) for a run that recorded none."""
+    # first use: keeps torch (~1 s) out of `import tools.plan_runs` (its argument parsing and input checks)
     from telemetry.memory_timeline import plans_at_recorded_lengths, read_timeline_csv
 
     lengths = recorded_lengths_of(run_dir)

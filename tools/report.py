@@ -19,6 +19,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import yaml
+
 from telemetry.memory_charts import (
     compare_table,
     phase_table,
@@ -32,7 +34,6 @@ from telemetry.memory_timeline import read_timeline_csv
 
 def load_run(run_dir: str | Path) -> tuple[str, list[dict]]:
     """(label, timeline rows) of one run directory; a clear error when it is not one."""
-    import yaml
 
     run_dir = Path(run_dir)
     csv_path = run_dir / "memory_timeline.csv"

@@ -25,8 +25,10 @@ import sys
 import time
 from pathlib import Path
 
+from planner import device_preset
 from run.compose import REPO_ROOT, ConfigError, compose, resolve_path
 from run.config import RunConfig
+from run.main import prepare
 
 TEMPLATE = REPO_ROOT / "experiments" / "slurm" / "job.sbatch"
 SCRIPT_NAME = "job.sbatch"
@@ -70,7 +72,6 @@ def _setting(value: str | None, key: str, env: str, environ: dict[str, str]) -> 
 def gpus_per_node(cfg: RunConfig) -> int:
     """GPUs to request per node: cluster.slurm_gpus_per_node, else one per rank when the ranks run on a CUDA
     device (cluster.device), whatever the engine (vLLM's CPU build runs a CPU job), else 0."""
-    from planner import device_preset
 
     if cfg.cluster.slurm_gpus_per_node is not None:
         return cfg.cluster.slurm_gpus_per_node
@@ -176,7 +177,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--submit", action="store_true", help="submit with sbatch and print the job id")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, passed to every rank as well")
     args = parser.parse_args(argv)
-    from run.main import prepare
 
     try:
         if args.submit and shutil.which("sbatch") is None:

@@ -42,10 +42,12 @@ SET_NAME = "validation"
 
 def validation_set():
     """The CPU set (VALIDATION_SET), or on a GPU node the CUDA set for its GPU's preset (cuda_validation_set)."""
+    # first use: keeps torch (~1 s) out of `import tools.validate_plan` (its argument parsing and input checks)
     import torch
 
     if not torch.cuda.is_available():
         return VALIDATION_SET
+    # first use: keeps torch (~1 s) out of `import tools.validate_plan` (its argument parsing and input checks)
     from tools.calibrate import cuda_preset
 
     return cuda_validation_set(cuda_preset())

@@ -21,16 +21,18 @@ import json
 import math
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
-from colocation.engines import ENGINES
+from colocation.engines import ENGINES, engine_profile
+from tools.parity import check_input as check_actor_input
 
 PROMPTS = ("1+2=", "The quick brown fox", "def add(a, b):", "RL on CPU, 7*6=")
 
 
 def world_size(args: argparse.Namespace) -> int:
     """lcm(the fewest ranks holding both of megatron's grids, one engine replica)."""
-    from colocation.engines import engine_profile
+    # first use: keeps torch (~1 s) out of `import tools.verify_sync` (its argument parsing and input checks)
     from modelspec.mesh import min_world_size
 
     actor_world = min_world_size(args.train_tp, args.train_pp, args.train_ep, args.train_etp)
@@ -40,14 +42,13 @@ def world_size(args: argparse.Namespace) -> int:
 
 
 def check_input(args: argparse.Namespace) -> str | None:
+    # runs in a spawned rank: keeps torch (~1 s) out of the tool's argument parsing and input checks
     import torch
 
-    from colocation.engines import engine_profile
     from configs.rollout import RolloutConfig
     from modelspec import ColocatedMesh, ModelShape
     from modelspec.mesh import check_rollout_experts
     from rollout.layout import tp_shape
-    from tools.parity import check_input as check_actor_input
 
     problem = check_actor_input(args.hf, args.train_tp, args.train_pp, None, args.train_ep, args.train_etp)
     if problem:
@@ -198,8 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import warnings
 
+    # first use: keeps torch (~1 s) out of `import tools.verify_sync` (its argument parsing and input checks)
     from run.launch import spawn_local
 
     args = build_parser().parse_args(argv)

@@ -21,9 +21,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_backend.checkpoint import gather_hf_tensors
 from modelspec import ColocatedMesh, ModelShape
 from modelspec.family import HF_LAYER, hf_tensor_shapes
 from rollout.layout import engine_expert_split, local_view, vllm_param_layouts
+from weight_sync.layouts import actor_rank_layout
 from weight_sync.verify import _BITS
 
 _LAYER = HF_LAYER
@@ -78,8 +80,6 @@ class ReferenceCheck:
         the check's own, the world); raises :class:`WeightLayoutError` on every rank with the first mismatch's
         line. Returns how many slices this rank compared."""
         group = group if group is not None else self.group
-        from megatron_backend.checkpoint import gather_hf_tensors  # megatron-core: only where an actor runs
-        from weight_sync.layouts import actor_rank_layout
 
         c = self.mesh.actor_coords(rank)
         layout = actor_rank_layout(self.mesh, rank, self.te_norms)

@@ -20,6 +20,7 @@ import os
 from collections.abc import Iterable, Iterator
 
 import torch
+from safetensors import safe_open
 
 from modelspec import ModelShape
 from rollout.layout import ParamLayout, copy_hf_into_local, hf_to_vllm_index
@@ -28,7 +29,6 @@ from rollout.memory_saver import MemorySaver
 
 def iter_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for every tensor of the checkpoint directory (one or many shards)."""
-    from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
     if not files:

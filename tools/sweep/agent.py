@@ -18,6 +18,7 @@ WANDB_SWEEP_TIMEOUT_S = 120
 
 def point_overrides(point: dict[str, Any]) -> list[str]:
     """The point as W&B's agent passes it: ``${args_no_hyphens}`` (``key=value``, Python's str of the value)."""
+    # optional: W&B is imported where it is used, not every install has it
     from wandb.sdk.launch.sweeps.utils import create_sweep_command_args
 
     return create_sweep_command_args({"args": {k: {"value": v} for k, v in point.items()}})["args_no_hyphens"]
@@ -30,6 +31,7 @@ def agent_command(sweep: dict, point: dict[str, Any], env: dict[str, str], pytho
     (the agent: ``python`` from PATH), ``${env}`` is /usr/bin/env, ``${args_no_hyphens}`` and the other
     argument macros come from wandb's own ``create_sweep_command_args``.
     """
+    # optional: W&B is imported where it is used, not every install has it
     from wandb.sdk.launch.sweeps.utils import create_sweep_command, create_sweep_command_args
 
     with updated_environ(**env):  # the agent reads ${envvar:NAME} from its own environment

@@ -8,8 +8,10 @@ import sys
 from typing import Any
 
 import yaml
+from tqdm import tqdm
 
 from run.compose import compose
+from run.launch import missing_devices
 from tools.sweep.agent import EXP_ENV, RUN_DIR_ENV, agent_command
 from tools.sweep.grid import new_sweep_dir, with_fixed_overrides
 from tools.sweep.points import print_validation, validate
@@ -18,9 +20,6 @@ from tools.sweep.trial import run_point
 
 
 def local(args: argparse.Namespace, sweep: dict, grid: list[dict[str, Any]]) -> int:
-    from tqdm import tqdm
-
-    from run.launch import missing_devices
 
     base = compose(args.exp, args.overrides)
     points = validate(args.exp, args.overrides, grid)

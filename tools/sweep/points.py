@@ -7,8 +7,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from tqdm import tqdm
+
+from planner import make_plan
+from planner.report import verdict
 from run.compose import ConfigError, compose
 from run.config import RunConfig
+from run.memory_plan import data_prompt_length, plan_inputs
 from tools.sweep.agent import point_overrides
 from tools.sweep.grid import short_key
 
@@ -33,11 +38,6 @@ class Point:
 
 def validate(exp: str, fixed: list[str], grid: list[dict[str, Any]]) -> list[Point]:
     """Compose and plan every point on the experiment's device; infeasible ones get their reason."""
-    from tqdm import tqdm
-
-    from planner import make_plan
-    from planner.report import verdict
-    from run.memory_plan import data_prompt_length, plan_inputs
 
     points = []
     for index, params in enumerate(

@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from telemetry.memory_timeline import FIGURES, PEAK_METHODS, memory_figures
 from tools.sweep.grid import short_key
 from tools.sweep.points import Point
 
@@ -26,7 +27,6 @@ FIGURE_TITLES = {
 
 def table_rows(points: list[Point]) -> list[dict[str, Any]]:
     """One flat row per point (the CSV's columns); byte figures are ints, missing ones None."""
-    from telemetry.memory_timeline import FIGURES, memory_figures
 
     rows = []
     for p in points:
@@ -86,7 +86,6 @@ def _table(header: list[str], body: list[list[str]]) -> str:
 
 def format_table(rows: list[dict[str, Any]], params: list[str]) -> str:
     """The table printed and written: per point each figure as ``planned / measured``, step time, reward."""
-    from telemetry.memory_timeline import FIGURES
 
     unit, scale = _unit(rows)
     header = [
@@ -113,7 +112,6 @@ def format_table(rows: list[dict[str, Any]], params: list[str]) -> str:
 
 def measured_legend(rows: list[dict[str, Any]]) -> str:
     """What "measured" is in this sweep: the peak method(s) its runs used (telemetry.memory_timeline.PEAK_METHODS)."""
-    from telemetry.memory_timeline import PEAK_METHODS
 
     methods = sorted({r["peak_method"] for r in rows if r["peak_method"]})
     return "; ".join(PEAK_METHODS[m] for m in methods) or "nothing measured"
@@ -143,13 +141,13 @@ def write_markdown(rows: list[dict[str, Any]], params: list[str], path: Path, ti
 def plot_figures(rows: list[dict[str, Any]], params: list[str], path: Path, title: str) -> None:
     """One panel per figure (wake window, rollout, train, KV cache): planned and measured bars per point;
     infeasible points drawn grey and cross-hatched, with their reasons under the panels."""
+    # optional: matplotlib is imported where it is used, not every install has it
     import matplotlib
 
     matplotlib.use("Agg")
+    # optional: matplotlib is imported where it is used, not every install has it
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
-
-    from telemetry.memory_timeline import FIGURES
 
     unit, scale = _unit(rows)
     # tick labels: the index, then each swept value by its last key part (params=True, util=0.5, wake=staged)

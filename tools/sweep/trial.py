@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from run.compose import REPO_ROOT
+from telemetry.memory_timeline import FIGURES_KEY, memory_figures, read_timeline_csv
 from tools.sweep.points import Point
 
 
@@ -63,7 +64,6 @@ def collect_result(run_dir: Path) -> dict:
     """What a run directory holds: the memory figures (telemetry.memory_timeline.memory_figures: the run's own plan and
     measurements from summary.json; a run that stopped early: what its timeline measured, ``planned_by``
     empty), how the peaks were measured, step time and reward."""
-    from telemetry.memory_timeline import FIGURES_KEY, memory_figures, read_timeline_csv
 
     out: dict[str, Any] = {"run_dir": str(run_dir)}
     timeline = run_dir / "memory_timeline.csv"
