@@ -5,16 +5,31 @@ Named from the libraries' sources for the run's layout (actor TP t, PP p, DP d; 
 - ``world``: torch's default process group (megatron_backend/parallel.py ``init_process_group``), NCCL. The step
   uses it: the launcher's free-memory MIN (run/setup.py), barriers, the weight sync's point-to-point
   (weight_sync/transport.py: ``batch_isend_irecv`` over the default group, coalesced, so the sends and receives
-  run on this communicator with per-peer point-to-point buffers), megatron's grad-norm reduce under the
-  distributed optimizer (megatron/core/optimizer/distrib_optimizer.py ``get_grad_stats_parallel_group``: the
-  distributed-optimizer instance, the world here).
+  run on this communicator with per-peer point-to-point buffers), the train step's non-finite check
+  (megatron_backend/actor_train.py ``_stop_if_not_finite``). Not megatron's grad norm: see
+  ``INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE`` below.
 - megatron-core (megatron/core/parallel_state.py ``initialize_model_parallel``): ``TP`` (the layers'
   all-reduces), ``PP`` (megatron/core/pipeline_parallel/p2p_communication.py ``batch_isend_irecv``: coalesced on
   the PP group's communicator), ``DP`` (DDP's gradient all-reduce / reduce-scatter and the distributed
   optimizer's all-gather, the DP-with-CP group), ``MODEL_PARALLEL`` (t p ranks; megatron/core/optimizer/optimizer.py
   ``get_grad_stats_parallel_group``: the grad norm and zero count of the non-distributed optimizer), ``EMBEDDING``
   (first and last stage, tied embeddings with PP > 1: the word embeddings' gradient all-reduce in
-  megatron/core/distributed/finalize_model_grads.py).
+  megatron/core/distributed/finalize_model_grads.py), ``INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE`` (the distributed
+  optimizer's grad norm, below).
+- megatron-core's ``INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP``: ``initialize_model_parallel`` builds it on every
+  layout (parallel_state.py, "build the intra distributed optimizer instance group": ``create_group``, i.e.
+  ``torch.distributed.new_group``, of the tp-ep-pp groups of one optimizer instance; this project leaves
+  ``num_distributed_optimizer_instances`` at 1, so it holds every rank of the world). It is a process group of its
+  own, not the default group nor the DP group, though its ranks are the world's: torch gives each group its own
+  NCCL communicator, created at the group's first collective (lazily: megatron_backend/parallel.py passes
+  ``init_process_group`` no ``device_id``, so no group is connected or split eagerly). Its first collective is the
+  distributed optimizer's: optimizer/__init__.py ``_get_megatron_optimizer_based_on_param_groups`` sets the
+  DistributedOptimizer's ``grad_stats_parallel_group`` to it (the non-distributed ones get MODEL_PARALLEL), and
+  the step's ``get_grad_norm`` (optimizer.py, ChainedOptimizer too) all-reduces the norm over it
+  (optimizer/clip_grads.py ``get_grad_norm_fp32``; fp16's found-inf MAX in ``_unscale_main_grads_and_check_for_nan``
+  too). So it is counted where megatron_backend/actor_train.py builds the distributed optimizer (DP > 1, or
+  ``actor.optimizer_offload_fraction`` > 0: the HybridDeviceOptimizer's norm is taken on the device's main grads
+  all the same) and the world has more than one rank; never with the non-distributed optimizer.
 - vLLM 0.32 (vllm/distributed/parallel_state.py ``initialize_model_parallel``): ``tp`` and ``dp``
   ``GroupCoordinator`` s, each with a ``CudaCommunicator`` (device_communicators/cuda_communicator.py) whose
   ``PyNcclCommunicator`` (device_communicators/pynccl.py) is an NCCL communicator of its own, created eagerly,
@@ -105,7 +120,15 @@ def communicators(inp, channels: float, channels_uncertainty: float) -> tuple[Co
     nccl("megatron TP", t, state, "the layers' all-reduces")
     nccl("megatron PP", p, state, "stage-to-stage send/recv (p2p_communication.py, coalesced)")
     nccl("megatron DP", d, state, "gradient reduce, distributed optimizer all-gather")
-    if not inp.distributed_optimizer:
+    if inp.distributed_optimizer:
+        # its own process group over the world's ranks (num_distributed_optimizer_instances 1), not "world"'s
+        nccl(
+            "megatron INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE",
+            world,
+            f"{state} + megatron/core/optimizer/__init__.py",
+            "the distributed optimizer's grad norm (clip_grads.py get_grad_norm_fp32)",
+        )
+    else:
         nccl("megatron MODEL_PARALLEL", t * p, state, "grad norm and zero count (optimizer.py)")
     if p > 1 and inp.shape.tie_word_embeddings:
         nccl("megatron EMBEDDING", 2, state, "tied word embeddings' gradient all-reduce (finalize_model_grads.py)")

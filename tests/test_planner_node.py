@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from modelspec.shape import ModelShape
 from planner import PlanInputs, device_preset, make_plan
@@ -16,6 +17,7 @@ from planner.report import headroom_beyond_uncertainty_bytes, recommend_optimize
 from planner.sizes import actor_stage_param_count, power_of_two_bytes
 from run.compose import compose
 from run.memory_plan import plan_inputs
+from tests.dist import run_ranks
 from tests.planner_inputs import make_inputs, merged
 
 QWEN32B = ModelShape.from_architecture("Qwen2.5-32B-Instruct")
@@ -75,10 +77,92 @@ def test_the_layout_decides_the_communicators():
     assert "vLLM dp (PyNccl)" not in names(pp_dp)  # one replica
     assert "vLLM symmetric memory" in names(pp_dp)
     dp = qwen32b(actor=dict(tp=4), actor_dp=2, distributed_optimizer=True)
-    assert "megatron DP" in names(dp) and "megatron MODEL_PARALLEL" not in names(dp)  # grad norm: the world
+    assert "megatron DP" in names(dp) and "megatron MODEL_PARALLEL" not in names(dp)  # grad norm: its own group
     assert "vLLM symmetric memory" not in names(qwen32b(device=device_preset("A100-80GB")))  # capability 8.0
     cpu = qwen32b(rollout=dict(engine="native"), device=device_preset("cpu"), attention="unfused")
     assert cpu.communicators == () and cpu.comm_bytes == 0  # gloo: no device buffers
+
+
+INTRA_DIST_OPT = "megatron INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE"
+
+
+def test_the_distributed_optimizers_grad_norm_group_is_a_communicator_of_its_own():
+    """megatron-core 0.16.1 reduces the distributed optimizer's grad norm over parallel_state's
+    INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP, a process group of its own over the world's ranks (one optimizer
+    instance): counted beside "world" and "megatron DP" wherever the actor builds the distributed optimizer (DP > 1,
+    or the optimizer-offload fraction) on more than one rank; never with the non-distributed optimizer."""
+    ring = nccl_collective_bytes(24)
+    dp = qwen32b(actor=dict(tp=4), actor_dp=2, distributed_optimizer=True)
+    by_name = {c.name: c for c in dp.communicators}
+    assert {"world", "megatron DP", INTRA_DIST_OPT} <= set(by_name)
+    assert by_name[INTRA_DIST_OPT].ranks == by_name["world"].ranks == 8 and by_name[INTRA_DIST_OPT].bytes == ring
+    assert by_name["megatron DP"].ranks == 2
+    without = qwen32b(actor=dict(tp=4), actor_dp=2, distributed_optimizer=False)  # the count it adds: one
+    assert dp.num_communicators == without.num_communicators  # MODEL_PARALLEL (4 ranks) there, this one here
+    assert INTRA_DIST_OPT not in names(without) and INTRA_DIST_OPT not in names(qwen32b())  # TP=8, DP=1
+    # the hybrid CPU optimizer at DP=1: the distributed optimizer, so its group over TP x PP, not MODEL_PARALLEL
+    offload = qwen32b(actor=dict(optimizer_offload_fraction=0.5), distributed_optimizer=True)
+    assert INTRA_DIST_OPT in names(offload) and "megatron MODEL_PARALLEL" not in names(offload)
+    assert offload.num_communicators == qwen32b().num_communicators and offload.comm_bytes == qwen32b().comm_bytes
+    one_gpu = qwen32b(actor=dict(tp=1), rollout=dict(tp=1), ranks_per_node=1, distributed_optimizer=True)
+    assert INTRA_DIST_OPT not in names(one_gpu)  # one rank: no peer, no communicator
+    launch = plan_inputs(compose("memory_cpu", ["cluster.device=H100-80GB", "cluster.procs_per_node=2", "actor.tp=1"]))
+    assert launch.actor_dp == 2 and launch.distributed_optimizer and INTRA_DIST_OPT in names(launch)
+
+
+def _grad_norm_groups(rank, world_size, hf_dir):
+    """One DP=2 train step of the actor (megatron's DistributedOptimizer) on gloo, recording the groups of every
+    all-reduce megatron's grad norm runs (clip_grads.py calls torch.distributed.all_reduce at call time)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    from configs.actor import ActorConfig
+    from megatron_backend.actor import Actor
+    from megatron_backend.parallel import initialize_model_parallel
+    from modelspec import TokenBatch
+    from rl.losses import PolicyLoss, PolicyLossConfig
+
+    dims = initialize_model_parallel(tp=1, pp=1)
+    actor = Actor(hf_dir, ActorConfig(micro_batch_size=2, lr=1e-4, grad_clip=1.0), dims)
+    intra = mpu.get_intra_distributed_optimizer_instance_group()
+    seen = []
+    real_norm = clip_grads.get_grad_norm_fp32
+
+    def norm(*args, **kwargs):
+        seen.append(kwargs.get("grad_stats_parallel_group"))
+        return real_norm(*args, **kwargs)
+
+    clip_grads.get_grad_norm_fp32 = megatron_optimizer.get_grad_norm_fp32 = norm  # bound by name in optimizer.py
+    ids = torch.randint(0, actor.shape.vocab_size, (4, 16), generator=torch.Generator().manual_seed(rank))
+    batch = TokenBatch(input_ids=ids, loss_mask=torch.ones(4, 15), advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    batch.old_logprobs = actor.compute_logprobs(batch)
+    actor.train_step(batch, PolicyLoss(PolicyLossConfig()))
+    return dict(
+        optimizer=actor.optimizer_name,
+        intra_ranks=dist.get_process_group_ranks(intra),
+        norm_on_intra=bool(seen) and all(g is intra for g in seen),
+        intra_is_world=intra is dist.group.WORLD,
+        intra_is_dp=intra is mpu.get_data_parallel_group(with_context_parallel=True) or intra is dims.dp_group,
+        intra_is_model_parallel=intra is mpu.get_model_parallel_group(),
+        optimizer_group_is_intra=actor.trainer.optimizer.get_grad_stats_parallel_group() is intra,
+    )
+
+
+def test_megatrons_grad_norm_runs_on_the_intra_distributed_optimizer_group_not_the_world(tiny_model_dirs):
+    """What the count above rests on, on real ranks (gloo): the actor's DP=2 step takes megatron's grad norm on
+    INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP, a group of both ranks that is neither the default group nor DP."""
+    for result in run_ranks(_grad_norm_groups, 2, tiny_model_dirs["qwen2"]):
+        assert result == dict(
+            optimizer="megatron-core DistributedOptimizer",
+            intra_ranks=[0, 1],
+            norm_on_intra=True,
+            intra_is_world=False,
+            intra_is_dp=False,
+            intra_is_model_parallel=False,
+            optimizer_group_is_intra=True,
+        ), result
 
 
 def test_never_measured_cuda_terms_and_the_device_total_count_in_the_headroom():
