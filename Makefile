@@ -52,7 +52,7 @@ VLLM_BUILD := $(if $(filter gpu,$(subst $(comma), ,$(EXTRAS))),cuda,cpu)
 # HF=tiny_models/<family> builds that tiny checkpoint on demand, so README examples work in a fresh clone
 TINY_HF := $(if $(filter $(TINY_DIR)/%,$(HF)),$(HF)/config.json)
 
-PHONY_PLANNER := calibrate validate-plan mutate-plan
+PHONY_PLANNER := calibrate validate-plan mutate-plan calibrate-time validate-time tune
 .PHONY: $(PHONY_PLANNER) help install run eval plan report export compare sbatch sweep sweep-local test test-procs test-threads test-vllm test-gpu gpu-wheels gpu-check test-slow test-slurm lint tiny-models parity verify-sync bench-entropy bench-sync bench-rollout bench-train bench-step smoke clean
 
 help: ## list the targets
@@ -117,6 +117,12 @@ calibrate: $(STAMP) ## fit the planner constants of this machine's device kind f
 
 validate-plan: $(STAMP) ## the memory plan vs the validation set's runs (never fitted on; runs what runs/validation/ lacks): one JSON line per config
 	@$(PY) -m tools.validate_plan $(ARGS)
+
+calibrate-time: $(STAMP) ## fit the step-time model's efficiencies and op factors on the fit set's runs (reads runs/calibration/; ARGS=--rerun) -> planner/calibration/cpu_time.json
+	@$(PY) -m tools.calibrate_time $(ARGS)
+
+validate-time: $(STAMP) ## the step-time model vs the validation set's runs (never fitted on): seconds per phase and per step, one JSON line per config
+	@$(PY) -m tools.validate_time --table $(ARGS)
 
 mutate-plan: $(STAMP) ## double each term of the plan / zero each transient and re-check the stored validation runs: which check fails
 	@$(PY) -m tools.mutate_plan $(ARGS)

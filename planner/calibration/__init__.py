@@ -26,6 +26,19 @@ _TRANSIENT_CONSTANTS = (
     "heap_retention_bytes",
     "margin_fraction",
 )
+# the step-time model's (planner/step_time.py), in <kind>_time.json: efficiencies (of a peak) and op factors (in a
+# device's op_seconds)
+TIME_CONSTANTS = (
+    "compute_efficiency",
+    "memory_efficiency",
+    "host_efficiency",
+    "link_efficiency",
+    "actor_op_factor",  # seconds of one counted actor op over op_seconds
+    "native_layer_step_ops",  # one native engine layer's step (decode or prefill), in op_seconds
+    "vllm_layer_step_ops",  # the same for vLLM
+    "param_tensor_ops",  # one parameter tensor in an optimizer step or a weight sync
+    "phase_ops",  # one phase's fixed cost (its barrier, its bookkeeping)
+)
 # every constant the planner reads, per device kind (a calibration file must define all of its kind's)
 CONSTANTS: dict[str, tuple[str, ...]] = {
     "cpu": ("runtime_overhead_bytes", "runtime_after_launch_bytes", "vllm_runtime_bytes", *_TRANSIENT_CONSTANTS),
@@ -38,6 +51,8 @@ CONSTANTS: dict[str, tuple[str, ...]] = {
         "host_runtime_bytes",
         *_TRANSIENT_CONSTANTS,
     ),
+    "cpu_time": TIME_CONSTANTS,
+    "cuda_time": TIME_CONSTANTS,
 }
 
 

@@ -1,0 +1,162 @@
+"""How fast one rank's device and its links are: the rates the step-time model (planner/step_time.py) divides
+counted work by.
+
+A CUDA preset's figures are its datasheet's, each with its source: dense (not "with sparsity") peak FLOP/s per
+dtype, memory bandwidth, NVLink per direction (the datasheet's total is both directions), the host link (PCIe,
+per direction) and the node's network per GPU (the DGX system's InfiniBand adapters over its 8 GPUs). No efficiency
+is in them: the fitted efficiencies (planner/calibration/<kind>_time.json) say how much of a peak a phase reaches.
+
+``cpu`` has no datasheet: this machine's figures are measured (tools/speed_probe.py: a matmul's FLOP/s at the
+threads a rank gets, a large copy's bytes/s, one small torch op's seconds) and passed in. Pure standard library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GB = 10**9
+TFLOPS = 10**12
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeedSpec:
+    """One rank's rates. ``flops_per_s`` by model dtype; bandwidths in bytes/s, one direction; ``op_seconds``: one
+    small operation's fixed cost (a kernel launch on CUDA, a torch op's dispatch on CPU); ``cores`` (CPU): the
+    machine's cores, which its ranks share."""
+
+    name: str
+    kind: str  # "cuda" | "cpu"
+    flops_per_s: dict[str, float]
+    memory_bytes_per_s: float
+    host_bytes_per_s: float  # device <-> host (PCIe); on CPU a copy in memory
+    intra_node_bytes_per_s: float  # between two ranks of a node (NVLink; CPU: a copy in memory)
+    inter_node_bytes_per_s: float  # between nodes, per GPU (InfiniBand)
+    op_seconds: float
+    cores: int = 0  # CPU: the cores the node's ranks share (0: not a CPU)
+    source: dict[str, str] = field(default_factory=dict)
+    measured: bool = False  # measured on this machine (CPU) rather than read from a datasheet
+
+    def __post_init__(self) -> None:
+        rates = (self.memory_bytes_per_s, self.host_bytes_per_s, self.intra_node_bytes_per_s)
+        if min(rates) <= 0 or self.inter_node_bytes_per_s <= 0 or self.op_seconds <= 0:
+            raise ValueError(f"speed {self.name!r}: every rate and op_seconds must be > 0")
+        if not self.flops_per_s or min(self.flops_per_s.values()) <= 0:
+            raise ValueError(f"speed {self.name!r}: flops_per_s needs a rate > 0 per dtype")
+
+    def flops(self, dtype: str) -> float:
+        if dtype not in self.flops_per_s:
+            raise ValueError(
+                f"speed {self.name!r} has no FLOP/s for dtype {dtype!r}; it has {sorted(self.flops_per_s)}"
+            )
+        return self.flops_per_s[dtype]
+
+    def oversubscription(self, ranks_per_node: int) -> float:
+        """CPU: how many ranks share one core (>= 1); each rank's work takes that many times longer. CUDA: 1."""
+        return max(1.0, ranks_per_node / self.cores) if self.kind == "cpu" and self.cores else 1.0
+
+
+# Kernel launch: ~5 us per launch is what NVIDIA's CUDA C++ Best Practices Guide's "kernel launch overhead" section
+# and the nsys traces in megatron's issues show for eager PyTorch; never measured here (a lent GPU's gpu-check fits it).
+_LAUNCH_SECONDS = 5e-6
+_SOURCE_H100 = {
+    "flops": "NVIDIA H100 Tensor Core GPU datasheet, SXM5: BF16 1,979 TFLOPS with sparsity (989 dense), FP32 67 TFLOPS",
+    "memory": "same datasheet: HBM3 3.35 TB/s",
+    "intra_node": "same datasheet: NVLink 900 GB/s (both directions; 450 GB/s each way)",
+    "host": "PCIe Gen5 x16: 64 GB/s each way",
+    "inter_node": "NVIDIA DGX H100 datasheet: 8x ConnectX-7 400 Gb/s, one per GPU (50 GB/s)",
+    "op": "estimate: ~5 us per eager kernel launch; no GPU has measured it here",
+}
+SPEED_PRESETS: dict[str, SpeedSpec] = {
+    "H100-80GB": SpeedSpec(
+        name="H100-80GB",
+        kind="cuda",
+        flops_per_s={"bfloat16": 989 * TFLOPS, "float16": 989 * TFLOPS, "float32": 67 * TFLOPS},
+        memory_bytes_per_s=3350 * GB,
+        host_bytes_per_s=64 * GB,
+        intra_node_bytes_per_s=450 * GB,
+        inter_node_bytes_per_s=50 * GB,
+        op_seconds=_LAUNCH_SECONDS,
+        source=_SOURCE_H100,
+    ),
+    "H200-141GB": SpeedSpec(
+        name="H200-141GB",
+        kind="cuda",
+        flops_per_s={"bfloat16": 989 * TFLOPS, "float16": 989 * TFLOPS, "float32": 67 * TFLOPS},
+        memory_bytes_per_s=4800 * GB,
+        host_bytes_per_s=64 * GB,
+        intra_node_bytes_per_s=450 * GB,
+        inter_node_bytes_per_s=50 * GB,
+        op_seconds=_LAUNCH_SECONDS,
+        source={
+            **_SOURCE_H100,
+            "flops": "NVIDIA H200 Tensor Core GPU datasheet, SXM: BF16 1,979 TFLOPS with sparsity (989 dense), FP32 67",
+            "memory": "same datasheet: HBM3e 4.8 TB/s",
+            "inter_node": "NVIDIA DGX H200 datasheet: 8x ConnectX-7 400 Gb/s, one per GPU (50 GB/s)",
+        },
+    ),
+    "A100-80GB": SpeedSpec(
+        name="A100-80GB",
+        kind="cuda",
+        flops_per_s={"bfloat16": 312 * TFLOPS, "float16": 312 * TFLOPS, "float32": 19.5 * TFLOPS},
+        memory_bytes_per_s=2039 * GB,
+        host_bytes_per_s=32 * GB,
+        intra_node_bytes_per_s=300 * GB,
+        inter_node_bytes_per_s=25 * GB,
+        op_seconds=_LAUNCH_SECONDS,
+        source={
+            "flops": "NVIDIA A100 Tensor Core GPU datasheet, SXM: BF16 312 TFLOPS dense, FP32 19.5 TFLOPS",
+            "memory": "same datasheet, 80GB SXM: HBM2e 2,039 GB/s",
+            "intra_node": "same datasheet: NVLink 600 GB/s (both directions; 300 GB/s each way)",
+            "host": "PCIe Gen4 x16: 32 GB/s each way",
+            "inter_node": "NVIDIA DGX A100 datasheet: 8x ConnectX-6 200 Gb/s, one per GPU (25 GB/s)",
+            "op": _SOURCE_H100["op"],
+        },
+    ),
+    "A100-40GB": SpeedSpec(
+        name="A100-40GB",
+        kind="cuda",
+        flops_per_s={"bfloat16": 312 * TFLOPS, "float16": 312 * TFLOPS, "float32": 19.5 * TFLOPS},
+        memory_bytes_per_s=1555 * GB,
+        host_bytes_per_s=32 * GB,
+        intra_node_bytes_per_s=300 * GB,
+        inter_node_bytes_per_s=25 * GB,
+        op_seconds=_LAUNCH_SECONDS,
+        source={
+            "flops": "NVIDIA A100 Tensor Core GPU datasheet, SXM: BF16 312 TFLOPS dense, FP32 19.5 TFLOPS",
+            "memory": "same datasheet, 40GB SXM: HBM2 1,555 GB/s",
+            "intra_node": "same datasheet: NVLink 600 GB/s (both directions; 300 GB/s each way)",
+            "host": "PCIe Gen4 x16: 32 GB/s each way",
+            "inter_node": "NVIDIA DGX A100 datasheet: 8x ConnectX-6 200 Gb/s, one per GPU (25 GB/s)",
+            "op": _SOURCE_H100["op"],
+        },
+    ),
+    "B200": SpeedSpec(
+        name="B200",
+        kind="cuda",
+        flops_per_s={"bfloat16": 2250 * TFLOPS, "float16": 2250 * TFLOPS, "float32": 75 * TFLOPS},
+        memory_bytes_per_s=8000 * GB,
+        host_bytes_per_s=64 * GB,
+        intra_node_bytes_per_s=900 * GB,
+        inter_node_bytes_per_s=50 * GB,
+        op_seconds=_LAUNCH_SECONDS,
+        source={
+            "flops": "NVIDIA HGX B200 datasheet, per GPU: FP16/BF16 4.5 PFLOPS with sparsity (2.25 dense), FP32 75 TFLOPS",
+            "memory": "same datasheet: HBM3e 8 TB/s per GPU",
+            "intra_node": "same datasheet: NVLink 5 1.8 TB/s per GPU (both directions; 900 GB/s each way)",
+            "host": "PCIe Gen5 x16: 64 GB/s each way",
+            "inter_node": "NVIDIA DGX B200 datasheet: 8x ConnectX-7 400 Gb/s, one per GPU (50 GB/s)",
+            "op": _SOURCE_H100["op"],
+        },
+    ),
+}
+
+
+def speed_preset(name: str) -> SpeedSpec:
+    """The datasheet speeds of a CUDA preset (planner.devices.DEVICE_NAMES, case-insensitive). ``cpu`` has none: its
+    speeds are this machine's, measured by tools/speed_probe.py::measure_cpu_speed."""
+    by_lower = {n.lower(): n for n in SPEED_PRESETS}
+    canonical = by_lower.get(str(name).lower())
+    if canonical is None:
+        hint = "; cpu's speeds are measured (tools/speed_probe.py)" if str(name).lower() == "cpu" else ""
+        raise ValueError(f"no speed profile for device {name!r}; choose one of {list(SPEED_PRESETS)}{hint}")
+    return SPEED_PRESETS[canonical]

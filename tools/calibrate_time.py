@@ -1,0 +1,177 @@
+"""``make calibrate-time``: fit the step-time model's efficiencies and op factors (planner/step_time.py) on the memory
+plan's fit set, with leave-one-run-out uncertainty, and write ``planner/calibration/cpu_time.json``.
+
+Each run of :data:`tools.plan_runs.FIT_SET` (run, or read from ``runs/calibration/<name>/`` as ``make calibrate``
+leaves it) gives one row per every-step phase: the phase's measured seconds (metrics.jsonl ``time/<phase>``, median
+over the steady steps 1..) against the model's raw terms (:func:`planner.step_time.raw_terms`: each term's seconds
+at efficiency 1 and op factor 1), at each steady step's recorded lengths, median over those steps, with the
+machine's speeds as ``tools/speed_probe.py`` measured them next to the run (its ``speed.json``). The fit is a
+non-negative least squares on relative errors (each row over max(its seconds, 50 ms)); a constant whose term no
+fit run exercises keeps its file value. Leaving each run out in turn gives each constant's spread, its uncertainty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from planner.calibration import TIME_CONSTANTS, Constant, from_json, write
+from planner.calibration import load as load_calibration
+from planner.step_time import COLUMN_CONSTANT, EFFICIENCIES, phase_work, raw_terms
+from tools.plan_runs import FIT_SET, ensure_run, plan_for, recorded_lengths_of, run_dir_for
+
+COLUMNS = tuple(COLUMN_CONSTANT)
+FLOOR_SECONDS = 0.05  # a row's relative error is over at least this (a phase of a few ms is noise)
+SPEED_FILE = "speed.json"
+
+
+def run_speed(run_dir: Path):
+    """The machine's speeds measured next to the run (its speed.json), else now (written there for the next read)."""
+    from planner.speed import SpeedSpec
+    from tools.speed_probe import measure_cpu_speed
+
+    path = run_dir / SPEED_FILE
+    if path.exists():
+        return SpeedSpec(**json.loads(path.read_text()))
+    speed = measure_cpu_speed()
+    path.write_text(json.dumps(vars(speed)) + "\n")
+    return speed
+
+
+def measured_seconds(run_dir: Path) -> dict[str, float]:
+    """Each phase's median seconds over the steady steps (1..) of the run's metrics.jsonl."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steady = [r for r in rows if r.get("trainer/step", 0) >= 1]
+    names = {k.removeprefix("time/") for r in steady for k in r if k.startswith("time/")}
+    return {n: statistics.median(r[f"time/{n}"] for r in steady if f"time/{n}" in r) for n in names}
+
+
+def run_rows(spec, run_dir: Path) -> list[tuple[str, dict[str, float], float]]:
+    """(phase, raw terms (median over steady steps), measured seconds) per every-step phase of one run."""
+    plan = plan_for(spec, None, run_dir)
+    speed = run_speed(run_dir)
+    lengths = [v for step, v in sorted(recorded_lengths_of(run_dir).items()) if step >= 1] or [None]
+    per_step = [phase_work(plan, lengths_) for lengths_ in lengths]
+    measured = measured_seconds(run_dir)
+    rows = []
+    for name in per_step[0]:
+        if name not in measured:
+            continue
+        raws = [raw_terms(works[name], plan.inputs, speed) for works in per_step]
+        raw = {c: statistics.median(r.get(c, 0.0) for r in raws) for c in COLUMNS}
+        rows.append((name, raw, measured[name]))
+    return rows
+
+
+def nnls(a: np.ndarray, b: np.ndarray, iterations: int = 200) -> np.ndarray:
+    """min ||a x - b|| with x >= 0 (Lawson and Hanson's active set)."""
+    n = a.shape[1]
+    x, passive = np.zeros(n), np.zeros(n, dtype=bool)
+    for _ in range(iterations):
+        gradient = a.T @ (b - a @ x)
+        if passive.all() or gradient[~passive].max(initial=-1) <= 1e-12:
+            break
+        passive[np.argmax(np.where(passive, -np.inf, gradient))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            negative = passive & (z <= 0)
+            alpha = np.min(x[negative] / (x[negative] - z[negative]))
+            x = x + alpha * (z - x)
+            passive &= x > 1e-15
+    return x
+
+
+def fit(rows_by_run: dict[str, list], prior) -> dict[str, float]:
+    """Coefficient per column (1 / efficiency, or the op factor); columns no row exercises keep the prior's."""
+    rows = [row for rows in rows_by_run.values() for row in rows]
+    used = [c for c in COLUMNS if any(raw[c] > 0 for _, raw, _ in rows)]
+    weight = np.array([1 / max(seconds, FLOOR_SECONDS) for *_, seconds in rows])
+    a = np.array([[raw[c] for c in used] for _, raw, _ in rows]) * weight[:, None]
+    b = np.array([seconds for *_, seconds in rows]) * weight
+    x = nnls(a, b)
+    out = {c: _prior_coefficient(prior, c) for c in COLUMNS}
+    out.update(dict(zip(used, x.tolist(), strict=True)))
+    return out
+
+
+def _prior_coefficient(prior, column: str) -> float:
+    name = COLUMN_CONSTANT[column]
+    value = prior.value(name)
+    return 1 / value if name in EFFICIENCIES else value
+
+
+def _as_constant(column: str, coefficient: float) -> float:
+    name = COLUMN_CONSTANT[column]
+    if name in EFFICIENCIES:
+        return 1 / coefficient if coefficient > 0 else float("inf")
+    return coefficient
+
+
+def calibrate(rerun: bool = False) -> dict:
+    prior = load_calibration("cpu_time")
+    rows_by_run = {}
+    for spec in FIT_SET:
+        run_dir = ensure_run(spec, run_dir_for(spec, "calibration"), rerun=rerun)
+        rows_by_run[spec.name] = run_rows(spec, run_dir)
+    full = fit(rows_by_run, prior)
+    loo = [fit({k: v for k, v in rows_by_run.items() if k != left}, prior) for left in rows_by_run]
+    constants = {}
+    exercised = {c for rows in rows_by_run.values() for _, raw, _ in rows for c in COLUMNS if raw[c] > 0}
+    for column in COLUMNS:
+        name = COLUMN_CONSTANT[column]
+        if column not in exercised or not full[column] > 0:
+            constants[name] = prior[name]
+            continue
+        value = _as_constant(column, full[column])
+        spread = [_as_constant(column, f[column]) for f in loo if f[column] > 0]
+        uncertainty = max((abs(v - value) for v in spread), default=value)
+        if len(spread) < len(loo):  # a fit without some run drove it to zero: as uncertain as it is large
+            uncertainty = max(uncertainty, value)
+        constants[name] = Constant(
+            name=name,
+            value=round(value, 6),
+            uncertainty=round(uncertainty, 6),
+            source="fit",
+            reference="make calibrate-time (tools/calibrate_time.py) on the fit set in provenance.runs; "
+            "uncertainty: the largest change when one run is left out",
+            unit=prior[name].unit,
+        )
+    return {
+        "constants": constants,
+        "rows": {k: [(n, s) for n, _, s in v] for k, v in rows_by_run.items()},
+        "runs": list(rows_by_run),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rerun", action="store_true", help="run the fit set again")
+    parser.add_argument("--dry-run", action="store_true", help="print the fit, write nothing")
+    args = parser.parse_args(argv)
+    result = calibrate(args.rerun)
+    prior = load_calibration("cpu_time")
+    for name in TIME_CONSTANTS:
+        c = result["constants"][name]
+        print(json.dumps({"constant": name, "value": c.value, "uncertainty": c.uncertainty, "source": c.source}))
+    if not args.dry_run:
+        calibration = replace(
+            from_json(prior.to_json()),
+            constants=result["constants"],
+            provenance={"runs": result["runs"], "tool": "tools/calibrate_time.py"},
+        )
+        print(f"wrote {write(calibration)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

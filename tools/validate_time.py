@@ -1,0 +1,119 @@
+"""``make validate-time``: the step-time model (planner/step_time.py) against runs it was not fitted to.
+
+Every configuration of :data:`tools.plan_runs.VALIDATION_SET` (the memory plan's validation runs: run, or read from
+``runs/validation/<name>/`` as ``make validate-plan`` leaves them), planned again and timed by the model at each
+steady step's recorded lengths with the machine's speeds measured next to the run (tools/calibrate_time.py's rows),
+one JSON line per configuration::
+
+    {"config", "predicted_step_s", "measured_step_s", "step_error", "step_ok", "passed", "failures",
+     "phases": {name: {"predicted_s", "measured_s", "error", "ok", "bound"}}}
+
+The step is the every-step phases' sum (save_checkpoint, eval and export_hf run on some steps). A step passes within
+15%, a phase within 25% or 50 ms. Exit 1 when any fails. ``--table`` adds a readable table on stderr. The tolerances
+are the issue's; CI checks the model's plumbing (tests/test_step_time.py), never a wall-clock time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from planner.calibration import Calibration
+from planner.calibration import load as load_calibration
+from planner.step_time import COLUMN_CONSTANT, COLUMN_TERM, TERMS, coefficient
+from tools.calibrate_time import run_rows
+from tools.plan_runs import VALIDATION_SET, ensure_run, run_dir_for
+
+STEP_TOLERANCE = 0.15
+PHASE_TOLERANCE = 0.25
+PHASE_FLOOR_SECONDS = 0.05
+
+
+def check_run(name: str, rows, constants: Calibration) -> dict:
+    phases, failures = {}, []
+    for phase, raw, measured in rows:
+        terms = dict.fromkeys(TERMS, 0.0)
+        for column, seconds in raw.items():
+            terms[COLUMN_TERM.get(column, column)] += seconds * coefficient(constants, column)
+        predicted = sum(terms.values())
+        ok = abs(predicted - measured) <= max(PHASE_TOLERANCE * measured, PHASE_FLOOR_SECONDS)
+        phases[phase] = {
+            "predicted_s": round(predicted, 4),
+            "measured_s": round(measured, 4),
+            "error": round(predicted / measured - 1, 3) if measured > 0 else None,
+            "ok": ok,
+            "bound": max(terms, key=terms.get),
+        }
+        if not ok:
+            failures.append(phase)
+    predicted_step = sum(p["predicted_s"] for p in phases.values())
+    measured_step = sum(p["measured_s"] for p in phases.values())
+    step_error = predicted_step / measured_step - 1
+    step_ok = abs(step_error) <= STEP_TOLERANCE
+    if not step_ok:
+        failures.insert(0, "step")
+    return {
+        "config": name,
+        "predicted_step_s": round(predicted_step, 3),
+        "measured_step_s": round(measured_step, 3),
+        "step_error": round(step_error, 3),
+        "step_ok": step_ok,
+        "passed": not failures,
+        "failures": failures,
+        "phases": phases,
+    }
+
+
+def validate(names: list[str] | None = None, rerun: bool = False, constants: Calibration | None = None) -> list[dict]:
+    constants = constants or load_calibration("cpu_time")
+    results = []
+    for spec in VALIDATION_SET:
+        if names and spec.name not in names:
+            continue
+        run_dir = ensure_run(spec, run_dir_for(spec, "validation"), rerun=rerun)
+        results.append(check_run(spec.name, run_rows(spec, run_dir), constants))
+    return results
+
+
+def format_rows(results: list[dict]) -> str:
+    lines = [f"{'config':<34}{'phase':<18}{'pred s':>9}{'meas s':>9}{'error':>8}  {'bound':<11}ok"]
+    for r in results:
+        step = f"{r['config']:<34}{'STEP':<18}{r['predicted_step_s']:>9.3f}{r['measured_step_s']:>9.3f}"
+        lines.append(f"{step}{r['step_error']:>+8.1%}  {'':<11}{'yes' if r['step_ok'] else 'NO'}")
+        for name, p in r["phases"].items():
+            if max(p["predicted_s"], p["measured_s"]) < 0.02:
+                continue  # a few ms either way
+            error = f"{p['error']:>+8.1%}" if p["error"] is not None else f"{'':>8}"
+            lines.append(
+                f"{'':<34}{name:<18}{p['predicted_s']:>9.3f}{p['measured_s']:>9.3f}{error}  {p['bound']:<11}"
+                f"{'yes' if p['ok'] else 'NO'}"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", default=None, help="validation configurations (default: all)")
+    parser.add_argument("--rerun", action="store_true", help="run again even where a finished run exists")
+    parser.add_argument("--table", action="store_true", help="also print a readable table on stderr")
+    args = parser.parse_args(argv)
+    results = validate(args.only, args.rerun)
+    for r in results:
+        print(json.dumps(r), flush=True)
+    if args.table:
+        print(format_rows(results), file=sys.stderr)
+    failed = [r["config"] for r in results if not r["passed"]]
+    steps_ok = sum(r["step_ok"] for r in results)
+    print(
+        f"validate-time: {steps_ok}/{len(results)} steps within {STEP_TOLERANCE:.0%}, "
+        f"{len(results) - len(failed)}/{len(results)} configurations with every phase within tolerance"
+        f"{'; failed: ' + ', '.join(failed) if failed else ''}",
+        file=sys.stderr,
+    )
+    return 1 if failed else 0
+
+
+assert set(COLUMN_CONSTANT) >= set(COLUMN_TERM)
+if __name__ == "__main__":
+    sys.exit(main())
