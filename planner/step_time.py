@@ -48,8 +48,8 @@ from planner.speed import SpeedSpec
 
 # torch ops of one decoder layer of megatron's local spec (megatron_backend/model.py, packed sequences), counted with
 # torch.utils._python_dispatch.TorchDispatchMode on a real layer (tests/test_step_time.py pins them): forward and
-# backward, Qwen2-like and with Qwen3's q/k norms
-LOCAL_LAYER_OPS = {"forward": 133, "backward": 121}
+# backward, Qwen2-like and with Qwen3's q/k norms, a micro-batch of unequal sequences (one sequence alone: 2 more)
+LOCAL_LAYER_OPS = {"forward": 131, "backward": 121}
 QK_NORM_LAYER_OPS = {"forward": 13, "backward": 34}
 TERMS = ("compute", "memory", "host", "link", "actor_ops", "engine_ops", "tensor_ops", "phase_ops")
 # a fit's columns (raw_terms) -> the constant that scales each (planner/calibration TIME_CONSTANTS) and its term
@@ -150,6 +150,11 @@ def _engine_work(inp: PlanInputs, lengths: StepLengths) -> PhaseWork:
     steps = waves * max(1, lengths.longest_response)
     prompt, response = lengths.mean_prompt, lengths.mean_response
     params = engine_param_count(s, r.tp, *inp.engine_expert_split)
+    active = params
+    if s.is_moe:  # a token meets its top-k of the E experts: the rank's expert params x k / (E / ep) it holds
+        ep, etp = inp.engine_expert_split
+        expert_params = len(s.moe_layers) * s.num_experts // ep * 3 * s.hidden_size * s.moe_intermediate_size // etp
+        active = params - expert_params * (1 - s.moe_top_k * ep / s.num_experts)
     e = inp.element_bytes
     tokens = seqs * (prompt + response)
     span = prompt + response / 2
@@ -157,7 +162,7 @@ def _engine_work(inp: PlanInputs, lengths: StepLengths) -> PhaseWork:
     kv_read = seqs * response * span * kv_bytes_per_token(s, r.tp, e)
     tp_bytes = tokens * 2 * s.num_layers * s.hidden_size * e * 2 * (r.tp - 1) / r.tp
     return PhaseWork(
-        flops=2 * params * tokens + attention,
+        flops=2 * active * tokens + attention,
         memory_bytes=steps * params * e + kv_read,
         link_bytes={"intra_node": tp_bytes},
         engine_layer_steps=(steps + waves) * s.num_layers,  # decode steps + one prefill per wave

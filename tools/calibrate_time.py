@@ -5,7 +5,8 @@ Each run of :data:`tools.plan_runs.FIT_SET` (run, or read from ``runs/calibratio
 leaves it) gives one row per every-step phase: the phase's measured seconds (metrics.jsonl ``time/<phase>``, median
 over the steady steps 1..) against the model's raw terms (:func:`planner.step_time.raw_terms`: each term's seconds
 at efficiency 1 and op factor 1), at each steady step's recorded lengths, median over those steps, with the
-machine's speeds as ``tools/speed_probe.py`` measured them next to the run (its ``speed.json``). The fit is a
+machine's speeds as ``tools/speed_probe.py`` measured them just before the run (its ``speed.json``; a run without
+one: measured now, once for all). The fit is a
 non-negative least squares on relative errors (each row over max(its seconds, 50 ms)); a constant whose term no
 fit run exercises keeps its file value. Leaving each run out in turn gives each constant's spread, its uncertainty.
 """
@@ -13,6 +14,7 @@ fit run exercises keeps its file value. Leaving each run out in turn gives each 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -23,8 +25,10 @@ import numpy as np
 
 from planner.calibration import TIME_CONSTANTS, Constant, from_json, write
 from planner.calibration import load as load_calibration
+from planner.speed import SpeedSpec
 from planner.step_time import COLUMN_CONSTANT, EFFICIENCIES, phase_work, raw_terms
 from tools.plan_runs import FIT_SET, ensure_run, plan_for, recorded_lengths_of, run_dir_for
+from tools.speed_probe import measure_cpu_speed
 
 COLUMNS = tuple(COLUMN_CONSTANT)
 FLOOR_SECONDS = 0.05  # a row's relative error is over at least this (a phase of a few ms is noise)
@@ -32,16 +36,17 @@ SPEED_FILE = "speed.json"
 
 
 def run_speed(run_dir: Path):
-    """The machine's speeds measured next to the run (its speed.json), else now (written there for the next read)."""
-    from planner.speed import SpeedSpec
-    from tools.speed_probe import measure_cpu_speed
-
+    """The machine's speeds measured just before the run (its speed.json, tools/plan_runs.py writes it), else now
+    (once per process: a run made before speed.json existed is timed with today's speeds, the same for every run)."""
     path = run_dir / SPEED_FILE
     if path.exists():
         return SpeedSpec(**json.loads(path.read_text()))
-    speed = measure_cpu_speed()
-    path.write_text(json.dumps(vars(speed)) + "\n")
-    return speed
+    return _speed_now()
+
+
+@functools.cache
+def _speed_now():
+    return measure_cpu_speed()
 
 
 def measured_seconds(run_dir: Path) -> dict[str, float]:

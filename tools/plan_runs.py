@@ -298,6 +298,7 @@ def ensure_run(spec: RunSpec, run_dir: Path, rerun: bool = False, timeout_s: flo
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
+    _probe_speed(run_dir)
     cmd = [sys.executable, "-m", "run.main", "--exp", spec.exp, "--run-dir", str(run_dir), *spec.all_overrides]
     print(f"{spec.name}: running {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
     start = time.monotonic()
@@ -311,6 +312,16 @@ def ensure_run(spec: RunSpec, run_dir: Path, rerun: bool = False, timeout_s: flo
     spec_file.write_text(json.dumps(spec.key()) + "\n")
     print(f"{spec.name}: done in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
     return run_dir
+
+
+def _probe_speed(run_dir: Path) -> None:
+    """CPU: the machine's speeds just before the run (its speed.json), what make validate-time times it with."""
+    import torch  # a heavy import this module's planner-only users never need
+
+    if not torch.cuda.is_available():
+        from tools.speed_probe import measure_cpu_speed  # imports torch at its top
+
+        (run_dir / "speed.json").write_text(json.dumps(vars(measure_cpu_speed())) + "\n")
 
 
 # ---------------------------------------------------------------- measured

@@ -1,0 +1,198 @@
+"""The step-time model's plumbing (planner/step_time.py), its counted op constants against a real megatron layer, and
+its fit (tools/calibrate_time.py) and check (tools/validate_time.py) on rows whose constants are known. No
+wall-clock time is asserted here: make validate-time compares the model with measured runs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from modelspec import ModelShape
+from planner import make_plan
+from planner.calibration import load
+from planner.devices import DeviceSpec, device_preset
+from planner.speed import SPEED_PRESETS, SpeedSpec, speed_preset
+from planner.step_time import (
+    COLUMN_CONSTANT,
+    LOCAL_LAYER_OPS,
+    QK_NORM_LAYER_OPS,
+    coefficient,
+    phase_work,
+    predict_step_time,
+)
+from tests.dist import run_ranks
+from tests.planner_inputs import make_inputs as planner_inputs
+
+CPU = SpeedSpec(
+    name="cpu",
+    kind="cpu",
+    flops_per_s={"float32": 5e10, "bfloat16": 1e11},
+    memory_bytes_per_s=5e9,
+    host_bytes_per_s=5e9,
+    intra_node_bytes_per_s=5e9,
+    inter_node_bytes_per_s=5e9,
+    op_seconds=3e-6,
+    cores=2,
+)
+
+
+def make_inputs(**fields):
+    """The tiny model on a CPU rank: 8 sequences of 32 + 64 tokens, packed, 2 micro-batches."""
+    device = DeviceSpec(name="cpu", kind="cpu", total_bytes=8 * 2**30, host_memory_bytes=16 * 2**30)
+    defaults = dict(shape=ModelShape.from_pretrained("tiny:qwen2"), device=device, dtype="float32")
+    defaults.update(sequences_per_step=8, prompt_tokens=32, response_tokens=64, ranks_per_node=1)
+    return planner_inputs(actor=dict(micro_batch_size=4, remove_padding=True), **{**defaults, **fields})
+
+
+def _ops_per_layer(rank: int, world_size: int, family: str) -> dict[str, tuple[int, int]]:
+    """Torch ops of a forward and a backward of megatron's local model with 2 and with 4 layers (packed)."""
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_backend.model import build_gpt_chunks
+    from megatron_backend.parallel import initialize_model_parallel
+    from modelspec import ModelShape
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    dims = initialize_model_parallel(tp=world_size, pp=1, vpp=None)
+    lengths = (16, 24, 24)  # a micro-batch of packed sequences of unequal lengths, the common case
+    tokens = sum(lengths)
+    cu = torch.tensor([0, 16, 40, 64], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=24, max_seqlen_kv=24)
+    out = {}
+    for layers in (2, 4):
+        shape = dataclasses.replace(ModelShape.from_pretrained(f"tiny:{family}"), num_layers=layers)
+        [model] = build_gpt_chunks(shape, dims)
+        ids = torch.randint(0, shape.vocab_size, (1, tokens))
+        positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+        Count.ops = 0
+        with Count():
+            y = model(ids, positions, attention_mask=None, packed_seq_params=params)
+        forward = Count.ops
+        Count.ops = 0
+        with Count():
+            y.float().sum().backward()
+        out[layers] = (forward, Count.ops)
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_the_counted_layer_ops_are_what_torch_dispatches(family):
+    counts = run_ranks(_ops_per_layer, 1, family)[0]
+    forward, backward = ((counts[4][i] - counts[2][i]) / 2 for i in range(2))
+    qk = QK_NORM_LAYER_OPS if family == "qwen3" else {"forward": 0, "backward": 0}
+    assert forward == LOCAL_LAYER_OPS["forward"] + qk["forward"]
+    assert backward == LOCAL_LAYER_OPS["backward"] + qk["backward"]
+
+
+def test_every_step_phase_is_timed_and_only_those():
+    plan = make_plan(make_inputs())
+    step = predict_step_time(plan, CPU, load("cpu_time"))
+    assert [p.name for p in step.phases] == [n for n in plan.names if n not in ("eval", "export_hf")]
+    assert all(p.seconds >= 0 for p in step.phases)
+    assert step.seconds == pytest.approx(sum(p.seconds for p in step.phases))
+    assert step.phase("train").seconds > 0 and step.phase("rollout").seconds > 0
+
+
+def test_the_work_follows_the_counts():
+    inp = make_inputs()
+    base = phase_work(make_plan(inp))
+    longer_inputs = inp.with_rollout(max_new_tokens=2 * inp.response_tokens)
+    longer = phase_work(make_plan(dataclasses.replace(longer_inputs, response_tokens=2 * inp.response_tokens)))
+    assert longer["rollout"].engine_layer_steps > base["rollout"].engine_layer_steps
+    assert longer["train"].flops > base["train"].flops
+    # an offload moves its state over the host link; an onload of what stays resident moves nothing
+    resident = phase_work(make_plan(inp.with_offload(grads=False)))
+    assert base["offload_grads"].host_bytes > 0 and resident["offload_grads"].host_bytes == 0
+    # full recompute runs one more forward
+    recompute = phase_work(make_plan(inp.with_actor(recompute="full")))
+    assert recompute["train"].flops == pytest.approx(base["train"].flops * 4 / 3)
+
+
+def test_a_pipeline_pays_its_bubble_and_tp_its_all_reduces():
+    inp = make_inputs()
+    pp = phase_work(make_plan(dataclasses.replace(inp.with_actor(pp=2), actor_dp=1)))["train"]
+    assert pp.bubble > 0
+    tp = phase_work(make_plan(dataclasses.replace(inp.with_actor(tp=2), ranks_per_node=2)))["train"]
+    assert tp.link_bytes["intra_node"] > 0 and not phase_work(make_plan(inp))["train"].link_bytes
+    # the same group over two nodes of one rank each crosses the network
+    assert set(phase_work(make_plan(inp.with_actor(tp=2)))["train"].link_bytes) == {"inter_node"}
+
+
+def test_each_constant_scales_its_term():
+    plan = make_plan(make_inputs())
+    constants = load("cpu_time")
+    step = predict_step_time(plan, CPU, constants)
+    for name in ("compute_efficiency", "actor_op_factor"):
+        term = "compute" if name == "compute_efficiency" else "actor_ops"
+        factor = 0.5 if name == "compute_efficiency" else 2.0  # both double the term
+        mutated = predict_step_time(plan, CPU, constants.with_values(**{name: constants.value(name) * factor}))
+        assert mutated.phase("train").terms[term] == pytest.approx(2 * step.phase("train").terms[term])
+
+
+def test_a_cuda_preset_times_a_large_model_by_its_compute():
+    shape = ModelShape.from_pretrained("arch:Qwen2.5-32B-Instruct")
+    inputs = planner_inputs(
+        shape=shape,
+        device=device_preset("H100-80GB"),
+        dtype="bfloat16",
+        actor=dict(tp=8, micro_batch_size=4),
+        rollout=dict(tp=8),
+        sequences_per_step=64,
+        prompt_tokens=512,
+        response_tokens=1024,
+        ranks_per_node=8,
+    )
+    plan = make_plan(inputs)
+    step = predict_step_time(plan, speed_preset("H100-80GB"))
+    assert step.phase("train").bound == "compute"
+    assert step.seconds > 1.0
+
+
+def test_a_device_without_a_speed_profile_is_named():
+    with pytest.raises(ValueError, match="no speed profile for device 'V100'"):
+        speed_preset("V100")
+    with pytest.raises(ValueError, match="measured"):
+        speed_preset("cpu")
+    assert all(p.source["flops"] for p in SPEED_PRESETS.values())  # every datasheet figure cites its source
+
+
+def _synthetic_rows(coefficients: dict[str, float]):
+    """Rows whose seconds are known: per column, rows it dominates (0.2-1 s), and rows that mix them."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for column in COLUMN_CONSTANT:
+        for _ in range(3):
+            raw = {c: float(rng.uniform(0, 0.01)) / coefficients[c] for c in COLUMN_CONSTANT}
+            raw[column] = float(rng.uniform(0.2, 1.0)) / coefficients[column]
+            rows.append((column, raw, sum(raw[c] * coefficients[c] for c in raw)))
+    for i in range(10):
+        raw = {c: float(rng.uniform(0, 0.3)) / coefficients[c] for c in COLUMN_CONSTANT}
+        rows.append((f"mixed{i}", raw, sum(raw[c] * coefficients[c] for c in raw)))
+    return rows
+
+
+def test_the_fit_recovers_known_constants_and_validation_catches_each_mutation():
+    from tools.calibrate_time import fit
+    from tools.validate_time import check_run
+
+    constants = load("cpu_time")
+    truth = {c: coefficient(constants, c) for c in COLUMN_CONSTANT}
+    rows = _synthetic_rows(truth)
+    fitted = fit({"a": rows[::2], "b": rows[1::2]}, constants)
+    for column, value in truth.items():
+        assert fitted[column] == pytest.approx(value, rel=1e-6)
+    assert check_run("synthetic", rows, constants)["passed"]
+    for name in COLUMN_CONSTANT.values():  # each constant off by 2x fails the check
+        for factor in (2.0, 0.5):
+            wrong = constants.with_values(**{name: constants.value(name) * factor})
+            assert not check_run("synthetic", rows, wrong)["passed"], f"{name} x{factor} went unnoticed"
