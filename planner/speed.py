@@ -6,8 +6,9 @@ dtype, memory bandwidth, NVLink per direction (the datasheet's total is both dir
 per direction) and the node's network per GPU (the DGX system's InfiniBand adapters over its 8 GPUs). No efficiency
 is in them: the fitted efficiencies (planner/calibration/<kind>_time.json) say how much of a peak a phase reaches.
 
-``cpu`` has no datasheet: this machine's figures are measured (tools/speed_probe.py: a matmul's FLOP/s at the
-threads a rank gets, a large copy's bytes/s, one small torch op's seconds) and passed in. Pure standard library.
+``cpu`` has no datasheet: this machine's figures are measured on one core (tools/speed_probe.py: a matmul's FLOP/s,
+a large copy's bytes/s, one small torch op's seconds) and passed in; a rank's share of the cores scales them
+(:meth:`SpeedSpec.compute_stretch`). Pure standard library.
 """
 
 from __future__ import annotations
@@ -51,8 +52,13 @@ class SpeedSpec:
         return self.flops_per_s[dtype]
 
     def oversubscription(self, ranks_per_node: int) -> float:
-        """CPU: how many ranks share one core (>= 1); each rank's work takes that many times longer. CUDA: 1."""
+        """CPU: how many ranks share one core (>= 1); each rank's serial work takes that many times longer. CUDA: 1."""
         return max(1.0, ranks_per_node / self.cores) if self.kind == "cpu" and self.cores else 1.0
+
+    def compute_stretch(self, ranks_per_node: int) -> float:
+        """CPU: a rank's math runs on cores / ranks of the machine (run/launch.py::spawn_local gives each rank that
+        many OpenMP threads, at least 1), and ``flops_per_s`` is one core's: the time's factor ranks / cores. CUDA: 1."""
+        return ranks_per_node / self.cores if self.kind == "cpu" and self.cores else 1.0
 
 
 # Kernel launch: ~5 us per launch is what NVIDIA's CUDA C++ Best Practices Guide's "kernel launch overhead" section

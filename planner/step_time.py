@@ -7,7 +7,9 @@ counted from the model's shape, the layouts and the batch (:class:`PhaseWork`):
   attention's 2 x span x heads x d per layer; backward 2 x forward; full recompute one forward more. The engine runs
   every prompt token once (prefill) and every response token once (decode).
 - ``memory_bytes``: bytes streamed from device memory that no FLOP count sees: every decode step reads the engine's
-  weights and the KV cache its sequences have written; a wake touches what it maps (weights, KV cache).
+  weights and the KV cache its sequences have written; an actor pass writes its activations and logits (the memory
+  plan's per-token counts), backward as much again; the optimizer step reads and writes its states; a wake touches
+  what it maps (weights, KV cache).
 - ``host_bytes``: what an offload or onload copies over the host link (its state's bytes, the memory plan's sizes).
 - ``link_bytes``: per link (``intra_node``, ``inter_node``), what one rank sends in collectives: TP's 4 all-reduces
   per layer in train (2 forward, 2 backward; 2 in a forward) of tokens x h, PP's activation sends, EP's all-to-all of
@@ -16,12 +18,12 @@ counted from the model's shape, the layouts and the batch (:class:`PhaseWork`):
   torch ops counted on megatron's local layer: :data:`LOCAL_LAYER_OPS`), an engine layer's step, a parameter tensor
   an optimizer step or a sync handles, a phase.
 
-seconds = oversubscription x (flops / (peak x compute_efficiency) + memory_bytes / (bandwidth x memory_efficiency)
-          + sum ops x op_seconds x its factor) x (1 + bubble) + host_bytes / (host link x host_efficiency)
+seconds = flops / (peak x compute_efficiency) + memory_bytes / (bandwidth x memory_efficiency)
+          + sum ops x op_seconds x its factor + host_bytes / (host link x host_efficiency)
           + sum link_bytes / (link x link_efficiency)
 
-with the pipeline's bubble (pp - 1) / (micro-batches x vpp) on the actor's passes and the oversubscription of a CPU
-whose ranks outnumber its cores. The efficiencies and op factors are fitted (planner/calibration/<kind>_time.json,
+with the pipeline's bubble (pp - 1) / (micro-batches x vpp) stretching the actor's passes and, on CPU, a rank's share
+of the cores its math and ops; on CUDA the kernel launches overlap the device's work (:func:`combined_seconds`). The efficiencies and op factors are fitted (planner/calibration/<kind>_time.json,
 ``make calibrate-time``), on the memory plan's fit set, and checked by ``make validate-time`` on runs that did not
 fit them. Each phase names what bounds it (the largest term). Pure standard library, like the memory plan.
 """
@@ -41,6 +43,7 @@ from planner.sizes import (
     actor_stage_param_count,
     engine_param_count,
     kv_bytes_per_token,
+    layer_activation_bytes_per_token,
     megatron_padded_vocab,
     stage_layers,
 )
@@ -188,8 +191,20 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
     pp_bytes = activation * (2 if train else 1) if a.pp > 1 else 0
     moe_layers = sum(1 for layer in stage_layers(s, a.pp, stage) if s.is_moe_layer(layer))
     ep_bytes = activation * s.moe_top_k * 2 * moe_layers * (2 if train else 1) * (a.ep - 1) / a.ep if a.ep > 1 else 0
+    # bytes the pass writes to fresh memory (on CPU each buffer of a page or more is a fresh mapping, faulted in:
+    # colocation/host_memory.py): every layer's activations (what megatron keeps for backward, planner.sizes), the
+    # logits in the dtype and the log-prob pass's fp32 rows and their exp on the last stage; backward as much again
+    kept = sum(
+        layer_activation_bytes_per_token(
+            s, a.tp, e, inp.attention, sparse=s.is_moe_layer(layer), etp=a.etp, packed=a.remove_padding
+        )
+        for layer in stage_layers(s, a.pp, stage)
+    )
+    logits = (e + 8) * megatron_padded_vocab(s.vocab_size, a.tp) // a.tp if stage == a.pp - 1 else 0
+    written = tokens * (kept + logits) * (2 if train else 1)
     work = PhaseWork(
         flops=forward * passes,
+        memory_bytes=written,
         actor_ops=ops,
         link_bytes=_by_link(inp, {"tp": tp_bytes, "pp": pp_bytes, "ep": ep_bytes}),
         bubble=(a.pp - 1) / (mb.count * (a.vpp or 1)),
@@ -269,8 +284,9 @@ def raw_terms(work: PhaseWork, inp: PlanInputs, speed: SpeedSpec) -> dict[str, f
     """Each term's seconds at efficiency 1 and op factor 1 (a fit's columns; the engine's ops under its own name)."""
     over = speed.oversubscription(inp.ranks_per_node)
     stretch = over * (1 + work.bubble)
+    compute_stretch = speed.compute_stretch(inp.ranks_per_node) * (1 + work.bubble)
     return {
-        "compute": work.flops / speed.flops(inp.dtype) * stretch,
+        "compute": work.flops / speed.flops(inp.dtype) * compute_stretch,
         "memory": work.memory_bytes / speed.memory_bytes_per_s * over,
         "host": work.host_bytes / speed.host_bytes_per_s,
         "link": sum(b / getattr(speed, f"{link}_bytes_per_s") for link, b in work.link_bytes.items()),
@@ -292,12 +308,28 @@ def coefficient(constants: Calibration, column: str) -> float:
     return 1.0 / constants.value(name) if name in EFFICIENCIES else constants.value(name)
 
 
-def phase_seconds(name: str, work: PhaseWork, inp: PlanInputs, speed: SpeedSpec, constants: Calibration) -> PhaseTime:
-    raw = raw_terms(work, inp, speed)
+def scaled_terms(raw: dict[str, float], constants: Calibration) -> dict[str, float]:
+    """Each term's seconds: the raw terms times their constants' coefficients, the engines' ops as ``engine_ops``."""
     terms = dict.fromkeys(TERMS, 0.0)
     for column, seconds in raw.items():
         terms[COLUMN_TERM.get(column, column)] += seconds * coefficient(constants, column)
-    return PhaseTime(name, sum(terms.values()), terms, max(terms, key=terms.get))
+    return terms
+
+
+def combined_seconds(terms: dict[str, float], device_kind: str) -> float:
+    """A phase's seconds from its terms. On CPU one core launches an op and runs it: everything adds up. On CUDA the
+    host launches kernels while the device runs earlier ones: the device's work (compute, memory) and the launches
+    overlap, the slower of the two counts; host copies, collectives and the phase's own cost add."""
+    if device_kind == "cpu":
+        return sum(terms.values())
+    device = terms["compute"] + terms["memory"]
+    launches = terms["actor_ops"] + terms["engine_ops"] + terms["tensor_ops"]
+    return max(device, launches) + terms["host"] + terms["link"] + terms["phase_ops"]
+
+
+def phase_seconds(name: str, work: PhaseWork, inp: PlanInputs, speed: SpeedSpec, constants: Calibration) -> PhaseTime:
+    terms = scaled_terms(raw_terms(work, inp, speed), constants)
+    return PhaseTime(name, combined_seconds(terms, speed.kind), terms, max(terms, key=terms.get))
 
 
 def predict_step_time(

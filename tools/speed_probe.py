@@ -1,6 +1,7 @@
 """This machine's speeds as a :class:`planner.speed.SpeedSpec` (the ``cpu`` device has no datasheet).
 
-Measured in about a second, median of repeats, at torch's default threads (what a rank runs with):
+Measured in about a second, median of repeats, on one core (one torch thread; the model scales by a rank's share of
+the cores, planner.speed.SpeedSpec.compute_stretch):
 - ``flops_per_s``: a [1024, 1024] x [1024, 1024] matmul per dtype (2 n^3 FLOPs);
 - ``memory_bytes_per_s`` (and the host and intra-node links, which on CPU are copies in memory): a 64 MiB copy
   into a buffer that already exists;
@@ -36,6 +37,15 @@ def _median_seconds(fn, repeats: int) -> float:
 
 
 def measure_cpu_speed() -> SpeedSpec:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _measure()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure() -> SpeedSpec:
     flops = {}
     for dtype in (torch.float32, torch.bfloat16):
         a = torch.randn(MATMUL_N, MATMUL_N).to(dtype)
@@ -51,7 +61,7 @@ def measure_cpu_speed() -> SpeedSpec:
             torch.add(x, y, out=out)
 
     op = _median_seconds(small_ops, 5) / SMALL_OPS
-    how = f"measured by tools/speed_probe.py on this machine ({torch.get_num_threads()} torch threads)"
+    how = "measured by tools/speed_probe.py on this machine, one core (one torch thread)"
     return SpeedSpec(
         name="cpu",
         kind="cpu",
