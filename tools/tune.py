@@ -159,6 +159,24 @@ def configure(cfg, layout: Layout):
     return dataclasses.replace(cfg, actor=actor, rollout=rollout)
 
 
+def experiment_layout(cfg) -> Layout:
+    """The layout the composed experiment runs."""
+    a, off = cfg.actor, cfg.actor.offload
+    return Layout(
+        a.tp,
+        a.pp,
+        a.vpp,
+        a.ep,
+        a.etp,
+        cfg.rollout.tp,
+        (off.params, off.grads, off.optimizer),
+        a.recompute,
+        a.micro_batch_size,
+        cfg.rollout.wake_strategy,
+        a.optimizer_offload_fraction,
+    )
+
+
 def layout_inputs(base, cfg):
     """The experiment's plan inputs with ``cfg``'s layout (the sync at its bound, no reference check)."""
     actor = cfg.actor
@@ -249,6 +267,12 @@ def search(cfg, base, speed, max_layouts: int = 3000, fraction_budget: int = 60,
     if len(valid) > max_layouts:
         sampled_from = len(valid)
         valid = random.Random(seed).sample(valid, max_layouts)
+    own = experiment_layout(cfg)  # the experiment's own layout, always judged: the baseline
+    if all(layout != own for layout, _ in valid):
+        try:
+            valid.append((own, layout_inputs(base, configure(cfg, own))))
+        except ValueError:
+            pass
     judged = []
     for layout, inputs in valid:
         judged.append(judge(layout, make_plan(inputs), speed))
@@ -420,6 +444,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"\nbest {min(args.top, len(ok))} (predicted step seconds, {speed.name} speeds):")
     print(table(ok[: args.top]))
+    own = experiment_layout(cfg)
+    mine = next((j for j in result.judged if j.layout == own), None)
+    if mine is not None:
+        rank = f"rank {ok.index(mine) + 1} of {len(ok)}" if mine.feasible else f"rejected: {mine.reason}"
+        print(f"\nthe experiment's own layout: {own.label()}  {mine.seconds:.3f} s ({mine.bound}); {rank}")
     if bad:
         print("\nbest rejected (by predicted time):")
         for j in bad[:5]:
