@@ -32,6 +32,8 @@ LAYOUT      ?=
 PYTEST_ARGS ?=
 JSON        ?=
 NODES       ?=
+GPUS_PER_NODE ?=
+DEVICE      ?=
 SUBMIT      ?=
 SWEEP       ?= util_offload
 SWEEP_ID    ?=
@@ -123,6 +125,9 @@ calibrate-time: $(STAMP) ## fit the step-time model's efficiencies and op factor
 
 validate-time: $(STAMP) ## the step-time model vs the validation set's runs (never fitted on): seconds per phase and per step, one JSON line per config
 	@$(PY) -m tools.validate_time --table $(ARGS)
+
+tune: $(STAMP) ## search EXP's layouts on NODES x GPUS_PER_NODE DEVICE (default: the experiment's cluster): the best ten by predicted step time, the winner as experiments/conf/exp/tuned_<EXP>.yaml [JSON=<path>]
+	@$(PY) -m tools.tune --exp $(EXP) $(if $(NODES),--nodes $(NODES)) $(if $(GPUS_PER_NODE),--gpus-per-node $(GPUS_PER_NODE)) $(if $(DEVICE),--device $(DEVICE)) $(if $(JSON),--json $(JSON)) $(ARGS)
 
 mutate-plan: $(STAMP) ## double each term of the plan / zero each transient and re-check the stored validation runs: which check fails
 	@$(PY) -m tools.mutate_plan $(ARGS)

@@ -340,7 +340,9 @@ def recommend_optimizer_offload_fraction(inp, min_beyond_bytes: int = 0) -> floa
         fraction = round(i * OFFLOAD_FRACTION_STEP, 2)
         # megatron's optimizer on CUDA: distributed when DP > 1, and for its CPU offload
         distributed = inp.actor_dp > 1 or fraction > 0
-        trial = replace(inp.with_actor(optimizer_offload_fraction=fraction), distributed_optimizer=distributed)
+        # both at once: PlanInputs rejects a fraction > 0 without the distributed optimizer (actor_dp = 1)
+        actor = replace(inp.actor, optimizer_offload_fraction=fraction)
+        trial = replace(inp, actor=actor, distributed_optimizer=distributed)
         plan = make_plan(trial)
         if plan.fits and headroom_beyond_uncertainty_bytes(plan) >= min_beyond_bytes:
             return fraction

@@ -1,0 +1,106 @@
+"""make tune (tools/tune.py): the enumeration, the rejection reasons, the ranking, the YAML it writes, bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import tools.speed_probe
+from planner.speed import SpeedSpec
+from run.compose import compose, compose_from_file
+from run.memory_plan import plan_inputs
+from tools import tune
+
+# a fixed CPU speed: no probe in the tests
+CPU = SpeedSpec(
+    name="cpu",
+    kind="cpu",
+    flops_per_s={"float32": 1e11, "bfloat16": 5e10},
+    memory_bytes_per_s=1e10,
+    host_bytes_per_s=1e10,
+    intra_node_bytes_per_s=1e10,
+    inter_node_bytes_per_s=1e9,
+    op_seconds=5e-6,
+    cores=2,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = compose("tiny_cpu")
+    return cfg, plan_inputs(cfg, None)
+
+
+def test_the_enumeration_honours_divisibility():
+    shape = compose("qwen3_30b_a3b_8xh100").model.shape()
+    layouts = tune.enumerate_layouts(shape, world=16, per_node=8, on_cuda=True)
+    assert layouts
+    for lay in layouts:
+        assert 16 % (lay.tp * lay.pp) == 0 and lay.tp <= 8 and lay.rollout_tp <= 8 and 16 % lay.rollout_tp == 0
+        assert shape.num_layers % lay.pp == 0
+        assert lay.vpp is None or (lay.pp > 1 and shape.num_layers % (lay.pp * lay.vpp) == 0)
+        assert shape.num_experts % lay.ep == 0
+        dp = 16 // (lay.tp * lay.pp)
+        assert (lay.tp * dp) % (lay.ep * (lay.etp or lay.tp)) == 0
+    assert {lay.ep for lay in layouts} >= {1, 2, 4, 8, 16}
+    assert {lay.wake_strategy for lay in layouts} == set(tune.WAKE)
+
+
+def test_search_ranks_by_predicted_time_and_rejects_with_a_reason(tiny):
+    cfg, base = tiny
+    result = tune.search(cfg, base, CPU, max_layouts=200)
+    ok, bad = tune.ranked(result)
+    assert ok, "some tiny_cpu layout fits"
+    assert [j.seconds for j in ok] == sorted(j.seconds for j in ok)
+    assert all(j.reason is None for j in ok)
+    assert all(j.reason for j in bad)
+    assert result.rejected_by_checks > 0  # micro-batches that do not divide a rank's sequences, ...
+
+
+def test_an_infeasible_layout_is_rejected_with_the_overflowing_phase(tiny):
+    cfg, base = tiny
+    small = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, cpu_capacity_gb=0.01))
+    lay = tune.Layout(1, 1, None, 1, None, 1, (False, False, False), "none", 8, "staged")
+    inputs = tune.layout_inputs(dataclasses.replace(base, rollout=small.rollout), tune.configure(small, lay))
+    from planner import make_plan
+
+    plan = make_plan(dataclasses.replace(inputs, device=dataclasses.replace(base.device, total_bytes=2**20)))
+    judged = tune.judge(lay, plan, CPU)
+    assert not judged.feasible and "DOES NOT FIT" in judged.reason and "GiB over" in judged.reason
+
+
+def test_the_written_yaml_composes(tiny, tmp_path):
+    cfg, base = tiny
+    ok, _ = tune.ranked(tune.search(cfg, base, CPU, max_layouts=100))
+    out = tmp_path / "tuned_tiny_cpu.yaml"
+    plan = tune.write_winner("tiny_cpu", {}, ok[0], out, "test")
+    composed = compose_from_file(out)
+    assert composed.actor.tp == ok[0].layout.tp and composed.rollout.tp == ok[0].layout.rollout_tp
+    assert composed.actor.micro_batch_size == ok[0].layout.micro_batch_size
+    assert plan.fits
+
+
+def test_a_device_without_a_speed_profile_is_one_line(capsys):
+    assert tune.main(["--exp", "tiny_cpu", "--device", "TPU-v9", "--no-write"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "TPU-v9" in err
+
+
+def test_a_model_that_fits_no_layout_is_one_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(tools.speed_probe, "measure_cpu_speed", lambda: CPU)
+    args = ["--exp", "tiny_cpu", "--no-write", "--chart", str(tmp_path / "c.png"), "rollout.cpu_capacity_gb=0.001"]
+    rc = tune.main([*args, "--max-layouts", "50"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1, err
+    assert err.startswith("no layout of ") and "the smallest peak is" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_qwen3_30b_a3b_on_8_h100_has_a_feasible_layout():
+    from planner.speed import speed_preset
+
+    cfg = compose("qwen3_30b_a3b_8xh100")
+    result = tune.search(cfg, plan_inputs(cfg, None), speed_preset("H100-80GB"), max_layouts=400, fraction_budget=0)
+    ok, _ = tune.ranked(result)
+    assert ok
