@@ -7,7 +7,7 @@ counted from the model's shape, the layouts and the batch (:class:`PhaseWork`):
   attention's 2 x span x heads x d per layer; backward 2 x forward; full recompute one forward more. The engine runs
   every prompt token once (prefill) and every response token once (decode).
 - ``memory_bytes``: bytes streamed from device memory that no FLOP count sees: every decode step reads the engine's
-  weights and the KV cache its sequences have written; an actor pass writes its activations and logits (the memory
+  weights and the KV cache its sequences have written, and its sampler passes over the [sequences, V] logits; an actor pass writes its activations and logits (the memory
   plan's per-token counts), backward as much again; the optimizer step reads and writes its states; a wake touches
   what it maps (weights, KV cache).
 - ``host_bytes``: what an offload or onload copies over the host link (its state's bytes, the memory plan's sizes).
@@ -15,8 +15,9 @@ counted from the model's shape, the layouts and the batch (:class:`PhaseWork`):
   per layer in train (2 forward, 2 backward; 2 in a forward) of tokens x h, PP's activation sends, EP's all-to-all of
   the routed copies (dispatch and combine), DP's gradient reduction, the weight sync's engine weights.
 - ``ops``: fixed costs by kind, in units of the device's ``op_seconds``: an actor layer's forward and backward (their
-  torch ops counted on megatron's local layer: :data:`LOCAL_LAYER_OPS`), an engine layer's step, a parameter tensor
-  an optimizer step or a sync handles, a phase.
+  torch ops counted on megatron's local layer: :data:`LOCAL_LAYER_OPS`, :data:`LOCAL_MODEL_OPS`), a micro-batch's
+  pass (the schedule and the loss around the model), an engine layer's step, a parameter tensor an optimizer step or
+  a sync handles, a phase.
 
 seconds = flops / (peak x compute_efficiency) + memory_bytes / (bandwidth x memory_efficiency)
           + sum ops x op_seconds x its factor + host_bytes / (host link x host_efficiency)
@@ -39,6 +40,7 @@ from planner.calibration import Calibration, load
 from planner.inputs import PlanInputs, StepLengths
 from planner.plan import Plan, actor_stage_counts, optimizer_bytes_per_param, step_flags
 from planner.sizes import (
+    FP32_BYTES,
     actor_stage_expert_param_count,
     actor_stage_param_count,
     engine_param_count,
@@ -46,6 +48,7 @@ from planner.sizes import (
     layer_activation_bytes_per_token,
     megatron_padded_vocab,
     stage_layers,
+    vllm_padded_vocab,
 )
 from planner.speed import SpeedSpec
 
@@ -53,8 +56,10 @@ from planner.speed import SpeedSpec
 # torch.utils._python_dispatch.TorchDispatchMode on a real layer (tests/test_step_time.py pins them): forward and
 # backward, Qwen2-like and with Qwen3's q/k norms, a micro-batch of unequal sequences (one sequence alone: 2 more)
 LOCAL_LAYER_OPS = {"forward": 131, "backward": 121}
+# the same count's ops outside the layers (embedding, final norm, output layer): per micro-batch and pass
+LOCAL_MODEL_OPS = {"forward": 25, "backward": 34}
 QK_NORM_LAYER_OPS = {"forward": 13, "backward": 34}
-TERMS = ("compute", "memory", "host", "link", "actor_ops", "engine_ops", "tensor_ops", "phase_ops")
+TERMS = ("compute", "memory", "host", "link", "actor_ops", "engine_ops", "tensor_ops", "micro_batch_ops", "phase_ops")
 # a fit's columns (raw_terms) -> the constant that scales each (planner/calibration TIME_CONSTANTS) and its term
 COLUMN_CONSTANT = {
     "compute": "compute_efficiency",
@@ -62,12 +67,14 @@ COLUMN_CONSTANT = {
     "host": "host_efficiency",
     "link": "link_efficiency",
     "actor_ops": "actor_op_factor",
+    "actor_backward_ops": "actor_backward_op_factor",
     "native_ops": "native_layer_step_ops",
     "vllm_ops": "vllm_layer_step_ops",
     "tensor_ops": "param_tensor_ops",
+    "micro_batch_ops": "micro_batch_ops",
     "phase_ops": "phase_ops",
 }
-COLUMN_TERM = {"native_ops": "engine_ops", "vllm_ops": "engine_ops"}
+COLUMN_TERM = {"native_ops": "engine_ops", "vllm_ops": "engine_ops", "actor_backward_ops": "actor_ops"}
 EFFICIENCIES = ("compute_efficiency", "memory_efficiency", "host_efficiency", "link_efficiency")
 
 
@@ -79,9 +86,11 @@ class PhaseWork:
     memory_bytes: float = 0.0
     host_bytes: float = 0.0
     link_bytes: dict[str, float] = field(default_factory=dict)
-    actor_ops: float = 0.0
+    actor_ops: float = 0.0  # forward
+    actor_backward_ops: float = 0.0  # autograd's: each op's node is also the engine's to schedule
     engine_layer_steps: float = 0.0
     param_tensors: float = 0.0
+    micro_batch_passes: float = 0.0  # a micro-batch's forward or backward: the schedule's and the loss's fixed cost
     bubble: float = 0.0  # the pipeline's idle fraction of the actor's passes
 
 
@@ -163,10 +172,13 @@ def _engine_work(inp: PlanInputs, lengths: StepLengths) -> PhaseWork:
     span = prompt + response / 2
     attention = 2 * tokens * span * s.num_heads * s.head_dim / r.tp * s.num_layers
     kv_read = seqs * response * span * kv_bytes_per_token(s, r.tp, e)
+    # the sampler, per decode step over the [seqs, V] fp32 logits (rollout/native/sampling.py; vLLM's sampler alike):
+    # logsumexp reads them, the temperature's copy writes, softmax reads and writes, multinomial's draws read and write
+    sampler = seqs * response * vllm_padded_vocab(s.vocab_size) * FP32_BYTES * 6
     tp_bytes = tokens * 2 * s.num_layers * s.hidden_size * e * 2 * (r.tp - 1) / r.tp
     return PhaseWork(
         flops=2 * active * tokens + attention,
-        memory_bytes=steps * params * e + kv_read,
+        memory_bytes=steps * params * e + kv_read + sampler,
         link_bytes={"intra_node": tp_bytes},
         engine_layer_steps=(steps + waves) * s.num_layers,  # decode steps + one prefill per wave
     )
@@ -181,10 +193,13 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
     forward = _actor_forward_flops(inp, stage, tokens, mb.attention_span / 2)
     e = inp.element_bytes
     passes = 1
-    ops = mb.count * layers * _layer_ops(inp, "forward")
+    ops = mb.count * (layers * _layer_ops(inp, "forward") + LOCAL_MODEL_OPS["forward"])
+    backward_ops = 0
     if train:
         passes = 3 + (1 if a.recompute == "full" else 0)
-        ops += mb.count * layers * _layer_ops(inp, "backward")
+        backward_ops = mb.count * (layers * _layer_ops(inp, "backward") + LOCAL_MODEL_OPS["backward"])
+        if a.recompute == "full":
+            ops *= 2
     # TP: 2 all-reduces of [tokens, h] per layer and pass direction; PP: the activations sent on; EP: the routed copies
     activation = tokens * s.hidden_size * e
     tp_bytes = activation * 2 * layers * (2 if train else 1) * 2 * (a.tp - 1) / a.tp
@@ -206,6 +221,8 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
         flops=forward * passes,
         memory_bytes=written,
         actor_ops=ops,
+        actor_backward_ops=backward_ops,
+        micro_batch_passes=mb.count * (2 if train else 1),
         link_bytes=_by_link(inp, {"tp": tp_bytes, "pp": pp_bytes, "ep": ep_bytes}),
         bubble=(a.pp - 1) / (mb.count * (a.vpp or 1)),
     )
@@ -291,8 +308,10 @@ def raw_terms(work: PhaseWork, inp: PlanInputs, speed: SpeedSpec) -> dict[str, f
         "host": work.host_bytes / speed.host_bytes_per_s,
         "link": sum(b / getattr(speed, f"{link}_bytes_per_s") for link, b in work.link_bytes.items()),
         "actor_ops": work.actor_ops * speed.op_seconds * stretch,
+        "actor_backward_ops": work.actor_backward_ops * speed.op_seconds * stretch,
         f"{inp.rollout.engine}_ops": work.engine_layer_steps * speed.op_seconds * over,
         "tensor_ops": work.param_tensors * speed.op_seconds * over,
+        "micro_batch_ops": work.micro_batch_passes * speed.op_seconds * stretch,
         # a phase that moves nothing and runs nothing (an onload of what stays resident) costs nothing
         "phase_ops": speed.op_seconds * over if _does_work(work) else 0.0,
     }
@@ -323,7 +342,7 @@ def combined_seconds(terms: dict[str, float], device_kind: str) -> float:
     if device_kind == "cpu":
         return sum(terms.values())
     device = terms["compute"] + terms["memory"]
-    launches = terms["actor_ops"] + terms["engine_ops"] + terms["tensor_ops"]
+    launches = terms["actor_ops"] + terms["engine_ops"] + terms["tensor_ops"] + terms["micro_batch_ops"]
     return max(device, launches) + terms["host"] + terms["link"] + terms["phase_ops"]
 
 

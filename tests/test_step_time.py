@@ -17,6 +17,7 @@ from planner.speed import SPEED_PRESETS, SpeedSpec, speed_preset
 from planner.step_time import (
     COLUMN_CONSTANT,
     LOCAL_LAYER_OPS,
+    LOCAL_MODEL_OPS,
     QK_NORM_LAYER_OPS,
     coefficient,
     phase_work,
@@ -92,6 +93,8 @@ def test_the_counted_layer_ops_are_what_torch_dispatches(family):
     qk = QK_NORM_LAYER_OPS if family == "qwen3" else {"forward": 0, "backward": 0}
     assert forward == LOCAL_LAYER_OPS["forward"] + qk["forward"]
     assert backward == LOCAL_LAYER_OPS["backward"] + qk["backward"]
+    assert counts[2][0] - 2 * forward == LOCAL_MODEL_OPS["forward"]  # embedding, final norm, output layer
+    assert counts[2][1] - 2 * backward == LOCAL_MODEL_OPS["backward"]
 
 
 def test_every_step_phase_is_timed_and_only_those():

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 import tools.speed_probe
+from colocation.phases import WAKE_STRATEGIES
 from planner.speed import SpeedSpec
 from run.compose import compose, compose_from_file
 from run.memory_plan import plan_inputs
@@ -44,7 +45,17 @@ def test_the_enumeration_honours_divisibility():
         dp = 16 // (lay.tp * lay.pp)
         assert (lay.tp * dp) % (lay.ep * (lay.etp or lay.tp)) == 0
     assert {lay.ep for lay in layouts} >= {1, 2, 4, 8, 16}
-    assert {lay.wake_strategy for lay in layouts} == set(tune.WAKE)
+    assert {lay.wake_strategy for lay in layouts} == set(WAKE_STRATEGIES)
+
+
+def test_every_wake_strategy_and_offload_passes_the_runs_checks(tiny):
+    """Each value an axis takes is one the run accepts: a misspelt wake strategy would be rejected by every check
+    and silently leave the axis unsearched."""
+    cfg, _ = tiny
+    own = tune.experiment_layout(cfg)
+    for wake in WAKE_STRATEGIES:
+        for offload in ((True, True, True), (False, False, False)):
+            tune.configure(cfg, dataclasses.replace(own, wake_strategy=wake, offload=offload))
 
 
 def test_search_ranks_by_predicted_time_and_rejects_with_a_reason(tiny):

@@ -101,12 +101,14 @@ def medians(runs: list[RunFigures]) -> dict:
         "system_seconds": statistics.median(r.system_seconds for r in runs),
         "minor_page_faults": int(statistics.median(r.minor_page_faults for r in runs)),
         "phase_median_seconds": {
-            p: statistics.median(r.phase_median_seconds[p] for r in runs if p in r.phase_median_seconds)
-            for p in phases
+            p: statistics.median(r.phase_median_seconds[p] for r in runs if p in r.phase_median_seconds) for p in phases
         },
         "each_run": [
-            {"step_median_seconds": r.step_median_seconds, "wall_seconds": r.wall_seconds,
-             "system_seconds": r.system_seconds}
+            {
+                "step_median_seconds": r.step_median_seconds,
+                "wall_seconds": r.wall_seconds,
+                "system_seconds": r.system_seconds,
+            }
             for r in runs
         ],
     }
@@ -152,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for repeat in range(args.repeats):
                 for side in sides if repeat % 2 == 0 else sides[::-1]:  # A B B A A B ...: neither side always first
-                    print(f"bench-step: run {repeat + 1}/{args.repeats} of {side.label} ...", file=sys.stderr, flush=True)
+                    print(
+                        f"bench-step: run {repeat + 1}/{args.repeats} of {side.label} ...", file=sys.stderr, flush=True
+                    )
                     out_dir = scratch / f"run_{sides.index(side)}_{repeat}"
                     figures = run_once(side, args.exp, out_dir, list(args.overrides))
                     results.setdefault(side.label, []).append(figures)

@@ -7,7 +7,8 @@ over the steady steps 1..) against the model's raw terms (:func:`planner.step_ti
 at efficiency 1 and op factor 1), at each steady step's recorded lengths, median over those steps, with the
 machine's speeds as ``tools/speed_probe.py`` measured them just before the run (its ``speed.json``; a run without
 one: measured now, once for all). The fit is a
-non-negative least squares on relative errors (each row over max(its seconds, 50 ms)); a constant whose term no
+non-negative least squares on relative errors (each row over max(its seconds, 50 ms); each run's whole step a row
+too, weighted as three phases); a constant whose term no
 fit run exercises keeps its file value. Leaving each run out in turn gives each constant's spread, its uncertainty.
 """
 
@@ -32,6 +33,7 @@ from tools.speed_probe import measure_cpu_speed
 
 COLUMNS = tuple(COLUMN_CONSTANT)
 FLOOR_SECONDS = 0.05  # a row's relative error is over at least this (a phase of a few ms is noise)
+STEP_ROWS = 3.0
 SPEED_FILE = "speed.json"
 
 
@@ -100,7 +102,14 @@ def fit(rows_by_run: dict[str, list], prior) -> dict[str, float]:
     """Coefficient per column (1 / efficiency, or the op factor); columns no row exercises keep the prior's."""
     rows = [row for rows in rows_by_run.values() for row in rows]
     used = [c for c in COLUMNS if any(raw[c] > 0 for _, raw, _ in rows)]
-    weight = np.array([1 / max(seconds, FLOOR_SECONDS) for *_, seconds in rows])
+    weight = [1 / max(seconds, FLOOR_SECONDS) for *_, seconds in rows]
+    # each run's step (its phases summed) is a row too, weighted as STEP_ROWS phases: the step is what a search ranks
+    for run_rows_ in rows_by_run.values():
+        step = {c: sum(raw[c] for _, raw, _ in run_rows_) for c in COLUMNS}
+        seconds = sum(m for *_, m in run_rows_)
+        rows.append(("step", step, seconds))
+        weight.append(STEP_ROWS / seconds)
+    weight = np.array(weight)
     a = np.array([[raw[c] for c in used] for _, raw, _ in rows]) * weight[:, None]
     b = np.array([seconds for *_, seconds in rows]) * weight
     x = nnls(a, b)
@@ -134,11 +143,11 @@ def calibrate(rerun: bool = False) -> dict:
     exercised = {c for rows in rows_by_run.values() for _, raw, _ in rows for c in COLUMNS if raw[c] > 0}
     for column in COLUMNS:
         name = COLUMN_CONSTANT[column]
-        if column not in exercised or not full[column] > 0:
+        if column not in exercised or (name in EFFICIENCIES and not full[column] > 0):  # 1 / 0: no efficiency
             constants[name] = prior[name]
             continue
         value = _as_constant(column, full[column])
-        spread = [_as_constant(column, f[column]) for f in loo if f[column] > 0]
+        spread = [_as_constant(column, f[column]) for f in loo if f[column] > 0 or name not in EFFICIENCIES]
         uncertainty = max((abs(v - value) for v in spread), default=value)
         if len(spread) < len(loo):  # a fit without some run drove it to zero: as uncertain as it is large
             uncertainty = max(uncertainty, value)

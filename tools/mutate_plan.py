@@ -110,7 +110,9 @@ def _scaled_experts(factor: float):
 
     with (
         mock.patch.object(plan_module, "actor_stage_param_count", count),
-        mock.patch.object(plan_module, "actor_stage_expert_param_count", lambda *a, **k: round(factor * real_experts(*a, **k))),
+        mock.patch.object(
+            plan_module, "actor_stage_expert_param_count", lambda *a, **k: round(factor * real_experts(*a, **k))
+        ),
     ):
         yield
 

@@ -100,6 +100,13 @@ STEPS: tuple[Step, ...] = (
         exit_code=2,
         label="run (GPU experiment)",
     ),
+    Step(
+        "tune",
+        'EXP=tiny_cpu ARGS="--out {scratch}/tuned_tiny_cpu.yaml --chart {scratch}/tune.png"',
+        expect=r"^wrote \S+/tuned_tiny_cpu\.yaml",
+        files=("tuned_tiny_cpu.yaml", "tune.png"),
+        why="the CPU experiment's layouts on this machine (the GPU experiments' searches take minutes)",
+    ),
     Step("report", "RUN={run}", expect=r"^timeline: ", files=("{run}/memory_timeline.png",)),
     Step("compare", 'RUNS="{run} {run}" OUT={scratch}/compare.png', expect=r"^chart: ", files=("compare.png",)),
     Step(
@@ -164,6 +171,10 @@ ELSEWHERE: dict[str, str] = {
     "validate-plan": "make test-slow (tests/test_validate_plan.py): the plan with the committed constants "
     "(planner/calibration/cpu.json, fitted on another machine) against this machine's runs",
     "mutate-plan": "make test-slow (tests/test_validate_plan.py), on validate-plan's runs",
+    "calibrate-time": "not in CI: a fit of wall-clock seconds, which CI's machines would make noise of; "
+    "tests/test_step_time.py checks the fit on rows made with known constants",
+    "validate-time": "not in CI: no test asserts a wall-clock time; tests/test_step_time.py checks that the check "
+    "catches each constant off by 2x",
     "test-gpu": "needs CUDA (here its tests are only collected and skipped)",
     "gpu-wheels": "make test-procs (tests/test_gpu_kit.py: the loop's imports against the image and the kit; no "
     "download in CI)",

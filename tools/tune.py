@@ -23,6 +23,7 @@ from pathlib import Path
 
 import yaml
 
+from colocation.phases import WAKE_STRATEGIES
 from planner import make_plan
 from planner.devices import GIB
 from planner.host import host_plan
@@ -36,7 +37,6 @@ REPO = Path(__file__).resolve().parent.parent
 EXP_DIR = REPO / "experiments" / "conf" / "exp"
 MICRO_BATCHES = (1, 2, 4, 8)
 RECOMPUTE = ("none", "full")
-WAKE = ("staged", "full")
 MAX_PP = 8
 
 
@@ -134,7 +134,7 @@ def enumerate_layouts(shape, world: int, per_node: int, on_cuda: bool) -> list[L
         rtps = [t for t in divisors(world) if t <= per_node]
         for vpp, (ep, etp), rtp in itertools.product(vpps, moe, rtps):
             for off in itertools.product((True, False), repeat=3):
-                for rc, mb, wake in itertools.product(RECOMPUTE, MICRO_BATCHES, WAKE):
+                for rc, mb, wake in itertools.product(RECOMPUTE, MICRO_BATCHES, WAKE_STRATEGIES):
                     out.append(Layout(tp, pp, vpp, ep, etp, rtp, off, rc, mb, wake))
     return out
 
