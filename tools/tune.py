@@ -35,7 +35,7 @@ from run.memory_plan import data_prompt_length, plan_inputs
 
 REPO = Path(__file__).resolve().parent.parent
 EXP_DIR = REPO / "experiments" / "conf" / "exp"
-MICRO_BATCHES = (1, 2, 4, 8)
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 RECOMPUTE = ("none", "full")
 MAX_PP = 8
 
