@@ -133,13 +133,12 @@ def test_a_pipeline_pays_its_bubble_and_tp_its_all_reduces():
 
 def test_each_constant_scales_its_term():
     plan = make_plan(make_inputs())
-    constants = load("cpu_time")
+    constants = load("cpu_time").with_values(phase_ops=1000.0)
     step = predict_step_time(plan, CPU, constants)
-    for name in ("compute_efficiency", "actor_op_factor"):
-        term = "compute" if name == "compute_efficiency" else "actor_ops"
-        factor = 0.5 if name == "compute_efficiency" else 2.0  # both double the term
+    for name, term, factor in (("compute_efficiency", "compute", 0.5), ("phase_ops", "phase_ops", 2.0)):
         mutated = predict_step_time(plan, CPU, constants.with_values(**{name: constants.value(name) * factor}))
         assert mutated.phase("train").terms[term] == pytest.approx(2 * step.phase("train").terms[term])
+    assert step.phase("train").terms["compute"] > 0
 
 
 def test_a_cuda_preset_times_a_large_model_by_its_compute():
@@ -188,7 +187,9 @@ def test_the_fit_recovers_known_constants_and_validation_catches_each_mutation()
     from tools.calibrate_time import fit
     from tools.validate_time import check_run
 
-    constants = load("cpu_time")
+    # every constant nonzero (a fitted 0 would leave its term out of the rows)
+    loaded = load("cpu_time")
+    constants = loaded.with_values(**{name: loaded.value(name) or 100.0 for name in COLUMN_CONSTANT.values()})
     truth = {c: coefficient(constants, c) for c in COLUMN_CONSTANT}
     rows = _synthetic_rows(truth)
     fitted = fit({"a": rows[::2], "b": rows[1::2]}, constants)
