@@ -28,9 +28,11 @@ def _rank_counting_plans(cfg, run_dir: str, *launch) -> int:
     """The real run_rank on one spawned rank, with every planner call counted; once the engine is up (fully
     awake after start_rollout) it writes what it saw and stops the run (rank 1 signals, as a preemption would)."""
     import run.loop
+    import run.memory_plan
 
     calls: list[int] = []
-    planner.make_plan = planner.plan.make_plan = _counting_make_plan(calls)  # this rank's process only
+    # this rank's process only; run.memory_plan binds make_plan at its import, so it is patched where it is called
+    planner.make_plan = planner.plan.make_plan = run.memory_plan.make_plan = _counting_make_plan(calls)
     start_rollout = run.loop.start_rollout
 
     def start_rollout_recorded(ctx):
@@ -49,11 +51,12 @@ def _rank_counting_plans(cfg, run_dir: str, *launch) -> int:
 def test_the_launcher_plans_once_and_the_ranks_use_its_plan(tmp_path, monkeypatch):
     import run.loop
     import run.main
+    import run.memory_plan
 
     calls: list[int] = []
     counting = _counting_make_plan(calls)
-    monkeypatch.setattr(planner, "make_plan", counting)
-    monkeypatch.setattr(planner.plan, "make_plan", counting)
+    for module in (planner, planner.plan, run.memory_plan, run.main):  # where make_plan is looked up
+        monkeypatch.setattr(module, "make_plan", counting)
     launches = []
 
     def recorded_plan_launch(cfg):
