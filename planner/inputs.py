@@ -106,6 +106,7 @@ class PlanInputs:
     # actor.optimizer_offload_fraction > 0, since megatron wires its HybridDeviceOptimizer into it only)
     distributed_optimizer: bool = False
     entropy_grad: bool = False  # an entropy term in the loss (algorithm.entropy_coef > 0)
+    ppo_epochs: int = 1  # train passes and optimizer steps per RL step on the same rollouts (trainer.ppo_epochs)
     attention: str = "flash"  # "unfused": megatron's local spec (CPU) materializes [s, s] scores
     reference_model: bool = False  # a frozen reference actor (algorithm.kl_coef > 0)
     # batch: every rank sees sequences_per_step / actor_dp sequences of prompt + response tokens
@@ -157,7 +158,7 @@ class PlanInputs:
 
     def __post_init__(self) -> None:
         s, actor, rollout = self.shape, self.actor, self.rollout
-        for name in ("actor_dp", "sequences_per_step", "prompt_tokens", "response_tokens"):
+        for name in ("actor_dp", "ppo_epochs", "sequences_per_step", "prompt_tokens", "response_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")

@@ -7,7 +7,7 @@ per direction) and the node's network per GPU (the DGX system's InfiniBand adapt
 is in them: the fitted efficiencies (planner/calibration/<kind>_time.json) say how much of a peak a phase reaches.
 
 ``cpu`` has no datasheet: this machine's figures are measured on one core (tools/speed_probe.py: a matmul's FLOP/s,
-a large copy's bytes/s, one small torch op's seconds) and passed in; a rank's share of the cores scales them
+a large copy's bytes/s, one small torch op's seconds, one random draw's seconds) and passed in; a rank's share of the cores scales them
 (:meth:`SpeedSpec.compute_stretch`). Pure standard library.
 """
 
@@ -21,7 +21,8 @@ TFLOPS = 10**12
 
 @dataclass(frozen=True, kw_only=True)
 class SpeedSpec:
-    """One rank's rates. ``flops_per_s`` by model dtype; bandwidths in bytes/s, one direction; ``op_seconds``: one
+    """One rank's rates. ``flops_per_s`` by model dtype; bandwidths in bytes/s, one direction (memory: the bytes a
+    kernel reads plus those it writes); ``op_seconds``: one
     small operation's fixed cost (a kernel launch on CUDA, a torch op's dispatch on CPU); ``cores`` (CPU): the
     machine's cores, which its ranks share."""
 
@@ -33,6 +34,12 @@ class SpeedSpec:
     intra_node_bytes_per_s: float  # between two ranks of a node (NVLink; CPU: a copy in memory)
     inter_node_bytes_per_s: float  # between nodes, per GPU (InfiniBand)
     op_seconds: float
+    # one random draw of torch's ``exponential_`` (torch.multinomial's one-sample path draws one per vocab entry);
+    # None: a CUDA device's, whose Philox draws cost their 4-byte write at the memory bandwidth
+    draw_seconds: float | None = None
+    # bytes/s written into fresh allocations; None: ``memory_bytes_per_s`` (CUDA's caching allocator hands back
+    # blocks already mapped; a CPU buffer of a page or more is a fresh mapping, faulted in: colocation/host_memory.py)
+    fresh_bytes_per_s: float | None = None
     cores: int = 0  # CPU: the cores the node's ranks share (0: not a CPU)
     source: dict[str, str] = field(default_factory=dict)
     measured: bool = False  # measured on this machine (CPU) rather than read from a datasheet
@@ -41,8 +48,23 @@ class SpeedSpec:
         rates = (self.memory_bytes_per_s, self.host_bytes_per_s, self.intra_node_bytes_per_s)
         if min(rates) <= 0 or self.inter_node_bytes_per_s <= 0 or self.op_seconds <= 0:
             raise ValueError(f"speed {self.name!r}: every rate and op_seconds must be > 0")
+        if self.fresh_bytes_per_s is not None and self.fresh_bytes_per_s <= 0:
+            raise ValueError(f"speed {self.name!r}: fresh_bytes_per_s={self.fresh_bytes_per_s} must be > 0")
+        if self.draw_seconds is not None and self.draw_seconds <= 0:
+            raise ValueError(
+                f"speed {self.name!r}: draw_seconds={self.draw_seconds} must be > 0 (None: a CUDA device's)"
+            )
         if not self.flops_per_s or min(self.flops_per_s.values()) <= 0:
             raise ValueError(f"speed {self.name!r}: flops_per_s needs a rate > 0 per dtype")
+
+    @property
+    def fresh_bytes(self) -> float:
+        """Bytes/s written into fresh allocations."""
+        return self.fresh_bytes_per_s or self.memory_bytes_per_s
+
+    @property
+    def seconds_per_draw(self) -> float:
+        return self.draw_seconds if self.draw_seconds is not None else 4 / self.memory_bytes_per_s
 
     def flops(self, dtype: str) -> float:
         if dtype not in self.flops_per_s:

@@ -3,13 +3,16 @@
 For each phase (the step's table, colocation/phases.py, as the memory plan walks it) the work of the slowest rank is
 counted from the model's shape, the layouts and the batch (:class:`PhaseWork`):
 
-- ``flops``: dense math. A forward is 2 x the params a token meets (an MoE token meets its top-k experts) + causal
-  attention's 2 x span x heads x d per layer; backward 2 x forward; full recompute one forward more. The engine runs
-  every prompt token once (prefill) and every response token once (decode).
-- ``memory_bytes``: bytes streamed from device memory that no FLOP count sees: every decode step reads the engine's
-  weights and the KV cache its sequences have written, and its sampler passes over the [sequences, V] logits; an actor pass writes its activations and logits (the memory
-  plan's per-token counts), backward as much again; the optimizer step reads and writes its states; a wake touches
-  what it maps (weights, KV cache).
+- ``flops``: dense math. A forward is 2 x the params a token meets (an MoE token meets its top-k experts; the
+  embedding is a lookup) + causal attention's 2 x span x heads x d per layer; backward 2 x forward; full recompute
+  one forward more; the train phase runs ``trainer.ppo_epochs`` train steps. The engine runs every prompt token
+  once (prefill) and every response token once (decode); its lm_head only where it samples.
+- ``memory_bytes``: bytes read or written in memory already mapped that no FLOP count sees: every decode step reads
+  the engine's weights and the KV cache its sequences have written; the optimizer step reads and writes its states.
+- ``fresh_bytes``: bytes written into fresh allocations (on CPU each buffer of a page or more is a fresh mapping,
+  faulted in): an actor pass's activations and logits, a wake's weights and KV cache, the grads handed back zeroed.
+- ``vocab_bytes``: bytes through the elementwise passes over [rows, V] fp32 logits (:func:`sampler_bytes_per_logit`,
+  :func:`logprob_bytes_per_logit`, counted from the kernels), and ``draws``, the native sampler's random draws.
 - ``host_bytes``: what an offload or onload copies over the host link (its state's bytes, the memory plan's sizes).
 - ``link_bytes``: per link (``intra_node``, ``inter_node``), what one rank sends in collectives: TP's 4 all-reduces
   per layer in train (2 forward, 2 backward; 2 in a forward) of tokens x h, PP's activation sends, EP's all-to-all of
@@ -19,20 +22,22 @@ counted from the model's shape, the layouts and the batch (:class:`PhaseWork`):
   pass (the schedule and the loss around the model), an engine layer's step, a parameter tensor an optimizer step or
   a sync handles, a phase.
 
-seconds = flops / (peak x compute_efficiency) + memory_bytes / (bandwidth x memory_efficiency)
+seconds = flops / (peak x compute_efficiency) + draws x draw_seconds
+          + (memory_bytes / bandwidth + fresh_bytes / fresh bandwidth) / memory_efficiency
+          + vocab_bytes / (bandwidth x vocab_pass_efficiency)
           + sum ops x op_seconds x its factor + host_bytes / (host link x host_efficiency)
           + sum link_bytes / (link x link_efficiency)
 
 with the pipeline's bubble (pp - 1) / (micro-batches x vpp) stretching the actor's passes and, on CPU, a rank's share
 of the cores its math and ops; on CUDA the kernel launches overlap the device's work (:func:`combined_seconds`). The efficiencies and op factors are fitted (planner/calibration/<kind>_time.json,
-``make calibrate-time``), on the memory plan's fit set, and checked by ``make validate-time`` on runs that did not
+``make calibrate-time``, each efficiency at most 1), on the memory plan's fit set, and checked by ``make validate-time`` on runs that did not
 fit them. Each phase names what bounds it (the largest term). Pure standard library, like the memory plan.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from colocation.phases import ACTOR_STATE, step_phases
 from modelspec.family import layer_parts
@@ -64,8 +69,11 @@ TERMS = ("compute", "memory", "host", "link", "actor_ops", "engine_ops", "tensor
 COLUMN_CONSTANT = {
     "compute": "compute_efficiency",
     "memory": "memory_efficiency",
+    "vocab": "vocab_pass_efficiency",
+    "draws": None,  # a measured rate (SpeedSpec.draw_seconds): nothing to fit
     "host": "host_efficiency",
     "link": "link_efficiency",
+    "collective_ops": "collective_step_ops",
     "actor_ops": "actor_op_factor",
     "actor_backward_ops": "actor_backward_op_factor",
     "native_ops": "native_layer_step_ops",
@@ -74,8 +82,21 @@ COLUMN_CONSTANT = {
     "micro_batch_ops": "micro_batch_ops",
     "phase_ops": "phase_ops",
 }
-COLUMN_TERM = {"native_ops": "engine_ops", "vllm_ops": "engine_ops", "actor_backward_ops": "actor_ops"}
-EFFICIENCIES = ("compute_efficiency", "memory_efficiency", "host_efficiency", "link_efficiency")
+COLUMN_TERM = {
+    "native_ops": "engine_ops",
+    "vllm_ops": "engine_ops",
+    "actor_backward_ops": "actor_ops",
+    "vocab": "memory",
+    "draws": "compute",
+    "collective_ops": "link",
+}
+EFFICIENCIES = (
+    "compute_efficiency",
+    "memory_efficiency",
+    "vocab_pass_efficiency",
+    "host_efficiency",
+    "link_efficiency",
+)
 
 
 @dataclass
@@ -83,9 +104,15 @@ class PhaseWork:
     """One phase's work on its slowest rank (see the module doc)."""
 
     flops: float = 0.0
-    memory_bytes: float = 0.0
+    memory_bytes: float = 0.0  # read or written in memory that is mapped already
+    fresh_bytes: float = 0.0  # written into fresh allocations (SpeedSpec.fresh_bytes_per_s: CPU's page faults)
+    vocab_bytes: float = 0.0  # through the elementwise passes over [rows, V] fp32 logits (their exp)
+    draws: float = 0.0  # the sampler's random draws (SpeedSpec.draw_seconds each)
     host_bytes: float = 0.0
     link_bytes: dict[str, float] = field(default_factory=dict)
+    # collectives' sequential steps (a ring all-reduce over n ranks takes 2 (n - 1), an all-gather or a broadcast
+    # n - 1, a point-to-point send 1): their latency, which the bytes do not see
+    collective_steps: float = 0.0
     actor_ops: float = 0.0  # forward
     actor_backward_ops: float = 0.0  # autograd's: each op's node is also the engine's to schedule
     engine_layer_steps: float = 0.0
@@ -152,6 +179,43 @@ def _actor_forward_flops(inp: PlanInputs, stage: int, tokens: float, span: float
     return 2 * params * tokens + attention
 
 
+def sampler_bytes_per_logit(engine: str, element_bytes: int) -> int:
+    """Bytes an engine's sampler (temperature > 0, no top-k / top-p) moves per element of its [B, V] logits, each
+    torch op's reads and writes as torch 2.13's CPU kernels make them; ``.float()`` reads e and writes 4 (none in
+    fp32). native (rollout/native/sampling.py): ``logsumexp`` (ReduceOps.cpp: amax reads, ``self - maxes`` reads
+    and writes, ``exp`` reads and writes, ``sum`` reads: 24), the temperature's division (8), ``softmax`` (the
+    last-dim kernel: max, exp-and-sum, scale: 3 reads, 2 writes: 20), ``multinomial``'s one-sample path
+    (Distributions.cpp: ``exponential_`` writes its draws, ``div`` reads two and writes, ``argmax`` reads: 20; the
+    draws themselves are :func:`sampler_draws`). vLLM (v1/sample: raw log-probs, then
+    topk_topp_sampler.py::forward_cpu): ``log_softmax`` (3 reads, 1 write: 16), the temperature's in-place
+    division (8), ``fused_gumbel_argmax`` (reads: 4; its SplitMix64 noise is made in registers)."""
+    cast = 0 if element_bytes == FP32_BYTES else element_bytes + FP32_BYTES
+    return cast + FP32_BYTES * ((6 + 2 + 5 + 5) if engine == "native" else (4 + 2 + 1))
+
+
+def sampler_draws(engine: str, vocab: int) -> int:
+    """Random draws per sampled token: the native sampler's ``torch.multinomial`` draws an exponential per vocab
+    entry (its one-sample path, Distributions.cpp); vLLM's CPU sampler hashes its noise in the fused kernel."""
+    return vocab if engine == "native" else 0
+
+
+def logprob_bytes_per_logit(element_bytes: int, backward: bool, keep_softmax: bool, entropy_grad: bool) -> int:
+    """Bytes megatron_backend/logprobs.py's fused log-prob/entropy pass moves per element of a response row's
+    [V/t] logits: forward, or (``backward``) backward's recompute and gradient. Forward: ``index_select`` (read and
+    write e), ``.float()`` (read e, write 4; none in fp32), ``max`` (4), ``sub_`` (8), ``exp`` (8), ``sum`` (4),
+    ``mul_`` by exp (12), ``sum`` (4), and with ``keep_softmax`` the ``div_`` (8). Backward: unless kept, the
+    recompute (``index_select``, ``.float()``, ``sub_``, ``exp_``: 2e + cast + 16); the gradient: ``mul_`` (8), or
+    with an entropy gradient ``xlogy`` (12), two ``addcmul_`` (24) and ``mul_`` (8); ``.to(dtype)`` (read 4,
+    write e; none in fp32) and ``index_add_`` into the zeroed grad (read the row's gradient e, read and write 2e)."""
+    e, f = element_bytes, FP32_BYTES
+    cast = 0 if e == f else e + f
+    if not backward:
+        return 2 * e + cast + 10 * f + (2 * f if keep_softmax else 0)
+    recompute = 0 if keep_softmax else 2 * e + cast + 4 * f
+    gradient = 11 * f if entropy_grad else 2 * f
+    return recompute + gradient + cast + 3 * e
+
+
 def _engine_work(inp: PlanInputs, lengths: StepLengths) -> PhaseWork:
     """Rollout on one engine rank: prefill of its prompts, then decode steps until its longest response ends."""
     s, r = inp.shape, inp.rollout
@@ -172,14 +236,25 @@ def _engine_work(inp: PlanInputs, lengths: StepLengths) -> PhaseWork:
     span = prompt + response / 2
     attention = 2 * tokens * span * s.num_heads * s.head_dim / r.tp * s.num_layers
     kv_read = seqs * response * span * kv_bytes_per_token(s, r.tp, e)
-    # the sampler, per decode step over the [seqs, V] fp32 logits (rollout/native/sampling.py; vLLM's sampler alike):
-    # logsumexp reads them, the temperature's copy writes, softmax reads and writes, multinomial's draws read and write
-    sampler = seqs * response * vllm_padded_vocab(s.vocab_size) * FP32_BYTES * 6
+    # the vocab tables, [V/t, h] each (rollout/native/model.py): the embedding is a lookup of the step's rows (no
+    # FLOPs, not read whole); the lm_head runs on the sampled positions only (prefill's last, each decode step's)
+    table = vllm_padded_vocab(s.vocab_size) // r.tp * s.hidden_size
+    lookup = 0 if s.tie_word_embeddings else table
+    sampled = seqs * response
+    flops = 2 * (active - lookup - table) * tokens + 2 * table * sampled + attention
+    vocab = vllm_padded_vocab(s.vocab_size)  # the sampler's rows, gathered over TP
+    sampler = sampled * vocab * sampler_bytes_per_logit(r.engine, e)
     tp_bytes = tokens * 2 * s.num_layers * s.hidden_size * e * 2 * (r.tp - 1) / r.tp
+    # per layer step over TP (rollout/native/model.py): the embedding's and 2 per layer's all-reduces, the logits'
+    # all-gather and the sampled tokens' broadcast (rollout/native/sampling.py)
+    collectives = (steps + waves) * ((1 + 2 * s.num_layers) * 2 * (r.tp - 1) + 2 * (r.tp - 1))
     return PhaseWork(
-        flops=2 * active * tokens + attention,
-        memory_bytes=steps * params * e + kv_read + sampler,
+        flops=flops,
+        memory_bytes=steps * (params - lookup) * e + kv_read,
+        vocab_bytes=sampler,
+        draws=sampled * sampler_draws(r.engine, vocab),
         link_bytes={"intra_node": tp_bytes},
+        collective_steps=collectives,
         engine_layer_steps=(steps + waves) * s.num_layers,  # decode steps + one prefill per wave
     )
 
@@ -215,16 +290,34 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
         )
         for layer in stage_layers(s, a.pp, stage)
     )
-    logits = (e + 8) * megatron_padded_vocab(s.vocab_size, a.tp) // a.tp if stage == a.pp - 1 else 0
-    written = tokens * (kept + logits) * (2 if train else 1)
+    written, vocab_bytes = tokens * kept * (2 if train else 1), 0.0
+    # collectives per micro-batch: TP's all-reduces (2 per layer forward, RowParallelLinear's; 2 backward,
+    # ColumnParallelLinear's input grads; the embedding's forward on the first stage, the output layer's backward on
+    # the last); PP's send or receive per pass direction (two on a middle stage)
+    all_reduces = 2 * layers * (2 if train else 1) + (stage == 0) + (train and stage == a.pp - 1)
+    p2p = 0 if a.pp == 1 else (2 if 0 < stage < a.pp - 1 else 1)
+    if stage == a.pp - 1:  # the output layer writes [tokens, V/t] logits (backward: their zeroed gradient); the
+        # log-prob pass then runs over the response rows (planner.plan's logprob pass: its chunking, kept softmax)
+        vocab = megatron_padded_vocab(s.vocab_size, a.tp) // a.tp
+        rows = mb.count * mb.response_tokens
+        keep = a.logprob_chunk_tokens is None or (inp.entropy_grad and not a.entropy_recompute)
+        entropy = train and inp.entropy_grad
+        written += tokens * vocab * e * (2 if train else 1)
+        vocab_bytes = rows * vocab * logprob_bytes_per_logit(e, False, keep, entropy)
+        # megatron_backend/logprobs.py all-reduces 4 figures (max, sum of exp, target logit, sum p l) per chunk
+        all_reduces += 4 * math.ceil(mb.response_tokens / (a.logprob_chunk_tokens or mb.response_tokens or 1))
+        if train:
+            vocab_bytes += rows * vocab * logprob_bytes_per_logit(e, True, keep, entropy)
     work = PhaseWork(
         flops=forward * passes,
-        memory_bytes=written,
+        fresh_bytes=written,
+        vocab_bytes=vocab_bytes,
         actor_ops=ops,
         actor_backward_ops=backward_ops,
         micro_batch_passes=mb.count * (2 if train else 1),
         link_bytes=_by_link(inp, {"tp": tp_bytes, "pp": pp_bytes, "ep": ep_bytes}),
         bubble=(a.pp - 1) / (mb.count * (a.vpp or 1)),
+        collective_steps=mb.count * (all_reduces * 2 * (a.tp - 1) + p2p * (2 if train else 1)),
     )
     if train:  # the optimizer step: read and write params, grads and states; DP's gradient reduction
         params, expert_params = actor_stage_counts(inp, stage)
@@ -238,7 +331,20 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
             link = _by_link(inp, {"dp": params * e * 2 * (dp - 1) / dp})
             for name, value in link.items():
                 work.link_bytes[name] = work.link_bytes.get(name, 0.0) + value
+            # megatron's DDP buckets (its default: max(40M, 1M x dp) params each): a reduce per bucket, and with the
+            # distributed optimizer an all-gather of the params; the grad norm's all-reduce
+            buckets = math.ceil(params / max(40_000_000, 1_000_000 * dp))
+            work.collective_steps += (buckets * (2 if inp.distributed_optimizer else 1) + 1) * 2 * (dp - 1)
+        return _repeated(work, inp.ppo_epochs)  # run/loop.py: the train phase runs trainer.ppo_epochs train steps
     return work
+
+
+def _repeated(work: PhaseWork, times: int) -> PhaseWork:
+    """``times`` runs of ``work`` one after another (the bubble, a fraction, stays)."""
+    counts = {
+        f.name: getattr(work, f.name) * times for f in fields(PhaseWork) if f.name not in ("link_bytes", "bubble")
+    }
+    return PhaseWork(**counts, link_bytes={k: v * times for k, v in work.link_bytes.items()}, bubble=work.bubble)
 
 
 def _by_link(inp: PlanInputs, bytes_by_group: dict[str, float]) -> dict[str, float]:
@@ -285,10 +391,14 @@ def phase_work(plan: Plan, lengths: StepLengths | None = None) -> dict[str, Phas
             work.link_bytes = {"intra_node": plan.engine_weight_bytes}
             work.param_tensors = engine_tensors
         for state in (*phase.adds, *phase.drops):
-            if state in (*ACTOR_STATE, "ref_params"):  # an offload or onload copies it over the host link
+            if (
+                state == "actor_grads"
+            ):  # released, and handed back zeroed, never copied (megatron_backend/actor_offload.py)
+                work.fresh_bytes += state_bytes[state] if state in phase.adds else 0
+            elif state in (*ACTOR_STATE, "ref_params"):  # an offload or onload copies it over the host link
                 work.host_bytes += state_bytes[state]
             elif state in sizes and state in phase.adds and engine_sleeps:  # a wake maps and touches it
-                work.memory_bytes += sizes[state]
+                work.fresh_bytes += sizes[state]
         out[phase.name] = work
     return out
 
@@ -304,9 +414,12 @@ def raw_terms(work: PhaseWork, inp: PlanInputs, speed: SpeedSpec) -> dict[str, f
     compute_stretch = speed.compute_stretch(inp.ranks_per_node) * (1 + work.bubble)
     return {
         "compute": work.flops / speed.flops(inp.dtype) * compute_stretch,
-        "memory": work.memory_bytes / speed.memory_bytes_per_s * over,
+        "memory": (work.memory_bytes / speed.memory_bytes_per_s + work.fresh_bytes / speed.fresh_bytes) * over,
+        "vocab": work.vocab_bytes / speed.memory_bytes_per_s * over,
+        "draws": work.draws * speed.seconds_per_draw * over,
         "host": work.host_bytes / speed.host_bytes_per_s,
         "link": sum(b / getattr(speed, f"{link}_bytes_per_s") for link, b in work.link_bytes.items()),
+        "collective_ops": work.collective_steps * speed.op_seconds * over,
         "actor_ops": work.actor_ops * speed.op_seconds * stretch,
         "actor_backward_ops": work.actor_backward_ops * speed.op_seconds * stretch,
         f"{inp.rollout.engine}_ops": work.engine_layer_steps * speed.op_seconds * over,
@@ -318,12 +431,15 @@ def raw_terms(work: PhaseWork, inp: PlanInputs, speed: SpeedSpec) -> dict[str, f
 
 
 def _does_work(work: PhaseWork) -> bool:
-    return bool(work.flops or work.memory_bytes or work.host_bytes or work.engine_layer_steps or work.param_tensors)
+    moves = work.memory_bytes or work.fresh_bytes or work.vocab_bytes or work.host_bytes
+    return bool(work.flops or moves or work.draws or work.engine_layer_steps or work.param_tensors)
 
 
 def coefficient(constants: Calibration, column: str) -> float:
     """What multiplies a raw term: 1 / efficiency, or the op factor."""
     name = COLUMN_CONSTANT[column]
+    if name is None:
+        return 1.0
     return 1.0 / constants.value(name) if name in EFFICIENCIES else constants.value(name)
 
 

@@ -165,12 +165,15 @@ NCCL_RANK_ENVIRON = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
 # JIT-compiled kernel per matmul shape, up to 1024 (its primitive cache); packed micro-batches vary in tokens, so the
 # cache grows over the steps, outside any tensor: memory_cpu_bf16's every phase measured 21-25 MiB over its plan on an
 # AMD EPYC with AVX512_BF16 (18% at onload_params), 8% with no cache. Without a cache each matmul builds its kernel.
-CPU_RANK_ENVIRON = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}
+# ideep (torch's oneDNN wrapper) keeps a second cache of its own, of matmul primitive descriptors, up to 1024, sized by
+# LRU_CACHE_CAPACITY (its utils::computation_cache): ~0.5 MB per shape, so the default bf16 run's RSS rose ~6 MB a
+# step for its first 18 steps (66 MiB over its plan on every phase at step 200). 1, not 0: 0 crashes torch 2.13.
+CPU_RANK_ENVIRON = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0", "LRU_CACHE_CAPACITY": "1"}
 
 
 def rank_environ(cluster: ClusterConfig, environ: dict[str, str] = os.environ) -> dict[str, str]:
     """The variables a rank of ``cluster`` needs and ``environ`` does not set yet (NCCL's error handling on CUDA,
-    no oneDNN kernel cache on CPU)."""
+    no oneDNN or ideep kernel cache on CPU)."""
     needed = NCCL_RANK_ENVIRON if cluster.device in CUDA_PRESETS else CPU_RANK_ENVIRON
     return {k: v for k, v in needed.items() if k not in environ}
 

@@ -66,6 +66,7 @@ def plan_inputs(
         distributed_optimizer=cfg.dp > 1 or actor.optimizer_offload_fraction > 0,
         reference_model=cfg.algorithm.kl_coef > 0,
         entropy_grad=cfg.algorithm.entropy_coef > 0,
+        ppo_epochs=cfg.trainer.ppo_epochs,
         attention="flash" if on_cuda else "unfused",  # Transformer Engine on CUDA, megatron's local spec on CPU
         sequences_per_step=cfg.trainer.prompts_per_step * rollout.n_samples_per_prompt,
         eval_sequences=eval_sequences(cfg),

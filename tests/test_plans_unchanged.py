@@ -31,6 +31,8 @@ def capture() -> dict[str, dict]:
 
     out = {}
     for path in sorted((Path(__file__).parent.parent / "experiments" / "conf" / "exp").glob("*.yaml")):
+        if path.name.startswith("tuned_"):  # what `make tune` wrote here (git-ignored), not the repository's
+            continue
         cfg = compose(path.stem)
         inputs = plan_inputs(cfg, data_prompt_length(cfg).tokens)
         out[f"exp:{path.stem}"] = plan_json(make_plan(inputs), variants(inputs))

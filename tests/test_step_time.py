@@ -16,10 +16,13 @@ from planner.devices import DeviceSpec, device_preset
 from planner.speed import SPEED_PRESETS, SpeedSpec, speed_preset
 from planner.step_time import (
     COLUMN_CONSTANT,
+    EFFICIENCIES,
     LOCAL_LAYER_OPS,
     LOCAL_MODEL_OPS,
     QK_NORM_LAYER_OPS,
+    _does_work,
     coefficient,
+    logprob_bytes_per_logit,
     phase_work,
     predict_step_time,
 )
@@ -113,9 +116,17 @@ def test_the_work_follows_the_counts():
     longer = phase_work(make_plan(dataclasses.replace(longer_inputs, response_tokens=2 * inp.response_tokens)))
     assert longer["rollout"].engine_layer_steps > base["rollout"].engine_layer_steps
     assert longer["train"].flops > base["train"].flops
-    # an offload moves its state over the host link; an onload of what stays resident moves nothing
-    resident = phase_work(make_plan(inp.with_offload(grads=False)))
-    assert base["offload_grads"].host_bytes > 0 and resident["offload_grads"].host_bytes == 0
+    # an offload copies its state over the host link; an onload of what stays resident moves nothing
+    resident = phase_work(make_plan(inp.with_offload(optimizer=False)))
+    assert base["offload_optimizer"].host_bytes > 0 and not _does_work(resident["offload_optimizer"])
+    # grads are released and handed back zeroed (megatron_backend/actor_offload.py): nothing crosses to the host
+    grads = base["onload_grads"].fresh_bytes
+    assert not _does_work(base["offload_grads"]) and grads > 0 and base["onload_grads"].host_bytes == 0
+    # the train phase runs trainer.ppo_epochs train steps (run/loop.py); the rollout is the same
+    epochs = phase_work(make_plan(dataclasses.replace(inp, ppo_epochs=3)))
+    assert epochs["train"].flops == pytest.approx(3 * base["train"].flops)
+    assert epochs["train"].param_tensors == 3 * base["train"].param_tensors
+    assert epochs["rollout"] == base["rollout"]
     # full recompute runs one more forward
     recompute = phase_work(make_plan(inp.with_actor(recompute="full")))
     assert recompute["train"].flops == pytest.approx(base["train"].flops * 4 / 3)
@@ -172,13 +183,13 @@ def _synthetic_rows(coefficients: dict[str, float]):
     """Rows whose seconds are known: per column, rows it dominates (0.2-1 s), and rows that mix them."""
     rng = np.random.default_rng(0)
     rows = []
-    for column in COLUMN_CONSTANT:
+    for column in coefficients:
         for _ in range(3):
-            raw = {c: float(rng.uniform(0, 0.01)) / coefficients[c] for c in COLUMN_CONSTANT}
+            raw = {c: float(rng.uniform(0, 0.01)) / coefficients[c] for c in coefficients}
             raw[column] = float(rng.uniform(0.2, 1.0)) / coefficients[column]
             rows.append((column, raw, sum(raw[c] * coefficients[c] for c in raw)))
     for i in range(10):
-        raw = {c: float(rng.uniform(0, 0.3)) / coefficients[c] for c in COLUMN_CONSTANT}
+        raw = {c: float(rng.uniform(0, 0.3)) / coefficients[c] for c in coefficients}
         rows.append((f"mixed{i}", raw, sum(raw[c] * coefficients[c] for c in raw)))
     return rows
 
@@ -189,14 +200,92 @@ def test_the_fit_recovers_known_constants_and_validation_catches_each_mutation()
 
     # every constant nonzero (a fitted 0 would leave its term out of the rows)
     loaded = load("cpu_time")
-    constants = loaded.with_values(**{name: loaded.value(name) or 100.0 for name in COLUMN_CONSTANT.values()})
+    names = [name for name in COLUMN_CONSTANT.values() if name is not None]  # None: a measured rate, not fitted
+    # every constant nonzero, and each efficiency below 1 (the fit holds them at most 1)
+    values = {name: loaded.value(name) or 100.0 for name in names}
+    values.update({name: min(values[name], 0.9) for name in EFFICIENCIES})
+    constants = loaded.with_values(**values)
     truth = {c: coefficient(constants, c) for c in COLUMN_CONSTANT}
     rows = _synthetic_rows(truth)
     fitted = fit({"a": rows[::2], "b": rows[1::2]}, constants)
-    for column, value in truth.items():
-        assert fitted[column] == pytest.approx(value, rel=1e-6)
+    assert set(fitted) == set(truth) - {"draws"}  # the draws' seconds are a measured rate's
+    for column, value in fitted.items():
+        assert value == pytest.approx(truth[column], rel=1e-6)
     assert check_run("synthetic", rows, constants)["passed"]
-    for name in COLUMN_CONSTANT.values():  # each constant off by 2x fails the check
+    for name in names:  # each constant off by 2x fails the check
         for factor in (2.0, 0.5):
             wrong = constants.with_values(**{name: constants.value(name) * factor})
             assert not check_run("synthetic", rows, wrong)["passed"], f"{name} x{factor} went unnoticed"
+
+
+def _full_width_bytes(fn, full: int) -> tuple[float, list[str]]:
+    """Bytes per element that ``fn``'s dispatched torch ops read and write in tensors of ``full`` elements or more
+    (each such argument read, each such result written), and the ops. Left out: views (no bytes move), the
+    one-element-per-row ops (gather, scatter_add_) and zeros_like (planner/step_time.py counts the logits' zeroed
+    gradient with the output layer's write)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    skip = {"gather", "scatter_add_", "zeros_like"}
+    counted: list[tuple[str, float]] = []
+
+    class Bytes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if func.is_view or name in skip:
+                return out
+            tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+            moved = sum(t.numel() * t.element_size() for t in tensors if t.numel() >= full)
+            if moved:
+                counted.append((name, moved / full))
+            return out
+
+    with Bytes():
+        fn()
+    return sum(b for _, b in counted), [n for n, _ in counted]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("keep_softmax", [False, True])
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_the_log_prob_pass_moves_the_counted_bytes(dtype, keep_softmax, entropy_grad):
+    """logprob_bytes_per_logit against what megatron_backend/logprobs.py's fused pass dispatches, forward and
+    backward, over every row of a [64, 512] logits tensor."""
+    import torch
+
+    from megatron_backend.logprobs import fused_logprobs_entropy
+
+    num_rows, vocab = 64, 512
+    logits = torch.randn(num_rows, vocab, dtype=getattr(torch, dtype), requires_grad=True)
+    rows, target = torch.arange(num_rows), torch.randint(0, vocab, (num_rows,))
+    out = {}
+
+    def forward():
+        out["lp"], out["entropy"] = fused_logprobs_entropy(logits, rows, target, 0, vocab, None, 1024, keep_softmax)
+
+    def backward():
+        loss = out["lp"].sum() + (out["entropy"].sum() if entropy_grad else 0)
+        loss.backward()
+
+    e = logits.element_size()
+    forward_bytes, _ = _full_width_bytes(forward, num_rows * vocab)
+    backward_bytes, _ = _full_width_bytes(backward, num_rows * vocab)
+    assert forward_bytes == logprob_bytes_per_logit(e, False, keep_softmax, entropy_grad)
+    assert backward_bytes == logprob_bytes_per_logit(e, True, keep_softmax, entropy_grad)
+
+
+def test_the_native_sampler_dispatches_the_counted_ops():
+    """sampler_bytes_per_logit counts the kernels inside logsumexp, softmax and multinomial from torch's source; here
+    the ops themselves are pinned: which full-width ops the native sampler dispatches (a new pass fails it)."""
+    import torch
+
+    from rollout.engine import SamplingParams
+    from rollout.native.sampling import Sampler
+
+    sampler = Sampler(SamplingParams(temperature=1.0, max_tokens=4, seed=0), torch.device("cpu"))
+    for dtype, cast in ((torch.float32, []), (torch.bfloat16, ["_to_copy"])):
+        logits = torch.randn(64, 512, dtype=dtype)
+        _, ops = _full_width_bytes(lambda: sampler(logits), 64 * 512)  # noqa: B023
+        assert ops == [*cast, "logsumexp", "div", "_softmax", "multinomial"]

@@ -7,7 +7,7 @@ over the steady steps 1..) against the model's raw terms (:func:`planner.step_ti
 at efficiency 1 and op factor 1), at each steady step's recorded lengths, median over those steps, with the
 machine's speeds as ``tools/speed_probe.py`` measured them just before the run (its ``speed.json``; a run without
 one: measured now, once for all). The fit is a
-non-negative least squares on relative errors (each row over max(its seconds, 50 ms); each run's whole step a row
+non-negative least squares on relative errors, each efficiency at most 1 (each row over max(its seconds, 50 ms); each run's whole step a row
 too, weighted as three phases); a constant whose term no
 fit run exercises keeps its file value. Leaving each run out in turn gives each constant's spread, its uncertainty.
 """
@@ -31,7 +31,8 @@ from planner.step_time import COLUMN_CONSTANT, EFFICIENCIES, phase_work, raw_ter
 from tools.plan_runs import FIT_SET, ensure_run, plan_for, recorded_lengths_of, run_dir_for
 from tools.speed_probe import measure_cpu_speed
 
-COLUMNS = tuple(COLUMN_CONSTANT)
+COLUMNS = tuple(c for c, name in COLUMN_CONSTANT.items() if name is not None)  # fitted
+MEASURED = tuple(c for c, name in COLUMN_CONSTANT.items() if name is None)  # a measured rate's seconds, as they are
 FLOOR_SECONDS = 0.05  # a row's relative error is over at least this (a phase of a few ms is noise)
 STEP_ROWS = 3.0
 SPEED_FILE = "speed.json"
@@ -39,10 +40,14 @@ SPEED_FILE = "speed.json"
 
 def run_speed(run_dir: Path):
     """The machine's speeds measured just before the run (its speed.json, tools/plan_runs.py writes it), else now
-    (once per process: a run made before speed.json existed is timed with today's speeds, the same for every run)."""
+    (once per process: a run made before speed.json existed is timed with today's speeds, the same for every run;
+    one made before the probe timed draws takes today's draw rate)."""
     path = run_dir / SPEED_FILE
     if path.exists():
-        return SpeedSpec(**json.loads(path.read_text()))
+        fields = json.loads(path.read_text())
+        if fields.get("draw_seconds") is None:  # probed before the probe timed draws: today's, as a run without one
+            fields["draw_seconds"] = _speed_now().draw_seconds
+        return SpeedSpec(**fields)
     return _speed_now()
 
 
@@ -71,7 +76,7 @@ def run_rows(spec, run_dir: Path) -> list[tuple[str, dict[str, float], float]]:
         if name not in measured:
             continue
         raws = [raw_terms(works[name], plan.inputs, speed) for works in per_step]
-        raw = {c: statistics.median(r.get(c, 0.0) for r in raws) for c in COLUMNS}
+        raw = {c: statistics.median(r.get(c, 0.0) for r in raws) for c in COLUMNS + MEASURED}
         rows.append((name, raw, measured[name]))
     return rows
 
@@ -105,14 +110,18 @@ def fit(rows_by_run: dict[str, list], prior) -> dict[str, float]:
     weight = [1 / max(seconds, FLOOR_SECONDS) for *_, seconds in rows]
     # each run's step (its phases summed) is a row too, weighted as STEP_ROWS phases: the step is what a search ranks
     for run_rows_ in rows_by_run.values():
-        step = {c: sum(raw[c] for _, raw, _ in run_rows_) for c in COLUMNS}
+        step = {c: sum(raw[c] for _, raw, _ in run_rows_) for c in COLUMNS + MEASURED}
         seconds = sum(m for *_, m in run_rows_)
         rows.append(("step", step, seconds))
         weight.append(STEP_ROWS / seconds)
     weight = np.array(weight)
     a = np.array([[raw[c] for c in used] for _, raw, _ in rows]) * weight[:, None]
-    b = np.array([seconds for *_, seconds in rows]) * weight
-    x = nnls(a, b)
+    # the measured rates' seconds are known: what the fitted terms explain is the rest
+    b = np.array([seconds - sum(raw[c] for c in MEASURED) for _, raw, seconds in rows]) * weight
+    # an efficiency is at most 1 (no term runs above its datasheet or probed peak): its coefficient 1 / efficiency
+    # is 1 + x with x >= 0, the 1 moved to the measured side
+    floor = np.array([1.0 if COLUMN_CONSTANT[c] in EFFICIENCIES else 0.0 for c in used])
+    x = nnls(a, b - a @ floor) + floor
     out = {c: _prior_coefficient(prior, c) for c in COLUMNS}
     out.update(dict(zip(used, x.tolist(), strict=True)))
     return out

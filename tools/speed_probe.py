@@ -3,9 +3,13 @@
 Measured in about a second, median of repeats, on one core (one torch thread; the model scales by a rank's share of
 the cores, planner.speed.SpeedSpec.compute_stretch):
 - ``flops_per_s``: a [1024, 1024] x [1024, 1024] matmul per dtype (2 n^3 FLOPs);
-- ``memory_bytes_per_s`` (and the host and intra-node links, which on CPU are copies in memory): a 64 MiB copy
-  into a buffer that already exists;
-- ``op_seconds``: one ``torch.add`` of 16-element tensors, the fixed cost a small op pays.
+- ``memory_bytes_per_s``: a 64 MiB copy into a buffer that already exists, its bytes read plus written; the links
+  between ranks (on CPU copies in memory): the same copy's bytes;
+- ``fresh_bytes_per_s``: 64 MiB written into a new buffer (a fresh mapping on CPU: its page faults), freed after;
+  the host link too, since an offload or onload on CPU copies into a fresh file mapping or storage;
+- ``op_seconds``: one ``torch.add`` of 16-element tensors, the fixed cost a small op pays;
+- ``draw_seconds``: one element of ``exponential_`` over a [64, 16384] fp32 buffer (the native sampler's
+  ``torch.multinomial`` draws one per vocab entry of each row: planner/step_time.py).
 
 ``python -m tools.speed_probe`` prints it as JSON.
 """
@@ -24,6 +28,7 @@ from planner.speed import SpeedSpec
 MATMUL_N = 1024
 COPY_BYTES = 64 * 2**20
 SMALL_OPS = 2000
+DRAWS = (64, 16384)
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -54,6 +59,7 @@ def _measure() -> SpeedSpec:
     src = torch.ones(COPY_BYTES // 4)
     dst = torch.empty_like(src)
     copy = COPY_BYTES / _median_seconds(lambda: dst.copy_(src), 5)
+    fresh = COPY_BYTES / _median_seconds(lambda: torch.ones(COPY_BYTES // 4), 5)
     x, y, out = torch.ones(16), torch.ones(16), torch.empty(16)
 
     def small_ops() -> None:
@@ -61,16 +67,20 @@ def _measure() -> SpeedSpec:
             torch.add(x, y, out=out)
 
     op = _median_seconds(small_ops, 5) / SMALL_OPS
+    noise = torch.empty(DRAWS)
+    draw = _median_seconds(noise.exponential_, 5) / noise.numel()
     how = "measured by tools/speed_probe.py on this machine, one core (one torch thread)"
     return SpeedSpec(
         name="cpu",
         kind="cpu",
         flops_per_s=flops,
-        memory_bytes_per_s=copy,
-        host_bytes_per_s=copy,
+        memory_bytes_per_s=2 * copy,  # a copy reads and writes
+        fresh_bytes_per_s=fresh,
+        host_bytes_per_s=fresh,  # an offload or onload copies into a fresh allocation (a file mapping, a storage)
         intra_node_bytes_per_s=copy,
         inter_node_bytes_per_s=copy,
         op_seconds=op,
+        draw_seconds=draw,
         cores=os.cpu_count() or 1,
         source={"all": how},
         measured=True,

@@ -31,8 +31,10 @@ _TRANSIENT_CONSTANTS = (
 TIME_CONSTANTS = (
     "compute_efficiency",
     "memory_efficiency",
+    "vocab_pass_efficiency",  # of memory bandwidth, the [rows, V] fp32 passes reach (their exp and draws compute)
     "host_efficiency",
     "link_efficiency",
+    "collective_step_ops",  # one sequential step of a collective (its latency), in op_seconds
     "actor_op_factor",  # seconds of one counted actor forward op over op_seconds
     "actor_backward_op_factor",  # the same for backward's ops
     "native_layer_step_ops",  # one native engine layer's step (decode or prefill), in op_seconds
