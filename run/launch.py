@@ -161,14 +161,14 @@ def lost_peer_line(error: str, rank_hosts: list[tuple[str, str]], rank: int) -> 
 # collective into a host-side wait (a Python exception at the timeout, but no CPU/GPU overlap at any time).
 # Who died is named by the launcher from exit codes (spawn_local; torchrun's error files), not by the survivors.
 NCCL_RANK_ENVIRON = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
-# What the ranks of a CPU run get: oneDNN (torch's 16-bit matmuls on a CPU with native bf16, e.g. AVX512_BF16) keeps a
-# JIT-compiled kernel per matmul shape, up to 1024 (its primitive cache); packed micro-batches vary in tokens, so the
-# cache grows over the steps, outside any tensor: memory_cpu_bf16's every phase measured 21-25 MiB over its plan on an
-# AMD EPYC with AVX512_BF16 (18% at onload_params), 8% with no cache. Without a cache each matmul builds its kernel.
-# ideep (torch's oneDNN wrapper) keeps a second cache of its own, of matmul primitive descriptors, up to 1024, sized by
-# LRU_CACHE_CAPACITY (its utils::computation_cache): ~0.5 MB per shape, so the default bf16 run's RSS rose ~6 MB a
-# step for its first 18 steps (66 MiB over its plan on every phase at step 200). 1, not 0: 0 crashes torch 2.13.
-CPU_RANK_ENVIRON = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0", "LRU_CACHE_CAPACITY": "1"}
+# What the ranks of a CPU run get. torch's 16-bit matmuls on a CPU with native bf16 (e.g. AVX512_BF16) go to oneDNN,
+# which keeps a JIT-compiled kernel per matmul shape (its primitive cache, ~0.6 MB each, up to 1024), and ideep, torch's
+# wrapper, a second cache of its own, of primitive descriptors (LRU_CACHE_CAPACITY, its utils::computation_cache,
+# ~0.4 MB each, up to 1024). Packed micro-batches vary in tokens, so both grow over the steps, outside any tensor: the
+# default bf16 run's RSS rose ~6 MB a step for 18 steps, 66 MiB over its plan on every phase at step 200. Neither can be
+# 0: no oneDNN cache JIT-compiles every call (a bf16 run's 12 steps 43 s against 28 s with 16), and ideep's at 0
+# crashes torch 2.13. 16 kernels (one micro-batch's forward and backward shapes, ~10 MB) and one descriptor stay.
+CPU_RANK_ENVIRON = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "LRU_CACHE_CAPACITY": "1"}
 
 
 def rank_environ(cluster: ClusterConfig, environ: dict[str, str] = os.environ) -> dict[str, str]:
