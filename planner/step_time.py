@@ -13,7 +13,8 @@ counted from the model's shape, the layouts and the batch (:class:`PhaseWork`):
   faulted in): an actor pass's activations and logits, a wake's weights and KV cache, the grads handed back zeroed.
 - ``vocab_bytes``: bytes through the elementwise passes over [rows, V] fp32 logits (:func:`sampler_bytes_per_logit`,
   :func:`logprob_bytes_per_logit`, counted from the kernels), and ``draws``, the native sampler's random draws.
-- ``host_bytes``: what an offload or onload copies over the host link (its state's bytes, the memory plan's sizes).
+- ``host_bytes``: what an offload or onload copies over the host link (its state's bytes, the memory plan's sizes);
+  ``host_storages``: the storages an offload copies out, each to its own host buffer.
 - ``link_bytes``: per link (``intra_node``, ``inter_node``), what one rank sends in collectives: TP's 4 all-reduces
   per layer in train (2 forward, 2 backward; 2 in a forward) of tokens x h, PP's activation sends, EP's all-to-all of
   the routed copies (dispatch and combine), DP's gradient reduction, the weight sync's engine weights.
@@ -64,6 +65,9 @@ LOCAL_LAYER_OPS = {"forward": 131, "backward": 121}
 # the same count's ops outside the layers (embedding, final norm, output layer): per micro-batch and pass
 LOCAL_MODEL_OPS = {"forward": 25, "backward": 34}
 QK_NORM_LAYER_OPS = {"forward": 13, "backward": 34}
+# an MoE layer of the local spec (megatron's router, the alltoall dispatcher, its SequentialMLP over the rank's
+# experts) beyond the dense layer's ops: (fixed, per local expert), the same dispatcher count
+MOE_LAYER_OPS = {"forward": (35, 12), "backward": (11, 20)}
 TERMS = ("compute", "memory", "host", "link", "actor_ops", "engine_ops", "tensor_ops", "micro_batch_ops", "phase_ops")
 # a fit's columns (raw_terms) -> the constant that scales each (planner/calibration TIME_CONSTANTS) and its term
 COLUMN_CONSTANT = {
@@ -74,6 +78,7 @@ COLUMN_CONSTANT = {
     "host": "host_efficiency",
     "link": "link_efficiency",
     "collective_ops": "collective_step_ops",
+    "storage_ops": "host_storage_ops",
     "actor_ops": "actor_op_factor",
     "actor_backward_ops": "actor_backward_op_factor",
     "native_ops": "native_layer_step_ops",
@@ -89,6 +94,7 @@ COLUMN_TERM = {
     "vocab": "memory",
     "draws": "compute",
     "collective_ops": "link",
+    "storage_ops": "host",
 }
 EFFICIENCIES = (
     "compute_efficiency",
@@ -113,6 +119,7 @@ class PhaseWork:
     # collectives' sequential steps (a ring all-reduce over n ranks takes 2 (n - 1), an all-gather or a broadcast
     # n - 1, a point-to-point send 1): their latency, which the bytes do not see
     collective_steps: float = 0.0
+    host_storages: float = 0.0  # storages an offload copies out (CPU: a file created, sized and mapped for each)
     actor_ops: float = 0.0  # forward
     actor_backward_ops: float = 0.0  # autograd's: each op's node is also the engine's to schedule
     engine_layer_steps: float = 0.0
@@ -156,8 +163,13 @@ def time_constants(device_kind: str) -> Calibration:
 
 
 # ---------------------------------------------------------------- counts
-def _layer_ops(inp: PlanInputs, kind: str) -> int:
-    return LOCAL_LAYER_OPS[kind] + (QK_NORM_LAYER_OPS[kind] if inp.shape.qk_norm else 0)
+def _layer_ops(inp: PlanInputs, kind: str, layers) -> int:
+    """Torch ops of ``layers`` in a forward or backward of one micro-batch (an MoE layer's grow with its experts)."""
+    s = inp.shape
+    dense = LOCAL_LAYER_OPS[kind] + (QK_NORM_LAYER_OPS[kind] if s.qk_norm else 0)
+    fixed, per_expert = MOE_LAYER_OPS[kind]
+    moe = fixed + per_expert * (s.num_experts // inp.actor.ep) if s.is_moe else 0
+    return sum(dense + (moe if s.is_moe_layer(layer) else 0) for layer in layers)
 
 
 def _param_tensors(inp: PlanInputs, layers) -> int:
@@ -268,11 +280,13 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
     forward = _actor_forward_flops(inp, stage, tokens, mb.attention_span / 2)
     e = inp.element_bytes
     passes = 1
-    ops = mb.count * (layers * _layer_ops(inp, "forward") + LOCAL_MODEL_OPS["forward"])
+    ops = mb.count * (_layer_ops(inp, "forward", stage_layers(s, a.pp, stage)) + LOCAL_MODEL_OPS["forward"])
     backward_ops = 0
     if train:
         passes = 3 + (1 if a.recompute == "full" else 0)
-        backward_ops = mb.count * (layers * _layer_ops(inp, "backward") + LOCAL_MODEL_OPS["backward"])
+        backward_ops = mb.count * (
+            _layer_ops(inp, "backward", stage_layers(s, a.pp, stage)) + LOCAL_MODEL_OPS["backward"]
+        )
         if a.recompute == "full":
             ops *= 2
     # TP: 2 all-reduces of [tokens, h] per layer and pass direction; PP: the activations sent on; EP: the routed copies
@@ -376,6 +390,14 @@ def phase_work(plan: Plan, lengths: StepLengths | None = None) -> dict[str, Phas
         for comp in ("actor_params", "actor_grads", "optimizer", "ref_params")
     }
     engine_tensors = _param_tensors(inp, range(inp.shape.num_layers))
+    # the storages an offload copies out, each to a host buffer of its own (megatron_backend/memory.py): params (and a
+    # reference's) live in DDP's contiguous buffer (MoE: and its experts'); the optimizer's states per parameter tensor
+    # are Adam's two moments, torch's step on a CPU device (on CUDA the device filter leaves it) and the fp32 master of
+    # a 16-bit param
+    buffers = 1 + (1 if inp.shape.is_moe else 0)
+    per_param = 2 + (1 if inp.device.kind == "cpu" else 0) + (1 if inp.element_bytes < FP32_BYTES else 0)
+    actor_tensors = max(_param_tensors(inp, stage_layers(inp.shape, inp.actor.pp, st)) for st in stages)
+    storages = {"actor_params": buffers, "ref_params": buffers, "optimizer": per_param * actor_tensors}
     out: dict[str, PhaseWork] = {}
     for phase in step_phases(flags):
         if not phase.every_step:
@@ -391,12 +413,11 @@ def phase_work(plan: Plan, lengths: StepLengths | None = None) -> dict[str, Phas
             work.link_bytes = {"intra_node": plan.engine_weight_bytes}
             work.param_tensors = engine_tensors
         for state in (*phase.adds, *phase.drops):
-            if (
-                state == "actor_grads"
-            ):  # released, and handed back zeroed, never copied (megatron_backend/actor_offload.py)
+            if state == "actor_grads":  # released, handed back zeroed, never copied (megatron_backend/actor_offload.py)
                 work.fresh_bytes += state_bytes[state] if state in phase.adds else 0
             elif state in (*ACTOR_STATE, "ref_params"):  # an offload or onload copies it over the host link
                 work.host_bytes += state_bytes[state]
+                work.host_storages += storages[state] if state in phase.drops else 0
             elif state in sizes and state in phase.adds and engine_sleeps:  # a wake maps and touches it
                 work.fresh_bytes += sizes[state]
         out[phase.name] = work
@@ -420,6 +441,7 @@ def raw_terms(work: PhaseWork, inp: PlanInputs, speed: SpeedSpec) -> dict[str, f
         "host": work.host_bytes / speed.host_bytes_per_s,
         "link": sum(b / getattr(speed, f"{link}_bytes_per_s") for link, b in work.link_bytes.items()),
         "collective_ops": work.collective_steps * speed.op_seconds * over,
+        "storage_ops": work.host_storages * speed.op_seconds * over,
         "actor_ops": work.actor_ops * speed.op_seconds * stretch,
         "actor_backward_ops": work.actor_backward_ops * speed.op_seconds * stretch,
         f"{inp.rollout.engine}_ops": work.engine_layer_steps * speed.op_seconds * over,
@@ -431,7 +453,7 @@ def raw_terms(work: PhaseWork, inp: PlanInputs, speed: SpeedSpec) -> dict[str, f
 
 
 def _does_work(work: PhaseWork) -> bool:
-    moves = work.memory_bytes or work.fresh_bytes or work.vocab_bytes or work.host_bytes
+    moves = work.memory_bytes or work.fresh_bytes or work.vocab_bytes or work.host_bytes or work.host_storages
     return bool(work.flops or moves or work.draws or work.engine_layer_steps or work.param_tensors)
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from modelspec import ModelShape
+from modelspec.family import layer_parts
 from planner import make_plan
 from planner.calibration import load
 from planner.devices import DeviceSpec, device_preset
@@ -19,6 +20,7 @@ from planner.step_time import (
     EFFICIENCIES,
     LOCAL_LAYER_OPS,
     LOCAL_MODEL_OPS,
+    MOE_LAYER_OPS,
     QK_NORM_LAYER_OPS,
     _does_work,
     coefficient,
@@ -50,13 +52,14 @@ def make_inputs(**fields):
     return planner_inputs(actor=dict(micro_batch_size=4, remove_padding=True), **{**defaults, **fields})
 
 
-def _ops_per_layer(rank: int, world_size: int, family: str) -> dict[str, tuple[int, int]]:
-    """Torch ops of a forward and a backward of megatron's local model with 2 and with 4 layers (packed)."""
+def _ops_per_layer(rank: int, world_size: int, family: str, experts: int = 0) -> dict[str, tuple[int, int]]:
+    """Torch ops of a forward and a backward of megatron's local model with 2 and with 4 layers (packed); ``experts``:
+    every layer an MoE layer of that many experts."""
     import torch
     from megatron.core.packed_seq_params import PackedSeqParams
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from megatron_backend.model import build_gpt_chunks
+    from megatron_backend.model import build_gpt_chunks, moe_kwargs
     from megatron_backend.parallel import initialize_model_parallel
     from modelspec import ModelShape
 
@@ -75,7 +78,9 @@ def _ops_per_layer(rank: int, world_size: int, family: str) -> dict[str, tuple[i
     out = {}
     for layers in (2, 4):
         shape = dataclasses.replace(ModelShape.from_pretrained(f"tiny:{family}"), num_layers=layers)
-        [model] = build_gpt_chunks(shape, dims)
+        if experts:
+            shape = dataclasses.replace(shape, num_experts=experts, moe_layers=tuple(range(layers)))
+        [model] = build_gpt_chunks(shape, dims, moe=moe_kwargs(shape, dims))
         ids = torch.randint(0, shape.vocab_size, (1, tokens))
         positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
         Count.ops = 0
@@ -100,6 +105,16 @@ def test_the_counted_layer_ops_are_what_torch_dispatches(family):
     assert counts[2][1] - 2 * backward == LOCAL_MODEL_OPS["backward"]
 
 
+def test_the_counted_moe_layer_ops_are_what_torch_dispatches():
+    """An MoE layer's ops beyond the dense layer's: a fixed part and a part per local expert (4 and 16 experts)."""
+    counts = {e: run_ranks(_ops_per_layer, 1, "qwen3_moe", e)[0] for e in (4, 16)}
+    dense = {k: LOCAL_LAYER_OPS[k] + QK_NORM_LAYER_OPS[k] for k in LOCAL_LAYER_OPS}
+    for i, kind in enumerate(("forward", "backward")):
+        fixed, per_expert = MOE_LAYER_OPS[kind]
+        for experts, c in counts.items():
+            assert (c[4][i] - c[2][i]) / 2 == dense[kind] + fixed + per_expert * experts, (kind, experts)
+
+
 def test_every_step_phase_is_timed_and_only_those():
     plan = make_plan(make_inputs())
     step = predict_step_time(plan, CPU, load("cpu_time"))
@@ -119,6 +134,10 @@ def test_the_work_follows_the_counts():
     # an offload copies its state over the host link; an onload of what stays resident moves nothing
     resident = phase_work(make_plan(inp.with_offload(optimizer=False)))
     assert base["offload_optimizer"].host_bytes > 0 and not _does_work(resident["offload_optimizer"])
+    # each of the optimizer's storages goes to a host buffer of its own: Adam's two moments and torch's step per
+    # parameter tensor on CPU; the onload frees them
+    tensors = sum(len(layer_parts(inp.shape, layer)) for layer in range(inp.shape.num_layers)) + 3
+    assert base["offload_optimizer"].host_storages == 3 * tensors and base["onload_optimizer"].host_storages == 0
     # grads are released and handed back zeroed (megatron_backend/actor_offload.py): nothing crosses to the host
     grads = base["onload_grads"].fresh_bytes
     assert not _does_work(base["offload_grads"]) and grads > 0 and base["onload_grads"].host_bytes == 0
