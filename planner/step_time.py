@@ -66,7 +66,8 @@ LOCAL_LAYER_OPS = {"forward": 131, "backward": 121}
 LOCAL_MODEL_OPS = {"forward": 25, "backward": 34}
 QK_NORM_LAYER_OPS = {"forward": 13, "backward": 34}
 # an MoE layer of the local spec (megatron's router, the alltoall dispatcher, its SequentialMLP over the rank's
-# experts) beyond the dense layer's ops: (fixed, per local expert), the same dispatcher count
+# experts) beyond the dense layer's ops: (fixed, per local expert), the same dispatcher count; with Transformer
+# Engine's grouped GEMM (CUDA) the experts run as one
 MOE_LAYER_OPS = {"forward": (35, 12), "backward": (11, 20)}
 TERMS = ("compute", "memory", "host", "link", "actor_ops", "engine_ops", "tensor_ops", "micro_batch_ops", "phase_ops")
 # a fit's columns (raw_terms) -> the constant that scales each (planner/calibration TIME_CONSTANTS) and its term
@@ -168,7 +169,9 @@ def _layer_ops(inp: PlanInputs, kind: str, layers) -> int:
     s = inp.shape
     dense = LOCAL_LAYER_OPS[kind] + (QK_NORM_LAYER_OPS[kind] if s.qk_norm else 0)
     fixed, per_expert = MOE_LAYER_OPS[kind]
-    moe = fixed + per_expert * (s.num_experts // inp.actor.ep) if s.is_moe else 0
+    # the local spec's SequentialMLP loops over the experts; Transformer Engine's grouped GEMM (CUDA) does not
+    local_spec = inp.attention == "unfused"
+    moe = fixed + per_expert * (s.num_experts // inp.actor.ep if local_spec else 1) if s.is_moe else 0
     return sum(dense + (moe if s.is_moe_layer(layer) else 0) for layer in layers)
 
 
