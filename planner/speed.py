@@ -58,8 +58,8 @@ class SpeedSpec:
             raise ValueError(f"speed {self.name!r}: flops_per_s needs a rate > 0 per dtype")
 
     @property
-    def fresh_bytes(self) -> float:
-        """Bytes/s written into fresh allocations."""
+    def fresh_write_bytes_per_s(self) -> float:
+        """Bytes/s written into fresh allocations (``fresh_bytes_per_s``, else the memory bandwidth)."""
         return self.fresh_bytes_per_s or self.memory_bytes_per_s
 
     @property

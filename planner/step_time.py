@@ -279,24 +279,23 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
     s, a = inp.shape, inp.actor
     mb = inp.micro_batches(train=train)
     tokens = mb.count * mb.model_tokens
-    layers = len(stage_layers(s, a.pp, stage))
+    stage_layer_ids = stage_layers(s, a.pp, stage)
+    layers = len(stage_layer_ids)
     forward = _actor_forward_flops(inp, stage, tokens, mb.attention_span / 2)
     e = inp.element_bytes
     passes = 1
-    ops = mb.count * (_layer_ops(inp, "forward", stage_layers(s, a.pp, stage)) + LOCAL_MODEL_OPS["forward"])
+    ops = mb.count * (_layer_ops(inp, "forward", stage_layer_ids) + LOCAL_MODEL_OPS["forward"])
     backward_ops = 0
     if train:
         passes = 3 + (1 if a.recompute == "full" else 0)
-        backward_ops = mb.count * (
-            _layer_ops(inp, "backward", stage_layers(s, a.pp, stage)) + LOCAL_MODEL_OPS["backward"]
-        )
+        backward_ops = mb.count * (_layer_ops(inp, "backward", stage_layer_ids) + LOCAL_MODEL_OPS["backward"])
         if a.recompute == "full":
             ops *= 2
     # TP: 2 all-reduces of [tokens, h] per layer and pass direction; PP: the activations sent on; EP: the routed copies
     activation = tokens * s.hidden_size * e
     tp_bytes = activation * 2 * layers * (2 if train else 1) * 2 * (a.tp - 1) / a.tp
     pp_bytes = activation * (2 if train else 1) if a.pp > 1 else 0
-    moe_layers = sum(1 for layer in stage_layers(s, a.pp, stage) if s.is_moe_layer(layer))
+    moe_layers = sum(1 for layer in stage_layer_ids if s.is_moe_layer(layer))
     ep_bytes = activation * s.moe_top_k * 2 * moe_layers * (2 if train else 1) * (a.ep - 1) / a.ep if a.ep > 1 else 0
     # bytes the pass writes to fresh memory (on CPU each buffer of a page or more is a fresh mapping, faulted in:
     # colocation/host_memory.py): every layer's activations (what megatron keeps for backward, planner.sizes), the
@@ -305,7 +304,7 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
         layer_activation_bytes_per_token(
             s, a.tp, e, inp.attention, sparse=s.is_moe_layer(layer), etp=a.etp, packed=a.remove_padding
         )
-        for layer in stage_layers(s, a.pp, stage)
+        for layer in stage_layer_ids
     )
     written, vocab_bytes = tokens * kept * (2 if train else 1), 0.0
     # collectives per micro-batch: TP's all-reduces (2 per layer forward, RowParallelLinear's; 2 backward,
@@ -342,7 +341,7 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
             params * (2 * e + optimizer_bytes_per_param(e)) / (inp.actor_dp if inp.distributed_optimizer else 1)
         )
         work.memory_bytes += 2 * state_bytes
-        work.param_tensors += _param_tensors(inp, stage_layers(s, a.pp, stage))
+        work.param_tensors += _param_tensors(inp, stage_layer_ids)
         if inp.actor_dp > 1:
             dp = inp.actor_dp
             link = _by_link(inp, {"dp": params * e * 2 * (dp - 1) / dp})
@@ -438,7 +437,8 @@ def raw_terms(work: PhaseWork, inp: PlanInputs, speed: SpeedSpec) -> dict[str, f
     compute_stretch = speed.compute_stretch(inp.ranks_per_node) * (1 + work.bubble)
     return {
         "compute": work.flops / speed.flops(inp.dtype) * compute_stretch,
-        "memory": (work.memory_bytes / speed.memory_bytes_per_s + work.fresh_bytes / speed.fresh_bytes) * over,
+        "memory": (work.memory_bytes / speed.memory_bytes_per_s + work.fresh_bytes / speed.fresh_write_bytes_per_s)
+        * over,
         "vocab": work.vocab_bytes / speed.memory_bytes_per_s * over,
         "draws": work.draws * speed.seconds_per_draw * over,
         "host": work.host_bytes / speed.host_bytes_per_s,

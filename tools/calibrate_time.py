@@ -36,17 +36,19 @@ MEASURED = tuple(c for c, name in COLUMN_CONSTANT.items() if name is None)  # a 
 FLOOR_SECONDS = 0.05  # a row's relative error is over at least this (a phase of a few ms is noise)
 STEP_ROWS = 3.0
 SPEED_FILE = "speed.json"
+PROBED_LATER = ("draw_seconds", "fresh_bytes_per_s")  # rates the probe gained after some runs were made
 
 
 def run_speed(run_dir: Path):
     """The machine's speeds measured just before the run (its speed.json, tools/plan_runs.py writes it), else now
     (once per process: a run made before speed.json existed is timed with today's speeds, the same for every run;
-    one made before the probe timed draws takes today's draw rate)."""
+    one made before the probe measured draws or fresh writes takes today's)."""
     path = run_dir / SPEED_FILE
     if path.exists():
         fields = json.loads(path.read_text())
-        if fields.get("draw_seconds") is None:  # probed before the probe timed draws: today's, as a run without one
-            fields["draw_seconds"] = _speed_now().draw_seconds
+        for name in PROBED_LATER:  # probed before the probe measured it: today's, as for a run without speed.json
+            if fields.get(name) is None:
+                fields[name] = getattr(_speed_now(), name)
         return SpeedSpec(**fields)
     return _speed_now()
 
