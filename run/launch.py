@@ -269,6 +269,9 @@ def end_process_groups() -> None:
     step can die at exit with "terminate called without an active exception" (SIGABRT: pytorch/pytorch#190489;
     seen once in CI's slow suite on 2026-11-26, tests/test_memory_cpu.py, rank 1 after its last step)."""
 
+    vllm_state = sys.modules.get("vllm.distributed.parallel_state")
+    if vllm_state is not None:  # vLLM's groups: its TP group's shared-memory broadcaster is unlinked only here
+        vllm_state.destroy_model_parallel()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
