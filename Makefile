@@ -192,7 +192,7 @@ bench-rollout: $(STAMP) ## native engine vs transformers generate tokens/s (batc
 bench-train: $(STAMP) ## train-phase levers (packing, token budgets, recompute, chunked log-prob) with/without, measured vs planned: one JSON line each
 	@$(PY) -m tools.bench_train $(ARGS)
 
-bench-step: $(STAMP) ## COMMITS="<a> <b>" | CONFIGS="'<overrides a>' '<overrides b>'" [REPEATS=3] [EXP=tiny_cpu] [ARGS=]: alternating runs, step/phase medians, user/system time, page faults: one JSON line
+bench-step: $(STAMP) ## COMMITS="<a> <b> [<c> ...]" | CONFIGS="'<overrides a>' '<overrides b>' ..." [REPEATS=3] [EXP=tiny_cpu] [ARGS=]: alternating runs, step/phase medians, user/system time, page faults: one JSON line
 	@$(PY) -m tools.bench_step $(if $(COMMITS),--commits $(COMMITS)) $(if $(CONFIGS),--configs $(CONFIGS)) --repeats $(or $(REPEATS),3) --exp $(EXP) $(ARGS)
 
 smoke: $(STAMP) ## every documented target that needs no GPU, once, at its smallest, as from a fresh clone (CI): one line each

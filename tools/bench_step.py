@@ -1,14 +1,15 @@
-"""``make bench-step``: the step of two commits (or two configs) measured in alternating runs on this machine.
+"""``make bench-step``: the step of two or more commits (or configs) measured in alternating runs on this machine.
 
-The machine's speed drifts by up to 1.4x within minutes, so one run of each side compares nothing: the two
-sides run in turn (A B B A A B ...) and each figure is the median over a side's runs. Per run: the run's own
+The machine's speed drifts by up to 1.4x within minutes, so one run of each side compares nothing: the
+sides run in turn, the order reversed every repeat (A B C C B A A B C ...), and each figure is the median over a
+side's runs; ``over_first`` divides each side's medians by the first side's. Per run: the run's own
 ``summary.json`` (median step seconds and each phase's median, steps 1.. after the warm-up), the wall time of
 the side's ``make run`` from start to exit, and what the kernel charged to it and its ranks (``getrusage`` of
 the reaped children: user and system seconds, minor page faults). A commit runs its own ``make run`` recipe
 from a detached ``git worktree`` of it with this checkout's venv; a config is this checkout with its overrides. One JSON object on stdout;
 progress on stderr.
 
-    python -m tools.bench_step --commits 20932f8 HEAD [--repeats 3] [--exp tiny_cpu] [overrides ...]
+    python -m tools.bench_step --commits 20932f8 120ac35 HEAD [--repeats 3] [--exp tiny_cpu] [overrides ...]
     python -m tools.bench_step --configs "actor.recompute=none" "actor.recompute=full" [--repeats 3]
 """
 
@@ -117,8 +118,10 @@ def medians(runs: list[RunFigures]) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="make bench-step", description=__doc__.split("\n\n")[0])
     sides = parser.add_mutually_exclusive_group(required=True)
-    sides.add_argument("--commits", nargs=2, metavar=("A", "B"), help="two git revisions of this repository")
-    sides.add_argument("--configs", nargs=2, metavar=("A", "B"), help="two quoted override lists, this checkout")
+    sides.add_argument("--commits", nargs="+", metavar="REV", help="two or more git revisions of this repository")
+    sides.add_argument(
+        "--configs", nargs="+", metavar="OVERRIDES", help="two or more quoted override lists, this checkout"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs of each side (alternating; default 3)")
     parser.add_argument("--exp", default="tiny_cpu", help="experiment (default tiny_cpu, what make run runs)")
     parser.add_argument("overrides", nargs="*", help="overrides for both sides, e.g. trainer.steps=8")
@@ -126,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_sides(args: argparse.Namespace, scratch: Path) -> list[Side]:
-    """The two sides; a commit is checked out as a detached worktree under ``scratch`` (removed after)."""
+    """The sides, in the order given; a commit is checked out as a detached worktree under ``scratch`` (removed after)."""
     if args.configs:
         return [Side(label=c or "(none)", repo=REPO, overrides=tuple(shlex.split(c))) for c in args.configs]
     sides = []
@@ -143,6 +146,10 @@ def make_sides(args: argparse.Namespace, scratch: Path) -> list[Side]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if len(args.commits or args.configs) < 2:
+        raise SystemExit("error: --commits/--configs: give two or more sides to compare")
+    if len(set(args.commits or args.configs)) < len(args.commits or args.configs):
+        raise SystemExit("error: --commits/--configs: a side is given twice (each side's label must be unique)")
     if args.repeats < 1:
         raise SystemExit("error: --repeats must be >= 1 (runs of each side)")
     if not (REPO / "experiments" / "conf" / "exp" / f"{args.exp}.yaml").is_file():
@@ -153,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         sides = make_sides(args, scratch)
         try:
             for repeat in range(args.repeats):
-                for side in sides if repeat % 2 == 0 else sides[::-1]:  # A B B A A B ...: neither side always first
+                for side in sides if repeat % 2 == 0 else sides[::-1]:  # A B C C B A ...: no side always first
                     print(
                         f"bench-step: run {repeat + 1}/{args.repeats} of {side.label} ...", file=sys.stderr, flush=True
                     )
@@ -170,19 +177,17 @@ def main(argv: list[str] | None = None) -> int:
             for side in sides:
                 if side.repo != REPO:
                     subprocess.run(["git", "worktree", "remove", "--force", str(side.repo)], cwd=REPO, check=False)
-    a, b = (medians(results[s.label]) for s in sides)
+    figures = {s.label: medians(results[s.label]) for s in sides}
+    first = figures[sides[0].label]
+    ratio_of = ("step_median_seconds", "wall_seconds", "system_seconds", "minor_page_faults")
     out = {
         "bench": "step",
         "exp": args.exp,
         "overrides": list(args.overrides),
         "machine_speed_seconds": machine_speed_seconds(),
         "head": git("rev-parse", "--short=12", "HEAD"),
-        "sides": {s.label: {"commit": s.commit, "overrides": list(s.overrides), **m} for s, m in zip(sides, (a, b))},
-        "b_over_a": {
-            "step_median_seconds": b["step_median_seconds"] / a["step_median_seconds"],
-            "wall_seconds": b["wall_seconds"] / a["wall_seconds"],
-            "system_seconds": b["system_seconds"] / max(a["system_seconds"], 1e-9),
-        },
+        "sides": {s.label: {"commit": s.commit, "overrides": list(s.overrides), **figures[s.label]} for s in sides},
+        "over_first": {s.label: {k: figures[s.label][k] / max(first[k], 1e-9) for k in ratio_of} for s in sides[1:]},
     }
     print(json.dumps(out))
     return 0

@@ -150,7 +150,7 @@ STEPS: tuple[Step, ...] = (
         "bench-step",
         "CONFIGS=\"'rollout.wake_strategy=staged' 'rollout.wake_strategy=all_at_once'\" REPEATS=1 "
         'ARGS="trainer.steps=2 trainer.sft_warmup_steps=0 wandb.mode=disabled"',
-        json_keys=("sides", "b_over_a", "machine_speed_seconds"),
+        json_keys=("sides", "over_first", "machine_speed_seconds"),
         why="one run of each side, 2 steps without warm-up (default: 3 alternating runs of make run's 12 steps)",
     ),
     Step("clean", TINY),
