@@ -190,6 +190,32 @@ def test_the_local_layer_forward_count_is_its_live_peak(dims, lengths, dtype):
     assert peak == local_packed_layer_forward_bytes(shape, 1, element_bytes, sum(lengths), padded, len(lengths))
 
 
+def _release_collectives_on_this_thread() -> None:
+    """Megatron's dispatcher's gloo collectives (its all-to-alls of tokens and probs, its all-gather of the
+    per-expert counts) made to return only once gloo's worker thread has let go of their tensors, as the native
+    engine's own collectives do (rollout/native/model.py::_collective, which says why): otherwise a tensor whose
+    last Python reference goes first is freed from gloo's thread at a moment nobody chose, and the live peak
+    counts it or not by luck (seen under load: +2048 bytes, the [tokens x top-k] fp32 probs at 256 tokens)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    from rollout.native.model import _collective
+
+    def released(collective):
+        def run(*args, **kwargs):
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            tensors += [t for a in args if isinstance(a, list) for t in a if isinstance(t, torch.Tensor)]
+            _collective(lambda: collective(*args, **kwargs), *tensors)
+
+        return run
+
+    dist.all_reduce = released(dist.all_reduce)
+    dist.all_to_all_single = released(dist.all_to_all_single)
+    dist.all_gather = released(dist.all_gather)
+    mappings.dist_all_gather_func = released(mappings.dist_all_gather_func)
+
+
 def _moe_block_bytes(rank: int, world_size: int, tokens: int, train: bool) -> tuple[int, int]:
     """One MoE block of the tiny Qwen3-MoE at EP ``world_size`` (the router's aux and z losses on, as tiny_cpu_moe
     runs): what autograd keeps (``train``; the block's input apart: the norm's output, the layer's count) or the
@@ -217,6 +243,7 @@ def _moe_block_bytes(rank: int, world_size: int, tokens: int, train: bool) -> tu
     if not train:
         from telemetry.live_tensors import LiveTensorBytes
 
+        _release_collectives_on_this_thread()
         live = LiveTensorBytes()
         block.register_forward_pre_hook(lambda *_: [live.__enter__(), None][1])
         block.register_forward_hook(lambda *_: live.__exit__(None, None, None))
