@@ -16,6 +16,21 @@ Named from the libraries' sources for the run's layout (actor TP t, PP p, DP d; 
   (first and last stage, tied embeddings with PP > 1: the word embeddings' gradient all-reduce in
   megatron/core/distributed/finalize_model_grads.py), ``INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE`` (the distributed
   optimizer's grad norm, below).
+- megatron-core's groups beside those, each ``create_group`` of its own (so an NCCL communicator of its own, though
+  its ranks may be another's), counted where the step runs a collective on them (``tests/test_planner_node.py``
+  records every collective's group on real ranks against this list):
+  ``DATA_PARALLEL_GROUP`` (without CP; DDP uses the with-CP one above): megatron_backend's own collectives over
+  ``dims.dp_group``: the token budget's micro-batch count (actor_model.py ``micro_batches``), the MoE router
+  losses' mean (model.py ``router_losses``) and the routing-mismatch fraction (routing_replay.py).
+  MoE (transformer/moe/): ``TENSOR_AND_CONTEXT_PARALLEL`` (the load-balancing loss's token counts, router.py
+  ``get_tokens_per_expert_and_token_count`` over ``tp_cp``), ``EXPERT_MODEL_PARALLEL`` (the alltoall dispatcher's
+  all-to-alls, token_dispatcher.py), ``EXPERT_TENSOR_AND_MODEL_PARALLEL`` (its gather of the tokens per expert,
+  on EP > 1 or expert TP > 1), ``EXPERT_TENSOR_PARALLEL`` (its gather and reduce-scatter of the routed tokens),
+  ``EXPERT_DATA_PARALLEL`` (DDP's expert-grad reduce and the distributed optimizer's expert gather:
+  ``intra_expt_dp_group``, world / (expert TP x EP x PP) ranks), ``EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL`` (the
+  non-distributed expert optimizer's grad norm, optimizer/__init__.py ``model_parallel_group=expt_tp_pp_group``);
+  the last two on EP > 1 only: below it the experts' parameters are dense ones (moe/experts.py and
+  tensor_parallel/layers.py set ``allreduce`` unless EP > 1), in DP's buffers and the dense optimizer.
 - megatron-core's ``INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP``: ``initialize_model_parallel`` builds it on every
   layout (parallel_state.py, "build the intra distributed optimizer instance group": ``create_group``, i.e.
   ``torch.distributed.new_group``, of the tp-ep-pp groups of one optimizer instance; this project leaves
@@ -130,6 +145,22 @@ def communicators(inp, channels: float, channels_uncertainty: float) -> tuple[Co
         )
     else:
         nccl("megatron MODEL_PARALLEL", t * p, state, "grad norm and zero count (optimizer.py)")
+    token_budget = inp.actor.max_tokens_per_micro_batch is not None or inp.actor.forward_max_tokens is not None
+    router_losses = inp.shape.is_moe and (inp.actor.moe_aux_loss_coef > 0 or inp.actor.moe_z_loss_coef > 0)
+    if token_budget or router_losses or inp.routed_experts:
+        nccl("megatron DP (without CP)", d, state, "megatron_backend's token budget, router-loss and routing means")
+    if inp.shape.is_moe:
+        moe = "megatron/core/transformer/moe/"
+        ep, etp = inp.actor.ep, inp.actor.expert_tp
+        if inp.actor.moe_aux_loss_coef > 0:
+            nccl("megatron TP x CP", t, moe + "router.py", "the load-balancing loss's tokens per expert")
+        nccl("megatron EP", ep, moe + "token_dispatcher.py", "the dispatcher's all-to-alls")
+        nccl("megatron expert TP", etp, moe + "token_dispatcher.py", "the routed tokens' gather and reduce-scatter")
+        nccl("megatron expert TP x EP", etp * ep, moe + "token_dispatcher.py", "the gather of tokens per expert")
+        if ep > 1:  # else the experts' params are dense ones (experts.py: ``allreduce`` unless EP > 1), in DP's buffers
+            nccl("megatron expert DP", world // (etp * ep * p), state, "expert grads' reduce, their optimizer's gather")
+            if not inp.distributed_optimizer:
+                nccl("megatron expert TP x EP x PP", etp * ep * p, state, "the expert optimizer's grad norm")
     if p > 1 and inp.shape.tie_word_embeddings:
         nccl("megatron EMBEDDING", 2, state, "tied word embeddings' gradient all-reduce (finalize_model_grads.py)")
     if inp.rollout.engine == "vllm":

@@ -262,7 +262,9 @@ def test_make_plan_recommends_the_smallest_fraction_and_qwen32b_uses_one_with_4_
     cfg = compose("qwen32b_8xh100")
     inp = plan_inputs(cfg)
     plan = make_plan(inp)
-    assert inp.actor.optimizer_offload_fraction == cfg.actor.optimizer_offload_fraction > 0 and inp.distributed_optimizer
+    assert (
+        inp.actor.optimizer_offload_fraction == cfg.actor.optimizer_offload_fraction > 0 and inp.distributed_optimizer
+    )
     assert plan.fits and headroom_beyond_uncertainty_bytes(plan) >= 4 * GIB
     assert host_plan(plan).fits
     smallest = recommend_optimizer_offload_fraction(inp, 4 * GIB)
@@ -293,3 +295,101 @@ def test_cuda_validation_set_plans_on_the_gpu_and_puts_each_communicator_under_t
     assert {"megatron TP", "megatron PP", "megatron DP", "vLLM tp (PyNccl)", "vLLM dp (PyNccl)"} <= used
     assert "vLLM custom all-reduce" in used
     assert validation_set() == VALIDATION_SET  # no GPU here: the CPU set
+
+
+# megatron's groups by the names planner/comms.py gives their communicators
+MEGATRON_GROUPS = {
+    "megatron TP": "get_tensor_model_parallel_group",
+    "megatron PP": "get_pipeline_model_parallel_group",
+    "megatron DP": ("get_data_parallel_group", {"with_context_parallel": True}),
+    "megatron DP (without CP)": "get_data_parallel_group",
+    "megatron MODEL_PARALLEL": "get_model_parallel_group",
+    "megatron INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE": "get_intra_distributed_optimizer_instance_group",
+    "megatron TP x CP": "get_tensor_and_context_parallel_group",
+    "megatron EP": "get_expert_model_parallel_group",
+    "megatron expert TP": "get_expert_tensor_parallel_group",
+    "megatron expert TP x EP": "get_expert_tensor_and_model_parallel_group",
+    "megatron expert DP": "get_expert_data_parallel_group",
+    "megatron expert TP x EP x PP": "get_expert_tensor_model_pipeline_parallel_group",
+}
+COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter", "reduce_scatter_tensor",
+    "_reduce_scatter_base", "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list", "barrier",
+    "all_gather_object", "send", "recv", "isend", "irecv", "gather", "scatter", "reduce",
+)  # fmt: skip
+
+
+def _moe_step_groups(rank, world_size, hf_dir, tp, ep):
+    """One MoE actor step on gloo (log-probs, then train, aux loss on), naming the group of every collective it
+    runs with more than one rank: each torch.distributed collective replaced, under every name a megatron or
+    project module bound it to, by one that records its ``group`` first."""
+    import inspect
+    import sys
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from configs.actor import ActorConfig
+    from megatron_backend.actor import Actor
+    from megatron_backend.parallel import initialize_model_parallel
+    from modelspec import TokenBatch
+    from rl.losses import PolicyLoss, PolicyLossConfig
+
+    dims = initialize_model_parallel(tp=tp, pp=1, ep=ep)
+    actor = Actor(hf_dir, ActorConfig(tp=tp, ep=ep, micro_batch_size=2, lr=1e-4, moe_aux_loss_coef=1e-3), dims)
+    named = {}
+    for name, getter in MEGATRON_GROUPS.items():
+        fn, kwargs = getter if isinstance(getter, tuple) else (getter, {})
+        named.setdefault(id(getattr(mpu, fn)(**kwargs)), name)
+    named[id(dist.group.WORLD)] = "world"
+    seen = set()
+
+    def recording(fn):
+        signature = inspect.signature(fn)
+
+        def run(*args, **kwargs):
+            group = signature.bind(*args, **kwargs).arguments.get("group") or dist.group.WORLD
+            if dist.get_world_size(group) > 1:
+                seen.add(named.get(id(group), f"unnamed group of {dist.get_process_group_ranks(group)}"))
+            return fn(*args, **kwargs)
+
+        return run
+
+    wrapped = {id(fn): (fn, recording(fn)) for fn in (getattr(dist, n) for n in COLLECTIVES)}
+    prefixes = ("megatron.", "megatron_backend.", "torch.distributed")
+    for module in [m for n, m in list(sys.modules.items()) if n.startswith(prefixes) and m is not None]:
+        for attr, value in list(vars(module).items()):
+            original, recorder = wrapped.get(id(value), (None, None))
+            if value is original:
+                setattr(module, attr, recorder)
+    ids = torch.randint(0, actor.shape.vocab_size, (4, 16), generator=torch.Generator().manual_seed(rank))
+    batch = TokenBatch(input_ids=ids, loss_mask=torch.ones(4, 15), advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    batch.old_logprobs = actor.compute_logprobs(batch)
+    actor.train_step(batch, PolicyLoss(PolicyLossConfig()))
+    return sorted(seen), actor.optimizer_name
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(1, 2), (2, 1)])
+def test_every_group_an_moe_step_runs_a_collective_on_is_a_counted_communicator(tiny_model_dirs, tp, ep):
+    """planner/comms.py's communicators for an MoE actor (aux loss on) are the groups its step really uses, on two
+    real ranks: EP 2 (DP 2, the distributed optimizer: the dispatcher's all-to-alls and per-expert counts, the
+    router losses' DP mean) and TP 2 (expert TP 2, the non-distributed optimizer: the load-balancing loss over
+    TP x CP, the routed tokens' gather, both grad norms' groups)."""
+    shape = ModelShape.from_pretrained(tiny_model_dirs["qwen3_moe"])
+    results = run_ranks(_moe_step_groups, 2, tiny_model_dirs["qwen3_moe"], tp, ep)
+    used, optimizer = results[0]
+    assert all(r == results[0] for r in results)
+    plan = make_inputs(
+        shape=shape,
+        device=device_preset("H100-80GB"),
+        dtype="float32",
+        actor=dict(tp=tp, ep=ep, micro_batch_size=2, moe_aux_loss_coef=1e-3),
+        actor_dp=2 // tp,
+        distributed_optimizer=optimizer == "megatron-core DistributedOptimizer",
+        sequences_per_step=4,
+        prompt_tokens=8,
+        response_tokens=8,
+        ranks_per_node=2,
+    )
+    counted = sorted(c.name for c in plan.communicators if c.name.startswith("megatron") or c.name == "world")
+    assert used == counted, (used, counted)

@@ -94,6 +94,18 @@ def test_the_written_yaml_composes(tiny, tmp_path):
     assert plan.fits
 
 
+def test_the_chart_marks_the_winner_and_the_experiments_own_layout(tiny, tmp_path):
+    cfg, base = tiny
+    result = tune.search(cfg, base, CPU, max_layouts=100)
+    ok, _ = tune.ranked(result)
+    own = next(j for j in result.judged if j.layout == tune.experiment_layout(cfg))
+    labels = tune.chart(result, tmp_path / "c.png", "tiny", {"fastest that fits": ok[0], "the experiment's own": own})
+    assert (tmp_path / "c.png").stat().st_size > 0
+    assert f"fastest that fits: {ok[0].layout.label()} {ok[0].seconds:.3g} s" in labels
+    assert f"the experiment's own: {own.layout.label()} {own.seconds:.3g} s" in labels
+    assert any(label.startswith("fits (") for label in labels) and "budget" in labels
+
+
 def test_a_device_without_a_speed_profile_is_one_line(capsys):
     assert tune.main(["--exp", "tiny_cpu", "--device", "TPU-v9", "--no-write"]) == 2
     err = capsys.readouterr().err.strip()

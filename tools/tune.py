@@ -347,7 +347,12 @@ def write_winner(exp: str, cluster: dict, winner: Judged, out: Path, note: str) 
     return make_plan(plan_inputs(cfg, data_prompt_length(cfg).tokens))
 
 
-def chart(result: Search, path: Path, title: str, max_points: int = 4000) -> None:
+def chart(
+    result: Search, path: Path, title: str, marked: dict[str, Judged] | None = None, max_points: int = 4000
+) -> list[str]:
+    """Predicted step time against peak memory of every judged layout (sampled beyond ``max_points``), fits and
+    rejected apart, each of ``marked`` (label -> layout: the winner, the experiment's own) drawn on top as a
+    labelled star; returns the legend's labels."""
     import matplotlib  # optional library: the chart only
 
     matplotlib.use("Agg")
@@ -362,16 +367,20 @@ def chart(result: Search, path: Path, title: str, max_points: int = 4000) -> Non
         xs = [j.peak_bytes / GIB for j in points if j.feasible == feasible]
         ys = [j.seconds for j in points if j.feasible == feasible]
         ax.scatter(xs, ys, s=8, c=colour, alpha=0.5, label=f"{label} ({len(xs)})")
+    for (label, j), colour in zip((marked or {}).items(), ("gold", "tab:blue", "tab:purple")):
+        ax.scatter([j.peak_bytes / GIB], [j.seconds], s=160, marker="*", c=colour, edgecolors="black", zorder=3,
+                   label=f"{label}: {j.layout.label()} {j.seconds:.3g} s")  # fmt: skip
     if result.judged:
         ax.axvline(result.judged[0].budget_bytes / GIB, color="grey", ls="--", lw=1, label="budget")
     ax.set_xlabel("predicted peak GiB per rank")
     ax.set_ylabel("predicted step seconds")
     ax.set_yscale("log")
     ax.set_title(title + (f" (sampled {max_points} of {len(result.judged)})" if sampled else ""))
-    ax.legend()
+    legend = ax.legend(fontsize=8)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+    return [text.get_text() for text in legend.get_texts()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -454,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
         for j in bad[:5]:
             print(f"  {j.layout.label()}  {j.seconds:.3f} s: {j.reason}")
     chart_path = Path(args.chart or REPO / "runs" / "tune" / f"{args.exp}_{world}x{dev}.png")
-    chart(result, chart_path, what)
+    marks = {"fastest that fits": ok[0]} | ({"the experiment's own": mine} if mine is not None else {})
+    chart(result, chart_path, what, marks)
     print(f"\nchart: {chart_path}")
     result_json = {
         "exp": args.exp,
