@@ -5,11 +5,24 @@ from __future__ import annotations
 
 from configs import AUTO, ActorConfig, OffloadConfig, RolloutConfig
 from planner import PlanInputs
+from planner.speed import SpeedSpec
 
 # unpacked micro-batches of one sequence and the unchunked log-prob pass: the terms the tests compute by hand
 TEST_ACTOR = dict(micro_batch_size=1, remove_padding=False, logprob_chunk_tokens=None)
 TEST_ROLLOUT = dict(engine="vllm", gpu_memory_utilization=AUTO)
 NESTED = ("actor", "rollout", "offload")
+# a fixed CPU speed profile (not this machine's probe): step-time figures the tests can compute by hand
+CPU_SPEED = SpeedSpec(
+    name="cpu",
+    kind="cpu",
+    flops_per_s={"float32": 5e10, "bfloat16": 1e11},
+    memory_bytes_per_s=5e9,
+    host_bytes_per_s=5e9,
+    intra_node_bytes_per_s=5e9,
+    inter_node_bytes_per_s=5e9,
+    op_seconds=3e-6,
+    cores=2,
+)
 
 
 def make_inputs(*, actor: dict | None = None, rollout: dict | None = None, offload: dict | None = None, **fields):

@@ -14,7 +14,7 @@ from modelspec.family import layer_parts
 from planner import make_plan
 from planner.calibration import load
 from planner.devices import DeviceSpec, device_preset
-from planner.speed import SPEED_PRESETS, SpeedSpec, speed_preset
+from planner.speed import SPEED_PRESETS, speed_preset
 from planner.step_time import (
     COLUMN_CONSTANT,
     EFFICIENCIES,
@@ -29,19 +29,8 @@ from planner.step_time import (
     predict_step_time,
 )
 from tests.dist import run_ranks
+from tests.planner_inputs import CPU_SPEED as CPU
 from tests.planner_inputs import make_inputs as planner_inputs
-
-CPU = SpeedSpec(
-    name="cpu",
-    kind="cpu",
-    flops_per_s={"float32": 5e10, "bfloat16": 1e11},
-    memory_bytes_per_s=5e9,
-    host_bytes_per_s=5e9,
-    intra_node_bytes_per_s=5e9,
-    inter_node_bytes_per_s=5e9,
-    op_seconds=3e-6,
-    cores=2,
-)
 
 
 def make_inputs(**fields):

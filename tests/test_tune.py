@@ -8,23 +8,12 @@ import pytest
 
 import tools.speed_probe
 from colocation.phases import WAKE_STRATEGIES
-from planner.speed import SpeedSpec
 from run.compose import compose, compose_from_file
 from run.memory_plan import plan_inputs
+from tests.planner_inputs import CPU_SPEED as CPU
 from tools import tune
 
 # a fixed CPU speed: no probe in the tests
-CPU = SpeedSpec(
-    name="cpu",
-    kind="cpu",
-    flops_per_s={"float32": 1e11, "bfloat16": 5e10},
-    memory_bytes_per_s=1e10,
-    host_bytes_per_s=1e10,
-    intra_node_bytes_per_s=1e10,
-    inter_node_bytes_per_s=1e9,
-    op_seconds=5e-6,
-    cores=2,
-)
 
 
 @pytest.fixture(scope="module")
