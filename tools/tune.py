@@ -368,8 +368,10 @@ def chart(
         ys = [j.seconds for j in points if j.feasible == feasible]
         ax.scatter(xs, ys, s=8, c=colour, alpha=0.5, label=f"{label} ({len(xs)})")
     for (label, j), colour in zip((marked or {}).items(), ("gold", "tab:blue", "tab:purple")):
-        ax.scatter([j.peak_bytes / GIB], [j.seconds], s=160, marker="*", c=colour, edgecolors="black", zorder=3,
-                   label=f"{label}: {j.layout.label()} {j.seconds:.3g} s")  # fmt: skip
+        star = f"{label}: {j.layout.label()} {j.seconds:.3g} s"
+        ax.scatter(
+            [j.peak_bytes / GIB], [j.seconds], s=160, marker="*", c=colour, edgecolors="black", zorder=3, label=star
+        )
     if result.judged:
         ax.axvline(result.judged[0].budget_bytes / GIB, color="grey", ls="--", lw=1, label="budget")
     ax.set_xlabel("predicted peak GiB per rank")
