@@ -84,6 +84,23 @@ class ReferenceSample:
     ranks: int  # the world the check all-gathers over
 
 
+@dataclass(frozen=True)
+class SyncTraffic:
+    """What the weight sync moves on the busiest rank of one actor pipeline stage (run/memory_plan.py, from the
+    plan weight_sync/transfers.py makes): bytes it copies from its own actor shard, sends to and receives from other
+    ranks, and the slices ``weight_sync.verify`` checksums on it (a local transfer's twice: sent and held)."""
+
+    local_bytes: int
+    sent_bytes: int
+    received_bytes: int
+    checksums: int
+
+    @property
+    def crossing_bytes(self) -> int:
+        """What crosses the link one way: the larger of its sends and its receives (links are full duplex)."""
+        return max(self.sent_bytes, self.received_bytes)
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlanInputs:
     """One rank's view of a run: the actor's and the engine's configs as the run reads them (``actor``,
@@ -141,6 +158,9 @@ class PlanInputs:
     # plan's packed part (weight_sync.transfers.SyncPlan.max_staged_bytes, computed from both sides' layouts by
     # run/memory_plan.py). None: not computed; planned as the bucket's bound (planner/plan.py::sync_staging_bytes)
     sync_staged_bytes: tuple[int, ...] | None = None
+    # per actor pipeline stage, the sync's local and crossing bytes (the same plan); None: the bound
+    # (planner/step_time.py::weight_sync_work)
+    sync_traffic: tuple[SyncTraffic, ...] | None = None
     verify_sync: bool = False  # weight_sync.verify: int64 checksums of every slice after each sync
     # weight_sync.check_every > 0: per layer k, what check k gathers (run/memory_plan.py::reference_samples); None or
     # () (check_every=0): no reference check. The plan counts the largest, or the one of ``reference_layer``
@@ -217,6 +237,12 @@ class PlanInputs:
         staged = self.sync_staged_bytes
         if staged is not None and (len(staged) != actor.pp or min(staged) < 0):
             raise ValueError(f"sync_staged_bytes={staged} must give actor.pp={actor.pp} byte counts >= 0")
+        traffic = self.sync_traffic
+        if traffic is not None and (
+            len(traffic) != actor.pp
+            or min(min(t.local_bytes, t.sent_bytes, t.received_bytes, t.checksums) for t in traffic) < 0
+        ):
+            raise ValueError(f"sync_traffic={traffic} must give actor.pp={actor.pp} stages of byte counts >= 0")
 
     def with_actor(self, **changes) -> PlanInputs:
         """These inputs with ``actor.<name>=value`` for each change (the config checks them again)."""
@@ -256,10 +282,15 @@ class PlanInputs:
         return self.actor.tp * self.actor_dp // (self.actor.ep * self.expert_tp)
 
     @property
+    def world_size(self) -> int:
+        """The ranks of the run (the actor's TP x PP x DP; the engine's ranks are the same processes)."""
+        return self.actor.tp * self.actor.pp * self.actor_dp
+
+    @property
     def engine_expert_split(self) -> tuple[int, int]:
         """(rollout EP, expert TP) of one engine rank's routed experts: E / rollout_ep experts, m / expert TP rows
         of each; an engine whose experts span its replicas (vLLM) splits every expert over all its ranks."""
-        world = self.actor.tp * self.actor.pp * self.actor_dp
+        world = self.world_size
         if self.engine_profile.experts_span_replicas:  # rollout/layout.py engine_expert_split
             return (world, 1) if self.rollout.ep > 1 else (1, world)
         return self.rollout.ep, self.rollout.tp

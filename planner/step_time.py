@@ -44,7 +44,7 @@ from colocation.phases import ACTOR_STATE, step_phases
 from modelspec.family import layer_parts
 from planner.calibration import Calibration, load
 from planner.inputs import PlanInputs, StepLengths
-from planner.plan import Plan, actor_stage_counts, optimizer_bytes_per_param, step_flags
+from planner.plan import Plan, actor_stage_counts, optimizer_bytes_per_param, reference_sample, step_flags
 from planner.sizes import (
     FP32_BYTES,
     actor_stage_expert_param_count,
@@ -85,6 +85,7 @@ COLUMN_CONSTANT = {
     "native_ops": "native_layer_step_ops",
     "vllm_ops": "vllm_layer_step_ops",
     "tensor_ops": "param_tensor_ops",
+    "plain_ops": None,  # counted ops at the measured op_seconds: nothing to fit
     "micro_batch_ops": "micro_batch_ops",
     "phase_ops": "phase_ops",
 }
@@ -96,6 +97,7 @@ COLUMN_TERM = {
     "draws": "compute",
     "collective_ops": "link",
     "storage_ops": "host",
+    "plain_ops": "tensor_ops",
 }
 EFFICIENCIES = (
     "compute_efficiency",
@@ -125,6 +127,7 @@ class PhaseWork:
     actor_backward_ops: float = 0.0  # autograd's: each op's node is also the engine's to schedule
     engine_layer_steps: float = 0.0
     param_tensors: float = 0.0
+    plain_ops: float = 0.0  # small torch ops counted one by one (the sync's checksums), at the device's op_seconds
     micro_batch_passes: float = 0.0  # a micro-batch's forward or backward: the schedule's and the loss's fixed cost
     bubble: float = 0.0  # the pipeline's idle fraction of the actor's passes
 
@@ -234,8 +237,7 @@ def logprob_bytes_per_logit(element_bytes: int, backward: bool, keep_softmax: bo
 def _engine_work(inp: PlanInputs, lengths: StepLengths) -> PhaseWork:
     """Rollout on one engine rank: prefill of its prompts, then decode steps until its longest response ends."""
     s, r = inp.shape, inp.rollout
-    world = inp.actor.tp * inp.actor.pp * inp.actor_dp
-    replicas = max(1, world // r.tp)
+    replicas = max(1, inp.world_size // r.tp)
     seqs = math.ceil(inp.sequences_per_step / replicas)
     waves = math.ceil(seqs / r.max_num_seqs)
     steps = waves * max(1, lengths.longest_response)
@@ -355,6 +357,95 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
     return work
 
 
+# weight_sync/verify.py::checksum of an n-element slice, counted with torch's dispatcher (tests/test_step_time.py):
+# 10 ops (a column slice's copy: 11); int64 buffers written fresh by _to_copy, arange, remainder, add and mul (8 bytes
+# per element each) and read by remainder, add, mul (two) and sum, beside the slice's own read
+CHECKSUM_OPS = 10
+CHECKSUM_WRITTEN_BYTES_PER_ELEMENT = 5 * 8
+CHECKSUM_READ_BYTES_PER_ELEMENT = 5 * 8
+
+
+def weight_sync_work(inp: PlanInputs, engine_weight_bytes: int) -> PhaseWork:
+    """The weight sync on its busiest rank (``inp.sync_traffic``, the plan's counts): its local copies (read and
+    written), what it exchanges with other ranks over the link (one point-to-point round per bucket), with
+    ``weight_sync.verify`` a checksum of every slice it sends or holds, then the reference check
+    (:func:`reference_check_work`). Without the plan's counts, the bound: every byte local when PP = 1 and both
+    sides split alike, else every engine byte over the link; a checksum per engine tensor, on each side."""
+    a, r, e = inp.actor, inp.rollout, inp.element_bytes
+    if inp.sync_traffic is not None:
+        local = max(t.local_bytes for t in inp.sync_traffic)
+        crossing = max(t.crossing_bytes for t in inp.sync_traffic)
+        checked = max(2 * t.local_bytes + t.sent_bytes + t.received_bytes for t in inp.sync_traffic)
+        checksums = max(t.checksums for t in inp.sync_traffic)
+    else:
+        same_split = not inp.shape.is_moe or (a.ep, inp.expert_tp) == inp.engine_expert_split
+        local, crossing = (
+            (engine_weight_bytes, 0) if a.pp == 1 and a.tp == r.tp and same_split else (0, engine_weight_bytes)
+        )
+        checked = 2 * engine_weight_bytes
+        checksums = 2 * _param_tensors(inp, range(inp.shape.num_layers))
+    link = "intra_node" if inp.world_size <= inp.ranks_per_node else "inter_node"
+    work = PhaseWork(
+        memory_bytes=2 * local,
+        link_bytes={link: crossing} if crossing else {},
+        collective_steps=math.ceil(crossing / inp.sync_bucket_bytes),
+    )
+    if inp.verify_sync:  # then all_gather_object of the checksums
+        elements = checked / e
+        written = CHECKSUM_WRITTEN_BYTES_PER_ELEMENT * elements
+        work.memory_bytes += checked + CHECKSUM_READ_BYTES_PER_ELEMENT * elements
+        work.fresh_bytes += 0 if inp.on_cuda else written
+        work.memory_bytes += written if inp.on_cuda else 0
+        work.plain_ops += CHECKSUM_OPS * checksums
+        work.collective_steps += 2 * (inp.world_size - 1)
+    return _plus(work, reference_check_work(inp))
+
+
+def all_gather_object_written_bytes(own: float, largest: float, gathered: float, ranks: int) -> float:
+    """What torch 2.13's ``all_gather_object`` over gloo writes into fresh memory on a rank whose object is ``own``
+    bytes pickled (``largest``: the largest rank's; ``gathered``: every rank's, summed), distributed_c10d.py:
+    pickling 4 copies (a storage's ``torch.save`` into its own buffer, that buffer's bytes, the pickle stream,
+    ``ByteStorage._from_buffer``), the gathered [ranks x largest] tensor, each rank's ``tobytes`` (ranks x largest),
+    and unpickling 2 per rank's object (its storage's bytes, the storage). Measured with page faults
+    (tests/test_step_time.py)."""
+    return 4 * own + 2 * ranks * largest + 2 * gathered
+
+
+def reference_check_work(inp: PlanInputs) -> PhaseWork:
+    """The weight sync's reference check on the rank that sends the most (weight_sync/reference.py; the sample:
+    planner.plan.reference_sample). megatron_backend/checkpoint.py::gather_hf_tensors clones the rank's blocks
+    (``own``) and all-gathers them with torch.distributed's all_gather_object over gloo
+    (:func:`all_gather_object_written_bytes`). Then the full HF tensors are assembled and compared with the engine's slices (both read). On CUDA those bytes are the host's, counted
+    at the host link's rate (a CUDA profile has no host memory rate); the gather crosses the link either way."""
+    sample = reference_sample(inp)
+    if sample is None:
+        return PhaseWork()
+    e = inp.element_bytes
+    own = max(sample.own)
+    gathered = all_gather_object_written_bytes(own, sample.largest, sample.gathered, sample.ranks)
+    written = e * (own + gathered + sample.full)  # the clones, the gather, the full tensors
+    link = "intra_node" if inp.world_size <= inp.ranks_per_node else "inter_node"
+    crossing = e * (sample.ranks - 1) * sample.largest
+    # the check's all_gather_object (sizes, then bytes) and its verdict's, each a ring of w - 1 steps
+    work = PhaseWork(link_bytes={link: crossing} if crossing else {}, collective_steps=4 * (sample.ranks - 1))
+    if inp.on_cuda:
+        work.host_bytes = written + 2 * e * sample.full
+    else:
+        work.fresh_bytes, work.memory_bytes = written, 2 * e * sample.full
+    return work
+
+
+def _plus(a: PhaseWork, b: PhaseWork) -> PhaseWork:
+    """Two pieces of work one after the other on one rank (``a``'s bubble)."""
+    sums = {
+        f.name: getattr(a, f.name) + getattr(b, f.name)
+        for f in fields(PhaseWork)
+        if f.name not in ("link_bytes", "bubble")
+    }
+    links = {k: a.link_bytes.get(k, 0.0) + b.link_bytes.get(k, 0.0) for k in {*a.link_bytes, *b.link_bytes}}
+    return PhaseWork(**sums, link_bytes=links, bubble=a.bubble)
+
+
 def _repeated(work: PhaseWork, times: int) -> PhaseWork:
     """``times`` runs of ``work`` one after another (the bubble, a fraction, stays)."""
     counts = {
@@ -412,7 +503,7 @@ def phase_work(plan: Plan, lengths: StepLengths | None = None) -> dict[str, Phas
         elif phase.name == "train":
             work = max((_actor_pass_work(inp, st, train=True) for st in stages), key=_size)
         elif phase.name == "weight_sync":
-            work.link_bytes = {"intra_node": plan.engine_weight_bytes}
+            work = weight_sync_work(inp, plan.engine_weight_bytes)
             work.param_tensors = engine_tensors
         for state in (*phase.adds, *phase.drops):
             if state == "actor_grads":  # released, handed back zeroed, never copied (megatron_backend/actor_offload.py)
@@ -449,6 +540,7 @@ def raw_terms(work: PhaseWork, inp: PlanInputs, speed: SpeedSpec) -> dict[str, f
         "actor_backward_ops": work.actor_backward_ops * speed.op_seconds * stretch,
         f"{inp.rollout.engine}_ops": work.engine_layer_steps * speed.op_seconds * over,
         "tensor_ops": work.param_tensors * speed.op_seconds * over,
+        "plain_ops": work.plain_ops * speed.op_seconds * over,
         "micro_batch_ops": work.micro_batch_passes * speed.op_seconds * stretch,
         # a phase that moves nothing and runs nothing (an onload of what stays resident) costs nothing
         "phase_ops": speed.op_seconds * over if _does_work(work) else 0.0,
@@ -457,7 +549,7 @@ def raw_terms(work: PhaseWork, inp: PlanInputs, speed: SpeedSpec) -> dict[str, f
 
 def _does_work(work: PhaseWork) -> bool:
     moves = work.memory_bytes or work.fresh_bytes or work.vocab_bytes or work.host_bytes or work.host_storages
-    return bool(work.flops or moves or work.draws or work.engine_layer_steps or work.param_tensors)
+    return bool(work.flops or moves or work.draws or work.engine_layer_steps or work.param_tensors or work.plain_ops)
 
 
 def coefficient(constants: Calibration, column: str) -> float:

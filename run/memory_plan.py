@@ -16,14 +16,14 @@ from modelspec.family import HF_LAYER, hf_tensor_shapes
 from modelspec.tiny import TINY_PREFIX, build_tokenizer
 from planner import Plan, PlanInputs, device_preset, make_plan
 from planner.devices import MIB
-from planner.inputs import ReferenceSample
+from planner.inputs import ReferenceSample, SyncTraffic
 from planner.report import verdict
 from planner.sizes import capacity_routed_copies_ratio
 from rl.data import DataConfig, longest_prompt_tokens
 from rl.evaluation import eval_problems
 from run.compose import resolve_path
 from weight_sync.layouts import actor_sources, engine_destinations
-from weight_sync.transfers import plan_sync
+from weight_sync.transfers import SyncPlan, plan_sync
 
 # Prompts are data, not config: without rollout.max_model_len (which bounds prompt + response) plan for this
 # many prompt tokens (at most the checkpoint's max_position_embeddings - max_new_tokens).
@@ -90,10 +90,15 @@ def plan_inputs(
         launch_runtime_bytes=launch_runtime_bytes,
     )
     # after PlanInputs has checked the splits: the sync plan the run will execute, planned the same way
-    staged = sync_staged_bytes(shape, cfg.mesh(), inputs.sync_bucket_bytes, inputs.element_bytes)
-    peers = sync_peers(shape, cfg.mesh(), inputs.sync_bucket_bytes, inputs.element_bytes)
+    sync = (shape, cfg.mesh(), inputs.sync_bucket_bytes, inputs.element_bytes)
     reference = reference_samples(shape, cfg.mesh()) if cfg.weight_sync.check_every else ()
-    return dataclasses.replace(inputs, sync_staged_bytes=staged, sync_peers=peers, reference_check=reference)
+    return dataclasses.replace(
+        inputs,
+        sync_staged_bytes=sync_staged_bytes(*sync),
+        sync_traffic=sync_traffic(*sync),
+        sync_peers=sync_peers(*sync),
+        reference_check=reference,
+    )
 
 
 def _data_file_bytes(path: str | None) -> int:
@@ -165,26 +170,56 @@ def eval_sequences(cfg) -> int:
     return num_problems * cfg.eval.n_samples
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=8)
+def _sync_plan(shape, mesh, bucket_bytes: int, element_bytes: int) -> SyncPlan:
+    """The plan run/setup.py builds (``WeightSyncConfig.build``: both sides' layouts, no communication). The actor's
+    norm naming (``te_norms``) changes no size."""
+    return plan_sync(actor_sources(shape, mesh), engine_destinations(shape, mesh), bucket_bytes, element_bytes)
+
+
+def _stages(mesh) -> list[list[int]]:
+    """The ranks of each actor pipeline stage."""
+    stage_of = [mesh.actor_coords(rank).pp_rank for rank in range(mesh.world_size)]
+    return [[r for r in range(mesh.world_size) if stage_of[r] == stage] for stage in range(mesh.actor_pp)]
+
+
 def sync_staged_bytes(shape, mesh, bucket_bytes: int, element_bytes: int) -> tuple[int, ...]:
     """Per actor pipeline stage, the most bytes one of its ranks stages in one bucket of the weight sync: the
-    plan run/setup.py builds (``WeightSyncConfig.build``: both sides' layouts, no communication) and its
-    packed part (``SyncPlan.max_staged_bytes``). The actor's norm naming (``te_norms``) changes no size."""
+    sync plan's packed part (``SyncPlan.max_staged_bytes``)."""
+    plan = _sync_plan(shape, mesh, bucket_bytes, element_bytes)
+    return tuple(plan.max_staged_bytes(ranks) for ranks in _stages(mesh))
 
-    plan = plan_sync(actor_sources(shape, mesh), engine_destinations(shape, mesh), bucket_bytes, element_bytes)
-    stage_of = [mesh.actor_coords(rank).pp_rank for rank in range(mesh.world_size)]
+
+def sync_traffic(shape, mesh, bucket_bytes: int, element_bytes: int) -> tuple[SyncTraffic, ...]:
+    """Per actor pipeline stage, the sync plan's work on its busiest ranks (each count's most over the stage's
+    ranks): bytes copied from the rank's own shard (local transfers), sent, received, and the slices
+    ``weight_sync.verify`` checksums (weight_sync/verify.py: each transfer's sender and receiver)."""
+    plan = _sync_plan(shape, mesh, bucket_bytes, element_bytes)
+    local, sent, received, checksums = ([0] * mesh.world_size for _ in range(4))
+    for t in plan.transfers:
+        checksums[t.src_rank] += 1
+        checksums[t.dst_rank] += 1
+        if t.is_local:
+            local[t.src_rank] += t.numel
+        else:
+            sent[t.src_rank] += t.numel
+            received[t.dst_rank] += t.numel
+    e = element_bytes
     return tuple(
-        plan.max_staged_bytes([r for r in range(mesh.world_size) if stage_of[r] == stage])
-        for stage in range(mesh.actor_pp)
+        SyncTraffic(
+            local_bytes=max(local[r] for r in ranks) * e,
+            sent_bytes=max(sent[r] for r in ranks) * e,
+            received_bytes=max(received[r] for r in ranks) * e,
+            checksums=max(checksums[r] for r in ranks),
+        )
+        for ranks in _stages(mesh)
     )
 
 
-@functools.lru_cache(maxsize=32)
 def sync_peers(shape, mesh, bucket_bytes: int, element_bytes: int) -> int:
     """The most other ranks one rank sends to or receives from in the weight sync (the same plan as
     :func:`sync_staged_bytes`): the point-to-point peers whose NCCL buffers planner/comms.py counts."""
-
-    plan = plan_sync(actor_sources(shape, mesh), engine_destinations(shape, mesh), bucket_bytes, element_bytes)
+    plan = _sync_plan(shape, mesh, bucket_bytes, element_bytes)
     peers: dict[int, set[int]] = {}
     for t in plan.transfers:
         if not t.is_local:

@@ -16,6 +16,7 @@ import torch
 from modelspec import ColocatedMesh, ModelShape
 from modelspec.tiny import tiny_hf_config
 from tests.planner_inputs import make_inputs
+from weight_sync.execute import SyncStats
 
 WORLD = 2
 BUCKET = 4 << 20  # several buckets, transfers split
@@ -56,8 +57,8 @@ class StagingProbe:
         return len(ops)
 
 
-def executor_staging(s: ModelShape, mesh: ColocatedMesh, rank: int) -> tuple[int, int, int]:
-    """(the executor's staged peak, its own report of it, its direct messages) for ``rank`` of ``mesh``."""
+def executor_staging(s: ModelShape, mesh: ColocatedMesh, rank: int) -> tuple[int, int, int, SyncStats]:
+    """(the executor's staged peak, its own report of it, its direct messages, its stats) for ``rank`` of ``mesh``."""
     from megatron_backend.layout import RankLayout, local_param_shapes
     from rollout.layout import vllm_param_layouts
     from weight_sync import WeightSyncConfig
@@ -73,7 +74,7 @@ def executor_staging(s: ModelShape, mesh: ColocatedMesh, rank: int) -> tuple[int
     probe = StagingProbe([*src.values(), *dst.values()])
     sync.transport = probe
     stats = sync(src, dst).stats
-    return probe.peak, stats.peak_extra_bytes, probe.direct
+    return probe.peak, stats.peak_extra_bytes, probe.direct, stats
 
 
 @pytest.mark.parametrize("tp,pp,rtp", LAYOUTS)
@@ -84,10 +85,8 @@ def test_planned_sync_staging_is_what_the_executor_stages(tp, pp, rtp):
     s = shape()
     mesh = ColocatedMesh(world_size=WORLD, actor_tp=tp, actor_pp=pp, rollout_tp=rtp)
     measured = {rank: executor_staging(s, mesh, rank) for rank in range(WORLD)}
-    assert all(peak == reported for peak, reported, _ in measured.values())  # the executor's stat is its buffers
-    common = dict(
-        actor=dict(tp=tp, pp=pp), rollout=dict(engine="native", tp=rtp), shape=s, device=device_preset("cpu")
-    )
+    assert all(peak == reported for peak, reported, *_ in measured.values())  # the executor's stat is its buffers
+    common = dict(actor=dict(tp=tp, pp=pp), rollout=dict(engine="native", tp=rtp), shape=s, device=device_preset("cpu"))
     common.update(dtype="float32", actor_dp=WORLD // (tp * pp), sequences_per_step=WORLD, sync_bucket_bytes=BUCKET)
     plan = make_plan(make_inputs(**common, sync_staged_bytes=sync_staged_bytes(s, mesh, BUCKET, 4)))
     stage_ranks = [r for r in range(WORLD) if mesh.actor_coords(r).pp_rank == plan.pp_stage]
@@ -95,7 +94,7 @@ def test_planned_sync_staging_is_what_the_executor_stages(tp, pp, rtp):
     assert planned == max(measured[r][0] for r in stage_ranks), (measured, planned)
     bound = make_plan(make_inputs(**common)).phase("weight_sync").components["sync_bucket"]  # without the sync plan
     if (tp, pp, rtp) == (2, 1, 1):  # o_proj / down_proj columns and small rows packed, gate / up rows direct
-        assert all(direct > 0 for _, _, direct in measured.values())
+        assert all(direct > 0 for _, _, direct, _ in measured.values())
         assert 0 < planned < bound == BUCKET
     elif (tp, pp, rtp) == (1, 2, 1):  # the other stage's layers; whole row-parallel weights go as column slices
         assert 0 < planned <= bound
@@ -103,6 +102,26 @@ def test_planned_sync_staging_is_what_the_executor_stages(tp, pp, rtp):
         assert planned == 0 < bound
     else:  # TP=2 -> TP=2: only the vocab rows megatron pads differently (128 -> 256 vs vLLM's 128) cross ranks
         assert planned == 2 * 64 * s.hidden_size * 4 and bound == 0
+
+
+@pytest.mark.parametrize("tp,pp,rtp", LAYOUTS)
+def test_the_step_time_models_sync_traffic_is_what_the_executor_moves(tp, pp, rtp):
+    """run/memory_plan.py::sync_traffic (what planner/step_time.py times the weight sync by): per stage, the most a
+    rank copies locally, sends and receives, as the executor's own stats count them on every rank."""
+    from run.memory_plan import sync_traffic
+
+    s = shape()
+    mesh = ColocatedMesh(world_size=WORLD, actor_tp=tp, actor_pp=pp, rollout_tp=rtp)
+    stats = {rank: executor_staging(s, mesh, rank)[3] for rank in range(WORLD)}
+    traffic = sync_traffic(s, mesh, BUCKET, 4)
+    assert len(traffic) == pp
+    for stage, counted in enumerate(traffic):
+        ranks = [r for r in range(WORLD) if mesh.actor_coords(r).pp_rank == stage]
+        assert counted.local_bytes == max(stats[r].bytes_local for r in ranks) > 0
+        assert counted.sent_bytes == max(stats[r].bytes_sent for r in ranks)
+        assert counted.received_bytes == max(stats[r].bytes_received for r in ranks)
+    if (tp, pp, rtp) == (1, 1, 2):  # every engine slice is cut from the rank's own full copy
+        assert traffic[0].crossing_bytes == 0
 
 
 def test_plan_inputs_carry_the_runs_sync_plan():

@@ -5,6 +5,7 @@ wall-clock time is asserted here: make validate-time compares the model with mea
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -16,6 +17,9 @@ from planner.calibration import load
 from planner.devices import DeviceSpec, device_preset
 from planner.speed import SPEED_PRESETS, speed_preset
 from planner.step_time import (
+    CHECKSUM_OPS,
+    CHECKSUM_READ_BYTES_PER_ELEMENT,
+    CHECKSUM_WRITTEN_BYTES_PER_ELEMENT,
     COLUMN_CONSTANT,
     EFFICIENCIES,
     LOCAL_LAYER_OPS,
@@ -23,6 +27,7 @@ from planner.step_time import (
     MOE_LAYER_OPS,
     QK_NORM_LAYER_OPS,
     _does_work,
+    all_gather_object_written_bytes,
     coefficient,
     logprob_bytes_per_logit,
     phase_work,
@@ -216,7 +221,8 @@ def test_the_fit_recovers_known_constants_and_validation_catches_each_mutation()
     truth = {c: coefficient(constants, c) for c in COLUMN_CONSTANT}
     rows = _synthetic_rows(truth)
     fitted = fit({"a": rows[::2], "b": rows[1::2]}, constants)
-    assert set(fitted) == set(truth) - {"draws"}  # the draws' seconds are a measured rate's
+    measured = {c for c, name in COLUMN_CONSTANT.items() if name is None}
+    assert set(fitted) == set(truth) - measured  # the draws' and the counted ops' seconds are measured rates'
     for column, value in fitted.items():
         assert value == pytest.approx(truth[column], rel=1e-6)
     assert check_run("synthetic", rows, constants)["passed"]
@@ -297,3 +303,67 @@ def test_the_native_sampler_dispatches_the_counted_ops():
         logits = torch.randn(64, 512, dtype=dtype)
         _, ops = _full_width_bytes(lambda: sampler(logits), 64 * 512)  # noqa: B023
         assert ops == [*cast, "logsumexp", "div", "_softmax", "multinomial"]
+
+
+def test_the_sync_checksum_dispatches_the_counted_ops_and_bytes():
+    """weight_sync.verify's checksum of a row slice: CHECKSUM_OPS dispatched ops (views included), and per element
+    the slice's read plus the int64 buffers' counted writes and reads (a new pass or a wider dtype fails it)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from weight_sync.verify import checksum
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = torch.randn(256, 96).to(dtype).narrow(0, 64, 128)
+        with Ops() as ops:
+            checksum(rows)
+        assert ops.count == CHECKSUM_OPS
+        moved, _ = _full_width_bytes(lambda: checksum(rows), rows.numel())  # noqa: B023
+        assert moved == rows.element_size() + CHECKSUM_WRITTEN_BYTES_PER_ELEMENT + CHECKSUM_READ_BYTES_PER_ELEMENT
+
+
+_GATHER_PAGES = """
+import json, os, resource, torch, torch.distributed as dist
+from colocation.host_memory import configure_host_allocator
+configure_host_allocator()
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+blocks = {f"w{i}": torch.randn(256, 1024) for i in range(8)}  # 8 MiB, as gather_hf_tensors' clones
+faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+ratios = []
+for _ in range(3):
+    before = faults()
+    out = [None]
+    dist.all_gather_object(out, blocks)
+    ratios.append((faults() - before) * resource.getpagesize() / (8 << 20))
+    del out
+dist.destroy_process_group()
+print(json.dumps(ratios))
+"""
+
+
+def test_all_gather_object_writes_the_counted_copies_into_fresh_pages():
+    """reference_check_work counts torch's all_gather_object (gloo) as 8 writes of the object into fresh memory on
+    one rank (4 pickling, the gathered tensor, its bytes, 2 unpickling): its page faults under the run's allocator
+    (colocation/host_memory.py) say how many copies of an 8 MiB object it made (measured 8.0; a count of 7 or 9
+    fails)."""
+    import json
+    import subprocess
+    import sys
+
+    from run.launch import free_port
+
+    env = {**os.environ, "PORT": str(free_port())}
+    out = subprocess.run([sys.executable, "-c", _GATHER_PAGES], capture_output=True, text=True, env=env, check=True)
+    copies = json.loads(out.stdout.splitlines()[-1])
+    counted = all_gather_object_written_bytes(own=1, largest=1, gathered=1, ranks=1)
+    assert all(abs(c - counted) < 0.5 for c in copies), (copies, counted)
