@@ -388,6 +388,61 @@ def layer_forward_bytes_per_token(
     return max(attention, mlp) * element_bytes
 
 
+def local_layer_written_bytes_per_token(
+    shape: ModelShape, tp: int, element_bytes: int, backward: bool, sparse: bool = False
+) -> int:
+    """Bytes of the new tensors one decoder layer of megatron's local spec (CPU) makes per token in a forward or a
+    backward over packed sequences without padding (every op's outputs that alias no input, kept or not: on CPU
+    each buffer of a page or more is a fresh mapping, colocation/host_memory.py). Counted with torch's dispatcher
+    on 11 shapes of the tiny Qwen2 and Qwen3 at TP 1, exactly (tests/test_local_layer_count.py), in elements of
+    h, q = Hq d / t, kv = Hkv d / t, I / t, d and the heads per rank:
+
+    - fp32 forward: 10h + 10.5q + 11.5kv + 5I + 10d + Hq + 4, and q more where the query is regrouped by a copy
+      (more than one KV head per rank, fewer than the q heads); backward 22h + 12.5q + 12.5kv + 6I + 8;
+    - 16-bit (the attention and the norms' statistics in fp32): forward 8h + 4q + 4kv + 10d + Hq + 4 in fp32 and
+      6h + 8.5q + 9.5kv + 5I + 4d (+ the regrouped q) in the dtype; backward 20h + 5q + 4kv + 8 in fp32 and
+      6h + 9.5q + 10.5kv + 6I in the dtype;
+    - Qwen3's q and k norms (measured in fp32): forward 2q + kv + 2Hq + 2Hkv more, backward 9q + 9kv + 4Hq + 4Hkv;
+    - forward, the packed attention's int64 indices: 5 per token.
+
+    The padded attention rows' share (per padded row, fp32): :func:`local_packed_attention_padding_bytes_per_token`
+    forward, :func:`local_packed_attention_backward_padding_bytes_per_token` backward; the caller counts them per
+    padded row. The weight gradients (one per parameter, per micro-batch) are the caller's. ``sparse``: an MoE
+    layer: the dense MLP's terms (5I, 6I) left out and what the experts keep counted instead
+    (:func:`moe_activation_bytes_per_token`, not measured per op)."""
+    h, d, t, e = shape.hidden_size, shape.head_dim, tp, element_bytes
+    q_heads, kv_heads = shape.num_heads // t, engine_kv_heads_per_rank(shape, t)
+    q, kv, inter = q_heads * d, kv_heads * d, 0 if sparse else shape.intermediate_size // t
+    regrouped = q if 1 < kv_heads < q_heads else 0
+    # doubled: the .5 coefficients
+    if e == FP32_BYTES:
+        fp32 = (
+            (44 * h + 25 * q + 25 * kv + 12 * inter + 16)
+            if backward
+            else (20 * h + 21 * q + 23 * kv + 10 * inter + 20 * d + 2 * q_heads + 8 + 2 * regrouped)
+        )
+        dtype = 0
+    else:
+        fp32 = (40 * h + 10 * q + 8 * kv + 16) if backward else (16 * h + 8 * q + 8 * kv + 20 * d + 2 * q_heads + 8)
+        dtype = (
+            (12 * h + 19 * q + 21 * kv + 12 * inter)
+            if backward
+            else (12 * h + 17 * q + 19 * kv + 10 * inter + 8 * d + 2 * regrouped)
+        )
+    if shape.qk_norm:
+        qk = (
+            (18 * q + 18 * kv + 8 * q_heads + 8 * kv_heads)
+            if backward
+            else (4 * q + 2 * kv + 4 * q_heads + 4 * kv_heads)
+        )
+        dtype, fp32 = (dtype + qk, fp32) if e != FP32_BYTES else (dtype, fp32 + qk)
+    moe = moe_activation_bytes_per_token(shape, t, e, 1, local=True) if sparse else 0
+    # forward: the packed attention's five int64 indices per token (megatron_backend/model.py: each token's
+    # sequence, its place in it, and their gathers)
+    indices = 0 if backward else 5 * INT64_BYTES
+    return (fp32 * FP32_BYTES + dtype * e) // 2 + moe + indices
+
+
 def local_packed_attention_padding_bytes_per_token(shape: ModelShape, tp: int) -> int:
     """What megatron_backend/model.py's packed attention holds per padded row (the micro-batch's sequences x the
     longest): the padded q, k and v ((Hq + 2 Hkv) d / t), torch's flash output (Hq d / t) and its log-sum-exp
@@ -395,6 +450,14 @@ def local_packed_attention_padding_bytes_per_token(shape: ModelShape, tp: int) -
     widest moment)."""
     q, kv = shape.num_heads * shape.head_dim // tp, shape.num_kv_heads * shape.head_dim // tp
     return (2 * q + 2 * kv + shape.num_heads // tp) * FP32_BYTES
+
+
+def local_packed_attention_backward_padding_bytes_per_token(shape: ModelShape, tp: int) -> int:
+    """What the packed attention's backward writes per padded row (fp32 on CPU): the output's gradient scattered
+    back to the padded rows and made contiguous for the kernel (2 Hq d / t), and the kernel's q, k and v gradients
+    ((Hq + 2 Hkv) d / t); counted with torch's dispatcher (tests/test_local_layer_count.py)."""
+    q, kv = shape.num_heads * shape.head_dim // tp, shape.num_kv_heads * shape.head_dim // tp
+    return (3 * q + 2 * kv) * FP32_BYTES
 
 
 def local_packed_layer_forward_bytes(

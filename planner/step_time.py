@@ -52,6 +52,9 @@ from planner.sizes import (
     engine_param_count,
     kv_bytes_per_token,
     layer_activation_bytes_per_token,
+    local_layer_written_bytes_per_token,
+    local_packed_attention_backward_padding_bytes_per_token,
+    local_packed_attention_padding_bytes_per_token,
     megatron_padded_vocab,
     stage_layers,
     vllm_padded_vocab,
@@ -252,7 +255,18 @@ def _engine_work(inp: PlanInputs, lengths: StepLengths) -> PhaseWork:
     tokens = seqs * (prompt + response)
     span = prompt + response / 2
     attention = 2 * tokens * span * s.num_heads * s.head_dim / r.tp * s.num_layers
-    kv_read = seqs * response * span * kv_bytes_per_token(s, r.tp, e)
+    kv_per_token = kv_bytes_per_token(s, r.tp, e)
+    kv_read, kv_gathered = seqs * response * span * kv_per_token, 0.0
+    if r.engine == "native":
+        # each decode step gathers, per layer, its running sequences' context blocks into a new tensor
+        # (rollout/native/model.py::decode, index_select): [2, B x kv, width, d], the width the blocks covering the
+        # longest context + the new token (kv_cache.py::decode_rows), then reads it (baddbmm, bmm); the scores
+        # [B x kv, Hq / kv, width] and their softmax are new tensors too
+        block = inp.kv_block_size
+        width = lengths.longest_prompt + lengths.longest_response / 2 + block / 2
+        scores_per_token = 2 * s.num_heads // r.tp * e * s.num_layers
+        kv_gathered = seqs * response * width * (kv_per_token + scores_per_token)
+        kv_read = 2 * kv_gathered
     # the vocab tables, [V/t, h] each (rollout/native/model.py): the embedding is a lookup of the step's rows (no
     # FLOPs, not read whole); the lm_head runs on the sampled positions only (prefill's last, each decode step's)
     table = vllm_padded_vocab(s.vocab_size) // r.tp * s.hidden_size
@@ -268,6 +282,7 @@ def _engine_work(inp: PlanInputs, lengths: StepLengths) -> PhaseWork:
     return PhaseWork(
         flops=flops,
         memory_bytes=steps * (params - lookup) * e + kv_read,
+        fresh_bytes=kv_gathered,
         vocab_bytes=sampler,
         draws=sampled * sampler_draws(r.engine, vocab),
         link_bytes={"intra_node": tp_bytes},
@@ -300,15 +315,39 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
     moe_layers = sum(1 for layer in stage_layer_ids if s.is_moe_layer(layer))
     ep_bytes = activation * s.moe_top_k * 2 * moe_layers * (2 if train else 1) * (a.ep - 1) / a.ep if a.ep > 1 else 0
     # bytes the pass writes to fresh memory (on CPU each buffer of a page or more is a fresh mapping, faulted in:
-    # colocation/host_memory.py): every layer's activations (what megatron keeps for backward, planner.sizes), the
-    # logits in the dtype and the log-prob pass's fp32 rows and their exp on the last stage; backward as much again
-    kept = sum(
-        layer_activation_bytes_per_token(
-            s, a.tp, e, inp.attention, sparse=s.is_moe_layer(layer), etp=a.etp, packed=a.remove_padding
+    # colocation/host_memory.py): megatron's local layer (CPU), every new tensor of its forward and backward
+    # (planner.sizes.local_layer_written_bytes_per_token), the padded attention rows per padded row, the weight
+    # gradients per micro-batch, a full recompute's forward again; Transformer Engine's (CUDA), what a layer keeps
+    # for backward (planner.sizes), twice in train. Then the logits in the dtype and the log-prob pass's fp32 rows
+    # and their exp on the last stage
+    if inp.attention == "unfused":
+        padded_rows = mb.count * mb.sequences * inp.seq_len if a.remove_padding else tokens
+        pad = local_packed_attention_padding_bytes_per_token(s, a.tp)
+        pad_backward = local_packed_attention_backward_padding_bytes_per_token(s, a.tp)
+
+        def layer_writes(backward: bool) -> float:
+            per_token = sum(
+                local_layer_written_bytes_per_token(s, a.tp, e, backward, sparse=s.is_moe_layer(layer))
+                for layer in stage_layer_ids
+            )
+            per_pad = layers * (pad_backward if backward else pad)
+            return tokens * (per_token - per_pad) + padded_rows * per_pad
+
+        written = layer_writes(False)
+        if train:
+            params, _ = actor_stage_counts(inp, stage)
+            # the weight gradients, one per parameter (and in 16 bits each norm's in fp32 first) per micro-batch
+            grads = params * e + (2 * s.hidden_size * FP32_BYTES * layers if e < FP32_BYTES else 0)
+            written += layer_writes(True) + mb.count * grads + (written if a.recompute == "full" else 0)
+    else:
+        kept = sum(
+            layer_activation_bytes_per_token(
+                s, a.tp, e, inp.attention, sparse=s.is_moe_layer(layer), etp=a.etp, packed=a.remove_padding
+            )
+            for layer in stage_layer_ids
         )
-        for layer in stage_layer_ids
-    )
-    written, vocab_bytes = tokens * kept * (2 if train else 1), 0.0
+        written = tokens * kept * (2 if train else 1)
+    vocab_bytes = 0.0
     # collectives per micro-batch: TP's all-reduces (2 per layer forward, RowParallelLinear's; 2 backward,
     # ColumnParallelLinear's input grads; the embedding's forward on the first stage, the output layer's backward on
     # the last); PP's send or receive per pass direction (two on a middle stage)

@@ -5,6 +5,8 @@ megatron_backend/model.py's attention (torch's flash kernel: no [s, s] scores)."
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests.dist import run_ranks
@@ -289,3 +291,133 @@ def test_the_local_moe_block_count_is_what_it_keeps_and_holds(tokens, train):
         # moves a little with how the received copies split over the local experts (measured: within 0.03%)
         allowance = tokens // 2 + 256 if train else measured // 1000
         assert abs(measured - counted) < allowance, (measured, counted, received)
+
+
+# (hidden, q heads, KV heads, head_dim, intermediate): KV heads 2 of 4 (the query regrouped by a copy), one KV head,
+# as many as the q heads
+WRITTEN_SHAPES = ((128, 4, 2, 32, 256), (256, 8, 1, 16, 384), (96, 6, 6, 16, 320))
+
+
+def _written_bytes_per_layer(
+    rank: int, world_size: int, family: str, dtype: str, lengths=(256,) * 4, shapes=WRITTEN_SHAPES
+) -> list[tuple[float, float, int]]:
+    """Per WRITTEN_SHAPES: (forward, backward) bytes per token of the new tensors one decoder layer makes (its 2-layer
+    model's less its 1-layer model's: every op's outputs that alias no input), and the layer's parameter bytes."""
+    import dataclasses
+    import itertools
+
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from megatron_backend.model import build_gpt_chunks
+    from megatron_backend.parallel import initialize_model_parallel
+    from modelspec import ModelShape
+
+    written = [0]
+
+    class Written(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)}
+            for t in tree_flatten(out)[0]:
+                if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in inputs:
+                    written[0] += t.untyped_storage().nbytes()
+            return out
+
+    dims = initialize_model_parallel(tp=world_size, pp=1, vpp=None)
+    tokens = sum(lengths)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    longest = max(lengths)
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+    )
+    results = []
+    for hidden, heads, kv_heads, head_dim, intermediate in shapes:
+        per_model = {}
+        for layers in (1, 2):
+            shape = dataclasses.replace(
+                ModelShape.from_pretrained(f"tiny:{family}"),
+                num_layers=layers,
+                hidden_size=hidden,
+                num_heads=heads,
+                num_kv_heads=kv_heads,
+                head_dim=head_dim,
+                intermediate_size=intermediate,
+            )
+            [model] = build_gpt_chunks(shape, dims, dtype=dtype)
+            ids = torch.randint(0, shape.vocab_size, (1, tokens))
+            positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+            written[0] = 0
+            with Written():
+                y = model(ids, positions, attention_mask=None, packed_seq_params=params)
+            forward = written[0]
+            written[0] = 0
+            with Written():
+                y.float().sum().backward()
+            layer = sum(p.numel() * p.element_size() for p in model.decoder.layers[0].parameters())
+            per_model[layers] = (forward, written[0], layer)
+        (f1, b1, layer), (f2, b2, _) = per_model[1], per_model[2]
+        results.append(((f2 - f1) / tokens, (b2 - b1) / tokens, layer))
+    return results
+
+
+@pytest.mark.parametrize(("family", "dtype"), [("qwen2", "float32"), ("qwen3", "float32"), ("qwen2", "bfloat16")])
+def test_the_local_layer_written_count_is_what_its_ops_make(family, dtype):
+    """planner/sizes.py::local_layer_written_bytes_per_token (the step-time model's fresh writes on CPU) against the
+    dispatcher: every new tensor of a real layer's forward and backward, per token, on three shapes; backward's
+    weight gradients (per micro-batch) apart. Within a byte of ~20-50 KB per token (the sequences' bounds arrays),
+    where one term wrong by its smallest coefficient is 64 bytes off."""
+    import dataclasses
+
+    from modelspec import ModelShape
+    from planner.sizes import local_layer_written_bytes_per_token
+
+    measured = run_ranks(_written_bytes_per_layer, 1, family, dtype)[0]
+    e = 4 if dtype == "float32" else 2
+    tokens = 1024
+    for (hidden, heads, kv_heads, head_dim, intermediate), (forward, backward, layer) in zip(WRITTEN_SHAPES, measured):
+        shape = dataclasses.replace(
+            ModelShape.from_pretrained(f"tiny:{family}"),
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=intermediate,
+        )
+        assert abs(forward - local_layer_written_bytes_per_token(shape, 1, e, backward=False)) < 1, (shape, forward)
+        # the weight gradients: one per parameter in the dtype, and in 16 bits the two norms' in fp32 first
+        grads = layer + (2 * hidden * 4 if e == 2 else 0)
+        counted = local_layer_written_bytes_per_token(shape, 1, e, backward=True) + grads / tokens
+        assert abs(backward - counted) < 1, (shape, backward, counted)
+
+
+def test_the_padded_attention_rows_are_written_per_padded_row():
+    """Unequal sequences: the padded q, k, v, output and their gradients are per padded row (sequences x the
+    longest), the rest per real token, as planner/step_time.py counts them."""
+    from modelspec import ModelShape
+    from planner.sizes import (
+        local_layer_written_bytes_per_token,
+        local_packed_attention_backward_padding_bytes_per_token,
+        local_packed_attention_padding_bytes_per_token,
+    )
+
+    lengths = (200, 100, 50, 10)
+    [(forward, backward, layer)] = run_ranks(
+        _written_bytes_per_layer, 1, "qwen2", "float32", lengths, WRITTEN_SHAPES[:1]
+    )[0]
+    hidden, heads, kv_heads, head_dim, intermediate = WRITTEN_SHAPES[0]
+    shape = dataclasses.replace(
+        ModelShape.from_pretrained("tiny:qwen2"),
+        hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate,
+    )  # fmt: skip
+    tokens, rows = sum(lengths), len(lengths) * max(lengths)
+    pad = local_packed_attention_padding_bytes_per_token(shape, 1)
+    pad_backward = local_packed_attention_backward_padding_bytes_per_token(shape, 1)
+    for measured, counted, per_pad, extra in (
+        (forward, local_layer_written_bytes_per_token(shape, 1, 4, backward=False), pad, 0),
+        (backward, local_layer_written_bytes_per_token(shape, 1, 4, backward=True), pad_backward, layer),
+    ):
+        expected = ((counted - per_pad) * tokens + per_pad * rows + extra) / tokens
+        assert abs(measured - expected) < 1, (measured, expected)
