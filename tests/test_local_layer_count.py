@@ -298,12 +298,27 @@ def test_the_local_moe_block_count_is_what_it_keeps_and_holds(tokens, train):
 WRITTEN_SHAPES = ((128, 4, 2, 32, 256), (256, 8, 1, 16, 384), (96, 6, 6, 16, 320))
 
 
+def _written_shape(family: str, dims: tuple[int, int, int, int, int], num_layers: int = 4):
+    """tiny:<family> with one of WRITTEN_SHAPES' (hidden, q heads, KV heads, head_dim, intermediate)."""
+    from modelspec import ModelShape
+
+    hidden, heads, kv_heads, head_dim, intermediate = dims
+    return dataclasses.replace(
+        ModelShape.from_pretrained(f"tiny:{family}"),
+        num_layers=num_layers,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate,
+    )
+
+
 def _written_bytes_per_layer(
     rank: int, world_size: int, family: str, dtype: str, lengths=(256,) * 4, shapes=WRITTEN_SHAPES
 ) -> list[tuple[float, float, int]]:
     """Per WRITTEN_SHAPES: (forward, backward) bytes per token of the new tensors one decoder layer makes (its 2-layer
     model's less its 1-layer model's: every op's outputs that alias no input), and the layer's parameter bytes."""
-    import dataclasses
     import itertools
 
     import torch
@@ -313,7 +328,6 @@ def _written_bytes_per_layer(
 
     from megatron_backend.model import build_gpt_chunks
     from megatron_backend.parallel import initialize_model_parallel
-    from modelspec import ModelShape
 
     written = [0]
 
@@ -334,18 +348,10 @@ def _written_bytes_per_layer(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
     )
     results = []
-    for hidden, heads, kv_heads, head_dim, intermediate in shapes:
+    for dims_ in shapes:
         per_model = {}
         for layers in (1, 2):
-            shape = dataclasses.replace(
-                ModelShape.from_pretrained(f"tiny:{family}"),
-                num_layers=layers,
-                hidden_size=hidden,
-                num_heads=heads,
-                num_kv_heads=kv_heads,
-                head_dim=head_dim,
-                intermediate_size=intermediate,
-            )
+            shape = _written_shape(family, dims_, layers)
             [model] = build_gpt_chunks(shape, dims, dtype=dtype)
             ids = torch.randint(0, shape.vocab_size, (1, tokens))
             positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
@@ -369,23 +375,14 @@ def test_the_local_layer_written_count_is_what_its_ops_make(family, dtype):
     dispatcher: every new tensor of a real layer's forward and backward, per token, on three shapes; backward's
     weight gradients (per micro-batch) apart. Within a byte of ~20-50 KB per token (the sequences' bounds arrays),
     where one term wrong by its smallest coefficient is 64 bytes off."""
-    import dataclasses
 
-    from modelspec import ModelShape
     from planner.sizes import local_layer_written_bytes_per_token
 
     measured = run_ranks(_written_bytes_per_layer, 1, family, dtype)[0]
     e = 4 if dtype == "float32" else 2
     tokens = 1024
-    for (hidden, heads, kv_heads, head_dim, intermediate), (forward, backward, layer) in zip(WRITTEN_SHAPES, measured):
-        shape = dataclasses.replace(
-            ModelShape.from_pretrained(f"tiny:{family}"),
-            hidden_size=hidden,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            intermediate_size=intermediate,
-        )
+    for dims, (forward, backward, layer) in zip(WRITTEN_SHAPES, measured):
+        shape, hidden = _written_shape(family, dims), dims[0]
         assert abs(forward - local_layer_written_bytes_per_token(shape, 1, e, backward=False)) < 1, (shape, forward)
         # the weight gradients: one per parameter in the dtype, and in 16 bits the two norms' in fp32 first
         grads = layer + (2 * hidden * 4 if e == 2 else 0)
@@ -396,7 +393,6 @@ def test_the_local_layer_written_count_is_what_its_ops_make(family, dtype):
 def test_the_padded_attention_rows_are_written_per_padded_row():
     """Unequal sequences: the padded q, k, v, output and their gradients are per padded row (sequences x the
     longest), the rest per real token, as planner/step_time.py counts them."""
-    from modelspec import ModelShape
     from planner.sizes import (
         local_layer_written_bytes_per_token,
         local_packed_attention_backward_padding_bytes_per_token,
@@ -407,11 +403,7 @@ def test_the_padded_attention_rows_are_written_per_padded_row():
     [(forward, backward, layer)] = run_ranks(
         _written_bytes_per_layer, 1, "qwen2", "float32", lengths, WRITTEN_SHAPES[:1]
     )[0]
-    hidden, heads, kv_heads, head_dim, intermediate = WRITTEN_SHAPES[0]
-    shape = dataclasses.replace(
-        ModelShape.from_pretrained("tiny:qwen2"),
-        hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate,
-    )  # fmt: skip
+    shape = _written_shape("qwen2", WRITTEN_SHAPES[0])
     tokens, rows = sum(lengths), len(lengths) * max(lengths)
     pad = local_packed_attention_padding_bytes_per_token(shape, 1)
     pad_backward = local_packed_attention_backward_padding_bytes_per_token(shape, 1)
