@@ -30,7 +30,7 @@ seconds = flops / (peak x compute_efficiency) + draws x draw_seconds
           + sum link_bytes / (link x link_efficiency)
 
 with the pipeline's bubble (pp - 1) / (micro-batches x vpp) stretching the actor's passes and, on CPU, a rank's share
-of the cores its math and ops; on CUDA the kernel launches overlap the device's work (:func:`combined_seconds`). The efficiencies and op factors are fitted (planner/calibration/<kind>_time.json,
+of the cores its math and ops (the longer of the two: a rank waiting in the bubble leaves its core to the others); on CUDA the kernel launches overlap the device's work (:func:`combined_seconds`). The efficiencies and op factors are fitted (planner/calibration/<kind>_time.json,
 ``make calibrate-time``, each efficiency at most 1), on the memory plan's fit set, and checked by ``make validate-time`` on runs that did not
 fit them. Each phase names what bounds it (the largest term). Pure standard library, like the memory plan.
 """
@@ -562,9 +562,13 @@ def _size(work: PhaseWork) -> float:
 
 def raw_terms(work: PhaseWork, inp: PlanInputs, speed: SpeedSpec) -> dict[str, float]:
     """Each term's seconds at efficiency 1 and op factor 1 (a fit's columns; the engine's ops under its own name)."""
+    # a pass's span is the longer of its critical path (a rank's work and the pipeline's bubble on it) and the node's
+    # work over its cores (CPU: ranks waiting in the bubble leave their core to the others); a rank's math runs on
+    # cores / ranks threads (at least one: speed.compute_stretch)
     over = speed.oversubscription(inp.ranks_per_node)
-    stretch = over * (1 + work.bubble)
-    compute_stretch = speed.compute_stretch(inp.ranks_per_node) * (1 + work.bubble)
+    stretch = max(over, 1 + work.bubble)
+    shared = speed.compute_stretch(inp.ranks_per_node)
+    compute_stretch = max(shared, min(shared, 1.0) * (1 + work.bubble))
     return {
         "compute": work.flops / speed.flops(inp.dtype) * compute_stretch,
         "memory": (work.memory_bytes / speed.memory_bytes_per_s + work.fresh_bytes / speed.fresh_write_bytes_per_s)

@@ -155,6 +155,22 @@ def test_a_pipeline_pays_its_bubble_and_tp_its_all_reduces():
     assert set(phase_work(make_plan(inp.with_actor(tp=2)))["train"].link_bytes) == {"inter_node"}
 
 
+def test_an_oversubscribed_pipeline_pays_the_larger_of_its_bubble_and_the_cores_share():
+    """4 ranks on 2 cores: a stage waiting in the bubble leaves its core to another, so a pass's ops take the longer
+    of the critical path (1 + bubble) and the node's work over its cores (2), not their product; on 1 rank per
+    core the bubble alone."""
+    from planner.step_time import raw_terms
+
+    inp = dataclasses.replace(make_inputs().with_actor(pp=2), actor_dp=2)
+    for ranks, stretch in ((4, 2.0), (2, None)):
+        at = dataclasses.replace(inp, ranks_per_node=ranks)
+        work = phase_work(make_plan(at))["train"]
+        assert 0 < work.bubble <= 1
+        raw = raw_terms(work, at, CPU)["actor_ops"]
+        expected = work.actor_ops * CPU.op_seconds * (stretch or 1 + work.bubble)
+        assert raw == pytest.approx(expected)
+
+
 def test_each_constant_scales_its_term():
     plan = make_plan(make_inputs())
     constants = load("cpu_time").with_values(phase_ops=1000.0)
