@@ -389,7 +389,7 @@ def layer_forward_bytes_per_token(
 
 
 def local_layer_written_bytes_per_token(
-    shape: ModelShape, tp: int, element_bytes: int, backward: bool, sparse: bool = False
+    shape: ModelShape, tp: int, element_bytes: int, backward: bool, sparse: bool = False, etp: int | None = None
 ) -> int:
     """Bytes of the new tensors one decoder layer of megatron's local spec (CPU) makes per token in a forward or a
     backward over packed sequences without padding (every op's outputs that alias no input, kept or not: on CPU
@@ -408,8 +408,10 @@ def local_layer_written_bytes_per_token(
     The padded attention rows' share (per padded row, fp32): :func:`local_packed_attention_padding_bytes_per_token`
     forward, :func:`local_packed_attention_backward_padding_bytes_per_token` backward; the caller counts them per
     padded row. The weight gradients (one per parameter, per micro-batch) are the caller's. ``sparse``: an MoE
-    layer: the dense MLP's terms (5I, 6I) left out and what the experts keep counted instead
-    (:func:`moe_activation_bytes_per_token`, not measured per op)."""
+    layer (megatron's router, alltoall dispatcher and SequentialMLP), the dense MLP's terms (5I, 6I) replaced by the
+    block's, in bytes, counted the same way on 8 shapes of tiny:qwen3_moe (E experts, top-k, m = the expert's
+    intermediate / expert TP), exactly: forward 20kh + 24km + 34E + 28k + 8, backward 12h + 20kh + 32km + 20E + 16k
+    (fp32; the routing's int32, int64 and bool maps included; 16-bit not measured, counted the same)."""
     h, d, t, e = shape.hidden_size, shape.head_dim, tp, element_bytes
     q_heads, kv_heads = shape.num_heads // t, engine_kv_heads_per_rank(shape, t)
     q, kv, inter = q_heads * d, kv_heads * d, 0 if sparse else shape.intermediate_size // t
@@ -436,7 +438,14 @@ def local_layer_written_bytes_per_token(
             else (4 * q + 2 * kv + 4 * q_heads + 4 * kv_heads)
         )
         dtype, fp32 = (dtype + qk, fp32) if e != FP32_BYTES else (dtype, fp32 + qk)
-    moe = moe_activation_bytes_per_token(shape, t, e, 1, local=True) if sparse else 0
+    moe = 0
+    if sparse:
+        k, m = shape.moe_top_k, shape.moe_intermediate_size // (etp or t)
+        moe = (
+            12 * h + 20 * k * h + 32 * k * m + 20 * shape.num_experts + 16 * k
+            if backward
+            else 20 * k * h + 24 * k * m + 34 * shape.num_experts + 28 * k + 8
+        )
     # forward: the packed attention's five int64 indices per token (megatron_backend/model.py: each token's
     # sequence, its place in it, and their gathers)
     indices = 0 if backward else 5 * INT64_BYTES

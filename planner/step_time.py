@@ -327,7 +327,9 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
 
         def layer_writes(backward: bool) -> float:
             per_token = sum(
-                local_layer_written_bytes_per_token(s, a.tp, e, backward, sparse=s.is_moe_layer(layer))
+                local_layer_written_bytes_per_token(
+                    s, a.tp, e, backward, sparse=s.is_moe_layer(layer), etp=inp.expert_tp
+                )
                 for layer in stage_layer_ids
             )
             per_pad = layers * (pad_backward if backward else pad)

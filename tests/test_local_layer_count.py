@@ -298,12 +298,17 @@ def test_the_local_moe_block_count_is_what_it_keeps_and_holds(tokens, train):
 WRITTEN_SHAPES = ((128, 4, 2, 32, 256), (256, 8, 1, 16, 384), (96, 6, 6, 16, 320))
 
 
-def _written_shape(family: str, dims: tuple[int, int, int, int, int], num_layers: int = 4):
-    """tiny:<family> with one of WRITTEN_SHAPES' (hidden, q heads, KV heads, head_dim, intermediate)."""
+# and MoE layers: (..., experts, top-k, expert intermediate)
+WRITTEN_MOE_SHAPES = ((128, 4, 2, 32, 256, 4, 2, 64), (192, 4, 2, 32, 256, 8, 3, 32), (160, 4, 2, 32, 256, 6, 1, 80))
+
+
+def _written_shape(family: str, dims: tuple[int, ...], num_layers: int = 4):
+    """tiny:<family> with one of WRITTEN_SHAPES' (hidden, q heads, KV heads, head_dim, intermediate), or
+    WRITTEN_MOE_SHAPES' (every layer an MoE layer)."""
     from modelspec import ModelShape
 
-    hidden, heads, kv_heads, head_dim, intermediate = dims
-    return dataclasses.replace(
+    hidden, heads, kv_heads, head_dim, intermediate, *moe = dims
+    shape = dataclasses.replace(
         ModelShape.from_pretrained(f"tiny:{family}"),
         num_layers=num_layers,
         hidden_size=hidden,
@@ -312,6 +317,16 @@ def _written_shape(family: str, dims: tuple[int, int, int, int, int], num_layers
         head_dim=head_dim,
         intermediate_size=intermediate,
     )
+    if moe:
+        experts, top_k, expert_intermediate = moe
+        shape = dataclasses.replace(
+            shape,
+            num_experts=experts,
+            moe_top_k=top_k,
+            moe_intermediate_size=expert_intermediate,
+            moe_layers=tuple(range(num_layers)),
+        )
+    return shape
 
 
 def _written_bytes_per_layer(
@@ -326,7 +341,7 @@ def _written_bytes_per_layer(
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
-    from megatron_backend.model import build_gpt_chunks
+    from megatron_backend.model import build_gpt_chunks, moe_kwargs
     from megatron_backend.parallel import initialize_model_parallel
 
     written = [0]
@@ -352,7 +367,7 @@ def _written_bytes_per_layer(
         per_model = {}
         for layers in (1, 2):
             shape = _written_shape(family, dims_, layers)
-            [model] = build_gpt_chunks(shape, dims, dtype=dtype)
+            [model] = build_gpt_chunks(shape, dims, dtype=dtype, moe=moe_kwargs(shape, dims))
             ids = torch.randint(0, shape.vocab_size, (1, tokens))
             positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
             written[0] = 0
@@ -413,3 +428,16 @@ def test_the_padded_attention_rows_are_written_per_padded_row():
     ):
         expected = ((counted - per_pad) * tokens + per_pad * rows + extra) / tokens
         assert abs(measured - expected) < 1, (measured, expected)
+
+
+def test_the_local_moe_layer_written_count_is_what_its_ops_make():
+    """The same count for megatron's local MoE layer (router, alltoall dispatcher, SequentialMLP) on three shapes of
+    experts, top-k and expert intermediate: the attention's part as the dense layer's, the block's in bytes."""
+    from planner.sizes import local_layer_written_bytes_per_token
+
+    measured = run_ranks(_written_bytes_per_layer, 1, "qwen3_moe", "float32", (256,) * 4, WRITTEN_MOE_SHAPES)[0]
+    for dims, (forward, backward, layer) in zip(WRITTEN_MOE_SHAPES, measured):
+        shape = _written_shape("qwen3_moe", dims)
+        assert abs(forward - local_layer_written_bytes_per_token(shape, 1, 4, False, sparse=True)) < 1, dims
+        counted = local_layer_written_bytes_per_token(shape, 1, 4, True, sparse=True) + layer / 1024
+        assert abs(backward - counted) < 1, (dims, backward, counted)
