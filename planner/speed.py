@@ -13,6 +13,7 @@ a large copy's bytes/s, one small torch op's seconds, one random draw's seconds)
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 GB = 10**9
@@ -94,27 +95,42 @@ _SOURCE_H100 = {
     "inter_node": "NVIDIA DGX H100 datasheet: 8x ConnectX-7 400 Gb/s, one per GPU (50 GB/s)",
     "op": "estimate: ~5 us per eager kernel launch; no GPU has measured it here",
 }
+_H100 = SpeedSpec(
+    name="H100-80GB",
+    kind="cuda",
+    flops_per_s={"bfloat16": 989 * TFLOPS, "float16": 989 * TFLOPS, "float32": 67 * TFLOPS},
+    memory_bytes_per_s=3350 * GB,
+    host_bytes_per_s=64 * GB,
+    intra_node_bytes_per_s=450 * GB,
+    inter_node_bytes_per_s=50 * GB,
+    op_seconds=_LAUNCH_SECONDS,
+    source=_SOURCE_H100,
+)
+_A100_80 = SpeedSpec(
+    name="A100-80GB",
+    kind="cuda",
+    flops_per_s={"bfloat16": 312 * TFLOPS, "float16": 312 * TFLOPS, "float32": 19.5 * TFLOPS},
+    memory_bytes_per_s=2039 * GB,
+    host_bytes_per_s=32 * GB,
+    intra_node_bytes_per_s=300 * GB,
+    inter_node_bytes_per_s=25 * GB,
+    op_seconds=_LAUNCH_SECONDS,
+    source={
+        "flops": "NVIDIA A100 Tensor Core GPU datasheet, SXM: BF16 312 TFLOPS dense, FP32 19.5 TFLOPS",
+        "memory": "same datasheet, 80GB SXM: HBM2e 2,039 GB/s",
+        "intra_node": "same datasheet: NVLink 600 GB/s (both directions; 300 GB/s each way)",
+        "host": "PCIe Gen4 x16: 32 GB/s each way",
+        "inter_node": "NVIDIA DGX A100 datasheet: 8x ConnectX-6 200 Gb/s, one per GPU (25 GB/s)",
+        "op": _SOURCE_H100["op"],
+    },
+)
 SPEED_PRESETS: dict[str, SpeedSpec] = {
-    "H100-80GB": SpeedSpec(
-        name="H100-80GB",
-        kind="cuda",
-        flops_per_s={"bfloat16": 989 * TFLOPS, "float16": 989 * TFLOPS, "float32": 67 * TFLOPS},
-        memory_bytes_per_s=3350 * GB,
-        host_bytes_per_s=64 * GB,
-        intra_node_bytes_per_s=450 * GB,
-        inter_node_bytes_per_s=50 * GB,
-        op_seconds=_LAUNCH_SECONDS,
-        source=_SOURCE_H100,
-    ),
-    "H200-141GB": SpeedSpec(
+    "H100-80GB": _H100,
+    # the same compute and links as the H100; more HBM, faster
+    "H200-141GB": dataclasses.replace(
+        _H100,
         name="H200-141GB",
-        kind="cuda",
-        flops_per_s={"bfloat16": 989 * TFLOPS, "float16": 989 * TFLOPS, "float32": 67 * TFLOPS},
         memory_bytes_per_s=4800 * GB,
-        host_bytes_per_s=64 * GB,
-        intra_node_bytes_per_s=450 * GB,
-        inter_node_bytes_per_s=50 * GB,
-        op_seconds=_LAUNCH_SECONDS,
         source={
             **_SOURCE_H100,
             "flops": "NVIDIA H200 Tensor Core GPU datasheet, SXM: BF16 1,979 TFLOPS with sparsity (989 dense), FP32 67",
@@ -122,41 +138,12 @@ SPEED_PRESETS: dict[str, SpeedSpec] = {
             "inter_node": "NVIDIA DGX H200 datasheet: 8x ConnectX-7 400 Gb/s, one per GPU (50 GB/s)",
         },
     ),
-    "A100-80GB": SpeedSpec(
-        name="A100-80GB",
-        kind="cuda",
-        flops_per_s={"bfloat16": 312 * TFLOPS, "float16": 312 * TFLOPS, "float32": 19.5 * TFLOPS},
-        memory_bytes_per_s=2039 * GB,
-        host_bytes_per_s=32 * GB,
-        intra_node_bytes_per_s=300 * GB,
-        inter_node_bytes_per_s=25 * GB,
-        op_seconds=_LAUNCH_SECONDS,
-        source={
-            "flops": "NVIDIA A100 Tensor Core GPU datasheet, SXM: BF16 312 TFLOPS dense, FP32 19.5 TFLOPS",
-            "memory": "same datasheet, 80GB SXM: HBM2e 2,039 GB/s",
-            "intra_node": "same datasheet: NVLink 600 GB/s (both directions; 300 GB/s each way)",
-            "host": "PCIe Gen4 x16: 32 GB/s each way",
-            "inter_node": "NVIDIA DGX A100 datasheet: 8x ConnectX-6 200 Gb/s, one per GPU (25 GB/s)",
-            "op": _SOURCE_H100["op"],
-        },
-    ),
-    "A100-40GB": SpeedSpec(
+    "A100-80GB": _A100_80,
+    "A100-40GB": dataclasses.replace(
+        _A100_80,
         name="A100-40GB",
-        kind="cuda",
-        flops_per_s={"bfloat16": 312 * TFLOPS, "float16": 312 * TFLOPS, "float32": 19.5 * TFLOPS},
         memory_bytes_per_s=1555 * GB,
-        host_bytes_per_s=32 * GB,
-        intra_node_bytes_per_s=300 * GB,
-        inter_node_bytes_per_s=25 * GB,
-        op_seconds=_LAUNCH_SECONDS,
-        source={
-            "flops": "NVIDIA A100 Tensor Core GPU datasheet, SXM: BF16 312 TFLOPS dense, FP32 19.5 TFLOPS",
-            "memory": "same datasheet, 40GB SXM: HBM2 1,555 GB/s",
-            "intra_node": "same datasheet: NVLink 600 GB/s (both directions; 300 GB/s each way)",
-            "host": "PCIe Gen4 x16: 32 GB/s each way",
-            "inter_node": "NVIDIA DGX A100 datasheet: 8x ConnectX-6 200 Gb/s, one per GPU (25 GB/s)",
-            "op": _SOURCE_H100["op"],
-        },
+        source={**_A100_80.source, "memory": "same datasheet, 40GB SXM: HBM2 1,555 GB/s"},
     ),
     "B200": SpeedSpec(
         name="B200",

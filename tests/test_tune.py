@@ -60,6 +60,17 @@ def test_search_ranks_by_predicted_time_and_rejects_with_a_reason(tiny):
         tune.configure(cfg, dataclasses.replace(tune.experiment_layout(cfg), tp=3))
 
 
+def test_a_layout_is_planned_with_its_own_sync_not_the_experiments(tiny):
+    """The experiment's inputs carry its sync plan per pipeline stage (run/memory_plan.py); a layout of another PP
+    must not inherit them (they would fail its checks and silently drop every PP layout from the search)."""
+    cfg, base = tiny
+    assert base.sync_traffic is not None and base.sync_staged_bytes is not None
+    lay = dataclasses.replace(tune.experiment_layout(cfg), tp=1, pp=2, rollout_tp=1)
+    inputs = tune.layout_inputs(base, tune.configure(cfg, lay))
+    assert inputs.actor.pp == 2
+    assert inputs.sync_traffic is inputs.sync_staged_bytes is inputs.sync_peers is inputs.reference_check is None
+
+
 def test_an_infeasible_layout_is_rejected_with_the_overflowing_phase(tiny):
     cfg, base = tiny
     small = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, cpu_capacity_gb=0.01))

@@ -187,6 +187,7 @@ def layout_inputs(base, cfg):
         actor_dp=cfg.dp,
         distributed_optimizer=cfg.dp > 1 or actor.optimizer_offload_fraction > 0,
         sync_staged_bytes=None,
+        sync_traffic=None,
         sync_peers=None,
         reference_check=None,
     )
