@@ -394,7 +394,7 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
             # distributed optimizer an all-gather of the params; the grad norm's all-reduce
             buckets = math.ceil(params / max(40_000_000, 1_000_000 * dp))
             work.collective_steps += (buckets * (2 if inp.distributed_optimizer else 1) + 1) * 2 * (dp - 1)
-        return _repeated(work, inp.ppo_epochs)  # run/loop.py: the train phase runs trainer.ppo_epochs train steps
+        return _summed((work, inp.ppo_epochs))  # run/loop.py: the train phase runs trainer.ppo_epochs train steps
     return work
 
 
@@ -425,10 +425,9 @@ def weight_sync_work(inp: PlanInputs, engine_weight_bytes: int) -> PhaseWork:
         )
         checked = 2 * engine_weight_bytes
         checksums = 2 * _param_tensors(inp, range(inp.shape.num_layers))
-    link = "intra_node" if inp.world_size <= inp.ranks_per_node else "inter_node"
     work = PhaseWork(
         memory_bytes=2 * local,
-        link_bytes={link: crossing} if crossing else {},
+        link_bytes=_by_link(inp, {"world": crossing}),
         collective_steps=math.ceil(crossing / inp.sync_bucket_bytes),
     )
     if inp.verify_sync:  # then all_gather_object of the checksums
@@ -439,7 +438,7 @@ def weight_sync_work(inp: PlanInputs, engine_weight_bytes: int) -> PhaseWork:
         work.memory_bytes += written if inp.on_cuda else 0
         work.plain_ops += CHECKSUM_OPS * checksums
         work.collective_steps += 2 * (inp.world_size - 1)
-    return _plus(work, reference_check_work(inp))
+    return _summed((work, 1), (reference_check_work(inp), 1))
 
 
 def all_gather_object_written_bytes(own: float, largest: float, gathered: float, ranks: int) -> float:
@@ -465,10 +464,9 @@ def reference_check_work(inp: PlanInputs) -> PhaseWork:
     own = max(sample.own)
     gathered = all_gather_object_written_bytes(own, sample.largest, sample.gathered, sample.ranks)
     written = e * (own + gathered + sample.full)  # the clones, the gather, the full tensors
-    link = "intra_node" if inp.world_size <= inp.ranks_per_node else "inter_node"
     crossing = e * (sample.ranks - 1) * sample.largest
     # the check's all_gather_object (sizes, then bytes) and its verdict's, each a ring of w - 1 steps
-    work = PhaseWork(link_bytes={link: crossing} if crossing else {}, collective_steps=4 * (sample.ranks - 1))
+    work = PhaseWork(link_bytes=_by_link(inp, {"world": crossing}), collective_steps=4 * (sample.ranks - 1))
     if inp.on_cuda:
         work.host_bytes = written + 2 * e * sample.full
     else:
@@ -476,30 +474,27 @@ def reference_check_work(inp: PlanInputs) -> PhaseWork:
     return work
 
 
-def _plus(a: PhaseWork, b: PhaseWork) -> PhaseWork:
-    """Two pieces of work one after the other on one rank (``a``'s bubble)."""
-    sums = {
-        f.name: getattr(a, f.name) + getattr(b, f.name)
+def _summed(*parts: tuple[PhaseWork, float]) -> PhaseWork:
+    """``parts``, each (work, times), run one after another on one rank; the first one's bubble (a fraction)."""
+    counts = {
+        f.name: sum(getattr(work, f.name) * times for work, times in parts)
         for f in fields(PhaseWork)
         if f.name not in ("link_bytes", "bubble")
     }
-    links = {k: a.link_bytes.get(k, 0.0) + b.link_bytes.get(k, 0.0) for k in {*a.link_bytes, *b.link_bytes}}
-    return PhaseWork(**sums, link_bytes=links, bubble=a.bubble)
-
-
-def _repeated(work: PhaseWork, times: int) -> PhaseWork:
-    """``times`` runs of ``work`` one after another (the bubble, a fraction, stays)."""
-    counts = {
-        f.name: getattr(work, f.name) * times for f in fields(PhaseWork) if f.name not in ("link_bytes", "bubble")
-    }
-    return PhaseWork(**counts, link_bytes={k: v * times for k, v in work.link_bytes.items()}, bubble=work.bubble)
+    links: dict[str, float] = {}
+    for work, times in parts:
+        for link, value in work.link_bytes.items():
+            links[link] = links.get(link, 0.0) + value * times
+    return PhaseWork(**counts, link_bytes=links, bubble=parts[0][0].bubble)
 
 
 def _by_link(inp: PlanInputs, bytes_by_group: dict[str, float]) -> dict[str, float]:
     """Collective bytes by the link they cross: a group within one node uses NVLink (CPU: memory), else the network.
-    Megatron orders ranks TP, then EP/DP..., then PP; a group spans nodes when its stride x size exceeds a node."""
+    Megatron orders ranks TP, then EP/DP..., then PP; a group spans nodes when its stride x size exceeds a node
+    (``world``: every rank, as the weight sync's exchanges)."""
     a, node = inp.actor, inp.ranks_per_node
     spans = {"tp": a.tp, "ep": a.tp * a.ep, "dp": a.tp * inp.actor_dp, "pp": a.tp * inp.actor_dp * a.pp}
+    spans["world"] = inp.world_size
     out: dict[str, float] = {}
     for group, value in bytes_by_group.items():
         if value:
