@@ -17,7 +17,8 @@ counted from the model's shape, the layouts and the batch (:class:`PhaseWork`):
   ``host_storages``: the storages an offload copies out, each to its own host buffer.
 - ``link_bytes``: per link (``intra_node``, ``inter_node``), what one rank sends in collectives: TP's 4 all-reduces
   per layer in train (2 forward, 2 backward; 2 in a forward) of tokens x h, PP's activation sends, EP's all-to-all of
-  the routed copies (dispatch and combine), DP's gradient reduction, the weight sync's engine weights.
+  the routed copies (dispatch and combine), DP's gradient reduction, the weight sync's engine weights; in rollout
+  the engine's TP all-reduces and, where vLLM's MoE layers span its replicas, their all-gather and reduce-scatter.
 - ``ops``: fixed costs by kind, in units of the device's ``op_seconds``: an actor layer's forward and backward (their
   torch ops counted on megatron's local layer: :data:`LOCAL_LAYER_OPS`, :data:`LOCAL_MODEL_OPS`), a micro-batch's
   pass (the schedule and the loss around the model), an engine layer's step, a parameter tensor an optimizer step or
@@ -279,13 +280,26 @@ def _engine_work(inp: PlanInputs, lengths: StepLengths) -> PhaseWork:
     # per layer step over TP (rollout/native/model.py): the embedding's and 2 per layer's all-reduces, the logits'
     # all-gather and the sampled tokens' broadcast (rollout/native/sampling.py)
     collectives = (steps + waves) * ((1 + 2 * s.num_layers) * 2 * (r.tp - 1) + 2 * (r.tp - 1))
+    link_bytes = {"intra_node": tp_bytes}
+    replicas_gathered = inp.engine_moe_gathered_replicas
+    if replicas_gathered > 1:
+        # vLLM's MoE layers span its R replicas (all2all_backend "allgather_reducescatter",
+        # vllm/distributed/device_communicators/all2all.py AgRsAll2AllManager): per MoE layer and step, an all-gather
+        # over the DP group of every replica's hidden states [M, h] and router logits [M, E]
+        # (dispatch_router_logits), then a reduce-scatter of the experts' output [R M, h] back to [M, h] (combine);
+        # a ring sends (R - 1) of the rank's M rows of each. The DP group strides the TP ranks: it spans the world
+        moe_layers = len(s.moe_layers)
+        gathered = tokens * moe_layers * (2 * s.hidden_size + s.num_experts) * e * (replicas_gathered - 1)
+        for link, value in _by_link(inp, {"world": gathered}).items():
+            link_bytes[link] = link_bytes.get(link, 0.0) + value
+        collectives += (steps + waves) * moe_layers * 3 * (replicas_gathered - 1)
     return PhaseWork(
         flops=flops,
         memory_bytes=steps * (params - lookup) * e + kv_read,
         fresh_bytes=kv_gathered,
         vocab_bytes=sampler,
         draws=sampled * sampler_draws(r.engine, vocab),
-        link_bytes={"intra_node": tp_bytes},
+        link_bytes=link_bytes,
         collective_steps=collectives,
         engine_layer_steps=(steps + waves) * s.num_layers,  # decode steps + one prefill per wave
     )

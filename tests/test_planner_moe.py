@@ -176,6 +176,31 @@ def test_the_vllm_engines_moe_layers_gather_their_replicas_tokens():
     assert tiny_moe_inputs(actor=dict(ep=1), rollout=dict(engine="native", tp=1)).engine_moe_gathered_replicas == 1
 
 
+def test_the_vllm_engines_moe_gather_is_timed_on_the_link():
+    """The step-time model's rollout sends what vLLM's allgather_reducescatter all-to-all sends: per MoE layer, each
+    replica's tokens' hidden states and router logits gathered and the output reduce-scattered, (R - 1) x M rows
+    of (2h + E) elements per rank, 3 collectives of R - 1 ring steps per engine step; one replica or the native
+    engine gathers nothing."""
+    from planner.step_time import phase_work
+
+    def rollout(**rollout_fields):
+        inp = tiny_moe_inputs(actor=dict(ep=1), rollout=rollout_fields, ranks_per_node=2)
+        return inp, phase_work(make_plan(inp))["rollout"]
+
+    native_inp, native = rollout(engine="native", tp=1)
+    vllm_inp, vllm = rollout(engine="vllm", tp=1)
+    assert vllm_inp.engine_moe_gathered_replicas == 2 and native_inp.engine_moe_gathered_replicas == 1
+    s, e = TINY_MOE, vllm_inp.element_bytes
+    tokens = vllm_inp.sequences_per_step // 2 * (vllm_inp.prompt_tokens + vllm_inp.response_tokens)
+    gathered = tokens * len(s.moe_layers) * (2 * s.hidden_size + s.num_experts) * e
+    assert vllm.link_bytes["intra_node"] - native.link_bytes["intra_node"] == gathered  # TP 1: no all-reduce
+    engine_steps = vllm_inp.response_tokens + 1  # decode steps + one prefill
+    assert vllm.collective_steps - native.collective_steps == engine_steps * len(s.moe_layers) * 3
+    one_replica_inp, one_replica = rollout(engine="vllm", tp=2)
+    assert one_replica_inp.engine_moe_gathered_replicas == 1
+    assert one_replica.collective_steps == rollout(engine="native", tp=2)[1].collective_steps
+
+
 def test_the_plan_holds_the_moe_terms():
     """The plan's train activations, optimizer and engine reserve move with the MoE fields they are counted from."""
     base = make_plan(tiny_moe_inputs(rollout=dict(engine="vllm", tp=1)))
