@@ -399,15 +399,21 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
         )
         work.memory_bytes += 2 * state_bytes
         work.param_tensors += _param_tensors(inp, stage_layer_ids)
-        if inp.actor_dp > 1:
-            dp = inp.actor_dp
-            link = _by_link(inp, {"dp": params * e * 2 * (dp - 1) / dp})
-            for name, value in link.items():
+        # DP's gradient reduction (megatron DDP, grad_reduce_in_fp32: megatron_backend/actor_train.py): the fp32 main
+        # grads of the dense params over DP, of the routed experts over the expert-DP group (planner.plan's
+        # _optimizer_shards); per bucket (its default: max(40M, 1M x n) params) a ring all-reduce, or with the
+        # distributed optimizer a reduce-scatter and, after the step, an all-gather of the params in their dtype:
+        # (n - 1) / n of the bucket each, n - 1 steps each. The expert-DP group strides the experts' TP x EP: it
+        # spans what DP's does
+        for count, n in ((params - expert_params, inp.actor_dp), (expert_params, inp.expert_dp)):
+            if n == 1 or not count:
+                continue
+            element_bytes = FP32_BYTES + e if inp.distributed_optimizer else 2 * FP32_BYTES
+            for name, value in _by_link(inp, {"dp": count * element_bytes * (n - 1) / n}).items():
                 work.link_bytes[name] = work.link_bytes.get(name, 0.0) + value
-            # megatron's DDP buckets (its default: max(40M, 1M x dp) params each): a reduce per bucket, and with the
-            # distributed optimizer an all-gather of the params; the grad norm's all-reduce
-            buckets = math.ceil(params / max(40_000_000, 1_000_000 * dp))
-            work.collective_steps += (buckets * (2 if inp.distributed_optimizer else 1) + 1) * 2 * (dp - 1)
+            work.collective_steps += math.ceil(count / max(40_000_000, 1_000_000 * n)) * 2 * (n - 1)
+        if inp.actor_dp > 1:  # the grad norm's all-reduce
+            work.collective_steps += 2 * (inp.actor_dp - 1)
         return _summed((work, inp.ppo_epochs))  # run/loop.py: the train phase runs trainer.ppo_epochs train steps
     return work
 

@@ -155,6 +155,32 @@ def test_a_pipeline_pays_its_bubble_and_tp_its_all_reduces():
     assert set(phase_work(make_plan(inp.with_actor(tp=2)))["train"].link_bytes) == {"inter_node"}
 
 
+def test_dp_reduces_fp32_main_grads_and_the_experts_over_their_own_group():
+    """megatron DDP reduces the fp32 main grads (grad_reduce_in_fp32, megatron_backend/actor_train.py) whatever the
+    model's dtype: a ring all-reduce sends 2 x 4 bytes x (n - 1) / n per param; the distributed optimizer's
+    reduce-scatter 4 and its all-gather of the params their dtype's. The routed experts reduce over the expert-DP
+    group: at EP = DP = 2 it is one rank, and they cross no link."""
+    from planner.plan import actor_stage_counts
+
+    for dtype, e in (("float32", 4), ("bfloat16", 2)):
+        inp = dataclasses.replace(make_inputs(dtype=dtype), actor_dp=2, ranks_per_node=2)
+        params, _ = actor_stage_counts(inp, 0)
+        for distributed, per_param in ((False, 8), (True, 4 + e)):
+            train = phase_work(make_plan(dataclasses.replace(inp, distributed_optimizer=distributed)))["train"]
+            assert train.link_bytes == {"intra_node": pytest.approx(params * per_param / 2)}, (dtype, distributed)
+    moe_shape = ModelShape.from_pretrained("tiny:qwen3_moe")
+    moe = make_inputs(shape=moe_shape, dtype="bfloat16", actor_dp=2, ranks_per_node=2).with_actor(ep=2)
+    assert moe.expert_dp == 1
+    params, experts = actor_stage_counts(moe, 0)
+    assert experts > 0
+    links = [
+        phase_work(make_plan(dataclasses.replace(moe, distributed_optimizer=d)))["train"].link_bytes["intra_node"]
+        for d in (False, True)
+    ]
+    # the EP all-to-all is the same in both; the dense params send 8 / 2 against (4 + 2) / 2 bytes each
+    assert links[0] - links[1] == pytest.approx(params - experts)
+
+
 def test_an_oversubscribed_pipeline_pays_the_larger_of_its_bubble_and_the_cores_share():
     """4 ranks on 2 cores: a stage waiting in the bubble leaves its core to another, so a pass's ops take the longer
     of the critical path (1 + bubble) and the node's work over its cores (2), not their product; on 1 rank per
