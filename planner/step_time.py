@@ -431,7 +431,8 @@ def weight_sync_work(inp: PlanInputs, engine_weight_bytes: int) -> PhaseWork:
     written), what it exchanges with other ranks over the link (one point-to-point round per bucket), with
     ``weight_sync.verify`` a checksum of every slice it sends or holds, then the reference check
     (:func:`reference_check_work`). Without the plan's counts, the bound: every byte local when PP = 1 and both
-    sides split alike, else every engine byte over the link; a checksum per engine tensor, on each side."""
+    sides split alike, else every engine byte over the link; a checksum per engine tensor, on each side. vLLM on CPU
+    unpacks and repacks its weights around the writes."""
     a, r, e = inp.actor, inp.rollout, inp.element_bytes
     if inp.sync_traffic is not None:
         local = max(t.local_bytes for t in inp.sync_traffic)
@@ -450,6 +451,13 @@ def weight_sync_work(inp: PlanInputs, engine_weight_bytes: int) -> PhaseWork:
         link_bytes=_by_link(inp, {"world": crossing}),
         collective_steps=math.ceil(crossing / inp.sync_bucket_bytes),
     )
+    if r.engine == "vllm" and not inp.on_cuda:
+        # vLLM's CPU build keeps packed copies of its weights for its kernels (rollout/vllm_engine.py): a sync first
+        # gives each layer back its unprocessed weights, new and zeroed (materialize_layer, zero_), and after the
+        # writes repacks them into new copies (process_weights_after_loading): two fresh writes and a read of the
+        # engine's weights. On CUDA the kernels use the loaded weights as they are
+        work.fresh_bytes += 2 * engine_weight_bytes
+        work.memory_bytes += engine_weight_bytes
     if inp.verify_sync:  # then all_gather_object of the checksums
         elements = checked / e
         written = CHECKSUM_WRITTEN_BYTES_PER_ELEMENT * elements

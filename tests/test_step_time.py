@@ -347,6 +347,20 @@ def test_the_native_sampler_dispatches_the_counted_ops():
         assert ops == [*cast, "logsumexp", "div", "_softmax", "multinomial"]
 
 
+def test_vllms_cpu_build_unpacks_and_repacks_its_weights_around_a_sync():
+    """rollout/vllm_engine.py on CPU: the sync gives each layer back its unprocessed weights (new, zeroed) and repacks
+    them after (new copies): two fresh writes and one read of the engine's weights more than the native engine's
+    sync; on CUDA the kernels use the loaded weights and the syncs are the same."""
+    for device, repacked in ((None, True), (device_preset("H100-80GB"), False)):
+        inp = make_inputs() if device is None else make_inputs(device=device, dtype="bfloat16")
+        native_plan, vllm_plan = (make_plan(inp.with_rollout(engine=engine)) for engine in ("native", "vllm"))
+        native, vllm = (phase_work(p)["weight_sync"] for p in (native_plan, vllm_plan))
+        weights = vllm_plan.engine_weight_bytes
+        assert weights == native_plan.engine_weight_bytes > 0
+        assert vllm.fresh_bytes - native.fresh_bytes == (2 * weights if repacked else 0)
+        assert vllm.memory_bytes - native.memory_bytes == (weights if repacked else 0)
+
+
 def test_the_sync_checksum_dispatches_the_counted_ops_and_bytes():
     """weight_sync.verify's checksum of a row slice: CHECKSUM_OPS dispatched ops (views included), and per element
     the slice's read plus the int64 buffers' counted writes and reads (a new pass or a wider dtype fails it)."""
