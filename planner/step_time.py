@@ -280,7 +280,7 @@ def _engine_work(inp: PlanInputs, lengths: StepLengths) -> PhaseWork:
     # per layer step over TP (rollout/native/model.py): the embedding's and 2 per layer's all-reduces, the logits'
     # all-gather and the sampled tokens' broadcast (rollout/native/sampling.py)
     collectives = (steps + waves) * ((1 + 2 * s.num_layers) * 2 * (r.tp - 1) + 2 * (r.tp - 1))
-    link_bytes = {"intra_node": tp_bytes}
+    work_links = {"intra_node": tp_bytes}
     replicas_gathered = inp.engine_moe_gathered_replicas
     if replicas_gathered > 1:
         # vLLM's MoE layers span its R replicas (all2all_backend "allgather_reducescatter",
@@ -290,8 +290,7 @@ def _engine_work(inp: PlanInputs, lengths: StepLengths) -> PhaseWork:
         # a ring sends (R - 1) of the rank's M rows of each. The DP group strides the TP ranks: it spans the world
         moe_layers = len(s.moe_layers)
         gathered = tokens * moe_layers * (2 * s.hidden_size + s.num_experts) * e * (replicas_gathered - 1)
-        for link, value in _by_link(inp, {"world": gathered}).items():
-            link_bytes[link] = link_bytes.get(link, 0.0) + value
+        _add_links(work_links, _by_link(inp, {"world": gathered}))
         collectives += (steps + waves) * moe_layers * 3 * (replicas_gathered - 1)
     return PhaseWork(
         flops=flops,
@@ -299,7 +298,7 @@ def _engine_work(inp: PlanInputs, lengths: StepLengths) -> PhaseWork:
         fresh_bytes=kv_gathered,
         vocab_bytes=sampler,
         draws=sampled * sampler_draws(r.engine, vocab),
-        link_bytes=link_bytes,
+        link_bytes=work_links,
         collective_steps=collectives,
         engine_layer_steps=(steps + waves) * s.num_layers,  # decode steps + one prefill per wave
     )
@@ -405,12 +404,11 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
         # distributed optimizer a reduce-scatter and, after the step, an all-gather of the params in their dtype:
         # (n - 1) / n of the bucket each, n - 1 steps each. The expert-DP group strides the experts' TP x EP: it
         # spans what DP's does
+        grad_bytes = FP32_BYTES + e if inp.distributed_optimizer else 2 * FP32_BYTES  # per param and ring pass
         for count, n in ((params - expert_params, inp.actor_dp), (expert_params, inp.expert_dp)):
             if n == 1 or not count:
                 continue
-            element_bytes = FP32_BYTES + e if inp.distributed_optimizer else 2 * FP32_BYTES
-            for name, value in _by_link(inp, {"dp": count * element_bytes * (n - 1) / n}).items():
-                work.link_bytes[name] = work.link_bytes.get(name, 0.0) + value
+            _add_links(work.link_bytes, _by_link(inp, {"dp": count * grad_bytes * (n - 1) / n}))
             work.collective_steps += math.ceil(count / max(40_000_000, 1_000_000 * n)) * 2 * (n - 1)
         if inp.actor_dp > 1:  # the grad norm's all-reduce
             work.collective_steps += 2 * (inp.actor_dp - 1)
@@ -451,11 +449,11 @@ def weight_sync_work(inp: PlanInputs, engine_weight_bytes: int) -> PhaseWork:
         link_bytes=_by_link(inp, {"world": crossing}),
         collective_steps=math.ceil(crossing / inp.sync_bucket_bytes),
     )
-    if r.engine == "vllm" and not inp.on_cuda:
+    if inp.engine_profile.repacks_weights(inp.device.kind):
         # vLLM's CPU build keeps packed copies of its weights for its kernels (rollout/vllm_engine.py): a sync first
         # gives each layer back its unprocessed weights, new and zeroed (materialize_layer, zero_), and after the
         # writes repacks them into new copies (process_weights_after_loading): two fresh writes and a read of the
-        # engine's weights. On CUDA the kernels use the loaded weights as they are
+        # engine's weights (the memory plan's reload copy, planner/plan.py). On CUDA the kernels use them as loaded
         work.fresh_bytes += 2 * engine_weight_bytes
         work.memory_bytes += engine_weight_bytes
     if inp.verify_sync:  # then all_gather_object of the checksums
@@ -511,9 +509,14 @@ def _summed(*parts: tuple[PhaseWork, float]) -> PhaseWork:
     }
     links: dict[str, float] = {}
     for work, times in parts:
-        for link, value in work.link_bytes.items():
-            links[link] = links.get(link, 0.0) + value * times
+        _add_links(links, {link: value * times for link, value in work.link_bytes.items()})
     return PhaseWork(**counts, link_bytes=links, bubble=parts[0][0].bubble)
+
+
+def _add_links(into: dict[str, float], more: dict[str, float]) -> None:
+    """Add ``more``'s bytes per link into ``into``."""
+    for link, value in more.items():
+        into[link] = into.get(link, 0.0) + value
 
 
 def _by_link(inp: PlanInputs, bytes_by_group: dict[str, float]) -> dict[str, float]:
