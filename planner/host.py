@@ -144,7 +144,7 @@ def checkpoint_staging_bytes(plan: Plan, params_only: bool = False) -> int:
     # views, so megatron's writer neither clones nor pins them (filesystem_async.py _clone_if_needed)
     moments = 2 * (1 - inp.actor.optimizer_offload_fraction)
     total = 0
-    # the routed experts' optimizer states shard over the expert-DP group, the others' over DP (plan._optimizer_shards)
+    # the routed experts' optimizer states shard over the expert-DP group, the others' over DP (plan.optimizer_shards)
     for experts, group in ((False, inp.actor_dp), (True, inp.expert_dp)):
         shard = group if inp.distributed_optimizer else 1
         for n in actor_stage_tensor_elements(

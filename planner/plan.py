@@ -284,7 +284,7 @@ def actor_stage_counts(inp: PlanInputs, stage: int) -> tuple[int, int]:
     )
 
 
-def _optimizer_shards(inp: PlanInputs, count: int, expert_count: int) -> list[tuple[int, int]]:
+def optimizer_shards(inp: PlanInputs, count: int, expert_count: int) -> list[tuple[int, int]]:
     """(params, the group the distributed optimizer shards them over): the dense params over DP, the routed experts
     over the expert-DP group (megatron/core/optimizer/__init__.py: a second optimizer over the expert params with
     ``intra_expt_dp_group``); unsharded without the distributed optimizer."""
@@ -295,21 +295,21 @@ def _optimizer_shards(inp: PlanInputs, count: int, expert_count: int) -> list[tu
 
 def optimizer_device_bytes(inp: PlanInputs, count: int, expert_count: int = 0) -> int:
     """The optimizer's bytes on one rank's device for ``count`` params (``expert_count`` of them routed experts):
-    Adam's moments and (16-bit models) fp32 main params, sharded by the distributed optimizer (:func:`_optimizer_shards`);
+    Adam's moments and (16-bit models) fp32 main params, sharded by the distributed optimizer (:func:`optimizer_shards`);
     with ``optimizer_offload_fraction`` f the moments
     of a fraction f of them are on the host (megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py: the
     offloaded params' fp32 main copies stay on the device, their moments go to the host's CPUAdam)."""
     moments = 2 * FP32_BYTES
     main = optimizer_bytes_per_param(inp.element_bytes) - moments
     per_param = main + moments * (1 - inp.actor.optimizer_offload_fraction)
-    return sum(round(n * per_param) // shard for n, shard in _optimizer_shards(inp, count, expert_count))
+    return sum(round(n * per_param) // shard for n, shard in optimizer_shards(inp, count, expert_count))
 
 
 def optimizer_host_bytes(inp: PlanInputs, count: int, expert_count: int = 0) -> int:
     """What the hybrid optimizer holds on the host for ``count`` params (hybrid_optimizer.py): a fraction f of
     the shard as a pinned fp32 param copy, a pinned fp32 gradient and CPUAdam's two fp32 moments."""
     per_param = inp.actor.optimizer_offload_fraction * 4 * FP32_BYTES
-    return sum(round(n * per_param) // shard for n, shard in _optimizer_shards(inp, count, expert_count))
+    return sum(round(n * per_param) // shard for n, shard in optimizer_shards(inp, count, expert_count))
 
 
 def step_flags(inp: PlanInputs) -> StepFlags:

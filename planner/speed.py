@@ -14,6 +14,7 @@ a large copy's bytes/s, one small torch op's seconds, one random draw's seconds)
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 GB = 10**9
@@ -42,6 +43,11 @@ class SpeedSpec:
     # blocks already mapped; a CPU buffer of a page or more is a fresh mapping, faulted in: colocation/host_memory.py)
     fresh_bytes_per_s: float | None = None
     cores: int = 0  # CPU: the cores the node's ranks share (0: not a CPU)
+    # CPU: seconds per weight byte of one torch ``F.linear`` of [rows, in] by an [out, in] weight read from memory
+    # (not from cache), by dtype and row count (tools/speed_probe.py): a skinny GEMM (a decode step's, one expert's
+    # few rows) neither reads its weight at the copy's bandwidth nor reaches the matmul's FLOP/s. None: a CUDA
+    # device's, whose GEMM reads its weight at the memory bandwidth and runs its FLOPs at the peak
+    gemm_seconds_per_weight_byte: dict[str, dict[int, float]] | None = None
     source: dict[str, str] = field(default_factory=dict)
     measured: bool = False  # measured on this machine (CPU) rather than read from a datasheet
 
@@ -57,6 +63,16 @@ class SpeedSpec:
             )
         if not self.flops_per_s or min(self.flops_per_s.values()) <= 0:
             raise ValueError(f"speed {self.name!r}: flops_per_s needs a rate > 0 per dtype")
+        if self.gemm_seconds_per_weight_byte is not None:  # JSON keys are strings: rows as ints
+            table = {
+                dtype: {int(rows): float(s) for rows, s in by_rows.items()}
+                for dtype, by_rows in self.gemm_seconds_per_weight_byte.items()
+            }
+            if any(not by_rows or min(by_rows) < 1 or min(by_rows.values()) <= 0 for by_rows in table.values()):
+                raise ValueError(
+                    f"speed {self.name!r}: gemm_seconds_per_weight_byte needs, per dtype, rows >= 1 and seconds > 0"
+                )
+            object.__setattr__(self, "gemm_seconds_per_weight_byte", table)
 
     @property
     def fresh_write_bytes_per_s(self) -> float:
@@ -73,6 +89,24 @@ class SpeedSpec:
                 f"speed {self.name!r} has no FLOP/s for dtype {dtype!r}; it has {sorted(self.flops_per_s)}"
             )
         return self.flops_per_s[dtype]
+
+    def gemm_seconds_per_byte(self, dtype: str, rows: float) -> float | None:
+        """Seconds per weight byte of a GEMM of ``rows`` rows (:attr:`gemm_seconds_per_weight_byte`), interpolated
+        log-log between the measured row counts; fewer than the first: the first's (the weight is read whatever
+        the rows); more than the last: the last's, growing with the rows (the FLOPs bound it). None: no table."""
+        table = (self.gemm_seconds_per_weight_byte or {}).get(dtype)
+        if not table:
+            return None
+        measured = sorted(table)
+        rows = max(float(rows), float(measured[0]))
+        if rows >= measured[-1]:
+            return table[measured[-1]] * rows / measured[-1]
+        upper = next(r for r in measured if r >= rows)
+        lower = max(r for r in measured if r <= rows)
+        if upper == lower:
+            return table[lower]
+        fraction = math.log(rows / lower) / math.log(upper / lower)
+        return math.exp(math.log(table[lower]) * (1 - fraction) + math.log(table[upper]) * fraction)
 
     def oversubscription(self, ranks_per_node: int) -> float:
         """CPU: how many ranks share one core (>= 1); each rank's serial work takes that many times longer. CUDA: 1."""

@@ -45,7 +45,14 @@ from colocation.phases import ACTOR_STATE, step_phases
 from modelspec.family import layer_parts
 from planner.calibration import Calibration, load
 from planner.inputs import PlanInputs, StepLengths
-from planner.plan import Plan, actor_stage_counts, optimizer_bytes_per_param, reference_sample, step_flags
+from planner.plan import (
+    Plan,
+    actor_stage_counts,
+    optimizer_bytes_per_param,
+    optimizer_shards,
+    reference_sample,
+    step_flags,
+)
 from planner.sizes import (
     FP32_BYTES,
     actor_stage_expert_param_count,
@@ -80,6 +87,7 @@ COLUMN_CONSTANT = {
     "memory": "memory_efficiency",
     "vocab": "vocab_pass_efficiency",
     "draws": None,  # a measured rate (SpeedSpec.draw_seconds): nothing to fit
+    "gemm": None,  # a measured rate (SpeedSpec.gemm_seconds_per_weight_byte): nothing to fit
     "host": "host_efficiency",
     "link": "link_efficiency",
     "collective_ops": "collective_step_ops",
@@ -99,6 +107,7 @@ COLUMN_TERM = {
     "actor_backward_ops": "actor_ops",
     "vocab": "memory",
     "draws": "compute",
+    "gemm": "compute",
     "collective_ops": "link",
     "storage_ops": "host",
     "plain_ops": "tensor_ops",
@@ -122,6 +131,9 @@ class PhaseWork:
     vocab_bytes: float = 0.0  # through the elementwise passes over [rows, V] fp32 logits (their exp)
     draws: float = 0.0  # the sampler's random draws (SpeedSpec.draw_seconds each)
     host_bytes: float = 0.0
+    # torch F.linear GEMMs by row count: {rows: weight bytes multiplied at that count} (their FLOPs and weight
+    # reads are in neither ``flops`` nor ``memory_bytes``): SpeedSpec.gemm_seconds_per_byte where measured
+    gemms: dict[float, float] = field(default_factory=dict)
     link_bytes: dict[str, float] = field(default_factory=dict)
     # collectives' sequential steps (a ring all-reduce over n ranks takes 2 (n - 1), an all-gather or a broadcast
     # n - 1, a point-to-point send 1): their latency, which the bytes do not see
@@ -274,6 +286,12 @@ def _engine_work(inp: PlanInputs, lengths: StepLengths) -> PhaseWork:
     lookup = 0 if s.tie_word_embeddings else table
     sampled = seqs * response
     flops = 2 * (active - lookup - table) * tokens + 2 * table * sampled + attention
+    weight_reads = steps * (params - lookup) * e
+    gemms: dict[float, float] = {}
+    if r.engine == "native":  # torch's F.linear, each at its row count (rollout/native/model.py): no FLOPs or
+        # weight reads of its own beside them
+        flops, weight_reads = attention, 0.0
+        gemms = _native_engine_gemms(inp, lengths, seqs, waves, steps, (params - lookup - table) * e, table * e)
     vocab = vllm_padded_vocab(s.vocab_size)  # the sampler's rows, gathered over TP
     sampler = sampled * vocab * sampler_bytes_per_logit(r.engine, e)
     tp_bytes = tokens * 2 * s.num_layers * s.hidden_size * e * 2 * (r.tp - 1) / r.tp
@@ -294,14 +312,51 @@ def _engine_work(inp: PlanInputs, lengths: StepLengths) -> PhaseWork:
         collectives += (steps + waves) * moe_layers * 3 * (replicas_gathered - 1)
     return PhaseWork(
         flops=flops,
-        memory_bytes=steps * (params - lookup) * e + kv_read,
+        memory_bytes=weight_reads + kv_read,
         fresh_bytes=kv_gathered,
+        gemms=gemms,
         vocab_bytes=sampler,
         draws=sampled * sampler_draws(r.engine, vocab),
         link_bytes=work_links,
         collective_steps=collectives,
         engine_layer_steps=(steps + waves) * s.num_layers,  # decode steps + one prefill per wave
     )
+
+
+def _native_engine_gemms(
+    inp: PlanInputs, lengths: StepLengths, seqs: int, waves: int, steps: int, layer_bytes: float, table_bytes: float
+) -> dict[float, float]:
+    """The native engine's GEMMs on one rank as {rows: weight bytes multiplied at that row count}
+    (rollout/native/model.py): per wave a prefill of its prompts' tokens, then decode steps of its running
+    sequences (the wave's decoded tokens over its steps); the lm_head on the sampled rows only. ``layer_bytes``: the
+    layers' weights (an MoE layer's routed experts among them; their norms' few bytes too), ``table_bytes``: the lm_head's. An MoE layer runs
+    each local expert it routes rows to on those rows alone (``moe``'s loop): of R rows' top-k choices over E
+    experts, a local expert is hit with probability 1 - (1 - k/E)^R and the local share of the R k choices,
+    R k / ep, spreads over the hit ones."""
+    s = inp.shape
+    per_wave = seqs / waves
+    decode_rows = seqs * lengths.mean_response / steps if steps else 0.0
+    expert_bytes = 0.0
+    ep = 1
+    if s.is_moe:
+        ep, etp = inp.engine_expert_split
+        one_expert = 3 * s.hidden_size * s.moe_intermediate_size // etp * inp.element_bytes
+        expert_bytes = len(s.moe_layers) * s.num_experts // ep * one_expert
+    gemms: dict[float, float] = {}
+
+    def add(rows: float, weight_bytes: float) -> None:
+        if rows > 0 and weight_bytes > 0:
+            gemms[rows] = gemms.get(rows, 0.0) + weight_bytes
+
+    # (rows through the layers, rows through the lm_head, how many times): prefill, decode
+    for rows, sampled, times in ((per_wave * lengths.mean_prompt, per_wave, waves), (decode_rows, decode_rows, steps)):
+        add(rows, times * (layer_bytes - expert_bytes))
+        add(sampled, times * table_bytes)
+        if expert_bytes:
+            k, local = s.moe_top_k, s.num_experts // ep
+            hit = local * (1 - (1 - k / s.num_experts) ** rows)
+            add(rows * k / ep / hit, times * expert_bytes * hit / local)
+    return gemms
 
 
 def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
@@ -393,14 +448,16 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
     )
     if train:  # the optimizer step: read and write params, grads and states; DP's gradient reduction
         params, expert_params = actor_stage_counts(inp, stage)
-        state_bytes = (
-            params * (2 * e + optimizer_bytes_per_param(e)) / (inp.actor_dp if inp.distributed_optimizer else 1)
+        # each rank steps its shard: the dense params' over DP, the routed experts' over the expert-DP group
+        state_bytes = sum(
+            n * (2 * e + optimizer_bytes_per_param(e)) / shard
+            for n, shard in optimizer_shards(inp, params, expert_params)
         )
         work.memory_bytes += 2 * state_bytes
         work.param_tensors += _param_tensors(inp, stage_layer_ids)
         # DP's gradient reduction (megatron DDP, grad_reduce_in_fp32: megatron_backend/actor_train.py): the fp32 main
         # grads of the dense params over DP, of the routed experts over the expert-DP group (planner.plan's
-        # _optimizer_shards); per bucket (its default: max(40M, 1M x n) params) a ring all-reduce, or with the
+        # optimizer_shards); per bucket (its default: max(40M, 1M x n) params) a ring all-reduce, or with the
         # distributed optimizer a reduce-scatter and, after the step, an all-gather of the params in their dtype:
         # (n - 1) / n of the bucket each, n - 1 steps each. The expert-DP group strides the experts' TP x EP: it
         # spans what DP's does
@@ -502,19 +559,21 @@ def reference_check_work(inp: PlanInputs) -> PhaseWork:
 
 def _summed(*parts: tuple[PhaseWork, float]) -> PhaseWork:
     """``parts``, each (work, times), run one after another on one rank; the first one's bubble (a fraction)."""
+    by_key = ("link_bytes", "gemms")  # {link: bytes}, {rows: weight bytes}
     counts = {
         f.name: sum(getattr(work, f.name) * times for work, times in parts)
         for f in fields(PhaseWork)
-        if f.name not in ("link_bytes", "bubble")
+        if f.name not in (*by_key, "bubble")
     }
-    links: dict[str, float] = {}
-    for work, times in parts:
-        _add_links(links, {link: value * times for link, value in work.link_bytes.items()})
-    return PhaseWork(**counts, link_bytes=links, bubble=parts[0][0].bubble)
+    for name in by_key:
+        counts[name] = {}
+        for work, times in parts:
+            _add_links(counts[name], {key: value * times for key, value in getattr(work, name).items()})
+    return PhaseWork(**counts, bubble=parts[0][0].bubble)
 
 
-def _add_links(into: dict[str, float], more: dict[str, float]) -> None:
-    """Add ``more``'s bytes per link into ``into``."""
+def _add_links(into: dict, more: dict) -> None:
+    """Add ``more``'s bytes per link (or per GEMM row count) into ``into``."""
     for link, value in more.items():
         into[link] = into.get(link, 0.0) + value
 
@@ -597,10 +656,20 @@ def raw_terms(work: PhaseWork, inp: PlanInputs, speed: SpeedSpec) -> dict[str, f
     stretch = max(over, 1 + work.bubble)
     shared = speed.compute_stretch(inp.ranks_per_node)
     compute_stretch = max(shared, min(shared, 1.0) * (1 + work.bubble))
+    # GEMMs at their row count: the measured seconds per weight byte (a rank's share of the cores, as its math);
+    # without a measurement (CUDA) their FLOPs at the peak and their weights read at the bandwidth
+    gemm, flops, memory_bytes = 0.0, work.flops, work.memory_bytes
+    for rows, weight_bytes in work.gemms.items():
+        seconds_per_byte = speed.gemm_seconds_per_byte(inp.dtype, rows)
+        if seconds_per_byte is None:
+            flops += 2 * rows * weight_bytes / inp.element_bytes
+            memory_bytes += weight_bytes
+        else:
+            gemm += weight_bytes * seconds_per_byte
     return {
-        "compute": work.flops / speed.flops(inp.dtype) * compute_stretch,
-        "memory": (work.memory_bytes / speed.memory_bytes_per_s + work.fresh_bytes / speed.fresh_write_bytes_per_s)
-        * over,
+        "compute": flops / speed.flops(inp.dtype) * compute_stretch,
+        "gemm": gemm * shared,
+        "memory": (memory_bytes / speed.memory_bytes_per_s + work.fresh_bytes / speed.fresh_write_bytes_per_s) * over,
         "vocab": work.vocab_bytes / speed.memory_bytes_per_s * over,
         "draws": work.draws * speed.seconds_per_draw * over,
         "host": work.host_bytes / speed.host_bytes_per_s,
@@ -620,7 +689,15 @@ def raw_terms(work: PhaseWork, inp: PlanInputs, speed: SpeedSpec) -> dict[str, f
 
 def _does_work(work: PhaseWork) -> bool:
     moves = work.memory_bytes or work.fresh_bytes or work.vocab_bytes or work.host_bytes or work.host_storages
-    return bool(work.flops or moves or work.draws or work.engine_layer_steps or work.param_tensors or work.plain_ops)
+    return bool(
+        work.flops
+        or work.gemms
+        or moves
+        or work.draws
+        or work.engine_layer_steps
+        or work.param_tensors
+        or work.plain_ops
+    )
 
 
 def coefficient(constants: Calibration, column: str) -> float:

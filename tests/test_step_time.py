@@ -423,3 +423,77 @@ def test_all_gather_object_writes_the_counted_copies_into_fresh_pages():
     copies = json.loads(out.stdout.splitlines()[-1])
     counted = all_gather_object_written_bytes(own=1, largest=1, gathered=1, ranks=1)
     assert all(abs(c - counted) < 0.5 for c in copies), (copies, counted)
+
+
+def test_a_skinny_gemm_is_timed_at_its_row_count_between_the_measured_ones():
+    """SpeedSpec.gemm_seconds_per_byte: the measured value at a measured row count, log-log between two, the first
+    below it (the weight is read whatever the rows), growing with the rows past the last; None without a table."""
+    table = {"float32": {"1": 1e-10, "4": 4e-10, "16": 8e-10}}  # JSON's string keys
+    speed = dataclasses.replace(CPU, gemm_seconds_per_weight_byte=table)
+    assert speed.gemm_seconds_per_byte("float32", 4) == pytest.approx(4e-10)
+    assert speed.gemm_seconds_per_byte("float32", 2) == pytest.approx(2e-10)  # halfway in log rows
+    assert speed.gemm_seconds_per_byte("float32", 0.5) == pytest.approx(1e-10)
+    assert speed.gemm_seconds_per_byte("float32", 32) == pytest.approx(16e-10)
+    assert speed.gemm_seconds_per_byte("bfloat16", 4) is None and CPU.gemm_seconds_per_byte("float32", 4) is None
+    with pytest.raises(ValueError, match="gemm_seconds_per_weight_byte"):
+        dataclasses.replace(CPU, gemm_seconds_per_weight_byte={"float32": {"0": 1e-10}})
+
+
+def test_the_native_engines_gemms_run_at_their_row_counts():
+    """The native engine's linears (rollout/native/model.py) as {rows: weight bytes}: per wave a prefill of the
+    prompts' tokens, then a decode step per response token of the wave's running sequences; the lm_head on the
+    sampled rows. An MoE layer runs each local expert on its own rows: of R rows' top-k choices over E experts, a
+    local one is hit with probability 1 - (1 - k/E)^R. Without a measured table (a CUDA profile) the same GEMMs
+    cost their FLOPs at the peak and their weights read once at the bandwidth, as before they had rows."""
+    from planner.sizes import engine_param_count, vllm_padded_vocab
+    from planner.step_time import raw_terms
+
+    inp = make_inputs(rollout=dict(engine="native", max_num_seqs=8))
+    plan = make_plan(inp)
+    lengths = inp.planned_lengths()
+    rollout = phase_work(plan)["rollout"]
+    s, e = inp.shape, inp.element_bytes
+    table = vllm_padded_vocab(s.vocab_size) * s.hidden_size * e
+    layers = engine_param_count(s, 1) * e - 2 * table  # less the embedding and the lm_head (its norms' few bytes in)
+    steps = lengths.longest_response  # one wave of the 8 sequences
+    prefill_rows, decode_rows = 8 * lengths.mean_prompt, 8 * lengths.mean_response / steps
+    assert (prefill_rows, decode_rows) == (8 * 32, 8)  # the 8 sampled rows of prefill are a decode step's
+    assert rollout.gemms == pytest.approx({prefill_rows: layers, 8: table + steps * (layers + table)})
+    # without a table: the FLOPs of every linear at the peak, each weight read once per pass
+    raw = raw_terms(rollout, inp, CPU)
+    flops = 2 * (prefill_rows * layers + 8 * table + steps * decode_rows * (layers + table)) / e
+    attention = rollout.flops
+    assert raw["compute"] * CPU.flops("float32") == pytest.approx((flops + attention) * CPU.compute_stretch(1))
+    assert raw["gemm"] == 0
+    # with one: the measured seconds per weight byte at each row count, FLOPs and reads included
+    measured = dataclasses.replace(CPU, gemm_seconds_per_weight_byte={"float32": {"1": 1e-10, "256": 2e-9}})
+    raw = raw_terms(rollout, inp, measured)
+    expected = sum(b * measured.gemm_seconds_per_byte("float32", r) for r, b in rollout.gemms.items())
+    assert raw["gemm"] == pytest.approx(expected * CPU.compute_stretch(1))
+    assert raw["compute"] * CPU.flops("float32") == pytest.approx(attention * CPU.compute_stretch(1))
+
+    moe = make_inputs(shape=ModelShape.from_pretrained("tiny:qwen3_moe"), rollout=dict(engine="native", max_num_seqs=8))
+    gemms = phase_work(make_plan(moe), lengths)["rollout"].gemms
+    ms, k, num = moe.shape, moe.shape.moe_top_k, moe.shape.num_experts
+    expert = 3 * ms.hidden_size * ms.moe_intermediate_size * e * len(ms.moe_layers)
+    hit = num * (1 - (1 - k / num) ** decode_rows)
+    # a decode step's experts: the hit ones, each on its share of the rows' k choices
+    assert gemms[decode_rows * k / hit] == pytest.approx(steps * expert * hit)
+    assert decode_rows * k / hit > decode_rows * k / num
+
+
+def test_the_optimizer_step_reads_and_writes_each_ranks_shard_the_experts_over_expert_dp():
+    """With the distributed optimizer each rank steps its shard (planner.plan.optimizer_shards): the dense params'
+    over DP, the routed experts' over the expert-DP group, which at EP = DP = 2 is one rank: every expert's
+    param, grad and states are read and written on each rank, as the memory plan holds them."""
+    from planner.plan import actor_stage_counts, optimizer_bytes_per_param
+
+    moe = make_inputs(shape=ModelShape.from_pretrained("tiny:qwen3_moe"), actor_dp=2, ranks_per_node=2).with_actor(ep=2)
+    params, experts = actor_stage_counts(moe, 0)
+    per_param = 2 * moe.element_bytes + optimizer_bytes_per_param(moe.element_bytes)  # param, grad, states
+    memory = [
+        phase_work(make_plan(dataclasses.replace(moe, distributed_optimizer=d)))["train"].memory_bytes
+        for d in (False, True)
+    ]
+    # read and written: the dense half of the shard saved, the experts whole on both
+    assert memory[0] - memory[1] == pytest.approx(2 * (params - experts) * per_param / 2)

@@ -36,13 +36,17 @@ MEASURED = tuple(c for c, name in COLUMN_CONSTANT.items() if name is None)  # a 
 FLOOR_SECONDS = 0.05  # a row's relative error is over at least this (a phase of a few ms is noise)
 STEP_ROWS = 3.0
 SPEED_FILE = "speed.json"
-PROBED_LATER = ("draw_seconds", "fresh_bytes_per_s")  # rates the probe gained after some runs were made
+PROBED_LATER = (
+    "draw_seconds",
+    "fresh_bytes_per_s",
+    "gemm_seconds_per_weight_byte",
+)  # rates the probe gained after some runs were made
 
 
 def run_speed(run_dir: Path):
     """The machine's speeds measured just before the run (its speed.json, tools/plan_runs.py writes it), else now
     (once per process: a run made before speed.json existed is timed with today's speeds, the same for every run;
-    one made before the probe measured draws or fresh writes takes today's)."""
+    one made before the probe measured draws, fresh writes or skinny GEMMs takes today's)."""
     path = run_dir / SPEED_FILE
     if path.exists():
         fields = json.loads(path.read_text())

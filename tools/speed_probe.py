@@ -7,6 +7,9 @@ the cores, planner.speed.SpeedSpec.compute_stretch):
   between ranks (on CPU copies in memory): the same copy's bytes;
 - ``fresh_bytes_per_s``: 64 MiB written into a new buffer (a fresh mapping on CPU: its page faults), freed after;
   the host link too, since an offload or onload on CPU copies into a fresh file mapping or storage;
+- ``gemm_seconds_per_weight_byte``: per dtype and row count (1 to 256), one ``F.linear`` of [rows, 512] by a
+  [768, 512] weight (an expert's gate and up; a decode step's rows), cycling through 96 MiB of weights (more than
+  this machine's last-level cache: each is read from memory), its seconds over the weight's bytes;
 - ``op_seconds``: one ``torch.add`` of 16-element tensors, the fixed cost a small op pays;
 - ``draw_seconds``: one element of ``exponential_`` over a [64, 16384] fp32 buffer (the native sampler's
   ``torch.multinomial`` draws one per vocab entry of each row: planner/step_time.py).
@@ -29,6 +32,9 @@ MATMUL_N = 1024
 COPY_BYTES = 64 * 2**20
 SMALL_OPS = 2000
 DRAWS = (64, 16384)
+GEMM_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+GEMM_WEIGHT = (768, 512)  # [out, in]
+GEMM_RING_BYTES = 96 * 2**20
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -56,6 +62,7 @@ def _measure() -> SpeedSpec:
         a = torch.randn(MATMUL_N, MATMUL_N).to(dtype)
         b = torch.randn(MATMUL_N, MATMUL_N).to(dtype)
         flops[str(dtype).removeprefix("torch.")] = 2 * MATMUL_N**3 / _median_seconds(lambda: a @ b, 5)  # noqa: B023
+    gemm = {str(dtype).removeprefix("torch."): _gemm_seconds_per_weight_byte(dtype) for dtype in GEMM_DTYPES}
     src = torch.ones(COPY_BYTES // 4)
     dst = torch.empty_like(src)
     copy = COPY_BYTES / _median_seconds(lambda: dst.copy_(src), 5)
@@ -80,11 +87,32 @@ def _measure() -> SpeedSpec:
         intra_node_bytes_per_s=copy,
         inter_node_bytes_per_s=copy,
         op_seconds=op,
+        gemm_seconds_per_weight_byte=gemm,
         draw_seconds=draw,
         cores=os.cpu_count() or 1,
         source={"all": how},
         measured=True,
     )
+
+
+GEMM_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _gemm_seconds_per_weight_byte(dtype: torch.dtype) -> dict[int, float]:
+    """Seconds per weight byte of ``F.linear`` at each of :data:`GEMM_ROWS`, the weights read from memory."""
+    out_features, in_features = GEMM_WEIGHT
+    weight_bytes = out_features * in_features * torch.finfo(dtype).bits // 8
+    ring = [torch.randn(GEMM_WEIGHT).to(dtype) for _ in range(GEMM_RING_BYTES // weight_bytes)]
+    table = {}
+    for rows in GEMM_ROWS:
+        x = torch.randn(rows, in_features).to(dtype)
+
+        def through_ring() -> None:
+            for weight in ring:
+                torch.nn.functional.linear(x, weight)  # noqa: B023
+
+        table[rows] = _median_seconds(through_ring, 3) / (len(ring) * weight_bytes)
+    return table
 
 
 def main() -> int:
