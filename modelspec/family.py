@@ -107,6 +107,41 @@ class Part:
         return f"{self.vllm}_{kind}" if self.expert else f"{self.vllm}.{kind}"
 
 
+# megatron-core 0.16's registration order of a decoder layer's modules (TransformerLayer: input_layernorm,
+# self_attention (SelfAttention registers linear_proj before linear_qkv, then the q/k norms), pre_mlp_layernorm,
+# mlp (MoELayer: the router, then the experts: SequentialMLP's each local expert's fc1 then fc2, TEGroupedMLP's
+# fc1 of every expert then fc2), then a dense MLP's fc1 and fc2); read off a built local-spec model
+# (tests/test_planner_node.py checks the distributed optimizer's shards that follow from it)
+MEGATRON_LAYER_MODULE_ORDER = (
+    "input_layernorm",
+    "self_attention.linear_proj",
+    "self_attention.linear_qkv",
+    "self_attention.q_layernorm",
+    "self_attention.k_layernorm",
+    "pre_mlp_layernorm",
+    "mlp.router",
+    "mlp.experts",
+    "mlp.shared_experts",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+)
+
+
+def megatron_layer_param_order(name: str) -> tuple:
+    """A sort key putting a decoder layer's megatron parameters (names under ``decoder.layers.<n>.``) in the order
+    the model registers them (:data:`MEGATRON_LAYER_MODULE_ORDER`)."""
+    module = next(
+        (i for i, m in enumerate(MEGATRON_LAYER_MODULE_ORDER) if name.startswith(m)), len(MEGATRON_LAYER_MODULE_ORDER)
+    )
+    if name.startswith("mlp.experts.local_experts."):  # SequentialMLP: expert by expert
+        expert, rest = name.removeprefix("mlp.experts.local_experts.").split(".", 1)
+        return (module, int(expert), rest)
+    if name.startswith("mlp.experts."):  # TEGroupedMLP: linear_fc1.weight<e> ..., then linear_fc2
+        stem = name.rstrip("0123456789")
+        return (module, stem, int(name[len(stem) :] or 0))
+    return (module, 0, name)
+
+
 # The decoder layer's parts, in the order vLLM lists its parameters (and stacks fused ones).
 Q = Part("q", ("q", "h"), "self_attention.linear_qkv", "qkv_groups", "self_attn.qkv_proj", "rows", None, True)
 K = Part("k", ("kv", "h"), "self_attention.linear_qkv", "qkv_groups", "self_attn.qkv_proj", "rows", None, True)

@@ -16,7 +16,15 @@ from __future__ import annotations
 
 import math
 
-from modelspec.family import dims_size, even_split_sizes, hf_tensor_shapes, layer_param_count, layer_parts, rank_sizes
+from modelspec.family import (
+    dims_size,
+    even_split_sizes,
+    hf_tensor_shapes,
+    layer_param_count,
+    layer_parts,
+    megatron_layer_param_order,
+    rank_sizes,
+)
 from modelspec.shape import ModelShape
 
 MEGATRON_VOCAB_DIVISOR = 128  # megatron_backend.layout.MAKE_VOCAB_SIZE_DIVISIBLE_BY
@@ -84,6 +92,40 @@ def actor_stage_param_count(
         if not shape.tie_word_embeddings or pp > 1:
             count += vocab_rows  # output layer (tied + PP > 1: the last stage keeps its own copy)
     return count
+
+
+def actor_stage_param_tensors(
+    shape: ModelShape, tp: int, pp: int, stage: int, ep: int = 1, etp: int | None = None, te_norms: bool = False
+) -> tuple[list[int], list[int]]:
+    """(dense, routed experts): the elements of each parameter tensor one actor rank of pipeline stage ``stage``
+    holds, in the order megatron registers them (the embedding, each layer's by
+    modelspec.family.megatron_layer_param_order, the final norm, the output layer): megatron's own tensors (one
+    fused qkv, a tensor per local expert's fc1 and fc2; ``te_norms``: Transformer Engine's spec, norms fused into
+    linear_qkv / linear_fc1 and the experts grouped). The layers as :func:`stage_layers` gives them (VPP chunks
+    each have their own buffers: not split here)."""
+    h = shape.hidden_size
+    sizes = actor_rank_sizes(shape, tp, ep, etp)
+    vocab_rows = megatron_padded_vocab(shape.vocab_size, tp) // tp * h
+    dense, experts = [vocab_rows] if stage == 0 else [], []
+    for layer in stage_layers(shape, pp, stage):
+        sparse = shape.is_moe_layer(layer)
+        params: dict[str, int] = {}  # megatron's name -> elements (stacked parts summed)
+        for part, kind in layer_parts(shape, layer):
+            elements = math.prod(dims_size(part.kind_dims(kind), sizes))
+            names = (
+                [part.megatron_expert_param(kind, e, te_norms) for e in range(sizes["experts"])]
+                if part.expert
+                else [part.megatron_param(kind, te_norms, sparse)]
+            )
+            for name in names:
+                params[name] = params.get(name, 0) + elements
+        for name in sorted(params, key=megatron_layer_param_order):
+            (experts if name.startswith("mlp.experts.") else dense).append(params[name])
+    if stage == pp - 1:
+        dense.append(h)  # final norm
+        if not shape.tie_word_embeddings or pp > 1:
+            dense.append(vocab_rows)  # output layer
+    return dense, experts
 
 
 def actor_stage_expert_param_count(

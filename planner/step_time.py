@@ -38,6 +38,8 @@ fit them. Each phase names what bounds it (the largest term). Pure standard libr
 
 from __future__ import annotations
 
+import bisect
+import functools
 import math
 from dataclasses import dataclass, field, fields
 
@@ -57,6 +59,7 @@ from planner.sizes import (
     FP32_BYTES,
     actor_stage_expert_param_count,
     actor_stage_param_count,
+    actor_stage_param_tensors,
     engine_param_count,
     kv_bytes_per_token,
     layer_activation_bytes_per_token,
@@ -196,6 +199,52 @@ def _layer_ops(inp: PlanInputs, kind: str, layers) -> int:
 
 def _param_tensors(inp: PlanInputs, layers) -> int:
     return sum(len(layer_parts(inp.shape, layer)) for layer in layers) + 3  # embedding, final norm, output layer
+
+
+def _shard_tensors(sizes: list[int], ranks: int) -> int:
+    """Of tensors of ``sizes`` elements (in the model's order) in one DDP buffer, the most that overlap one rank's
+    shard of the distributed optimizer (megatron/core/distributed/param_and_grad_buffer.py): the buffer lays them
+    out in reverse order, each starting at a multiple of 64 elements, in buckets of at least max(40M, 1M x ranks)
+    elements, each padded to a multiple of lcm(ranks, 128) and split evenly over the ranks; a rank steps the part
+    of every tensor its shard overlaps (distrib_optimizer.py, param_range_map), a tensor of its own each."""
+    if ranks == 1 or not sizes:
+        return len(sizes)
+    limit, align = max(40_000_000, 1_000_000 * ranks), math.lcm(ranks, 128)
+    buckets: list[list[tuple[int, int]]] = [[]]  # (start, end) per tensor, from the bucket's start
+    end = 0
+    for size in reversed(sizes):
+        start = math.ceil(end / 64) * 64 if buckets[-1] else 0
+        end = start + size
+        buckets[-1].append((start, end))
+        if end >= limit:
+            buckets, end = [*buckets, []], 0
+    most = 0
+    for spans in (b for b in buckets if b):
+        shard = math.ceil(spans[-1][1] / align) * align // ranks
+        starts, ends = [start for start, _ in spans], [end for _, end in spans]
+        # rank r's shard [r s, (r + 1) s) overlaps the tensors from the first ending after r s to the last starting
+        # before (r + 1) s
+        most += max(
+            bisect.bisect_left(starts, (r + 1) * shard) - bisect.bisect_right(ends, r * shard) for r in range(ranks)
+        )
+    return most
+
+
+def _optimizer_tensors(inp: PlanInputs, stage: int) -> int:
+    """The parameter tensors a rank of pipeline stage ``stage`` steps, each with its own optimizer states (which an
+    offload copies out one by one): megatron's own parameters on the rank (planner.sizes.actor_stage_param_tensors: one
+    fused qkv, a tensor per local expert's fc1 and fc2), with the distributed optimizer the parts of those its shard
+    overlaps (:func:`_shard_tensors`), the dense ones' over DP, the routed experts' (their own buffer) over expert DP."""
+    a = inp.actor
+    dp, expert_dp = (inp.actor_dp, inp.expert_dp) if inp.distributed_optimizer else (1, 1)
+    return _layout_optimizer_tensors(inp.shape, a.tp, a.pp, a.ep, a.etp, stage, inp.attention, dp, expert_dp)
+
+
+@functools.lru_cache(maxsize=4096)  # a search plans many layouts of one model: each layout's count once
+def _layout_optimizer_tensors(shape, tp, pp, ep, etp, stage, attention, dp, expert_dp) -> int:
+    te_norms = attention != "unfused"  # Transformer Engine's spec (CUDA); megatron's local spec on CPU
+    dense, experts = actor_stage_param_tensors(shape, tp, pp, stage, ep, etp, te_norms=te_norms)
+    return _shard_tensors(dense, dp) + _shard_tensors(experts, expert_dp)
 
 
 def _actor_forward_flops(inp: PlanInputs, stage: int, tokens: float, span: float) -> float:
@@ -454,7 +503,7 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
             for n, shard in optimizer_shards(inp, params, expert_params)
         )
         work.memory_bytes += 2 * state_bytes
-        work.param_tensors += _param_tensors(inp, stage_layer_ids)
+        work.param_tensors += _optimizer_tensors(inp, stage)
         # DP's gradient reduction (megatron DDP, grad_reduce_in_fp32: megatron_backend/actor_train.py): the fp32 main
         # grads of the dense params over DP, of the routed experts over the expert-DP group (planner.plan's
         # optimizer_shards); per bucket (its default: max(40M, 1M x n) params) a ring all-reduce, or with the
@@ -615,7 +664,7 @@ def phase_work(plan: Plan, lengths: StepLengths | None = None) -> dict[str, Phas
     # a 16-bit param
     buffers = 1 + (1 if inp.shape.is_moe else 0)
     per_param = 2 + (1 if inp.device.kind == "cpu" else 0) + (1 if inp.element_bytes < FP32_BYTES else 0)
-    actor_tensors = max(_param_tensors(inp, stage_layers(inp.shape, inp.actor.pp, st)) for st in stages)
+    actor_tensors = max(_optimizer_tensors(inp, st) for st in stages)
     storages = {"actor_params": buffers, "ref_params": buffers, "optimizer": per_param * actor_tensors}
     out: dict[str, PhaseWork] = {}
     for phase in step_phases(flags):

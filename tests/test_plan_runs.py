@@ -254,3 +254,34 @@ def test_prediction_errors_at_recorded_lengths_take_the_median_over_steady_steps
     errors = prediction_errors(plan, rows, lengths=lengths)["old_logprob"]
     assert errors["predicted_bytes"] == plan.at_lengths(at(8)).measurable_bytes("old_logprob")
     assert prediction_errors(plan, rows)["old_logprob"]["predicted_bytes"] == plan.measurable_bytes("old_logprob")
+
+
+def test_repeated_runs_alternate_their_order_and_the_medians_pool_every_runs_steps(tmp_path, monkeypatch):
+    """make calibrate-time / validate-time run each configuration three times: every spec, then every spec in
+    reverse, then again (a drift of the machine's speed falls on all alike), the k-th run beside the first in
+    ``<name>.<k>``; a phase's measured seconds are the median over every steady step of every run, so one run slow
+    in every phase is left out."""
+    import tools.plan_runs as plan_runs
+    from tools.calibrate_time import measured_seconds
+
+    made = []
+    monkeypatch.setattr(plan_runs, "ensure_run", lambda spec, run_dir, rerun=False: made.append(run_dir) or run_dir)
+    specs = FIT_SET[:3]
+    dirs = plan_runs.ensure_runs(specs, "calibration", repeats=3, root=tmp_path)
+    names = [s.name for s in specs]
+    assert [d.name for d in made] == names + [f"{n}.2" for n in reversed(names)] + [f"{n}.3" for n in names]
+    assert dirs[names[0]] == [tmp_path / "calibration" / n for n in (names[0], f"{names[0]}.2", f"{names[0]}.3")]
+    with pytest.raises(ValueError, match="repeats"):
+        plan_runs.ensure_runs(specs, "calibration", repeats=0)
+
+    runs = []
+    for k, train_s in enumerate((1.0, 1.1, 1.5)):  # the third run slow
+        run_dir = tmp_path / f"run{k}"
+        run_dir.mkdir()
+        steps = [{"trainer/step": s, "time/train": train_s + 0.01 * s, "time/rollout": 0.2} for s in range(3)]
+        steps[0]["time/train"] = 9.0  # step 0 warms up: never counted
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+        runs.append(run_dir)
+    seconds = measured_seconds(runs)
+    assert seconds["train"] == pytest.approx((1.11 + 1.12) / 2)  # the median of 1.01 1.02 1.11 1.12 1.51 1.52
+    assert seconds["rollout"] == pytest.approx(0.2)

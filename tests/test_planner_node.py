@@ -366,7 +366,9 @@ def _moe_step_groups(rank, world_size, hf_dir, tp, ep):
     batch = TokenBatch(input_ids=ids, loss_mask=torch.ones(4, 15), advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
     batch.old_logprobs = actor.compute_logprobs(batch)
     actor.train_step(batch, PolicyLoss(PolicyLossConfig()))
-    return sorted(seen), actor.optimizer_name
+    from megatron_backend.memory import unique_storages
+
+    return sorted(seen), actor.optimizer_name, len(unique_storages(actor.states.tensors("optimizer")))
 
 
 @pytest.mark.parametrize(("tp", "ep"), [(1, 2), (2, 1)])
@@ -374,11 +376,13 @@ def test_every_group_an_moe_step_runs_a_collective_on_is_a_counted_communicator(
     """planner/comms.py's communicators for an MoE actor (aux loss on) are the groups its step really uses, on two
     real ranks: EP 2 (DP 2, the distributed optimizer: the dispatcher's all-to-alls and per-expert counts, the
     router losses' DP mean) and TP 2 (expert TP 2, the non-distributed optimizer: the load-balancing loss over
-    TP x CP, the routed tokens' gather, both grad norms' groups)."""
+    TP x CP, the routed tokens' gather, both grad norms' groups). The same step's optimizer state storages are the
+    step-time model's count (planner/step_time.py::_optimizer_tensors: megatron's tensors, the distributed
+    optimizer's shards)."""
     shape = ModelShape.from_pretrained(tiny_model_dirs["qwen3_moe"])
     results = run_ranks(_moe_step_groups, 2, tiny_model_dirs["qwen3_moe"], tp, ep)
-    used, optimizer = results[0]
-    assert all(r == results[0] for r in results)
+    used, optimizer, _ = results[0]
+    assert all(r[:2] == results[0][:2] for r in results)
     plan = make_inputs(
         shape=shape,
         device=device_preset("H100-80GB"),
@@ -393,3 +397,10 @@ def test_every_group_an_moe_step_runs_a_collective_on_is_a_counted_communicator(
     )
     counted = sorted(c.name for c in plan.communicators if c.name.startswith("megatron") or c.name == "world")
     assert used == counted, (used, counted)
+    # the optimizer's state storages an offload copies out one by one (planner/step_time.py): Adam's two moments
+    # and torch's step tensor per parameter tensor the rank steps, megatron's own tensors (a fused qkv, fc1 and
+    # fc2 per local expert), with the distributed optimizer those its shard overlaps (the experts over expert DP)
+    from planner.step_time import _optimizer_tensors
+
+    local_spec = replace(plan, attention="unfused")  # the ranks ran megatron's local spec on CPU
+    assert max(r[2] for r in results) == 3 * _optimizer_tensors(local_spec, 0), [r[2] for r in results]

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from modelspec import ModelShape
-from modelspec.family import layer_parts
 from planner import make_plan
 from planner.calibration import load
 from planner.devices import DeviceSpec, device_preset
@@ -129,9 +128,11 @@ def test_the_work_follows_the_counts():
     resident = phase_work(make_plan(inp.with_offload(optimizer=False)))
     assert base["offload_optimizer"].host_bytes > 0 and not _does_work(resident["offload_optimizer"])
     # each of the optimizer's storages goes to a host buffer of its own: Adam's two moments and torch's step per
-    # parameter tensor on CPU; the onload frees them
-    tensors = sum(len(layer_parts(inp.shape, layer)) for layer in range(inp.shape.num_layers)) + 3
+    # parameter tensor on CPU; the onload frees them. megatron's tensors of tiny:qwen2 (q/k/v biases): per layer
+    # linear_qkv's weight and bias, linear_proj, the two norms, fc1 and fc2; the embedding, final norm, output layer
+    tensors = 7 * inp.shape.num_layers + 3
     assert base["offload_optimizer"].host_storages == 3 * tensors and base["onload_optimizer"].host_storages == 0
+    assert base["train"].param_tensors == tensors  # the optimizer step steps each
     # grads are released and handed back zeroed (megatron_backend/actor_offload.py): nothing crosses to the host
     grads = base["onload_grads"].fresh_bytes
     assert not _does_work(base["offload_grads"]) and grads > 0 and base["onload_grads"].host_bytes == 0
@@ -497,3 +498,40 @@ def test_the_optimizer_step_reads_and_writes_each_ranks_shard_the_experts_over_e
     ]
     # read and written: the dense half of the shard saved, the experts whole on both
     assert memory[0] - memory[1] == pytest.approx(2 * (params - experts) * per_param / 2)
+
+
+def test_the_distributed_optimizer_steps_the_tensors_its_shard_overlaps():
+    """megatron's DDP buffer holds the tensors in reverse order, each from a multiple of 64 elements, in buckets of
+    at least max(40M, 1M x DP) elements padded to a multiple of lcm(DP, 128), each split evenly over DP; a rank
+    steps every tensor its shard overlaps (a tensor cut by a shard's edge is stepped by both ranks)."""
+    from planner.step_time import _shard_tensors
+
+    assert _shard_tensors([10, 10, 10, 10], 1) == 4 and _shard_tensors([], 2) == 0
+    assert _shard_tensors([10, 10, 10, 10], 2) == 2
+    assert _shard_tensors([1, 100, 1], 2) == 2  # the large one cut in two
+    assert _shard_tensors([30, 10], 2) == 1  # reversed: [0, 10) and [64, 94) of 128: one in each half
+    assert _shard_tensors([200, 10], 2) == 2  # [0, 10) and [64, 264) of 384: rank 0's [0, 192) holds both
+    assert _shard_tensors([5] * 8, 4) == 2
+    # two buckets (40M elements each at least), each sharded on its own: one tensor per rank in each
+    assert _shard_tensors([40_000_000, 40_000_000], 2) == 2
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+@pytest.mark.parametrize(("tp", "pp", "ep", "te_norms"), [(1, 1, 1, False), (2, 2, 1, False), (1, 2, 2, True)])
+def test_the_planners_actor_tensors_are_megatrons_layout(family, tp, pp, ep, te_norms):
+    """planner.sizes.actor_stage_param_tensors (the planner may not import megatron_backend) holds the tensors
+    megatron_backend/layout.py lays out on a rank, each of its size, and as many elements as the plan counts."""
+    from megatron_backend.layout import RankLayout, local_param_shapes
+    from planner.sizes import actor_stage_param_count, actor_stage_param_tensors
+
+    shape = ModelShape.from_pretrained(f"tiny:{family}")
+    ep = ep if shape.is_moe else 1
+    for stage in range(pp):
+        dense, experts = actor_stage_param_tensors(shape, tp, pp, stage, ep, te_norms=te_norms)
+        layout = RankLayout(
+            tp=tp, pp=pp, vpp=None, tp_rank=0, pp_rank=stage, te_norms=te_norms, ep=ep, grouped_experts=te_norms
+        )
+        shapes = local_param_shapes(shape, layout)
+        assert sorted(dense + experts) == sorted(int(np.prod(s)) for s in shapes.values())
+        assert len(experts) == sum(".experts." in name for _, name in shapes)
+        assert sum(dense + experts) == actor_stage_param_count(shape, tp, pp, stage, ep)

@@ -28,7 +28,7 @@ from planner.calibration import TIME_CONSTANTS, Constant, from_json, write
 from planner.calibration import load as load_calibration
 from planner.speed import SpeedSpec
 from planner.step_time import COLUMN_CONSTANT, EFFICIENCIES, phase_work, raw_terms
-from tools.plan_runs import FIT_SET, ensure_run, plan_for, recorded_lengths_of, run_dir_for
+from tools.plan_runs import FIT_SET, ensure_runs, plan_for, recorded_lengths_of
 from tools.speed_probe import measure_cpu_speed
 
 COLUMNS = tuple(c for c, name in COLUMN_CONSTANT.items() if name is not None)  # fitted
@@ -36,6 +36,9 @@ MEASURED = tuple(c for c, name in COLUMN_CONSTANT.items() if name is None)  # a 
 FLOOR_SECONDS = 0.05  # a row's relative error is over at least this (a phase of a few ms is noise)
 STEP_ROWS = 3.0
 SPEED_FILE = "speed.json"
+# runs of each configuration, made in alternating order: this 2-core machine's speed drifts by up to 1.4x within
+# minutes, so one run of a configuration can be slow in every phase; the median over three runs' steps leaves it out
+REPEATS = 3
 PROBED_LATER = (
     "draw_seconds",
     "fresh_bytes_per_s",
@@ -62,26 +65,37 @@ def _speed_now():
     return measure_cpu_speed()
 
 
-def measured_seconds(run_dir: Path) -> dict[str, float]:
-    """Each phase's median seconds over the steady steps (1..) of the run's metrics.jsonl."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+def measured_seconds(run_dirs: list[Path]) -> dict[str, float]:
+    """Each phase's median seconds over the steady steps (1..) of the runs' metrics.jsonl, pooled."""
+    rows = [
+        json.loads(line)
+        for run_dir in run_dirs
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     steady = [r for r in rows if r.get("trainer/step", 0) >= 1]
     names = {k.removeprefix("time/") for r in steady for k in r if k.startswith("time/")}
     return {n: statistics.median(r[f"time/{n}"] for r in steady if f"time/{n}" in r) for n in names}
 
 
-def run_rows(spec, run_dir: Path) -> list[tuple[str, dict[str, float], float]]:
-    """(phase, raw terms (median over steady steps), measured seconds) per every-step phase of one run."""
-    plan = plan_for(spec, None, run_dir)
-    speed = run_speed(run_dir)
-    lengths = [v for step, v in sorted(recorded_lengths_of(run_dir).items()) if step >= 1] or [None]
-    per_step = [phase_work(plan, lengths_) for lengths_ in lengths]
-    measured = measured_seconds(run_dir)
+def run_rows(spec, run_dirs: Path | list[Path]) -> list[tuple[str, dict[str, float], float]]:
+    """(phase, raw terms, measured seconds) per every-step phase of a configuration's runs (one, or repeats of it):
+    each a median over every steady step of every run, a step's raw terms at its recorded lengths and its run's
+    measured speeds."""
+    run_dirs = [run_dirs] if isinstance(run_dirs, Path) else list(run_dirs)
+    per_step, plans = [], []  # (the step's work, its run's plan inputs and speeds)
+    for run_dir in run_dirs:
+        plan = plan_for(spec, None, run_dir)
+        speed = run_speed(run_dir)
+        lengths = [v for step, v in sorted(recorded_lengths_of(run_dir).items()) if step >= 1] or [None]
+        per_step += [phase_work(plan, lengths_) for lengths_ in lengths]
+        plans += [(plan.inputs, speed)] * len(lengths)
+    measured = measured_seconds(run_dirs)
     rows = []
     for name in per_step[0]:
         if name not in measured:
             continue
-        raws = [raw_terms(works[name], plan.inputs, speed) for works in per_step]
+        raws = [raw_terms(works[name], *at) for works, at in zip(per_step, plans, strict=True)]
         raw = {c: statistics.median(r.get(c, 0.0) for r in raws) for c in COLUMNS + MEASURED}
         rows.append((name, raw, measured[name]))
     return rows
@@ -146,12 +160,10 @@ def _as_constant(column: str, coefficient: float) -> float:
     return coefficient
 
 
-def calibrate(rerun: bool = False) -> dict:
+def calibrate(rerun: bool = False, repeats: int = REPEATS) -> dict:
     prior = load_calibration("cpu_time")
-    rows_by_run = {}
-    for spec in FIT_SET:
-        run_dir = ensure_run(spec, run_dir_for(spec, "calibration"), rerun=rerun)
-        rows_by_run[spec.name] = run_rows(spec, run_dir)
+    run_dirs = ensure_runs(FIT_SET, "calibration", repeats=repeats, rerun=rerun)
+    rows_by_run = {spec.name: run_rows(spec, run_dirs[spec.name]) for spec in FIT_SET}
     full = fit(rows_by_run, prior)
     loo = [fit({k: v for k, v in rows_by_run.items() if k != left}, prior) for left in rows_by_run]
     constants = {}
@@ -185,9 +197,12 @@ def calibrate(rerun: bool = False) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rerun", action="store_true", help="run the fit set again")
+    parser.add_argument(
+        "--repeats", type=int, default=REPEATS, help="runs of each configuration, alternating (medians over all)"
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the fit, write nothing")
     args = parser.parse_args(argv)
-    result = calibrate(args.rerun)
+    result = calibrate(args.rerun, args.repeats)
     prior = load_calibration("cpu_time")
     for name in TIME_CONSTANTS:
         c = result["constants"][name]

@@ -288,6 +288,24 @@ def run_dir_for(spec: RunSpec, set_name: str, root: Path | None = None) -> Path:
     return (root or REPO / "runs") / set_name / spec.name
 
 
+def ensure_runs(
+    specs, set_name: str, repeats: int = 1, rerun: bool = False, root: Path | None = None
+) -> dict[str, list[Path]]:
+    """Each spec's ``repeats`` runs, by name: the first in :func:`run_dir_for`'s directory, the k-th beside it in
+    ``<name>.<k>``; made in alternating order (every spec, then every spec in reverse, ...), so that a drift of the
+    machine's speed falls on every configuration alike and a slow spell on one run of each, which a median over
+    the runs' steps then leaves out."""
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be >= 1")
+    dirs: dict[str, list[Path]] = {spec.name: [] for spec in specs}
+    for k in range(repeats):
+        for spec in specs if k % 2 == 0 else list(reversed(specs)):
+            first = run_dir_for(spec, set_name, root)
+            run_dir = first if k == 0 else first.with_name(f"{spec.name}.{k + 1}")
+            dirs[spec.name].append(ensure_run(spec, run_dir, rerun=rerun))
+    return dirs
+
+
 def ensure_run(spec: RunSpec, run_dir: Path, rerun: bool = False, timeout_s: float = 1800) -> Path:
     """Run ``spec`` into ``run_dir`` unless a finished run of the same spec is there already."""
     spec_file = run_dir / "spec.json"

@@ -22,8 +22,8 @@ import sys
 from planner.calibration import Calibration
 from planner.calibration import load as load_calibration
 from planner.step_time import combined_seconds, scaled_terms
-from tools.calibrate_time import run_rows
-from tools.plan_runs import VALIDATION_SET, ensure_run, run_dir_for
+from tools.calibrate_time import REPEATS, run_rows
+from tools.plan_runs import VALIDATION_SET, ensure_runs
 
 STEP_TOLERANCE = 0.15
 PHASE_TOLERANCE = 0.25
@@ -63,15 +63,13 @@ def check_run(name: str, rows, constants: Calibration, device_kind: str = "cpu")
     }
 
 
-def validate(names: list[str] | None = None, rerun: bool = False, constants: Calibration | None = None) -> list[dict]:
+def validate(
+    names: list[str] | None = None, rerun: bool = False, constants: Calibration | None = None, repeats: int = REPEATS
+) -> list[dict]:
     constants = constants or load_calibration("cpu_time")
-    results = []
-    for spec in VALIDATION_SET:
-        if names and spec.name not in names:
-            continue
-        run_dir = ensure_run(spec, run_dir_for(spec, "validation"), rerun=rerun)
-        results.append(check_run(spec.name, run_rows(spec, run_dir), constants))
-    return results
+    specs = [spec for spec in VALIDATION_SET if not names or spec.name in names]
+    run_dirs = ensure_runs(specs, "validation", repeats=repeats, rerun=rerun)
+    return [check_run(spec.name, run_rows(spec, run_dirs[spec.name]), constants) for spec in specs]
 
 
 def format_rows(results: list[dict]) -> str:
@@ -95,8 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", default=None, help="validation configurations (default: all)")
     parser.add_argument("--rerun", action="store_true", help="run again even where a finished run exists")
     parser.add_argument("--table", action="store_true", help="also print a readable table on stderr")
+    parser.add_argument(
+        "--repeats", type=int, default=REPEATS, help="runs of each configuration, alternating (medians over all)"
+    )
     args = parser.parse_args(argv)
-    results = validate(args.only, args.rerun)
+    results = validate(args.only, args.rerun, repeats=args.repeats)
     for r in results:
         print(json.dumps(r), flush=True)
     if args.table:
