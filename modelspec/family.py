@@ -139,7 +139,13 @@ def megatron_layer_param_order(name: str) -> tuple:
     if name.startswith("mlp.experts."):  # TEGroupedMLP: linear_fc1.weight<e> ..., then linear_fc2
         stem = name.rstrip("0123456789")
         return (module, stem, int(name[len(stem) :] or 0))
-    return (module, 0, name)
+    # within a module as its __init__ registers them: Transformer Engine's fused norm first
+    # (layernorm_linear.py: layer_norm_weight, layer_norm_bias), then a linear's weight, then its bias
+    suffix = name.rsplit(".", 1)[-1]
+    return (module, 0, _MEGATRON_PARAM_SUFFIX_ORDER.get(suffix, len(_MEGATRON_PARAM_SUFFIX_ORDER)), name)
+
+
+_MEGATRON_PARAM_SUFFIX_ORDER = {"layer_norm_weight": 0, "layer_norm_bias": 1, "weight": 2, "bias": 3}
 
 
 # The decoder layer's parts, in the order vLLM lists its parameters (and stacks fused ones).

@@ -308,7 +308,7 @@ def _engine_work(inp: PlanInputs, lengths: StepLengths) -> PhaseWork:
     steps = waves * max(1, lengths.longest_response)
     prompt, response = lengths.mean_prompt, lengths.mean_response
     params = engine_param_count(s, r.tp, *inp.engine_expert_split)
-    active = params
+    active, expert_params = params, 0
     if s.is_moe:  # a token meets its top-k of the E experts: the rank's expert params x k / (E / ep) it holds
         ep, etp = inp.engine_expert_split
         expert_params = len(s.moe_layers) * s.num_experts // ep * 3 * s.hidden_size * s.moe_intermediate_size // etp
@@ -340,7 +340,8 @@ def _engine_work(inp: PlanInputs, lengths: StepLengths) -> PhaseWork:
     if r.engine == "native":  # torch's F.linear, each at its row count (rollout/native/model.py): no FLOPs or
         # weight reads of its own beside them
         flops, weight_reads = attention, 0.0
-        gemms = _native_engine_gemms(inp, lengths, seqs, waves, steps, (params - lookup - table) * e, table * e)
+        layer_bytes, expert_bytes = (params - lookup - table) * e, expert_params * e
+        gemms = _native_engine_gemms(inp, lengths, seqs, waves, steps, layer_bytes, expert_bytes, table * e)
     vocab = vllm_padded_vocab(s.vocab_size)  # the sampler's rows, gathered over TP
     sampler = sampled * vocab * sampler_bytes_per_logit(r.engine, e)
     tp_bytes = tokens * 2 * s.num_layers * s.hidden_size * e * 2 * (r.tp - 1) / r.tp
@@ -357,7 +358,7 @@ def _engine_work(inp: PlanInputs, lengths: StepLengths) -> PhaseWork:
         # a ring sends (R - 1) of the rank's M rows of each. The DP group strides the TP ranks: it spans the world
         moe_layers = len(s.moe_layers)
         gathered = tokens * moe_layers * (2 * s.hidden_size + s.num_experts) * e * (replicas_gathered - 1)
-        _add_links(work_links, _by_link(inp, {"world": gathered}))
+        _add_by_key(work_links, _by_link(inp, {"world": gathered}))
         collectives += (steps + waves) * moe_layers * 3 * (replicas_gathered - 1)
     return PhaseWork(
         flops=flops,
@@ -373,24 +374,27 @@ def _engine_work(inp: PlanInputs, lengths: StepLengths) -> PhaseWork:
 
 
 def _native_engine_gemms(
-    inp: PlanInputs, lengths: StepLengths, seqs: int, waves: int, steps: int, layer_bytes: float, table_bytes: float
+    inp: PlanInputs,
+    lengths: StepLengths,
+    seqs: int,
+    waves: int,
+    steps: int,
+    layer_bytes: float,
+    expert_bytes: float,
+    table_bytes: float,
 ) -> dict[float, float]:
     """The native engine's GEMMs on one rank as {rows: weight bytes multiplied at that row count}
     (rollout/native/model.py): per wave a prefill of its prompts' tokens, then decode steps of its running
     sequences (the wave's decoded tokens over its steps); the lm_head on the sampled rows only. ``layer_bytes``: the
-    layers' weights (an MoE layer's routed experts among them; their norms' few bytes too), ``table_bytes``: the lm_head's. An MoE layer runs
+    layers' weights (the routed experts', ``expert_bytes``, among them; their norms' few bytes too), ``table_bytes``:
+    the lm_head's. An MoE layer runs
     each local expert it routes rows to on those rows alone (``moe``'s loop): of R rows' top-k choices over E
     experts, a local expert is hit with probability 1 - (1 - k/E)^R and the local share of the R k choices,
     R k / ep, spreads over the hit ones."""
     s = inp.shape
     per_wave = seqs / waves
     decode_rows = seqs * lengths.mean_response / steps if steps else 0.0
-    expert_bytes = 0.0
-    ep = 1
-    if s.is_moe:
-        ep, etp = inp.engine_expert_split
-        one_expert = 3 * s.hidden_size * s.moe_intermediate_size // etp * inp.element_bytes
-        expert_bytes = len(s.moe_layers) * s.num_experts // ep * one_expert
+    ep = inp.engine_expert_split[0] if s.is_moe else 1
     gemms: dict[float, float] = {}
 
     def add(rows: float, weight_bytes: float) -> None:
@@ -514,7 +518,7 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
         for count, n in ((params - expert_params, inp.actor_dp), (expert_params, inp.expert_dp)):
             if n == 1 or not count:
                 continue
-            _add_links(work.link_bytes, _by_link(inp, {"dp": count * grad_bytes * (n - 1) / n}))
+            _add_by_key(work.link_bytes, _by_link(inp, {"dp": count * grad_bytes * (n - 1) / n}))
             work.collective_steps += math.ceil(count / max(40_000_000, 1_000_000 * n)) * 2 * (n - 1)
         if inp.actor_dp > 1:  # the grad norm's all-reduce
             work.collective_steps += 2 * (inp.actor_dp - 1)
@@ -617,14 +621,14 @@ def _summed(*parts: tuple[PhaseWork, float]) -> PhaseWork:
     for name in by_key:
         counts[name] = {}
         for work, times in parts:
-            _add_links(counts[name], {key: value * times for key, value in getattr(work, name).items()})
+            _add_by_key(counts[name], {key: value * times for key, value in getattr(work, name).items()})
     return PhaseWork(**counts, bubble=parts[0][0].bubble)
 
 
-def _add_links(into: dict, more: dict) -> None:
-    """Add ``more``'s bytes per link (or per GEMM row count) into ``into``."""
-    for link, value in more.items():
-        into[link] = into.get(link, 0.0) + value
+def _add_by_key(into: dict, more: dict) -> None:
+    """Add ``more``'s values into ``into`` key by key (bytes per link, weight bytes per GEMM row count)."""
+    for key, value in more.items():
+        into[key] = into.get(key, 0.0) + value
 
 
 def _by_link(inp: PlanInputs, bytes_by_group: dict[str, float]) -> dict[str, float]:

@@ -285,3 +285,34 @@ def test_repeated_runs_alternate_their_order_and_the_medians_pool_every_runs_ste
     seconds = measured_seconds(runs)
     assert seconds["train"] == pytest.approx((1.11 + 1.12) / 2)  # the median of 1.01 1.02 1.11 1.12 1.51 1.52
     assert seconds["rollout"] == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("tool", ["calibrate_time", "validate_time"])
+def test_fewer_than_one_run_per_configuration_is_refused_in_one_line(tool, capsys):
+    import importlib
+
+    main = importlib.import_module(f"tools.{tool}").main
+    for text, says in (("0", "0: each configuration needs at least one run"), ("two", "invalid repeats value")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--repeats", text])
+        assert exit_.value.code == 2
+        assert f"argument --repeats: {says}" in capsys.readouterr().err
+
+
+def test_a_runs_speeds_are_its_probes_with_todays_for_what_it_did_not_measure(tmp_path, monkeypatch):
+    """tools/calibrate_time.py::run_speed: the speeds measured just before the run; a rate the probe gained later
+    (PROBED_LATER) is today's, and a rate this model does not read (a probe's that was tried) is left out."""
+    import dataclasses
+    import json
+
+    import tools.calibrate_time as calibrate_time
+    from tests.planner_inputs import CPU_SPEED
+
+    today = dataclasses.replace(CPU_SPEED, draw_seconds=7e-9)
+    monkeypatch.setattr(calibrate_time, "_speed_now", lambda: today)
+    probed = {k: v for k, v in vars(dataclasses.replace(CPU_SPEED, op_seconds=3e-6)).items() if k != "draw_seconds"}
+    (tmp_path / "speed.json").write_text(json.dumps({**probed, "gloo_all_reduce_seconds": 1e-3}))
+    speed = calibrate_time.run_speed(tmp_path)
+    assert (speed.op_seconds, speed.draw_seconds) == (3e-6, 7e-9)
+    assert not hasattr(speed, "gloo_all_reduce_seconds")
+    assert calibrate_time.run_speed(tmp_path / "no-such-run") is today

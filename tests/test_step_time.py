@@ -516,6 +516,30 @@ def test_the_distributed_optimizer_steps_the_tensors_its_shard_overlaps():
     assert _shard_tensors([40_000_000, 40_000_000], 2) == 2
 
 
+def _layer_param_names(rank: int, world_size: int, family: str) -> list[str]:
+    """The first decoder layer's parameter names in megatron's local model, in the order the model registers them."""
+    from megatron_backend.model import build_gpt_chunks
+    from megatron_backend.parallel import initialize_model_parallel
+    from modelspec import ModelShape
+
+    shape = ModelShape.from_pretrained(f"tiny:{family}")
+    [model] = build_gpt_chunks(shape, initialize_model_parallel(tp=world_size, pp=1, vpp=None))
+    prefix = "decoder.layers.0."
+    return [name.split(prefix, 1)[1] for name, _ in model.named_parameters() if prefix in name]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+def test_the_planners_layer_order_is_the_order_megatron_registers(family):
+    """DDP's buffer, and so the distributed optimizer's shards (_shard_tensors), follow the order the model registers
+    its parameters: modelspec.family.megatron_layer_param_order gives it, a linear's bias after its weight (Qwen2's
+    qkv bias), the experts one by one."""
+    from modelspec.family import megatron_layer_param_order
+
+    names = run_ranks(_layer_param_names, 1, family)[0]
+    assert any(name.endswith("bias") for name in names) or family == "qwen3_moe"
+    assert names == sorted(names, key=megatron_layer_param_order)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
 @pytest.mark.parametrize(("tp", "pp", "ep", "te_norms"), [(1, 1, 1, False), (2, 2, 1, False), (1, 2, 2, True)])
 def test_the_planners_actor_tensors_are_megatrons_layout(family, tp, pp, ep, te_norms):

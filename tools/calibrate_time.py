@@ -28,7 +28,7 @@ from planner.calibration import TIME_CONSTANTS, Constant, from_json, write
 from planner.calibration import load as load_calibration
 from planner.speed import SpeedSpec
 from planner.step_time import COLUMN_CONSTANT, EFFICIENCIES, phase_work, raw_terms
-from tools.plan_runs import FIT_SET, ensure_runs, plan_for, recorded_lengths_of
+from tools.plan_runs import FIT_SET, add_repeats_argument, ensure_runs, plan_for, recorded_lengths_of
 from tools.speed_probe import measure_cpu_speed
 
 COLUMNS = tuple(c for c, name in COLUMN_CONSTANT.items() if name is not None)  # fitted
@@ -52,7 +52,8 @@ def run_speed(run_dir: Path):
     one made before the probe measured draws, fresh writes or skinny GEMMs takes today's)."""
     path = run_dir / SPEED_FILE
     if path.exists():
-        fields = json.loads(path.read_text())
+        # a probe may have measured rates this model does not read (one tried and not kept): left out
+        fields = {k: v for k, v in json.loads(path.read_text()).items() if k in SpeedSpec.__dataclass_fields__}
         for name in PROBED_LATER:  # probed before the probe measured it: today's, as for a run without speed.json
             if fields.get(name) is None:
                 fields[name] = getattr(_speed_now(), name)
@@ -78,11 +79,10 @@ def measured_seconds(run_dirs: list[Path]) -> dict[str, float]:
     return {n: statistics.median(r[f"time/{n}"] for r in steady if f"time/{n}" in r) for n in names}
 
 
-def run_rows(spec, run_dirs: Path | list[Path]) -> list[tuple[str, dict[str, float], float]]:
-    """(phase, raw terms, measured seconds) per every-step phase of a configuration's runs (one, or repeats of it):
-    each a median over every steady step of every run, a step's raw terms at its recorded lengths and its run's
-    measured speeds."""
-    run_dirs = [run_dirs] if isinstance(run_dirs, Path) else list(run_dirs)
+def run_rows(spec, run_dirs: list[Path]) -> list[tuple[str, dict[str, float], float]]:
+    """(phase, raw terms, measured seconds) per every-step phase of a configuration's runs (its repeats): each a
+    median over every steady step of every run, a step's raw terms at its recorded lengths and its run's measured
+    speeds."""
     per_step, plans = [], []  # (the step's work, its run's plan inputs and speeds)
     for run_dir in run_dirs:
         plan = plan_for(spec, None, run_dir)
@@ -197,9 +197,7 @@ def calibrate(rerun: bool = False, repeats: int = REPEATS) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rerun", action="store_true", help="run the fit set again")
-    parser.add_argument(
-        "--repeats", type=int, default=REPEATS, help="runs of each configuration, alternating (medians over all)"
-    )
+    add_repeats_argument(parser, REPEATS)
     parser.add_argument("--dry-run", action="store_true", help="print the fit, write nothing")
     args = parser.parse_args(argv)
     result = calibrate(args.rerun, args.repeats)

@@ -17,6 +17,7 @@ is resident when the phase starts), with the runtime level the run measured at l
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import os
@@ -286,6 +287,21 @@ VALIDATION_SET = (
 
 def run_dir_for(spec: RunSpec, set_name: str, root: Path | None = None) -> Path:
     return (root or REPO / "runs") / set_name / spec.name
+
+
+def add_repeats_argument(parser: argparse.ArgumentParser, default: int) -> None:
+    """``--repeats`` of make calibrate-time and validate-time: runs of each configuration, at least one."""
+
+    def count(text: str) -> int:
+        value = int(text)  # not a number: argparse's own one-line error
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{value}: each configuration needs at least one run")
+        return value
+
+    count.__name__ = "repeats"  # argparse names the type in its error
+    parser.add_argument(
+        "--repeats", type=count, default=default, help="runs of each configuration, alternating (medians over all)"
+    )
 
 
 def ensure_runs(

@@ -23,7 +23,7 @@ from planner.calibration import Calibration
 from planner.calibration import load as load_calibration
 from planner.step_time import combined_seconds, scaled_terms
 from tools.calibrate_time import REPEATS, run_rows
-from tools.plan_runs import VALIDATION_SET, ensure_runs
+from tools.plan_runs import VALIDATION_SET, add_repeats_argument, ensure_runs
 
 STEP_TOLERANCE = 0.15
 PHASE_TOLERANCE = 0.25
@@ -93,9 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", default=None, help="validation configurations (default: all)")
     parser.add_argument("--rerun", action="store_true", help="run again even where a finished run exists")
     parser.add_argument("--table", action="store_true", help="also print a readable table on stderr")
-    parser.add_argument(
-        "--repeats", type=int, default=REPEATS, help="runs of each configuration, alternating (medians over all)"
-    )
+    add_repeats_argument(parser, REPEATS)
     args = parser.parse_args(argv)
     results = validate(args.only, args.rerun, repeats=args.repeats)
     for r in results:
