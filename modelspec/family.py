@@ -111,7 +111,7 @@ class Part:
 # self_attention (SelfAttention registers linear_proj before linear_qkv, then the q/k norms), pre_mlp_layernorm,
 # mlp (MoELayer: the router, then the experts: SequentialMLP's each local expert's fc1 then fc2, TEGroupedMLP's
 # fc1 of every expert then fc2), then a dense MLP's fc1 and fc2); read off a built local-spec model
-# (tests/test_planner_node.py checks the distributed optimizer's shards that follow from it)
+# (tests/test_step_time.py checks the order against one, tests/test_planner_node.py the optimizer's shards that follow)
 MEGATRON_LAYER_MODULE_ORDER = (
     "input_layernorm",
     "self_attention.linear_proj",
@@ -125,6 +125,9 @@ MEGATRON_LAYER_MODULE_ORDER = (
     "mlp.linear_fc1",
     "mlp.linear_fc2",
 )
+# within a module, as its __init__ registers them: Transformer Engine's fused norm first
+# (transformer_engine/pytorch/module/layernorm_linear.py), then a linear's weight, then its bias
+_MEGATRON_PARAM_SUFFIX_ORDER = {"layer_norm_weight": 0, "layer_norm_bias": 1, "weight": 2, "bias": 3}
 
 
 def megatron_layer_param_order(name: str) -> tuple:
@@ -139,13 +142,8 @@ def megatron_layer_param_order(name: str) -> tuple:
     if name.startswith("mlp.experts."):  # TEGroupedMLP: linear_fc1.weight<e> ..., then linear_fc2
         stem = name.rstrip("0123456789")
         return (module, stem, int(name[len(stem) :] or 0))
-    # within a module as its __init__ registers them: Transformer Engine's fused norm first
-    # (layernorm_linear.py: layer_norm_weight, layer_norm_bias), then a linear's weight, then its bias
     suffix = name.rsplit(".", 1)[-1]
     return (module, 0, _MEGATRON_PARAM_SUFFIX_ORDER.get(suffix, len(_MEGATRON_PARAM_SUFFIX_ORDER)), name)
-
-
-_MEGATRON_PARAM_SUFFIX_ORDER = {"layer_norm_weight": 0, "layer_norm_bias": 1, "weight": 2, "bias": 3}
 
 
 # The decoder layer's parts, in the order vLLM lists its parameters (and stacks fused ones).

@@ -387,10 +387,9 @@ def _native_engine_gemms(
     (rollout/native/model.py): per wave a prefill of its prompts' tokens, then decode steps of its running
     sequences (the wave's decoded tokens over its steps); the lm_head on the sampled rows only. ``layer_bytes``: the
     layers' weights (the routed experts', ``expert_bytes``, among them; their norms' few bytes too), ``table_bytes``:
-    the lm_head's. An MoE layer runs
-    each local expert it routes rows to on those rows alone (``moe``'s loop): of R rows' top-k choices over E
-    experts, a local expert is hit with probability 1 - (1 - k/E)^R and the local share of the R k choices,
-    R k / ep, spreads over the hit ones."""
+    the lm_head's. An MoE layer runs each local expert it routes rows to on those rows alone (``moe``'s loop): of R
+    rows' top-k choices over E experts, a local expert is hit with probability 1 - (1 - k/E)^R and the local share
+    of the R k choices, R k / ep, spreads over the hit ones."""
     s = inp.shape
     per_wave = seqs / waves
     decode_rows = seqs * lengths.mean_response / steps if steps else 0.0

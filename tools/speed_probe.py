@@ -1,7 +1,7 @@
 """This machine's speeds as a :class:`planner.speed.SpeedSpec` (the ``cpu`` device has no datasheet).
 
-Measured in about five seconds (most of it the GEMM table), median of repeats, on one core (one torch thread; the model scales by a rank's share of
-the cores, planner.speed.SpeedSpec.compute_stretch):
+Measured in about five seconds (most of it the GEMM table), median of repeats, on one core (one torch thread; the
+model scales by a rank's share of the cores, planner.speed.SpeedSpec.compute_stretch):
 - ``flops_per_s``: a [1024, 1024] x [1024, 1024] matmul per dtype (2 n^3 FLOPs);
 - ``memory_bytes_per_s``: a 64 MiB copy into a buffer that already exists, its bytes read plus written; the links
   between ranks (on CPU copies in memory): the same copy's bytes;
