@@ -42,6 +42,9 @@ class SpeedSpec:
     # bytes/s written into fresh allocations; None: ``memory_bytes_per_s`` (CUDA's caching allocator hands back
     # blocks already mapped; a CPU buffer of a page or more is a fresh mapping, faulted in: colocation/host_memory.py)
     fresh_bytes_per_s: float | None = None
+    # CPU: one 2-rank gloo all-reduce of a decode step's rows (16 KiB), mean over many with a layer's work between,
+    # the wake-ups it waits for included (tools/speed_probe.py); None: not measured (CUDA: NCCL)
+    gloo_all_reduce_seconds: float | None = None
     cores: int = 0  # CPU: the cores the node's ranks share (0: not a CPU)
     # CPU: seconds per weight byte of one torch ``F.linear`` of [rows, in] by an [out, in] weight read from memory
     # (not from cache), by dtype and row count (tools/speed_probe.py): a skinny GEMM (a decode step's, one expert's
@@ -57,6 +60,11 @@ class SpeedSpec:
             raise ValueError(f"speed {self.name!r}: every rate and op_seconds must be > 0")
         if self.fresh_bytes_per_s is not None and self.fresh_bytes_per_s <= 0:
             raise ValueError(f"speed {self.name!r}: fresh_bytes_per_s={self.fresh_bytes_per_s} must be > 0")
+        if self.gloo_all_reduce_seconds is not None and self.gloo_all_reduce_seconds <= 0:
+            raise ValueError(
+                f"speed {self.name!r}: gloo_all_reduce_seconds={self.gloo_all_reduce_seconds} must be > 0 (None: "
+                "not measured)"
+            )
         if self.draw_seconds is not None and self.draw_seconds <= 0:
             raise ValueError(
                 f"speed {self.name!r}: draw_seconds={self.draw_seconds} must be > 0 (None: a CUDA device's)"

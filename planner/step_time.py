@@ -28,7 +28,9 @@ seconds = flops / (peak x compute_efficiency) + draws x draw_seconds
           + (memory_bytes / bandwidth + fresh_bytes / fresh bandwidth) / memory_efficiency
           + vocab_bytes / (bandwidth x vocab_pass_efficiency)
           + sum ops x op_seconds x its factor + host_bytes / (host link x host_efficiency)
-          + sum link_bytes / (link x link_efficiency)
+          + sum link_bytes / (link x link_efficiency) + collective_steps x op_seconds x collective_step_ops
+          + gloo_steps x the probe's 2-rank gloo all-reduce / 2
+            (CPU: the native engine's collectives, measured, not stretched by the cores' oversubscription)
 
 with the pipeline's bubble (pp - 1) / (micro-batches x vpp) stretching the actor's passes and, on CPU, a rank's share
 of the cores its math and ops (the longer of the two: a rank waiting in the bubble leaves its core to the others); on CUDA the kernel launches overlap the device's work (:func:`combined_seconds`). The efficiencies and op factors are fitted (planner/calibration/<kind>_time.json,
@@ -94,6 +96,7 @@ COLUMN_CONSTANT = {
     "host": "host_efficiency",
     "link": "link_efficiency",
     "collective_ops": "collective_step_ops",
+    "gloo": None,  # a measured rate (SpeedSpec.gloo_all_reduce_seconds): nothing to fit
     "storage_ops": "host_storage_ops",
     "actor_ops": "actor_op_factor",
     "actor_backward_ops": "actor_backward_op_factor",
@@ -112,6 +115,7 @@ COLUMN_TERM = {
     "draws": "compute",
     "gemm": "compute",
     "collective_ops": "link",
+    "gloo": "link",
     "storage_ops": "host",
     "plain_ops": "tensor_ops",
 }
@@ -141,6 +145,10 @@ class PhaseWork:
     # collectives' sequential steps (a ring all-reduce over n ranks takes 2 (n - 1), an all-gather or a broadcast
     # n - 1, a point-to-point send 1): their latency, which the bytes do not see
     collective_steps: float = 0.0
+    # the native engine's collectives' steps on CPU: gloo's, timed at the probe's measured 2-rank all-reduce (2 steps;
+    # SpeedSpec.gloo_all_reduce_seconds). vLLM's CPU build all-reduces in shared memory (cpu_communicator.py
+    # _CPUSHMDistributed); the actor's larger messages are bytes over the fitted link
+    gloo_steps: float = 0.0
     host_storages: float = 0.0  # storages an offload copies out (CPU: a file created, sized and mapped for each)
     actor_ops: float = 0.0  # forward
     actor_backward_ops: float = 0.0  # autograd's: each op's node is also the engine's to schedule
@@ -349,6 +357,7 @@ def _engine_work(inp: PlanInputs, lengths: StepLengths) -> PhaseWork:
     # all-gather and the sampled tokens' broadcast (rollout/native/sampling.py)
     collectives = (steps + waves) * ((1 + 2 * s.num_layers) * 2 * (r.tp - 1) + 2 * (r.tp - 1))
     work_links = {"intra_node": tp_bytes}
+    gloo = r.engine == "native" and not inp.on_cuda  # its collectives are torch.distributed's on gloo
     replicas_gathered = inp.engine_moe_gathered_replicas
     if replicas_gathered > 1:
         # vLLM's MoE layers span its R replicas (all2all_backend "allgather_reducescatter",
@@ -368,7 +377,8 @@ def _engine_work(inp: PlanInputs, lengths: StepLengths) -> PhaseWork:
         vocab_bytes=sampler,
         draws=sampled * sampler_draws(r.engine, vocab),
         link_bytes=work_links,
-        collective_steps=collectives,
+        collective_steps=0.0 if gloo else collectives,
+        gloo_steps=collectives if gloo else 0.0,
         engine_layer_steps=(steps + waves) * s.num_layers,  # decode steps + one prefill per wave
     )
 
@@ -718,6 +728,7 @@ def raw_terms(work: PhaseWork, inp: PlanInputs, speed: SpeedSpec) -> dict[str, f
             memory_bytes += weight_bytes
         else:
             gemm += weight_bytes * seconds_per_byte
+    gloo = speed.gloo_all_reduce_seconds
     return {
         "compute": flops / speed.flops(inp.dtype) * compute_stretch,
         "gemm": gemm * shared,
@@ -726,7 +737,11 @@ def raw_terms(work: PhaseWork, inp: PlanInputs, speed: SpeedSpec) -> dict[str, f
         "draws": work.draws * speed.seconds_per_draw * over,
         "host": work.host_bytes / speed.host_bytes_per_s,
         "link": sum(b / getattr(speed, f"{link}_bytes_per_s") for link, b in work.link_bytes.items()),
-        "collective_ops": work.collective_steps * speed.op_seconds * over,
+        # gloo's steps at the measured all-reduce's half, not stretched: the probe's two ranks already share the
+        # node's cores, and more groups do not slow one (two TP-2 groups over 4 processes on 2 cores all-reduce in
+        # 1.0-1.15 ms, one group of 2 in 1.6-1.7: docs/plan-validation.md); unmeasured, as any collective's
+        "collective_ops": (work.collective_steps + (0 if gloo else work.gloo_steps)) * speed.op_seconds * over,
+        "gloo": work.gloo_steps * gloo / 2 if gloo else 0.0,
         "storage_ops": work.host_storages * speed.op_seconds * over,
         "actor_ops": work.actor_ops * speed.op_seconds * stretch,
         "actor_backward_ops": work.actor_backward_ops * speed.op_seconds * stretch,

@@ -483,6 +483,39 @@ def test_the_native_engines_gemms_run_at_their_row_counts():
     assert decode_rows * k / hit > decode_rows * k / num
 
 
+def test_the_native_engines_collectives_on_cpu_are_gloos_at_the_measured_all_reduce():
+    """On CPU the native engine's collectives are torch.distributed's on gloo (rollout/native/model.py): their ring
+    steps are timed at the probe's 2-rank gloo all-reduce (two steps each), nothing fitted or stretched; unmeasured, they are
+    collective steps at the fitted constant. vLLM's CPU build all-reduces in shared memory and NCCL runs on CUDA:
+    their steps stay the fitted ones."""
+    from planner.step_time import raw_terms
+
+    native = dataclasses.replace(make_inputs(rollout=dict(engine="native", tp=2)).with_actor(tp=2), ranks_per_node=2)
+    lengths = native.planned_lengths()
+    rollout = phase_work(make_plan(native))["rollout"]
+    # per decode step and per prefill: the embedding's and 2 per layer's all-reduces (2 (tp - 1) steps each), the
+    # logits' all-gather and the sampled tokens' broadcast (tp - 1 each)
+    forwards = lengths.longest_response + 1
+    assert rollout.gloo_steps == forwards * (2 * (1 + 2 * native.shape.num_layers) + 2)
+    assert rollout.collective_steps == 0
+    measured = dataclasses.replace(CPU, cores=2, gloo_all_reduce_seconds=1e-3)
+    raw = raw_terms(rollout, native, measured)
+    assert raw["gloo"] == pytest.approx(rollout.gloo_steps * 1e-3 / 2)
+    assert raw["collective_ops"] == 0
+    unmeasured = raw_terms(rollout, native, dataclasses.replace(CPU, cores=2))
+    assert unmeasured["gloo"] == 0
+    assert unmeasured["collective_ops"] == pytest.approx(rollout.gloo_steps * CPU.op_seconds)
+    # 4 ranks on the 2 cores (two TP-2 engines): each group's all-reduce at the measured rate, not stretched by the
+    # oversubscription as an op is (measured: two groups on 2 cores all-reduce no slower than one)
+    crowded = dataclasses.replace(native, ranks_per_node=4)
+    assert raw_terms(rollout, crowded, measured)["gloo"] == pytest.approx(rollout.gloo_steps * 1e-3 / 2)
+    assert raw_terms(rollout, crowded, measured)["phase_ops"] == pytest.approx(2 * raw["phase_ops"])
+
+    vllm = phase_work(make_plan(native.with_rollout(engine="vllm")))["rollout"]
+    assert vllm.gloo_steps == 0 and vllm.collective_steps > 0
+    assert raw_terms(vllm, native, measured)["gloo"] == 0
+
+
 def test_the_optimizer_step_reads_and_writes_each_ranks_shard_the_experts_over_expert_dp():
     """With the distributed optimizer each rank steps its shard (planner.plan.optimizer_shards): the dense params'
     over DP, the routed experts' over the expert-DP group, which at EP = DP = 2 is one rank: every expert's

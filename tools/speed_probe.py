@@ -11,6 +11,10 @@ model scales by a rank's share of the cores, planner.speed.SpeedSpec.compute_str
   [768, 512] weight (an expert's gate and up; a decode step's rows), cycling through 96 MiB of weights (more than
   this machine's last-level cache: each is read from memory), its seconds over the weight's bytes;
 - ``op_seconds``: one ``torch.add`` of 16-element tensors, the fixed cost a small op pays;
+- ``gloo_all_reduce_seconds``: one gloo all-reduce of [8, 512] fp32 (16 KiB: a decode step's rows) between two
+  ranks spawned as a run's are, with a small matmul between calls as a layer's work, the mean over 1000 (not the median: on
+  this 2-vCPU VM a tenth of them wait ~4 ms, a scheduler tick at HZ 250, for a wake-up; the mean is what a
+  rollout's thousands pay). It costs ~4 s of process start-up;
 - ``draw_seconds``: one element of ``exponential_`` over a [64, 16384] fp32 buffer (the native sampler's
   ``torch.multinomial`` draws one per vocab entry of each row: planner/step_time.py).
 
@@ -22,9 +26,12 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from planner.speed import SpeedSpec
 
@@ -35,6 +42,8 @@ DRAWS = (64, 16384)
 GEMM_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 GEMM_WEIGHT = (768, 512)  # [out, in]
 GEMM_RING_BYTES = 96 * 2**20
+GLOO_ROWS = (8, 512)  # fp32: a decode step's hidden rows, what the native engine all-reduces per layer
+GLOO_CALLS = 1000  # the mean of 400 moved by +-25% between probes a minute apart; of 1000, by +-10%
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -74,6 +83,7 @@ def _measure() -> SpeedSpec:
             torch.add(x, y, out=out)
 
     op = _median_seconds(small_ops, 5) / SMALL_OPS
+    gloo = gloo_all_reduce_seconds()
     noise = torch.empty(DRAWS)
     draw = _median_seconds(noise.exponential_, 5) / noise.numel()
     how = "measured by tools/speed_probe.py on this machine, one core (one torch thread)"
@@ -89,6 +99,7 @@ def _measure() -> SpeedSpec:
         op_seconds=op,
         gemm_seconds_per_weight_byte=gemm,
         draw_seconds=draw,
+        gloo_all_reduce_seconds=gloo,
         cores=os.cpu_count() or 1,
         source={"all": how},
         measured=True,
@@ -113,6 +124,40 @@ def _gemm_seconds_per_weight_byte(dtype: torch.dtype) -> dict[int, float]:
 
         table[rows] = _median_seconds(through_ring, 3) / (len(ring) * weight_bytes)
     return table
+
+
+def gloo_all_reduce_seconds(calls: int = GLOO_CALLS) -> float:
+    """Mean seconds of one 2-rank gloo all-reduce of :data:`GLOO_ROWS` fp32 between two ranks spawned as a run's
+    are (run.launch.spawn_local), the matmul between calls (a layer's work) taken out (see the module doc)."""
+    from run.launch import spawn_local
+
+    if calls < 1:
+        raise ValueError(f"gloo_all_reduce_seconds: calls={calls} must be >= 1")
+    with tempfile.TemporaryDirectory(prefix="gloo-probe-") as scratch:
+        out = Path(scratch) / "seconds"
+        exit_code = spawn_local(_gloo_rank, 2, args=(calls, str(out)))
+        if exit_code:
+            raise RuntimeError(f"the gloo probe's ranks failed (exit code {exit_code})")
+        return float(out.read_text())
+
+
+def _gloo_rank(calls: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rows, weight = torch.randn(GLOO_ROWS), torch.randn(GLOO_ROWS[1], GLOO_ROWS[1])
+    for _ in range(50):  # warm: the connections made, the buffers allocated
+        dist.all_reduce(rows @ weight)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        dist.all_reduce(rows @ weight)
+    total = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(calls):
+        rows @ weight
+    work = time.perf_counter() - start
+    if dist.get_rank() == 0:
+        Path(out).write_text(repr(max(total - work, 0.0) / calls))
 
 
 def main() -> int:
