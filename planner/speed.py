@@ -45,6 +45,9 @@ class SpeedSpec:
     # CPU: one 2-rank gloo all-reduce of a decode step's rows (16 KiB), mean over many with a layer's work between,
     # the wake-ups it waits for included (tools/speed_probe.py); None: not measured (CUDA: NCCL)
     gloo_all_reduce_seconds: float | None = None
+    # CPU: bytes one rank sends (and as many it receives at once) per second when two gloo ranks exchange 16 MiB,
+    # as the weight sync's transport does (tools/speed_probe.py); None: not measured (CUDA: NCCL over the link)
+    gloo_exchange_bytes_per_s: float | None = None
     cores: int = 0  # CPU: the cores the node's ranks share (0: not a CPU)
     # CPU: seconds per weight byte of one torch ``F.linear`` of [rows, in] by an [out, in] weight read from memory
     # (not from cache), by dtype and row count (tools/speed_probe.py): a skinny GEMM (a decode step's, one expert's
@@ -60,6 +63,11 @@ class SpeedSpec:
             raise ValueError(f"speed {self.name!r}: every rate and op_seconds must be > 0")
         if self.fresh_bytes_per_s is not None and self.fresh_bytes_per_s <= 0:
             raise ValueError(f"speed {self.name!r}: fresh_bytes_per_s={self.fresh_bytes_per_s} must be > 0")
+        if self.gloo_exchange_bytes_per_s is not None and self.gloo_exchange_bytes_per_s <= 0:
+            raise ValueError(
+                f"speed {self.name!r}: gloo_exchange_bytes_per_s={self.gloo_exchange_bytes_per_s} must be > 0 "
+                "(None: not measured)"
+            )
         if self.gloo_all_reduce_seconds is not None and self.gloo_all_reduce_seconds <= 0:
             raise ValueError(
                 f"speed {self.name!r}: gloo_all_reduce_seconds={self.gloo_all_reduce_seconds} must be > 0 (None: "

@@ -17,8 +17,10 @@ counted from the model's shape, the layouts and the batch (:class:`PhaseWork`):
   ``host_storages``: the storages an offload copies out, each to its own host buffer.
 - ``link_bytes``: per link (``intra_node``, ``inter_node``), what one rank sends in collectives: TP's 4 all-reduces
   per layer in train (2 forward, 2 backward; 2 in a forward) of tokens x h, PP's activation sends, EP's all-to-all of
-  the routed copies (dispatch and combine), DP's gradient reduction, the weight sync's engine weights; in rollout
+  the routed copies (dispatch and combine), DP's gradient reduction, the reference check's gather; in rollout
   the engine's TP all-reduces and, where vLLM's MoE layers span its replicas, their all-gather and reduce-scatter.
+  ``exchange_bytes``: the weight sync's engine weights sent and received point to point (on CPU at gloo's measured
+  exchange rate, else over the link).
 - ``ops``: fixed costs by kind, in units of the device's ``op_seconds``: an actor layer's forward and backward (their
   torch ops counted on megatron's local layer: :data:`LOCAL_LAYER_OPS`, :data:`LOCAL_MODEL_OPS`), a micro-batch's
   pass (the schedule and the loss around the model), an engine layer's step, a parameter tensor an optimizer step or
@@ -29,6 +31,7 @@ seconds = flops / (peak x compute_efficiency) + draws x draw_seconds
           + vocab_bytes / (bandwidth x vocab_pass_efficiency)
           + sum ops x op_seconds x its factor + host_bytes / (host link x host_efficiency)
           + sum link_bytes / (link x link_efficiency) + collective_steps x op_seconds x collective_step_ops
+          + exchange_bytes / the probe's gloo exchange rate (CPU; else with link_bytes)
           + gloo_steps x the probe's 2-rank gloo all-reduce / 2
             (CPU: the native engine's collectives, measured, not stretched by the cores' oversubscription)
 
@@ -97,6 +100,7 @@ COLUMN_CONSTANT = {
     "link": "link_efficiency",
     "collective_ops": "collective_step_ops",
     "gloo": None,  # a measured rate (SpeedSpec.gloo_all_reduce_seconds): nothing to fit
+    "exchange": None,  # a measured rate (SpeedSpec.gloo_exchange_bytes_per_s): nothing to fit
     "storage_ops": "host_storage_ops",
     "actor_ops": "actor_op_factor",
     "actor_backward_ops": "actor_backward_op_factor",
@@ -116,6 +120,7 @@ COLUMN_TERM = {
     "gemm": "compute",
     "collective_ops": "link",
     "gloo": "link",
+    "exchange": "link",
     "storage_ops": "host",
     "plain_ops": "tensor_ops",
 }
@@ -149,6 +154,10 @@ class PhaseWork:
     # SpeedSpec.gloo_all_reduce_seconds). vLLM's CPU build all-reduces in shared memory (cpu_communicator.py
     # _CPUSHMDistributed); the actor's larger messages are bytes over the fitted link
     gloo_steps: float = 0.0
+    # the weight sync's point-to-point exchange per link, the busier direction's bytes (links are full duplex): on
+    # CPU at the probe's measured gloo exchange (SpeedSpec.gloo_exchange_bytes_per_s: ~1.1 GB/s each way, a third of
+    # a copy), else over the link as the collectives' bytes
+    exchange_bytes: dict[str, float] = field(default_factory=dict)
     host_storages: float = 0.0  # storages an offload copies out (CPU: a file created, sized and mapped for each)
     actor_ops: float = 0.0  # forward
     actor_backward_ops: float = 0.0  # autograd's: each op's node is also the engine's to schedule
@@ -565,7 +574,7 @@ def weight_sync_work(inp: PlanInputs, engine_weight_bytes: int) -> PhaseWork:
         checksums = 2 * _param_tensors(inp, range(inp.shape.num_layers))
     work = PhaseWork(
         memory_bytes=2 * local,
-        link_bytes=_by_link(inp, {"world": crossing}),
+        exchange_bytes=_by_link(inp, {"world": crossing}),
         collective_steps=math.ceil(crossing / inp.sync_bucket_bytes),
     )
     if inp.engine_profile.repacks_weights(inp.device.kind):
@@ -621,7 +630,7 @@ def reference_check_work(inp: PlanInputs) -> PhaseWork:
 
 def _summed(*parts: tuple[PhaseWork, float]) -> PhaseWork:
     """``parts``, each (work, times), run one after another on one rank; the first one's bubble (a fraction)."""
-    by_key = ("link_bytes", "gemms")  # {link: bytes}, {rows: weight bytes}
+    by_key = ("link_bytes", "exchange_bytes", "gemms")  # {link: bytes}, {link: bytes}, {rows: weight bytes}
     counts = {
         f.name: sum(getattr(work, f.name) * times for work, times in parts)
         for f in fields(PhaseWork)
@@ -728,7 +737,10 @@ def raw_terms(work: PhaseWork, inp: PlanInputs, speed: SpeedSpec) -> dict[str, f
             memory_bytes += weight_bytes
         else:
             gemm += weight_bytes * seconds_per_byte
-    gloo = speed.gloo_all_reduce_seconds
+    gloo, exchange = speed.gloo_all_reduce_seconds, speed.gloo_exchange_bytes_per_s
+    over_links = dict(work.link_bytes)
+    if not exchange:  # unmeasured: the sync's exchange crosses the link as the collectives' bytes do
+        _add_by_key(over_links, work.exchange_bytes)
     return {
         "compute": flops / speed.flops(inp.dtype) * compute_stretch,
         "gemm": gemm * shared,
@@ -736,7 +748,8 @@ def raw_terms(work: PhaseWork, inp: PlanInputs, speed: SpeedSpec) -> dict[str, f
         "vocab": work.vocab_bytes / speed.memory_bytes_per_s * over,
         "draws": work.draws * speed.seconds_per_draw * over,
         "host": work.host_bytes / speed.host_bytes_per_s,
-        "link": sum(b / getattr(speed, f"{link}_bytes_per_s") for link, b in work.link_bytes.items()),
+        "link": sum(b / getattr(speed, f"{link}_bytes_per_s") for link, b in over_links.items()),
+        "exchange": sum(work.exchange_bytes.values()) / exchange if exchange else 0.0,
         # gloo's steps at the measured all-reduce's half, not stretched: the probe's two ranks already share the
         # node's cores, and more groups do not slow one (two TP-2 groups over 4 processes on 2 cores all-reduce in
         # 1.0-1.15 ms, one group of 2 in 1.6-1.7: docs/plan-validation.md); unmeasured, as any collective's

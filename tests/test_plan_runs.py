@@ -308,11 +308,15 @@ def test_a_runs_speeds_are_its_probes_with_todays_for_what_it_did_not_measure(tm
     import tools.calibrate_time as calibrate_time
     from tests.planner_inputs import CPU_SPEED
 
-    today = dataclasses.replace(CPU_SPEED, draw_seconds=7e-9)
+    today = dataclasses.replace(CPU_SPEED, draw_seconds=7e-9, gloo_exchange_bytes_per_s=1.3e9)
     monkeypatch.setattr(calibrate_time, "_speed_now", lambda: today)
-    probed = {k: v for k, v in vars(dataclasses.replace(CPU_SPEED, op_seconds=3e-6)).items() if k != "draw_seconds"}
-    (tmp_path / "speed.json").write_text(json.dumps({**probed, "gloo_all_reduce_seconds": 1e-3}))
+    later = ("draw_seconds", "gloo_exchange_bytes_per_s")
+    probed = {k: v for k, v in vars(dataclasses.replace(CPU_SPEED, op_seconds=3e-6)).items() if k not in later}
+    (tmp_path / "speed.json").write_text(
+        json.dumps({**probed, "gloo_all_reduce_seconds": 1e-3, "gloo_broadcast_seconds": 2e-3})
+    )
     speed = calibrate_time.run_speed(tmp_path)
-    assert (speed.op_seconds, speed.draw_seconds) == (3e-6, 7e-9)
-    assert not hasattr(speed, "gloo_all_reduce_seconds")
+    assert (speed.op_seconds, speed.draw_seconds, speed.gloo_exchange_bytes_per_s) == (3e-6, 7e-9, 1.3e9)
+    assert speed.gloo_all_reduce_seconds == 1e-3
+    assert not hasattr(speed, "gloo_broadcast_seconds")
     assert calibrate_time.run_speed(tmp_path / "no-such-run") is today

@@ -592,3 +592,22 @@ def test_the_planners_actor_tensors_are_megatrons_layout(family, tp, pp, ep, te_
         assert sorted(dense + experts) == sorted(int(np.prod(s)) for s in shapes.values())
         assert len(experts) == sum(".experts." in name for _, name in shapes)
         assert sum(dense + experts) == actor_stage_param_count(shape, tp, pp, stage, ep)
+
+
+def test_the_weight_syncs_exchange_on_cpu_runs_at_gloos_measured_exchange_rate():
+    """The sync's point-to-point sends and receives (weight_sync/transport.py's batch_isend_irecv; the busier
+    direction's bytes, SyncTraffic.crossing_bytes) are exchange bytes: on CPU timed at the probe's measured gloo
+    exchange, nothing fitted; unmeasured (CUDA), over the link with the collectives' bytes, as before."""
+    from planner.inputs import SyncTraffic
+    from planner.step_time import raw_terms
+
+    traffic = (SyncTraffic(local_bytes=1 << 20, sent_bytes=48 << 20, received_bytes=40 << 20, checksums=8),)
+    inp = dataclasses.replace(make_inputs().with_actor(tp=2).with_rollout(tp=1), sync_traffic=traffic)
+    sync = phase_work(make_plan(inp))["weight_sync"]
+    assert sum(sync.exchange_bytes.values()) == 48 << 20
+    measured = dataclasses.replace(CPU, gloo_exchange_bytes_per_s=1e9)
+    raw, unmeasured = raw_terms(sync, inp, measured), raw_terms(sync, inp, CPU)
+    assert raw["exchange"] == pytest.approx((48 << 20) / 1e9)
+    assert unmeasured["exchange"] == 0
+    # unmeasured, the same bytes cross the link (at the copy's rate, the fitted efficiency applied later)
+    assert unmeasured["link"] - raw["link"] == pytest.approx((48 << 20) / CPU.intra_node_bytes_per_s)

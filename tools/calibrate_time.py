@@ -44,13 +44,14 @@ PROBED_LATER = (
     "fresh_bytes_per_s",
     "gemm_seconds_per_weight_byte",
     "gloo_all_reduce_seconds",
+    "gloo_exchange_bytes_per_s",
 )  # rates the probe gained after some runs were made
 
 
 def run_speed(run_dir: Path):
     """The machine's speeds measured just before the run (its speed.json, tools/plan_runs.py writes it), else now
     (once per process: a run made before speed.json existed is timed with today's speeds, the same for every run;
-    one made before the probe measured draws, fresh writes, skinny GEMMs or gloo's all-reduce takes today's)."""
+    one made before the probe measured draws, fresh writes, skinny GEMMs or gloo's all-reduce or exchange takes today's)."""
     path = run_dir / SPEED_FILE
     if path.exists():
         # a probe may have measured rates this model does not read (one tried and not kept): left out

@@ -15,6 +15,9 @@ model scales by a rank's share of the cores, planner.speed.SpeedSpec.compute_str
   ranks spawned as a run's are, with a small matmul between calls as a layer's work, the mean over 1000 (not the median: on
   this 2-vCPU VM a tenth of them wait ~4 ms, a scheduler tick at HZ 250, for a wake-up; the mean is what a
   rollout's thousands pay). It costs ~4 s of process start-up;
+- ``gloo_exchange_bytes_per_s``: the same two ranks each send 16 MiB to the other and receive as much, as the
+  weight sync's transport does (``batch_isend_irecv``: weight_sync/transport.py), the bytes one way over the median
+  of 9 (gloo over loopback on 2 cores sends and receives at ~1.0-1.2 GB/s each way, a third of the copy's rate);
 - ``draw_seconds``: one element of ``exponential_`` over a [64, 16384] fp32 buffer (the native sampler's
   ``torch.multinomial`` draws one per vocab entry of each row: planner/step_time.py).
 
@@ -44,6 +47,8 @@ GEMM_WEIGHT = (768, 512)  # [out, in]
 GEMM_RING_BYTES = 96 * 2**20
 GLOO_ROWS = (8, 512)  # fp32: a decode step's hidden rows, what the native engine all-reduces per layer
 GLOO_CALLS = 1000  # the mean of 400 moved by +-25% between probes a minute apart; of 1000, by +-10%
+GLOO_EXCHANGE_BYTES = 16 * 2**20  # each way: a weight sync bucket's size (weight_sync.bucket_mb's scale)
+GLOO_EXCHANGES = 9
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -83,7 +88,7 @@ def _measure() -> SpeedSpec:
             torch.add(x, y, out=out)
 
     op = _median_seconds(small_ops, 5) / SMALL_OPS
-    gloo = gloo_all_reduce_seconds()
+    gloo = measure_gloo()
     noise = torch.empty(DRAWS)
     draw = _median_seconds(noise.exponential_, 5) / noise.numel()
     how = "measured by tools/speed_probe.py on this machine, one core (one torch thread)"
@@ -99,7 +104,8 @@ def _measure() -> SpeedSpec:
         op_seconds=op,
         gemm_seconds_per_weight_byte=gemm,
         draw_seconds=draw,
-        gloo_all_reduce_seconds=gloo,
+        gloo_all_reduce_seconds=gloo["all_reduce_seconds"],
+        gloo_exchange_bytes_per_s=gloo["exchange_bytes_per_s"],
         cores=os.cpu_count() or 1,
         source={"all": how},
         measured=True,
@@ -126,22 +132,23 @@ def _gemm_seconds_per_weight_byte(dtype: torch.dtype) -> dict[int, float]:
     return table
 
 
-def gloo_all_reduce_seconds(calls: int = GLOO_CALLS) -> float:
-    """Mean seconds of one 2-rank gloo all-reduce of :data:`GLOO_ROWS` fp32 between two ranks spawned as a run's
-    are (run.launch.spawn_local), the matmul between calls (a layer's work) taken out (see the module doc)."""
+def measure_gloo(calls: int = GLOO_CALLS, exchanges: int = GLOO_EXCHANGES) -> dict[str, float]:
+    """Between two ranks spawned as a run's are (run.launch.spawn_local): ``all_reduce_seconds``, the mean of
+    ``calls`` 2-rank gloo all-reduces of :data:`GLOO_ROWS` fp32, the matmul between calls (a layer's work) taken out;
+    ``exchange_bytes_per_s``, :data:`GLOO_EXCHANGE_BYTES` each way over the median of ``exchanges`` (module doc)."""
     from run.launch import spawn_local
 
-    if calls < 1:
-        raise ValueError(f"gloo_all_reduce_seconds: calls={calls} must be >= 1")
+    if calls < 1 or exchanges < 1:
+        raise ValueError(f"measure_gloo: calls={calls} and exchanges={exchanges} must be >= 1")
     with tempfile.TemporaryDirectory(prefix="gloo-probe-") as scratch:
-        out = Path(scratch) / "seconds"
-        exit_code = spawn_local(_gloo_rank, 2, args=(calls, str(out)))
+        out = Path(scratch) / "rates.json"
+        exit_code = spawn_local(_gloo_rank, 2, args=(calls, exchanges, str(out)))
         if exit_code:
             raise RuntimeError(f"the gloo probe's ranks failed (exit code {exit_code})")
-        return float(out.read_text())
+        return json.loads(out.read_text())
 
 
-def _gloo_rank(calls: int, out: str) -> None:
+def _gloo_rank(calls: int, exchanges: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rows, weight = torch.randn(GLOO_ROWS), torch.randn(GLOO_ROWS[1], GLOO_ROWS[1])
@@ -156,8 +163,22 @@ def _gloo_rank(calls: int, out: str) -> None:
     for _ in range(calls):
         rows @ weight
     work = time.perf_counter() - start
+    peer = 1 - dist.get_rank()
+    send, receive = torch.ones(GLOO_EXCHANGE_BYTES // 4), torch.empty(GLOO_EXCHANGE_BYTES // 4)
+    times = []
+    for _ in range(exchanges + 1):  # the first warms the buffers
+        dist.barrier()
+        start = time.perf_counter()
+        ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, receive, peer)]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+        times.append(time.perf_counter() - start)
     if dist.get_rank() == 0:
-        Path(out).write_text(repr(max(total - work, 0.0) / calls))
+        rates = {
+            "all_reduce_seconds": max(total - work, 0.0) / calls,
+            "exchange_bytes_per_s": GLOO_EXCHANGE_BYTES / statistics.median(times[1:]),
+        }
+        Path(out).write_text(json.dumps(rates))
 
 
 def main() -> int:
