@@ -94,6 +94,10 @@ class SyncTraffic:
     sent_bytes: int
     received_bytes: int
     checksums: int
+    # of the sent and received bytes, those packed into staging buffers (weight_sync/execute.py: neither local nor
+    # a direct row slice): a fresh buffer each, copied in from the shard or out into the engine's tensor
+    staged_sent_bytes: int = 0
+    staged_received_bytes: int = 0
 
     @property
     def crossing_bytes(self) -> int:

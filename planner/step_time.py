@@ -554,15 +554,19 @@ CHECKSUM_READ_BYTES_PER_ELEMENT = 5 * 8
 
 def weight_sync_work(inp: PlanInputs, engine_weight_bytes: int) -> PhaseWork:
     """The weight sync on its busiest rank (``inp.sync_traffic``, the plan's counts): its local copies (read and
-    written), what it exchanges with other ranks over the link (one point-to-point round per bucket), with
+    written), what it exchanges with other ranks over the link (one point-to-point round per bucket) and of that
+    what it stages in fresh buffers, with
     ``weight_sync.verify`` a checksum of every slice it sends or holds, then the reference check
     (:func:`reference_check_work`). Without the plan's counts, the bound: every byte local when PP = 1 and both
     sides split alike, else every engine byte over the link; a checksum per engine tensor, on each side. vLLM on CPU
     unpacks and repacks its weights around the writes."""
     a, r, e = inp.actor, inp.rollout, inp.element_bytes
+    staged_sent = staged_received = 0
     if inp.sync_traffic is not None:
         local = max(t.local_bytes for t in inp.sync_traffic)
         crossing = max(t.crossing_bytes for t in inp.sync_traffic)
+        staged_sent = max(t.staged_sent_bytes for t in inp.sync_traffic)
+        staged_received = max(t.staged_received_bytes for t in inp.sync_traffic)
         checked = max(2 * t.local_bytes + t.sent_bytes + t.received_bytes for t in inp.sync_traffic)
         checksums = max(t.checksums for t in inp.sync_traffic)
     else:
@@ -572,8 +576,11 @@ def weight_sync_work(inp: PlanInputs, engine_weight_bytes: int) -> PhaseWork:
         )
         checked = 2 * engine_weight_bytes
         checksums = 2 * _param_tensors(inp, range(inp.shape.num_layers))
+    # the staged part (weight_sync/execute.py): a fresh buffer per peer and bucket, written by the pack (which reads
+    # the shard) or by the transport; a received one is read again by the unpack, which writes the engine's tensor
     work = PhaseWork(
-        memory_bytes=2 * local,
+        memory_bytes=2 * local + staged_sent + 2 * staged_received,
+        fresh_bytes=staged_sent + staged_received,
         exchange_bytes=_by_link(inp, {"world": crossing}),
         collective_steps=math.ceil(crossing / inp.sync_bucket_bytes),
     )

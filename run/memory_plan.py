@@ -23,7 +23,7 @@ from rl.data import DataConfig, longest_prompt_tokens
 from rl.evaluation import eval_problems
 from run.compose import resolve_path
 from weight_sync.layouts import actor_sources, engine_destinations
-from weight_sync.transfers import SyncPlan, plan_sync
+from weight_sync.transfers import SyncPlan, is_direct, plan_sync
 
 # Prompts are data, not config: without rollout.max_model_len (which bounds prompt + response) plan for this
 # many prompt tokens (at most the checkpoint's max_position_embeddings - max_new_tokens).
@@ -192,10 +192,11 @@ def sync_staged_bytes(shape, mesh, bucket_bytes: int, element_bytes: int) -> tup
 
 def sync_traffic(shape, mesh, bucket_bytes: int, element_bytes: int) -> tuple[SyncTraffic, ...]:
     """Per actor pipeline stage, the sync plan's work on its busiest ranks (each count's most over the stage's
-    ranks): bytes copied from the rank's own shard (local transfers), sent, received, and the slices
-    ``weight_sync.verify`` checksums (weight_sync/verify.py: each transfer's sender and receiver)."""
+    ranks): bytes copied from the rank's own shard (local transfers), sent, received (of those, the staged: packed
+    into buffers, weight_sync/execute.py), and the slices ``weight_sync.verify`` checksums (weight_sync/verify.py:
+    each transfer's sender and receiver)."""
     plan = _sync_plan(shape, mesh, bucket_bytes, element_bytes)
-    local, sent, received, checksums = ([0] * mesh.world_size for _ in range(4))
+    local, sent, received, checksums, staged_sent, staged_received = ([0] * mesh.world_size for _ in range(6))
     for t in plan.transfers:
         checksums[t.src_rank] += 1
         checksums[t.dst_rank] += 1
@@ -204,6 +205,9 @@ def sync_traffic(shape, mesh, bucket_bytes: int, element_bytes: int) -> tuple[Sy
         else:
             sent[t.src_rank] += t.numel
             received[t.dst_rank] += t.numel
+            if not is_direct(t, element_bytes):
+                staged_sent[t.src_rank] += t.numel
+                staged_received[t.dst_rank] += t.numel
     e = element_bytes
     return tuple(
         SyncTraffic(
@@ -211,6 +215,8 @@ def sync_traffic(shape, mesh, bucket_bytes: int, element_bytes: int) -> tuple[Sy
             sent_bytes=max(sent[r] for r in ranks) * e,
             received_bytes=max(received[r] for r in ranks) * e,
             checksums=max(checksums[r] for r in ranks),
+            staged_sent_bytes=max(staged_sent[r] for r in ranks) * e,
+            staged_received_bytes=max(staged_received[r] for r in ranks) * e,
         )
         for ranks in _stages(mesh)
     )

@@ -120,8 +120,13 @@ def test_the_step_time_models_sync_traffic_is_what_the_executor_moves(tp, pp, rt
         assert counted.local_bytes == max(stats[r].bytes_local for r in ranks) > 0
         assert counted.sent_bytes == max(stats[r].bytes_sent for r in ranks)
         assert counted.received_bytes == max(stats[r].bytes_received for r in ranks)
+        # of those, what the executor packs into its staging buffers (on CPU: fresh pages, copied in and out)
+        assert counted.staged_sent_bytes == max(stats[r].bytes_staged_sent for r in ranks)
+        assert counted.staged_received_bytes == max(stats[r].bytes_staged_received for r in ranks)
     if (tp, pp, rtp) == (1, 1, 2):  # every engine slice is cut from the rank's own full copy
         assert traffic[0].crossing_bytes == 0
+    elif (tp, rtp) == (2, 1):  # the row-parallel weights' column slices cross packed
+        assert traffic[0].staged_received_bytes > 0
 
 
 def test_plan_inputs_carry_the_runs_sync_plan():

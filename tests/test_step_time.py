@@ -597,7 +597,8 @@ def test_the_planners_actor_tensors_are_megatrons_layout(family, tp, pp, ep, te_
 def test_the_weight_syncs_exchange_on_cpu_runs_at_gloos_measured_exchange_rate():
     """The sync's point-to-point sends and receives (weight_sync/transport.py's batch_isend_irecv; the busier
     direction's bytes, SyncTraffic.crossing_bytes) are exchange bytes: on CPU timed at the probe's measured gloo
-    exchange, nothing fitted; unmeasured (CUDA), over the link with the collectives' bytes, as before."""
+    exchange, nothing fitted; unmeasured (CUDA), over the link with the collectives' bytes, as before. Their staged
+    part is written fresh and copied."""
     from planner.inputs import SyncTraffic
     from planner.step_time import raw_terms
 
@@ -611,3 +612,9 @@ def test_the_weight_syncs_exchange_on_cpu_runs_at_gloos_measured_exchange_rate()
     assert unmeasured["exchange"] == 0
     # unmeasured, the same bytes cross the link (at the copy's rate, the fitted efficiency applied later)
     assert unmeasured["link"] - raw["link"] == pytest.approx((48 << 20) / CPU.intra_node_bytes_per_s)
+    # what the executor packs (weight_sync/execute.py): a fresh buffer each; the sent ones read from the shard, the
+    # received ones read again and written into the engine's tensors
+    staged = dataclasses.replace(traffic[0], staged_sent_bytes=8 << 20, staged_received_bytes=6 << 20)
+    packed = phase_work(make_plan(dataclasses.replace(inp, sync_traffic=(staged,))))["weight_sync"]
+    assert packed.fresh_bytes - sync.fresh_bytes == 14 << 20
+    assert packed.memory_bytes - sync.memory_bytes == (8 << 20) + 2 * (6 << 20)

@@ -31,6 +31,9 @@ class SyncStats:
     seconds: float = 0.0
     num_buckets: int = 0
     num_messages: int = 0
+    # packed into (and unpacked from) staging buffers: what is neither local nor a direct transfer
+    bytes_staged_sent: int = 0
+    bytes_staged_received: int = 0
 
 
 def _src_view(src: dict, t: Transfer) -> torch.Tensor:
@@ -89,6 +92,7 @@ def execute_sync(
                     buffer[offset : offset + t.numel].view(view.shape).copy_(view)
                     offset += t.numel
                 extra += buffer.numel() * buffer.element_size()
+                stats.bytes_staged_sent += buffer.numel() * buffer.element_size()
                 transport.submit_send(buffer, peer)
             for t in sends[peer]:
                 if is_direct(t, plan.element_bytes, direct_min_bytes):
@@ -99,6 +103,7 @@ def execute_sync(
             if packed:
                 buffer = torch.empty(sum(t.numel for t in packed), dtype=dtype, device=device)
                 extra += buffer.numel() * buffer.element_size()
+                stats.bytes_staged_received += buffer.numel() * buffer.element_size()
                 transport.submit_recv(buffer, peer)
                 unpack.append((buffer, packed))
             for t in recvs[peer]:
