@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,12 @@ def test_every_stage_runs_on_cpu_and_the_report_is_what_the_device_brings_back(t
     files = sorted(p.name for p in out.iterdir())
     assert len(files) <= gpu_check.OUT_FILES and all(p.is_file() for p in out.iterdir())
     assert {"gpu_check.json", "cpu.json", "summary_0.5b.json", "summary_1.5b.json", "summary_moe.json"} <= set(files)
+    with tarfile.open(out / gpu_check.RUNS_ARCHIVE) as tar:  # each step's phase seconds, for make calibrate-time
+        records = set(tar.getnames())
+        steps = [json.loads(line) for line in tar.extractfile("run_0.5b/metrics.jsonl").read().splitlines()]
+    assert {f"run_{n}/{f}" for n in gpu_check.RUNS for f in ("metrics.jsonl", "summary.json")} <= records
+    assert not any("/checkpoints" in m or "/hf" in m or "/model" in m for m in records)
+    assert sum("time/train" in m for m in steps) >= 2
 
     main = report["stages"]["main_0.5b"]["results"]
     assert main["exported"] == ["step_00000002"] and main["checkpoints"] and main["eval"] is not None

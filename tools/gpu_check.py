@@ -20,7 +20,8 @@ next one run even when one fails or runs out of time, in an order that yields th
 
 It writes at most 8 files to ``--out`` ($OUT on the device machine): ``gpu_check.json`` (every stage: passed,
 failed with its last lines, timed out or skipped, with its results), the proposed calibration, the runs'
-summary.json and memory charts. ``--device cpu`` runs the same stages on CPU with small shapes: CI runs that
+summary.json and memory charts, and the runs' records (``runs.tar.gz``: per-step phase seconds for
+``make calibrate-time``). ``--device cpu`` runs the same stages on CPU with small shapes: CI runs that
 (tests/test_gpu_check.py), so a broken kit is found here, not in the 15 minutes.
 
 This module imports only the standard library at the top: the driver runs before the kit is installed; each
@@ -39,6 +40,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -407,15 +409,42 @@ def check_all(out: Path, work: Path, device: str, budget_s: float, names: list[s
     return report
 
 
+RUNS = ("0.5b", "1.5b", "moe")
+RECORD_MAX_BYTES = 1 << 20  # a run's files above this (checkpoints, exports, models) stay on the device
+RUNS_ARCHIVE = "runs.tar.gz"
+
+
+def archive_runs(work: Path, dest: Path) -> list[str]:
+    """The runs' records (metrics.jsonl, summary.json, the spec, speed.json, run.log, the config) in one archive:
+    ``make calibrate-time`` fits cuda_time.json from the phase seconds of each step, which the summaries keep only as
+    medians. Folders (checkpoints, hf, models) and files over :data:`RECORD_MAX_BYTES` stay behind."""
+    members = []
+    with tarfile.open(dest, "w:gz") as tar:
+        for n in RUNS:
+            run_dir = work / f"run_{n}"
+            if not run_dir.is_dir():
+                continue
+            for path in sorted(run_dir.iterdir()):
+                if path.is_file() and path.stat().st_size <= RECORD_MAX_BYTES:
+                    tar.add(path, arcname=f"run_{n}/{path.name}")
+                    members.append(f"run_{n}/{path.name}")
+    return members
+
+
 def collect(out: Path, work: Path) -> list[str]:
-    """The runs' summaries and charts beside the report and the proposal (at most :data:`OUT_FILES` in all)."""
-    picks = [(work / f"run_{n}" / "summary.json", f"summary_{n}.json") for n in ("0.5b", "1.5b", "moe")]
+    """The runs' summaries and charts beside the report and the proposal, and the runs' records in one archive
+    (at most :data:`OUT_FILES` in all)."""
+    picks = [(work / f"run_{n}" / "summary.json", f"summary_{n}.json") for n in RUNS]
     picks += [(work / f"run_{n}" / "memory_stages.png", f"memory_stages_{n}.png") for n in ("0.5b", "1.5b")]
     copied = []
     for src, name in picks:
         if src.is_file():
             shutil.copyfile(src, out / name)
             copied.append(name)
+    if archive_runs(work, out / RUNS_ARCHIVE):
+        copied.append(RUNS_ARCHIVE)
+    else:
+        (out / RUNS_ARCHIVE).unlink(missing_ok=True)
     return copied
 
 
