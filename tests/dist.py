@@ -12,6 +12,7 @@ import os
 import pickle
 import traceback
 
+import torch
 import torch.multiprocessing as mp
 
 from run.launch import free_port
@@ -39,7 +40,11 @@ PRELOAD = [
 
 
 def _context():
-    """The forkserver context with :data:`PRELOAD` (the server starts with the first rank, once per process)."""
+    """The forkserver context with :data:`PRELOAD` (the server starts with the first rank, once per process); where
+    CUDA is available, spawn: a process forked from one that has started CUDA cannot use it, and on the lent H200
+    every forked rank failed so ("Cannot re-initialize CUDA in forked subprocess" in torch.cuda.set_device)."""
+    if torch.cuda.is_available():
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
@@ -85,8 +90,7 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 300.0) -> list:
     port = free_port()
     environ, cwd = dict(os.environ), os.getcwd()
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, environ, cwd))
-        for r in range(world_size)
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, environ, cwd)) for r in range(world_size)
     ]
     for p in procs:
         p.start()

@@ -10,6 +10,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+import psutil
 import pytest
 
 from planner.calibration import from_json
@@ -76,6 +77,13 @@ def test_a_failed_or_late_stage_is_reported_and_the_next_one_still_runs(tmp_path
     # a main job cannot finish in 12 s: it is stopped at its box, and what is left is too little to start another
     report = gpu_check.check_all(tmp_path / "out", tmp_path, "cpu", 12.0, ["main_0.5b", "sync"], env)
     assert report["stages"]["main_0.5b"]["status"] == "timed_out"
+    # with the run it started: none outlives its stage to share the device with the next one's
+    left = [
+        p.info["cmdline"]
+        for p in psutil.process_iter(["cmdline"])
+        if str(tmp_path) in " ".join(p.info["cmdline"] or [])
+    ]
+    assert not left, left
     assert report["stages"]["sync"]["status"] == "skipped"
 
 

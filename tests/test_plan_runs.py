@@ -71,7 +71,6 @@ def test_the_validation_set_can_see_every_model_term():
     assert all(move > 2.0 for move, _ in moves.values()), {k: v for k, v in moves.items() if v[0] <= 2.0}
 
 
-
 def test_the_expert_mutations_move_a_mixture_of_experts_plan_by_its_experts_and_a_dense_plan_not_at_all():
     """experts_per_rank x2 adds each rank's routed-expert params once more to params, grads and (sharded over the
     expert-DP group of 1) Adam's two states; moe_activations x2 grows train's activations; a dense plan moves by 0."""
@@ -95,6 +94,7 @@ def test_the_expert_mutations_move_a_mixture_of_experts_plan_by_its_experts_and_
     for term in ("experts_per_rank", "moe_activations"):
         mutated = mutated_phases(term, 2.0, dense, run_dir=None)[0]
         assert {k: v.peak_bytes for k, v in mutated.items()} == {k: v.peak_bytes for k, v in unmoved.items()}
+
 
 @pytest.mark.parametrize("kind", sorted(CONSTANTS))
 def test_every_constant_names_its_source(kind):
@@ -135,6 +135,10 @@ def test_check_fails_outside_tolerance_and_passes_inside():
     small = {"p": Measured(peak_bytes=40 * MIB, rise_bytes=4 * MIB, start_bytes=36 * MIB)}
     assert check("x", {"p": Predicted(peak_bytes=40 * MIB + FLOOR_BYTES, rise_bytes=4 * MIB)}, small)["passed"]
     assert not check("x", {"p": Predicted(peak_bytes=41 * MIB + FLOOR_BYTES, rise_bytes=4 * MIB)}, small)["passed"]
+    # a run that measured nothing (the lent GPU's fit read a run still running) confirms nothing
+    assert check("x", {"train": Predicted(peak_bytes=400 * MIB, rise_bytes=200 * MIB)}, {})["failures"] == [
+        "no phase measured"
+    ]
 
 
 def test_the_tolerance_is_the_documented_one():

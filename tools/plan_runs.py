@@ -546,6 +546,8 @@ def check(
             phases[name].update(launch_planned_bytes=bound[name].peak_bytes, bound_ok=bound_ok)
             if not bound_ok:
                 failures.append(f"{name} launch bound")
+    if not phases:  # a run that measured nothing (cut short, or still running) confirms nothing
+        failures.append("no phase measured")
     worst = max(phases, key=lambda n: abs(phases[n]["relative_error"])) if phases else None
     return {
         "config": config,

@@ -153,7 +153,7 @@ class RunningBatch:
         if prompt is None:
             return None
         decoded = self.out_experts[row, : num_generated - 1].permute(1, 0, 2)  # [layers, generated - 1, k]
-        return torch.cat([prompt, decoded], dim=1).cpu()
+        return torch.cat([prompt.cpu(), decoded.cpu()], dim=1)  # the prompt's is on the host, decode's on the device
 
 
 class Scheduler:
