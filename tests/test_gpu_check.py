@@ -68,6 +68,13 @@ def test_every_stage_runs_on_cpu_and_the_report_is_what_the_device_brings_back(t
     assert report["stages"]["moe"]["results"]["phase_peak_bytes"]["train"] > 0
 
 
+def _environ(process) -> dict:
+    try:
+        return process.environ()
+    except (psutil.Error, OSError):  # gone, or not ours to read
+        return {}
+
+
 def test_a_failed_or_late_stage_is_reported_and_the_next_one_still_runs(tmp_path):
     env = _env()
     # no runs yet: fit and sync each fail on their own, and both are reported
@@ -75,15 +82,11 @@ def test_a_failed_or_late_stage_is_reported_and_the_next_one_still_runs(tmp_path
     assert [s["status"] for s in report["stages"].values()] == ["failed", "failed"]
     assert "run_0.5b" in report["stages"]["sync"]["tail"]  # the cause, in the stage's last lines
     # a main job cannot finish in 12 s: it is stopped at its box, and what is left is too little to start another
-    report = gpu_check.check_all(tmp_path / "out", tmp_path, "cpu", 12.0, ["main_0.5b", "sync"], env)
+    marked = dict(env, GPU_CHECK_TEST_MARK=str(tmp_path))  # every process the stage starts inherits it
+    report = gpu_check.check_all(tmp_path / "out", tmp_path, "cpu", 12.0, ["main_0.5b", "sync"], marked)
     assert report["stages"]["main_0.5b"]["status"] == "timed_out"
-    # with the run it started: none outlives its stage to share the device with the next one's
-    left = [
-        p.info["cmdline"]
-        for p in psutil.process_iter(["cmdline"])
-        if str(tmp_path) in " ".join(p.info["cmdline"] or [])
-    ]
-    assert not left, left
+    # with the run it started and the run's ranks: none outlives its stage to share the device with the next one's
+    assert not [p.pid for p in psutil.process_iter() if _environ(p).get("GPU_CHECK_TEST_MARK") == str(tmp_path)]
     assert report["stages"]["sync"]["status"] == "skipped"
 
 
