@@ -430,6 +430,24 @@ def _native_engine_gemms(
     return gemms
 
 
+def moe_dispatch_steps(inp: PlanInputs, moe_layers: int, train: bool) -> int:
+    """Ring steps of megatron-core 0.16's token dispatcher per micro-batch over ``moe_layers`` MoE layers
+    (megatron/core/transformer/moe/token_dispatcher.py; a collective over n ranks takes n - 1 steps, none on one rank:
+    tensor_parallel/mappings.py returns its input). ``alltoall``, forward: preprocess's all-gather of the per-expert
+    counts over expert TP x EP, token_dispatch's all-to-alls of the tokens and of their probs over EP, with expert TP
+    dispatch_postprocess's all-gathers of both and combine_preprocess's reduce-scatter of the output over it, and
+    token_combine's all-to-all back; backward, each differentiable one again (the counts carry no gradient).
+    ``allgather``: the routing map's, the probs' and the tokens' all-gathers over expert TP x EP and the output's
+    reduce-scatter; backward, the probs', the tokens' and the output's again."""
+    a = inp.actor
+    ep, etp, tp_ep = a.ep - 1, inp.expert_tp - 1, a.ep * inp.expert_tp - 1
+    if a.moe_token_dispatcher == "alltoall":
+        forward, backward = tp_ep + 3 * ep + 3 * etp, 3 * ep + 3 * etp
+    else:
+        forward, backward = 4 * tp_ep, 3 * tp_ep
+    return moe_layers * (forward + (backward if train else 0))
+
+
 def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
     """A log-prob pass (``train=False``) or the train step's forwards and backwards, on a rank of ``stage``."""
     s, a = inp.shape, inp.actor
@@ -515,7 +533,8 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
         micro_batch_passes=mb.count * (2 if train else 1),
         link_bytes=_by_link(inp, {"tp": tp_bytes, "pp": pp_bytes, "ep": ep_bytes}),
         bubble=(a.pp - 1) / (mb.count * (a.vpp or 1)),
-        collective_steps=mb.count * (all_reduces * 2 * (a.tp - 1) + p2p * (2 if train else 1)),
+        collective_steps=mb.count
+        * (all_reduces * 2 * (a.tp - 1) + p2p * (2 if train else 1) + moe_dispatch_steps(inp, moe_layers, train)),
     )
     if train:  # the optimizer step: read and write params, grads and states; DP's gradient reduction
         params, expert_params = actor_stage_counts(inp, stage)

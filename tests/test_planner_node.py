@@ -4,6 +4,7 @@ the never-measured CUDA terms in the headroom, and megatron's optimizer CPU offl
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -325,6 +326,7 @@ def _moe_step_groups(rank, world_size, hf_dir, tp, ep):
     project module bound it to, by one that records its ``group`` first."""
     import inspect
     import sys
+    import traceback
 
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
@@ -343,6 +345,8 @@ def _moe_step_groups(rank, world_size, hf_dir, tp, ep):
         named.setdefault(id(getattr(mpu, fn)(**kwargs)), name)
     named[id(dist.group.WORLD)] = "world"
     seen = set()
+    dispatched = {"logprobs": [0, 0], "train": [0, 0]}  # the token dispatcher's collectives: [forward, backward]
+    current = ["logprobs"]
 
     def recording(fn):
         signature = inspect.signature(fn)
@@ -351,6 +355,11 @@ def _moe_step_groups(rank, world_size, hf_dir, tp, ep):
             group = signature.bind(*args, **kwargs).arguments.get("group") or dist.group.WORLD
             if dist.get_world_size(group) > 1:
                 seen.add(named.get(id(group), f"unnamed group of {dist.get_process_group_ranks(group)}"))
+                frames = [(Path(f.filename).name, f.name) for f in traceback.extract_stack()]
+                if any(name == "token_dispatcher.py" for name, _ in frames):
+                    dispatched[current[0]][0] += 1
+                elif ("mappings.py", "backward") in frames:  # an autograd backward of megatron's mappings
+                    dispatched[current[0]][1] += 1
             return fn(*args, **kwargs)
 
         return run
@@ -365,10 +374,11 @@ def _moe_step_groups(rank, world_size, hf_dir, tp, ep):
     ids = torch.randint(0, actor.shape.vocab_size, (4, 16), generator=torch.Generator().manual_seed(rank))
     batch = TokenBatch(input_ids=ids, loss_mask=torch.ones(4, 15), advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
     batch.old_logprobs = actor.compute_logprobs(batch)
+    current[0] = "train"
     actor.train_step(batch, PolicyLoss(PolicyLossConfig()))
     from megatron_backend.memory import unique_storages
 
-    return sorted(seen), actor.optimizer_name, len(unique_storages(actor.states.tensors("optimizer")))
+    return sorted(seen), actor.optimizer_name, len(unique_storages(actor.states.tensors("optimizer"))), dispatched
 
 
 @pytest.mark.parametrize(("tp", "ep"), [(1, 2), (2, 1)])
@@ -381,7 +391,7 @@ def test_every_group_an_moe_step_runs_a_collective_on_is_a_counted_communicator(
     optimizer's shards)."""
     shape = ModelShape.from_pretrained(tiny_model_dirs["qwen3_moe"])
     results = run_ranks(_moe_step_groups, 2, tiny_model_dirs["qwen3_moe"], tp, ep)
-    used, optimizer, _ = results[0]
+    used, optimizer, _, dispatched = results[0]
     assert all(r[:2] == results[0][:2] for r in results)
     plan = make_inputs(
         shape=shape,
@@ -390,7 +400,7 @@ def test_every_group_an_moe_step_runs_a_collective_on_is_a_counted_communicator(
         actor=dict(tp=tp, ep=ep, micro_batch_size=2, moe_aux_loss_coef=1e-3),
         actor_dp=2 // tp,
         distributed_optimizer=optimizer == "megatron-core DistributedOptimizer",
-        sequences_per_step=4,
+        sequences_per_step=4 * (2 // tp),  # each DP rank passed the 4 sequences of its batch
         prompt_tokens=8,
         response_tokens=8,
         ranks_per_node=2,
@@ -404,3 +414,14 @@ def test_every_group_an_moe_step_runs_a_collective_on_is_a_counted_communicator(
 
     local_spec = replace(plan, attention="unfused")  # the ranks ran megatron's local spec on CPU
     assert max(r[2] for r in results) == 3 * _optimizer_tensors(local_spec, 0), [r[2] for r in results]
+    # the token dispatcher's collectives, each over 2 ranks (one ring step): what the step-time model counts per
+    # micro-batch and MoE layer (planner/step_time.py::moe_dispatch_steps, from megatron's token_dispatcher.py)
+    from planner.step_time import moe_dispatch_steps
+
+    moe_layers = sum(shape.is_moe_layer(layer) for layer in range(shape.num_layers))
+    for phase, train in (("logprobs", False), ("train", True)):
+        forward, backward = dispatched[phase]
+        passes = plan.micro_batches(train=train).count
+        assert forward == passes * moe_dispatch_steps(plan, moe_layers, False), (phase, dispatched)
+        if tp == 1:  # on one TP rank every backward of megatron's mappings is the dispatcher's
+            assert forward + backward == passes * moe_dispatch_steps(plan, moe_layers, train), (phase, dispatched)
