@@ -431,7 +431,13 @@ def layer_forward_bytes_per_token(
 
 
 def local_layer_written_bytes_per_token(
-    shape: ModelShape, tp: int, element_bytes: int, backward: bool, sparse: bool = False, etp: int | None = None
+    shape: ModelShape,
+    tp: int,
+    element_bytes: int,
+    backward: bool,
+    sparse: bool = False,
+    etp: int | None = None,
+    routed_copies_ratio: float = 1.0,
 ) -> int:
     """Bytes of the new tensors one decoder layer of megatron's local spec (CPU) makes per token in a forward or a
     backward over packed sequences without padding (every op's outputs that alias no input, kept or not: on CPU
@@ -453,7 +459,11 @@ def local_layer_written_bytes_per_token(
     layer (megatron's router, alltoall dispatcher and SequentialMLP), the dense MLP's terms (5I, 6I) replaced by the
     block's, in bytes, counted the same way on 8 shapes of tiny:qwen3_moe (E experts, top-k, m = the expert's
     intermediate / expert TP), exactly: forward 20kh + 24km + 34E + 28k + 8, backward 12h + 20kh + 32km + 20E + 16k
-    (fp32; the routing's int32, int64 and bool maps included; 16-bit not measured, counted the same)."""
+    (fp32; the routing's int32, int64 and bool maps included; 16-bit not measured, counted the same). Of these,
+    per routed copy the rank's experts received (k per token at balanced routing, k x ``routed_copies_ratio`` on
+    the rank that received the most): forward 20h + 24m + 8, backward 20h + 32m + 12; the rest per token of the
+    rank's micro-batch (two EP ranks' differences over their received copies, two shapes,
+    tests/test_local_layer_count.py)."""
     h, d, t, e = shape.hidden_size, shape.head_dim, tp, element_bytes
     q_heads, kv_heads = shape.num_heads // t, engine_kv_heads_per_rank(shape, t)
     q, kv, inter = q_heads * d, kv_heads * d, 0 if sparse else shape.intermediate_size // t
@@ -483,10 +493,11 @@ def local_layer_written_bytes_per_token(
     moe = 0
     if sparse:
         k, m = shape.moe_top_k, shape.moe_intermediate_size // (etp or t)
-        moe = (
-            12 * h + 20 * k * h + 32 * k * m + 20 * shape.num_experts + 16 * k
+        received = k * routed_copies_ratio  # routed copies per token of the micro-batch
+        moe = round(
+            12 * h + received * (20 * h + 32 * m + 12) + 20 * shape.num_experts + 4 * k
             if backward
-            else 20 * k * h + 24 * k * m + 34 * shape.num_experts + 28 * k + 8
+            else received * (20 * h + 24 * m + 8) + 34 * shape.num_experts + 20 * k + 8
         )
     # forward: the packed attention's five int64 indices per token (megatron_backend/model.py: each token's
     # sequence, its place in it, and their gathers)

@@ -272,8 +272,9 @@ def _actor_forward_flops(inp: PlanInputs, stage: int, tokens: float, span: float
     vocab_rows = megatron_padded_vocab(s.vocab_size, a.tp) // a.tp * s.hidden_size
     if stage == 0:
         params -= vocab_rows  # the embedding is a lookup
-    if experts:  # a token meets its top-k experts of E / ep local ones: k x ep / E of the local expert params
-        params += experts * (s.moe_top_k * a.ep / s.num_experts - 1)
+    if experts:  # a token meets its top-k experts of E / ep local ones: k x ep / E of the local expert params; the
+        # rank whose experts received the most copies (the one the others wait for at the all-to-alls) that many times
+        params += experts * (s.moe_top_k * a.ep / s.num_experts * inp.routed_copies_ratio - 1)
     layers = len(stage_layers(s, a.pp, stage))
     attention = 2 * tokens * span * s.num_heads * s.head_dim / a.tp * layers  # causal: half of 4 t s H d
     return 2 * params * tokens + attention
@@ -470,7 +471,11 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
     tp_bytes = activation * 2 * layers * (2 if train else 1) * 2 * (a.tp - 1) / a.tp
     pp_bytes = activation * (2 if train else 1) if a.pp > 1 else 0
     moe_layers = sum(1 for layer in stage_layer_ids if s.is_moe_layer(layer))
-    ep_bytes = activation * s.moe_top_k * 2 * moe_layers * (2 if train else 1) * (a.ep - 1) / a.ep if a.ep > 1 else 0
+    ep_bytes = (  # the most any rank receives: routed_copies_ratio times balanced routing's
+        activation * s.moe_top_k * inp.routed_copies_ratio * 2 * moe_layers * (2 if train else 1) * (a.ep - 1) / a.ep
+        if a.ep > 1
+        else 0
+    )
     # bytes the pass writes to fresh memory (on CPU each buffer of a page or more is a fresh mapping, faulted in:
     # colocation/host_memory.py): megatron's local layer (CPU), every new tensor of its forward and backward
     # (planner.sizes.local_layer_written_bytes_per_token), the padded attention rows per padded row, the weight
@@ -485,7 +490,13 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
         def layer_writes(backward: bool) -> float:
             per_token = sum(
                 local_layer_written_bytes_per_token(
-                    s, a.tp, e, backward, sparse=s.is_moe_layer(layer), etp=inp.expert_tp
+                    s,
+                    a.tp,
+                    e,
+                    backward,
+                    sparse=s.is_moe_layer(layer),
+                    etp=inp.expert_tp,
+                    routed_copies_ratio=inp.routed_copies_ratio,
                 )
                 for layer in stage_layer_ids
             )
@@ -501,7 +512,14 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
     else:
         kept = sum(
             layer_activation_bytes_per_token(
-                s, a.tp, e, inp.attention, sparse=s.is_moe_layer(layer), etp=a.etp, packed=a.remove_padding
+                s,
+                a.tp,
+                e,
+                inp.attention,
+                sparse=s.is_moe_layer(layer),
+                etp=a.etp,
+                routed_copies_ratio=inp.routed_copies_ratio,
+                packed=a.remove_padding,
             )
             for layer in stage_layer_ids
         )

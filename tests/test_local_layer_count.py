@@ -441,3 +441,71 @@ def test_the_local_moe_layer_written_count_is_what_its_ops_make():
         assert abs(forward - local_layer_written_bytes_per_token(shape, 1, 4, False, sparse=True)) < 1, dims
         counted = local_layer_written_bytes_per_token(shape, 1, 4, True, sparse=True) + layer / 1024
         assert abs(backward - counted) < 1, (dims, backward, counted)
+
+
+def _moe_block_written(rank: int, world_size: int, tokens: int, dims: tuple[int, ...]) -> tuple[int, int, int]:
+    """One MoE block (router, alltoall dispatcher, SequentialMLP) of a WRITTEN_MOE_SHAPES shape at EP ``world_size``:
+    the bytes of the new tensors its forward and its backward make (every op's outputs that alias no input), and the
+    routed copies this rank's experts received."""
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from megatron_backend.model import build_gpt_chunks, moe_kwargs
+    from megatron_backend.parallel import initialize_model_parallel
+
+    shape = _written_shape("qwen3_moe", dims, 1)
+    dims_ = initialize_model_parallel(tp=1, pp=1, vpp=None, ep=world_size)
+    [model] = build_gpt_chunks(shape, dims_, moe=moe_kwargs(shape, dims_))
+    block = next(m.mlp for m in model.modules() if type(m).__name__ == "TransformerLayer")
+    received, written, inside = [], [0], [False]
+    block.experts.register_forward_pre_hook(lambda _, args: received.append(args[0].shape[0]))
+    block.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+    block.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+    block.register_full_backward_pre_hook(lambda *_: inside.__setitem__(0, True))
+    block.register_full_backward_hook(lambda *_: inside.__setitem__(0, False))
+
+    class Written(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if inside[0]:
+                inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)}
+                for t in tree_flatten(out)[0]:
+                    if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in inputs:
+                        written[0] += t.untyped_storage().nbytes()
+            return out
+
+    length = tokens // 4
+    cu = torch.arange(0, tokens + 1, length, dtype=torch.int32)
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=length, max_seqlen_kv=length
+    )
+    ids = torch.randint(0, shape.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(7 * rank + 1))
+    with Written():
+        out = model(ids, torch.arange(length).repeat(4).unsqueeze(0), attention_mask=None, packed_seq_params=params)
+    forward, written[0] = written[0], 0
+    with Written():
+        out.float().sum().backward()
+    return forward, written[0], received[0]
+
+
+def test_the_local_moe_layer_writes_per_routed_copy_it_received():
+    """Uneven routing (EP 2): the rank whose experts received more routed copies writes more, by the count's
+    per-received-copy terms (planner/sizes.py::local_layer_written_bytes_per_token at each rank's
+    routed_copies_ratio; the step-time model's MoE rank at the step's recorded ratio). The two ranks pass as many
+    tokens, so their difference is the received copies' alone; two shapes tell the h and m terms apart."""
+    from planner.sizes import local_layer_written_bytes_per_token
+
+    tokens = 1024
+    for dims in WRITTEN_MOE_SHAPES[1:]:
+        shape = _written_shape("qwen3_moe", dims, 1)
+        (f0, b0, r0), (f1, b1, r1) = run_ranks(_moe_block_written, 2, tokens, dims)
+        assert r0 != r1, "balanced routing tells nothing: another seed"
+        for backward, measured in ((False, f0 - f1), (True, b0 - b1)):
+            # the count per received copy: a token's k copies more between ratios 1 and 2 (whole bytes, no rounding)
+            per_copy = (
+                local_layer_written_bytes_per_token(shape, 1, 4, backward, sparse=True, routed_copies_ratio=2.0)
+                - local_layer_written_bytes_per_token(shape, 1, 4, backward, sparse=True, routed_copies_ratio=1.0)
+            ) / shape.moe_top_k
+            assert measured == per_copy * (r0 - r1), (dims, backward, measured / (r0 - r1), per_copy)
