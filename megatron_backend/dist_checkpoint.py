@@ -33,7 +33,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 
 # megatron-core's distributed-optimizer format that reshards across TP, PP and DP (see the module doc)
 MEGATRON_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_sharded_model_space"}
@@ -229,6 +228,9 @@ def saved_param_dtype(directory: str | Path) -> str | None:
     ``torch_dist`` metadata alone (no megatron, no tensor read); None: no model tensor in it. A run resumed in
     another ``model.dtype`` would otherwise fail inside megatron's load on the 16-bit optimizer's fp32 main
     params (``optimizer.state.fp32_param.*``), which a float32 checkpoint does not have."""
+
+    # first use: at the top torch.distributed.checkpoint (~1 s: DTensor, sympy) would load in every run's launcher
+    from torch.distributed.checkpoint import FileSystemReader
 
     for key, item in FileSystemReader(str(directory)).read_metadata().state_dict_metadata.items():
         properties = getattr(item, "properties", None)  # TensorStorageMetadata; bytes (extra state) have none
