@@ -49,7 +49,6 @@ def _rank_counting_plans(cfg, run_dir: str, *launch) -> int:
 
 
 def test_the_launcher_plans_once_and_the_ranks_use_its_plan(tmp_path, monkeypatch):
-    import run.loop
     import run.main
     import run.memory_plan
 
@@ -66,7 +65,7 @@ def test_the_launcher_plans_once_and_the_ranks_use_its_plan(tmp_path, monkeypatc
         return launches[-1]
 
     monkeypatch.setattr(run.main, "plan_launch", recorded_plan_launch, raising=False)
-    monkeypatch.setattr(run.loop, "run_rank", _rank_counting_plans)
+    monkeypatch.setattr(run.main, "local_rank", _rank_counting_plans)  # what the launcher hands each rank
     run_dir = tmp_path / "run"
     overrides = ["trainer.steps=2", "trainer.sft_warmup_steps=0", "trainer.prompts_per_step=4", "wandb.mode=disabled"]
     overrides += ["actor.micro_batch_size=16", "rollout.gpu_memory_utilization=auto", f"output_dir={tmp_path}"]
