@@ -329,6 +329,28 @@ def _written_shape(family: str, dims: tuple[int, ...], num_layers: int = 4):
     return shape
 
 
+def _fresh_bytes_counter(counting=lambda: True):
+    """A dispatch mode that adds up, while ``counting()`` is true, the bytes of every op's outputs that alias none of
+    its inputs (the new tensors the op writes), in its ``written_bytes``. Built in the rank: torch is imported there."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class FreshBytes(TorchDispatchMode):
+        written_bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if counting():
+                inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)}
+                for t in tree_flatten(out)[0]:
+                    if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in inputs:
+                        self.written_bytes += t.untyped_storage().nbytes()
+            return out
+
+    return FreshBytes()
+
+
 def _written_bytes_per_layer(
     rank: int, world_size: int, family: str, dtype: str, lengths=(256,) * 4, shapes=WRITTEN_SHAPES
 ) -> list[tuple[float, float, int]]:
@@ -338,22 +360,9 @@ def _written_bytes_per_layer(
 
     import torch
     from megatron.core.packed_seq_params import PackedSeqParams
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
 
     from megatron_backend.model import build_gpt_chunks, moe_kwargs
     from megatron_backend.parallel import initialize_model_parallel
-
-    written = [0]
-
-    class Written(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)}
-            for t in tree_flatten(out)[0]:
-                if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in inputs:
-                    written[0] += t.untyped_storage().nbytes()
-            return out
 
     dims = initialize_model_parallel(tp=world_size, pp=1, vpp=None)
     tokens = sum(lengths)
@@ -370,15 +379,12 @@ def _written_bytes_per_layer(
             [model] = build_gpt_chunks(shape, dims, dtype=dtype, moe=moe_kwargs(shape, dims))
             ids = torch.randint(0, shape.vocab_size, (1, tokens))
             positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
-            written[0] = 0
-            with Written():
+            with _fresh_bytes_counter() as forward:
                 y = model(ids, positions, attention_mask=None, packed_seq_params=params)
-            forward = written[0]
-            written[0] = 0
-            with Written():
+            with _fresh_bytes_counter() as backward:
                 y.float().sum().backward()
             layer = sum(p.numel() * p.element_size() for p in model.decoder.layers[0].parameters())
-            per_model[layers] = (forward, written[0], layer)
+            per_model[layers] = (forward.written_bytes, backward.written_bytes, layer)
         (f1, b1, layer), (f2, b2, _) = per_model[1], per_model[2]
         results.append(((f2 - f1) / tokens, (b2 - b1) / tokens, layer))
     return results
@@ -449,8 +455,6 @@ def _moe_block_written(rank: int, world_size: int, tokens: int, dims: tuple[int,
     routed copies this rank's experts received."""
     import torch
     from megatron.core.packed_seq_params import PackedSeqParams
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
 
     from megatron_backend.model import build_gpt_chunks, moe_kwargs
     from megatron_backend.parallel import initialize_model_parallel
@@ -459,22 +463,12 @@ def _moe_block_written(rank: int, world_size: int, tokens: int, dims: tuple[int,
     dims_ = initialize_model_parallel(tp=1, pp=1, vpp=None, ep=world_size)
     [model] = build_gpt_chunks(shape, dims_, moe=moe_kwargs(shape, dims_))
     block = next(m.mlp for m in model.modules() if type(m).__name__ == "TransformerLayer")
-    received, written, inside = [], [0], [False]
+    received, inside = [], [False]
     block.experts.register_forward_pre_hook(lambda _, args: received.append(args[0].shape[0]))
     block.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
     block.register_forward_hook(lambda *_: inside.__setitem__(0, False))
     block.register_full_backward_pre_hook(lambda *_: inside.__setitem__(0, True))
     block.register_full_backward_hook(lambda *_: inside.__setitem__(0, False))
-
-    class Written(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if inside[0]:
-                inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)}
-                for t in tree_flatten(out)[0]:
-                    if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in inputs:
-                        written[0] += t.untyped_storage().nbytes()
-            return out
 
     length = tokens // 4
     cu = torch.arange(0, tokens + 1, length, dtype=torch.int32)
@@ -482,12 +476,11 @@ def _moe_block_written(rank: int, world_size: int, tokens: int, dims: tuple[int,
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=length, max_seqlen_kv=length
     )
     ids = torch.randint(0, shape.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(7 * rank + 1))
-    with Written():
+    with _fresh_bytes_counter(lambda: inside[0]) as forward:  # the block's ops only
         out = model(ids, torch.arange(length).repeat(4).unsqueeze(0), attention_mask=None, packed_seq_params=params)
-    forward, written[0] = written[0], 0
-    with Written():
+    with _fresh_bytes_counter(lambda: inside[0]) as backward:
         out.float().sum().backward()
-    return forward, written[0], received[0]
+    return forward.written_bytes, backward.written_bytes, received[0]
 
 
 def test_the_local_moe_layer_writes_per_routed_copy_it_received():

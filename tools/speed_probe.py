@@ -15,8 +15,8 @@ model scales by a rank's share of the cores, planner.speed.SpeedSpec.compute_str
   ranks spawned as a run's are, with a small matmul between calls as a layer's work, the mean over 1000 (not the median: on
   this 2-vCPU VM a tenth of them wait ~4 ms, a scheduler tick at HZ 250, for a wake-up; the mean is what a
   rollout's thousands pay). It costs ~4 s of process start-up;
-- ``gloo_exchange_bytes_per_s``: the same two ranks each send 16 MiB to the other and receive as much, as the
-  weight sync's transport does (``batch_isend_irecv``: weight_sync/transport.py), the bytes one way over the median
+- ``gloo_exchange_bytes_per_s``: the same two ranks each send 16 MiB to the other and receive as much, with the
+  weight sync's own transport (``TorchP2PTransport``, weight_sync/transport.py), the bytes one way over the median
   of 9 (gloo over loopback on 2 cores sends and receives at ~1.0-1.2 GB/s each way, a third of the copy's rate);
 - ``draw_seconds``: one element of ``exponential_`` over a [64, 16384] fp32 buffer (the native sampler's
   ``torch.multinomial`` draws one per vocab entry of each row: planner/step_time.py).
@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from planner.speed import SpeedSpec
+from weight_sync.transport import TorchP2PTransport
 
 MATMUL_N = 1024
 COPY_BYTES = 64 * 2**20
@@ -165,13 +166,14 @@ def _gloo_rank(calls: int, exchanges: int, out: str) -> None:
     work = time.perf_counter() - start
     peer = 1 - dist.get_rank()
     send, receive = torch.ones(GLOO_EXCHANGE_BYTES // 4), torch.empty(GLOO_EXCHANGE_BYTES // 4)
+    transport = TorchP2PTransport()
     times = []
     for _ in range(exchanges + 1):  # the first warms the buffers
         dist.barrier()
         start = time.perf_counter()
-        ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, receive, peer)]
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
+        transport.submit_send(send, peer)  # as the weight sync moves a bucket
+        transport.submit_recv(receive, peer)
+        transport.run()
         times.append(time.perf_counter() - start)
     if dist.get_rank() == 0:
         rates = {
