@@ -407,6 +407,14 @@ class Family:
         """(part, ``weight`` / ``bias``) of one layer in vLLM's order: per vLLM module, its parts' weights, then
         their biases (only q/k/v have one, when ``qkv_bias``). ``sparse``: an MoE layer (router and experts in
         place of the dense MLP)."""
+        # the same two answers for every layer of every plan (make tune plans thousands): made once, a copy handed out
+        made = self.__dict__.setdefault("_layer_parts_made", {})
+        key = (bool(qkv_bias), bool(sparse))
+        if key not in made:
+            made[key] = self._make_layer_parts(*key)
+        return list(made[key])
+
+    def _make_layer_parts(self, qkv_bias: bool, sparse: bool) -> list[tuple[Part, str]]:
         if sparse and not self.moe:
             raise ValueError(f"family {self.model_type} has no MoE layers")
         mlp = MOE_PART_NAMES if sparse else tuple(p.name for p in DENSE_MLP_PARTS)

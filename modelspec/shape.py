@@ -7,6 +7,7 @@ The families it accepts, their tensors and quirks, are data in :mod:`modelspec.f
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,6 +209,10 @@ class ModelShape:
 
     def param_count(self) -> int:
         """Parameters of the full (unsharded) model."""
+        return self._param_count
+
+    @functools.cached_property  # the shape is frozen; make tune asks once per layout (~50k for a 30B MoE)
+    def _param_count(self) -> int:
         h, v = self.hidden_size, self.vocab_size
         embeddings = v * h * (1 if self.tie_word_embeddings else 2)
         sizes = full_sizes(self)
