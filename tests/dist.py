@@ -27,7 +27,6 @@ RANK_THREADS_ENV = "RLMEM_TEST_RANK_THREADS"
 PRELOAD = [
     "torch",
     "torch.distributed",
-    "megatron_backend",  # before megatron.core: its import hook defers megatron's torch.compile decorators
     "megatron.core",
     "megatron.core.models.gpt",
     "megatron.core.optimizer",
