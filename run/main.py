@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def local_rank(cfg: RunConfig, run_dir: str, launch: LaunchPlan) -> int:
     """A spawned rank's entry. The loop is imported here, in the ranks, so the launcher never loads megatron-core
-    and transformers (~4.5 s of CPU): the ranks load them at once instead of waiting for the launcher to first."""
+    (~4.5 s of CPU): the ranks load it at once instead of waiting for the launcher to load it first."""
     from run.loop import run_rank
 
     return run_rank(cfg, run_dir, launch)
