@@ -19,18 +19,21 @@ a plain host tensor, not torch's caching host allocator, which rounds up to powe
 registered once, at the first offload, and kept for the run: every later offload/onload of the same
 storage copies into and out of the same buffer (registering pins and maps every page: ~57 GB per rank per
 step for qwen32b_8xh100 if redone each time). So on CUDA the ledger's ``host/<tag>`` stays at the pinned
-bytes after onload, as the host really holds them; :meth:`StorageOffloader.release_host` unregisters. On CPU the "device" already is host memory, so the
-host tier is a file-backed shared mapping (a temp file in ``offload_dir``, i.e. the page cache): the
-bytes are copied there, and back, in chunks of ``CPU_COPY_CHUNK_BYTES``, each chunk's pages dropped from
-this process right after (``MADV_DONTNEED``; the page cache keeps the bytes, no ``msync`` needed), so
-the copy never maps more than one chunk into the process; ``malloc_trim`` hands the freed original
-back to the OS, so process RSS really drops by what was offloaded.
+bytes after onload, as the host really holds them;
+:meth:`StorageOffloader.release_host` unregisters. On CPU the "device" already is host memory, so the
+host tier is one temporary file per offload (in ``offload_dir``: the page cache), every storage at its own
+offset, written with ``pwrite`` and read back with ``preadv`` straight into the re-grown storage: nothing is
+ever mapped into this process, and ``malloc_trim`` hands the freed original back to the OS, so process RSS
+really drops by what was offloaded. One file and plain writes, not a file and a shared mapping per storage:
+an optimizer's ~100 small storages cost 0.24 ms each to create and map, and page faults into a mapped
+file of a few MiB run at half the rate of a ``write`` (docs/plan-validation.md, 2026-11-30).
 """
 
 from __future__ import annotations
 
 import contextlib
-import mmap
+import ctypes
+import os
 import tempfile
 
 import torch
@@ -39,7 +42,7 @@ from colocation.host_memory import release_freed_host_memory
 from colocation.phases import ACTOR_STATE
 
 TAGS = ACTOR_STATE  # the step's names for the actor's state (colocation/phases.py)
-CPU_COPY_CHUNK_BYTES = 4 << 20  # a multiple of the page size: what one CPU host copy maps at a time
+CPU_IO_BYTES = 1 << 30  # the most one pwrite/preadv moves (Linux stops a single call near 2 GiB)
 
 
 class MemoryLedger:
@@ -135,37 +138,57 @@ def unpin(host: torch.Tensor | None, cudart=None) -> None:
         raise RuntimeError(f"cudaHostUnregister failed with cudaError {int(err)}")
 
 
+def _bytes_of(view: torch.Tensor) -> memoryview:
+    """The bytes of ``view`` ([nbytes] uint8, CPU) as a memoryview over its memory. Not ``view.numpy()``: sharing a
+    storage with numpy marks it not resizable, and the offload resizes it to 0."""
+    return memoryview((ctypes.c_ubyte * view.numel()).from_address(view.data_ptr())).cast("B")
+
+
+class HostFile:
+    """CPU's host tier for one offload: a temporary file (the page cache) holding each storage at its own offset,
+    written and read with plain ``pwrite`` / ``preadv`` calls, so none of it is ever mapped into this process."""
+
+    def __init__(self, offload_dir: str | None = None):
+        self._file = tempfile.TemporaryFile(dir=offload_dir, prefix="actor-offload-")
+        self.nbytes = 0
+
+    def append(self, view: torch.Tensor) -> int:
+        """Write ``view`` ([nbytes] uint8) at the end of the file; returns its offset."""
+        offset, data = self.nbytes, _bytes_of(view)
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self._file.fileno(), data[done : done + CPU_IO_BYTES], offset + done)
+        self.nbytes += len(data)
+        return offset
+
+    def read_into(self, view: torch.Tensor, offset: int) -> None:
+        """Fill ``view`` ([nbytes] uint8) from the bytes written at ``offset``."""
+        data, done = _bytes_of(view), 0
+        while done < len(data):
+            read = os.preadv(self._file.fileno(), [data[done : done + CPU_IO_BYTES]], offset + done)
+            if read == 0:
+                raise EOFError(f"the offload file ends {len(data) - done} bytes short of a storage at {offset}")
+            done += read
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class HostCopy:
     """The bytes of one storage while offloaded: pinned memory on CUDA (kept across offloads: :meth:`refill`),
-    a file-backed mapping on CPU (``pin=True`` takes the CUDA path anywhere, for tests with a stub ``cudart``)."""
+    a slice of the offload's :class:`HostFile` on CPU (``pin=True`` takes the CUDA path anywhere, for tests with a
+    stub ``cudart``)."""
 
-    def __init__(self, view: torch.Tensor, offload_dir: str | None = None, pin: bool | None = None, cudart=None):
+    def __init__(self, view: torch.Tensor, host_file: HostFile | None = None, pin: bool | None = None, cudart=None):
         # view: [nbytes] uint8 over the storage being offloaded
         self.nbytes = view.numel()
         self.pinned = view.device.type == "cuda" if pin is None else pin
         self._cudart = cudart
-        self._file = self._mmap = None
         if self.pinned:
             self._host = pinned_empty(self.nbytes, cudart=cudart)
             self._host.copy_(view)
             return
-        self._file = tempfile.TemporaryFile(dir=offload_dir, prefix="actor-offload-")
-        self._file.truncate(max(self.nbytes, 1))
-        self._mmap = mmap.mmap(self._file.fileno(), max(self.nbytes, 1), flags=mmap.MAP_SHARED)
-        self._copy_chunks(src=view, to_host=True)
-
-    def _copy_chunks(self, src: torch.Tensor, to_host: bool) -> None:
-        """CPU: copy between ``src`` ([nbytes] uint8) and the mapping one chunk at a time, dropping each
-        chunk's pages from this process after it (the file, i.e. the page cache, keeps the bytes)."""
-        host = torch.frombuffer(self._mmap, dtype=torch.uint8, count=self.nbytes)
-        for start in range(0, self.nbytes, CPU_COPY_CHUNK_BYTES):
-            chunk = slice(start, min(start + CPU_COPY_CHUNK_BYTES, self.nbytes))
-            if to_host:
-                host[chunk].copy_(src[chunk])
-            else:
-                src[chunk].copy_(host[chunk])
-            self._mmap.madvise(mmap.MADV_DONTNEED, start, chunk.stop - start)
-        del host
+        self._file, self._offset = host_file, host_file.append(view)
 
     def refill(self, view: torch.Tensor) -> None:
         """Pinned only: copy ``view`` into the buffer already registered (no new registration)."""
@@ -175,15 +198,12 @@ class HostCopy:
         if self.pinned:
             view.copy_(self._host, non_blocking=True)
             return
-        self._copy_chunks(src=view, to_host=False)
+        self._file.read_into(view, self._offset)
 
     def free(self) -> None:
-        if self.pinned:
-            unpin(self._host, cudart=self._cudart)
-            self._host = None
-            return
-        self._mmap.close()
-        self._file.close()
+        """Pinned only: unregister the buffer (a CPU copy goes with its offload's file)."""
+        unpin(self._host, cudart=self._cudart)
+        self._host = None
 
 
 class StorageOffloader:
@@ -200,7 +220,7 @@ class StorageOffloader:
     ):
         self.tag = tag
         self.ledger = ledger
-        self.offload_dir = offload_dir  # CPU only: where the file-backed host copies live (None: $TMPDIR)
+        self.offload_dir = offload_dir  # CPU only: where an offload's host file lives (None: $TMPDIR)
         # False (grads): the next use zeroes the tensors first, so offload only releases the storages and
         # onload hands them back zeroed; nothing crosses to the host either way
         self.keep_contents = keep_contents
@@ -208,6 +228,7 @@ class StorageOffloader:
         self._saved: list[tuple[torch.UntypedStorage, HostCopy | int]] = []
         # pinned host buffers, one per storage in offload order, registered once and reused every offload
         self._pinned: list[HostCopy] = []
+        self._host_file: HostFile | None = None  # CPU: the current offload's file, closed by the onload
 
     @property
     def offloaded(self) -> bool:
@@ -227,7 +248,10 @@ class StorageOffloader:
                     host = self._pinned[i]  # registered at an earlier offload: reuse it
                     host.refill(view)
                 else:
-                    host = HostCopy(view, self.offload_dir, pin=self.pin, cudart=self.cudart)
+                    pin = view.device.type == "cuda" if self.pin is None else self.pin
+                    if not pin and self._host_file is None:
+                        self._host_file = HostFile(self.offload_dir)
+                    host = HostCopy(view, self._host_file, pin=pin, cudart=self.cudart)
                     if host.pinned:
                         self._keep_pinned(i, host)
                         self.ledger.set(self.tag, host_bytes=self.ledger.host_bytes[self.tag] + nbytes)
@@ -264,9 +288,9 @@ class StorageOffloader:
             self.ledger.set(self.tag, resident_bytes=self.ledger.resident_bytes[self.tag] + nbytes)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        for _, host in self._saved:
-            if isinstance(host, HostCopy) and not host.pinned:
-                host.free()  # CPU: the file mapping goes; pinned buffers stay registered for the next offload
+        if self._host_file is not None:  # CPU: the file goes; pinned buffers stay registered for the next offload
+            self._host_file.close()
+            self._host_file = None
         self._saved = []
         self.ledger.set(self.tag, host_bytes=sum(h.nbytes for h in self._pinned))
         if not torch.cuda.is_available():

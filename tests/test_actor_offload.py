@@ -114,8 +114,6 @@ def _write_wide_checkpoint(path):
 
 
 def test_offload_onload_bit_exact_and_measured(tiny_model_dirs, tmp_path):
-    from megatron_backend.memory import CPU_COPY_CHUNK_BYTES
-
     wide_dir = _write_wide_checkpoint(tmp_path / "wide")
     out = run_ranks(_offload_checks, 1, tiny_model_dirs["qwen2"], wide_dir, str(tmp_path / "trained"))[0]
     assert all(out["released"][tag] > 0 for tag in TAGS), out["released"]
@@ -131,13 +129,13 @@ def test_offload_onload_bit_exact_and_measured(tiny_model_dirs, tmp_path):
         # the original storage is really gone: RSS drops by at least 90% of what the offload says it moved (and
         # not much more: the allocator may hand back a few other free pages at the same time)
         assert 0.9 * row["released_bytes"] <= row["rss_drop_bytes"] <= row["released_bytes"] + (16 << 20), (tag, row)
-        if out["tracks_peak"]:  # the copy to the host tier maps one chunk at a time
-            assert row["peak_over_start_bytes"] <= CPU_COPY_CHUNK_BYTES + slack, (tag, row)
+        if out["tracks_peak"]:  # the copy to the host tier (pwrite into a file) maps nothing into the process
+            assert row["peak_over_start_bytes"] <= slack, (tag, row)
     onload = out["wide_onload"]
     assert onload["restored_bytes"] == sum(r["released_bytes"] for r in out["wide_rss"].values())
     assert abs(onload["rss_growth_bytes"] - onload["restored_bytes"]) <= 0.1 * onload["restored_bytes"], onload
     if out["tracks_peak"]:
-        assert onload["peak_over_end_bytes"] <= CPU_COPY_CHUNK_BYTES + slack, onload
+        assert onload["peak_over_end_bytes"] <= slack, onload
     from transformers import AutoModelForCausalLM
 
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "trained", dtype=torch.float32).eval()

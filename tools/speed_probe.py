@@ -6,7 +6,9 @@ model scales by a rank's share of the cores, planner.speed.SpeedSpec.compute_str
 - ``memory_bytes_per_s``: a 64 MiB copy into a buffer that already exists, its bytes read plus written; the links
   between ranks (on CPU copies in memory): the same copy's bytes;
 - ``fresh_bytes_per_s``: 64 MiB written into a new buffer (a fresh mapping on CPU: its page faults), freed after;
-  the host link too, since an offload or onload on CPU copies into a fresh file mapping or storage;
+- ``host_bytes_per_s``: a 64 MiB storage offloaded and onloaded as the actor's offloader does
+  (``megatron_backend.memory.HostCopy``: a ``pwrite`` into a temp file, the storage released, grown again and
+  filled by a ``preadv``), its bytes both ways over the round trip's median time;
 - ``gemm_seconds_per_weight_byte``: per dtype and row count (1 to 256), one ``F.linear`` of [rows, 512] by a
   [768, 512] weight (an expert's gate and up; a decode step's rows), cycling through 96 MiB of weights (more than
   this machine's last-level cache: each is read from memory), its seconds over the weight's bytes;
@@ -36,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_backend.memory import HostCopy, HostFile
 from planner.speed import SpeedSpec
 from weight_sync.transport import TorchP2PTransport
 
@@ -50,6 +53,7 @@ GLOO_ROWS = (8, 512)  # fp32: a decode step's hidden rows, what the native engin
 GLOO_CALLS = 1000  # the mean of 400 moved by +-25% between probes a minute apart; of 1000, by +-10%
 GLOO_EXCHANGE_BYTES = 16 * 2**20  # each way: a weight sync bucket's size (weight_sync.bucket_mb's scale)
 GLOO_EXCHANGES = 9
+HOST_BYTES = 64 * 2**20
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -89,6 +93,7 @@ def _measure() -> SpeedSpec:
             torch.add(x, y, out=out)
 
     op = _median_seconds(small_ops, 5) / SMALL_OPS
+    host = measure_host_round_trip()
     gloo = measure_gloo()
     noise = torch.empty(DRAWS)
     draw = _median_seconds(noise.exponential_, 5) / noise.numel()
@@ -99,7 +104,7 @@ def _measure() -> SpeedSpec:
         flops_per_s=flops,
         memory_bytes_per_s=2 * copy,  # a copy reads and writes
         fresh_bytes_per_s=fresh,
-        host_bytes_per_s=fresh,  # an offload or onload copies into a fresh allocation (a file mapping, a storage)
+        host_bytes_per_s=host,
         intra_node_bytes_per_s=copy,
         inter_node_bytes_per_s=copy,
         op_seconds=op,
@@ -131,6 +136,22 @@ def _gemm_seconds_per_weight_byte(dtype: torch.dtype) -> dict[int, float]:
 
         table[rows] = _median_seconds(through_ring, 3) / (len(ring) * weight_bytes)
     return table
+
+
+def measure_host_round_trip(repeats: int = 5) -> float:
+    """Bytes per second both ways of the actor's CPU offload and onload of one :data:`HOST_BYTES` storage (the
+    offloader's copies; not its ``malloc_trim``, whose ``gc.collect`` a run's frozen heap makes cheap)."""
+    storage = torch.ones(HOST_BYTES // 4).untyped_storage()
+
+    def round_trip() -> None:
+        host_file = HostFile()
+        host = HostCopy(torch.empty(0, dtype=torch.uint8).set_(storage), host_file)
+        storage.resize_(0)
+        storage.resize_(host.nbytes)
+        host.copy_to(torch.empty(0, dtype=torch.uint8).set_(storage))
+        host_file.close()
+
+    return 2 * HOST_BYTES / _median_seconds(round_trip, repeats)
 
 
 def measure_gloo(calls: int = GLOO_CALLS, exchanges: int = GLOO_EXCHANGES) -> dict[str, float]:
