@@ -32,7 +32,7 @@ class SpeedSpec:
     kind: str  # "cuda" | "cpu"
     flops_per_s: dict[str, float]
     memory_bytes_per_s: float
-    host_bytes_per_s: float  # device <-> host (PCIe); on CPU a copy in memory
+    host_bytes_per_s: float  # device -> host, an offload (PCIe); on CPU the offload's write into its host file
     intra_node_bytes_per_s: float  # between two ranks of a node (NVLink; CPU: a copy in memory)
     inter_node_bytes_per_s: float  # between nodes, per GPU (InfiniBand)
     op_seconds: float
@@ -42,12 +42,20 @@ class SpeedSpec:
     # bytes/s written into fresh allocations; None: ``memory_bytes_per_s`` (CUDA's caching allocator hands back
     # blocks already mapped; a CPU buffer of a page or more is a fresh mapping, faulted in: colocation/host_memory.py)
     fresh_bytes_per_s: float | None = None
+    # host -> device, an onload; None: ``host_bytes_per_s`` (PCIe runs as fast both ways). CPU: the onload's read
+    # back into the storage grown again (tools/speed_probe.py), slower than the write out: its pages are fresh
+    host_in_bytes_per_s: float | None = None
     # CPU: one 2-rank gloo all-reduce of a decode step's rows (16 KiB), mean over many with a layer's work between,
     # the wake-ups it waits for included (tools/speed_probe.py); None: not measured (CUDA: NCCL)
     gloo_all_reduce_seconds: float | None = None
     # CPU: bytes one rank sends (and as many it receives at once) per second when two gloo ranks exchange 16 MiB,
     # as the weight sync's transport does (tools/speed_probe.py); None: not measured (CUDA: NCCL over the link)
     gloo_exchange_bytes_per_s: float | None = None
+    # CPU: bytes one rank sends per second in a 2-rank gloo reduce-scatter of a 64 MiB fp32 buffer (half of it), and
+    # in an all-gather into one (tools/speed_probe.py): megatron's DP gradient reduction and param gather (gloo's are
+    # ~0.3 and ~0.45 GB/s here, a twentieth of a copy); None: not measured (CUDA: NCCL over the link)
+    gloo_reduce_scatter_bytes_per_s: float | None = None
+    gloo_all_gather_bytes_per_s: float | None = None
     cores: int = 0  # CPU: the cores the node's ranks share (0: not a CPU)
     # CPU: seconds per weight byte of one torch ``F.linear`` of [rows, in] by an [out, in] weight read from memory
     # (not from cache), by dtype and row count (tools/speed_probe.py): a skinny GEMM (a decode step's, one expert's
@@ -63,16 +71,16 @@ class SpeedSpec:
             raise ValueError(f"speed {self.name!r}: every rate and op_seconds must be > 0")
         if self.fresh_bytes_per_s is not None and self.fresh_bytes_per_s <= 0:
             raise ValueError(f"speed {self.name!r}: fresh_bytes_per_s={self.fresh_bytes_per_s} must be > 0")
-        if self.gloo_exchange_bytes_per_s is not None and self.gloo_exchange_bytes_per_s <= 0:
-            raise ValueError(
-                f"speed {self.name!r}: gloo_exchange_bytes_per_s={self.gloo_exchange_bytes_per_s} must be > 0 "
-                "(None: not measured)"
-            )
-        if self.gloo_all_reduce_seconds is not None and self.gloo_all_reduce_seconds <= 0:
-            raise ValueError(
-                f"speed {self.name!r}: gloo_all_reduce_seconds={self.gloo_all_reduce_seconds} must be > 0 (None: "
-                "not measured)"
-            )
+        for name in (
+            "host_in_bytes_per_s",
+            "gloo_exchange_bytes_per_s",
+            "gloo_all_reduce_seconds",
+            "gloo_reduce_scatter_bytes_per_s",
+            "gloo_all_gather_bytes_per_s",
+        ):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"speed {self.name!r}: {name}={value} must be > 0 (None: not measured)")
         if self.draw_seconds is not None and self.draw_seconds <= 0:
             raise ValueError(
                 f"speed {self.name!r}: draw_seconds={self.draw_seconds} must be > 0 (None: a CUDA device's)"
@@ -94,6 +102,11 @@ class SpeedSpec:
     def fresh_write_bytes_per_s(self) -> float:
         """Bytes/s written into fresh allocations (``fresh_bytes_per_s``, else the memory bandwidth)."""
         return self.fresh_bytes_per_s or self.memory_bytes_per_s
+
+    @property
+    def onload_bytes_per_s(self) -> float:
+        """Bytes/s of an onload, host to device (``host_in_bytes_per_s``, else ``host_bytes_per_s``)."""
+        return self.host_in_bytes_per_s or self.host_bytes_per_s
 
     @property
     def seconds_per_draw(self) -> float:

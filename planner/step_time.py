@@ -8,17 +8,21 @@ counted from the model's shape, the layouts and the batch (:class:`PhaseWork`):
   one forward more; the train phase runs ``trainer.ppo_epochs`` train steps. The engine runs every prompt token
   once (prefill) and every response token once (decode); its lm_head only where it samples.
 - ``memory_bytes``: bytes read or written in memory already mapped that no FLOP count sees: every decode step reads
-  the engine's weights and the KV cache its sequences have written; the optimizer step reads and writes its states.
+  the engine's weights and the KV cache its sequences have written; the optimizer step reads and writes its states
+  (on CPU torch's AdamW, op by op: :func:`torch_adamw_bytes_per_param`); DDP scales the grads before reducing them.
 - ``fresh_bytes``: bytes written into fresh allocations (on CPU each buffer of a page or more is a fresh mapping,
   faulted in): an actor pass's activations and logits, a wake's weights and KV cache, the grads handed back zeroed.
 - ``vocab_bytes``: bytes through the elementwise passes over [rows, V] fp32 logits (:func:`sampler_bytes_per_logit`,
   :func:`logprob_bytes_per_logit`, counted from the kernels), and ``draws``, the native sampler's random draws.
-- ``host_bytes``: what an offload or onload copies over the host link (its state's bytes, the memory plan's sizes);
+- ``host_bytes``, ``host_in_bytes``: what an offload copies out over the host link, and an onload in (its state's
+  bytes, the memory plan's sizes);
   ``host_storages``: the storages an offload copies out, each to its own host buffer.
 - ``link_bytes``: per link (``intra_node``, ``inter_node``), what one rank sends in collectives: TP's 4 all-reduces
   per layer in train (2 forward, 2 backward; 2 in a forward) of tokens x h, PP's activation sends, EP's all-to-all of
-  the routed copies (dispatch and combine), DP's gradient reduction, the reference check's gather; in rollout
-  the engine's TP all-reduces and, where vLLM's MoE layers span its replicas, their all-gather and reduce-scatter.
+  the routed copies (dispatch and combine), DP's gradient all-reduce (no distributed optimizer), the reference
+  check's gather; in rollout the engine's TP all-reduces and, where vLLM's MoE layers span its replicas, their
+  all-gather and reduce-scatter. ``reduce_scatter_bytes``, ``all_gather_bytes``: the distributed optimizer's DP fp32
+  grads reduce-scattered and params gathered after the step (on CPU at gloo's measured rates, else over the link).
   ``exchange_bytes``: the weight sync's engine weights sent and received point to point (on CPU at gloo's measured
   exchange rate, else over the link).
 - ``ops``: fixed costs by kind, in units of the device's ``op_seconds``: an actor layer's forward and backward (their
@@ -29,9 +33,10 @@ counted from the model's shape, the layouts and the batch (:class:`PhaseWork`):
 seconds = flops / (peak x compute_efficiency) + draws x draw_seconds
           + (memory_bytes / bandwidth + fresh_bytes / fresh bandwidth) / memory_efficiency
           + vocab_bytes / (bandwidth x vocab_pass_efficiency)
-          + sum ops x op_seconds x its factor + host_bytes / (host link x host_efficiency)
+          + sum ops x op_seconds x its factor + (host_bytes / host link + host_in_bytes / its way in) / host_efficiency
           + sum link_bytes / (link x link_efficiency) + collective_steps x op_seconds x collective_step_ops
           + exchange_bytes / the probe's gloo exchange rate (CPU; else with link_bytes)
+          + reduce_scatter_bytes, all_gather_bytes / the probe's gloo rate of each (CPU; else with link_bytes)
           + gloo_steps x the probe's 2-rank gloo all-reduce / 2
             (CPU: the native engine's collectives, measured, not stretched by the cores' oversubscription)
 
@@ -101,6 +106,7 @@ COLUMN_CONSTANT = {
     "collective_ops": "collective_step_ops",
     "gloo": None,  # a measured rate (SpeedSpec.gloo_all_reduce_seconds): nothing to fit
     "exchange": None,  # a measured rate (SpeedSpec.gloo_exchange_bytes_per_s): nothing to fit
+    "buckets": None,  # measured rates (SpeedSpec.gloo_reduce_scatter_bytes_per_s, ...): nothing to fit
     "storage_ops": "host_storage_ops",
     "actor_ops": "actor_op_factor",
     "actor_backward_ops": "actor_backward_op_factor",
@@ -121,6 +127,7 @@ COLUMN_TERM = {
     "collective_ops": "link",
     "gloo": "link",
     "exchange": "link",
+    "buckets": "link",
     "storage_ops": "host",
     "plain_ops": "tensor_ops",
 }
@@ -142,7 +149,8 @@ class PhaseWork:
     fresh_bytes: float = 0.0  # written into fresh allocations (SpeedSpec.fresh_bytes_per_s: CPU's page faults)
     vocab_bytes: float = 0.0  # through the elementwise passes over [rows, V] fp32 logits (their exp)
     draws: float = 0.0  # the sampler's random draws (SpeedSpec.draw_seconds each)
-    host_bytes: float = 0.0
+    host_bytes: float = 0.0  # out to the host: an offload (and on CUDA the reference check's copies)
+    host_in_bytes: float = 0.0  # in from the host: an onload
     # torch F.linear GEMMs by row count: {rows: weight bytes multiplied at that count} (their FLOPs and weight
     # reads are in neither ``flops`` nor ``memory_bytes``): SpeedSpec.gemm_seconds_per_byte where measured
     gemms: dict[float, float] = field(default_factory=dict)
@@ -158,6 +166,12 @@ class PhaseWork:
     # CPU at the probe's measured gloo exchange (SpeedSpec.gloo_exchange_bytes_per_s: ~1.1 GB/s each way, a third of
     # a copy), else over the link as the collectives' bytes
     exchange_bytes: dict[str, float] = field(default_factory=dict)
+    # the distributed optimizer's bucket collectives per link, the bytes one rank sends: DP's reduce-scatter of the
+    # fp32 grads and the params' all-gather after the step. On CPU at gloo's measured rates for each
+    # (SpeedSpec.gloo_reduce_scatter_bytes_per_s, gloo_all_gather_bytes_per_s: a twentieth of a copy), else over
+    # the link as the collectives' bytes
+    reduce_scatter_bytes: dict[str, float] = field(default_factory=dict)
+    all_gather_bytes: dict[str, float] = field(default_factory=dict)
     host_storages: float = 0.0  # storages an offload copies out (CPU: a file created, sized and mapped for each)
     actor_ops: float = 0.0  # forward
     actor_backward_ops: float = 0.0  # autograd's: each op's node is also the engine's to schedule
@@ -278,6 +292,23 @@ def _actor_forward_flops(inp: PlanInputs, stage: int, tokens: float, span: float
     layers = len(stage_layers(s, a.pp, stage))
     attention = 2 * tokens * span * s.num_heads * s.head_dim / a.tp * layers  # causal: half of 4 t s H d
     return 2 * params * tokens + attention
+
+
+def torch_adamw_bytes_per_param(element_bytes: int, weight_decay: bool) -> tuple[int, int]:
+    """(bytes read or written in mapped memory, bytes written into fresh tensors) per shard parameter of one step of
+    torch's AdamW, megatron's optimizer without Transformer Engine or apex (megatron/core/optimizer/__init__.py),
+    on fp32 masters and fp32 grads. On CPU torch runs it tensor by tensor (foreach kernels are for cuda, xpu and mtia:
+    torch/utils/_foreach_utils.py), each op a pass (torch/optim/adam.py::_single_tensor_adam, torch 2.13): with
+    weight decay ``param.mul_`` (8); ``exp_avg.lerp_(grad)`` (reads m and g, writes m: 12); ``exp_avg_sq.mul_`` (8)
+    and ``.addcmul_(grad, grad)`` (12); ``exp_avg_sq.sqrt()`` (reads 4, writes a new tensor) and its division (reads
+    4, writes another); ``.add_(eps)`` (8); ``param.addcdiv_(exp_avg, denom)`` (reads three, writes one: 16). A 16-bit
+    model then takes its params from the masters (megatron's ``_copy_main_params_to_model_params``: reads 4, writes
+    e)."""
+    f = FP32_BYTES
+    mapped = (2 * f if weight_decay else 0) + 3 * f + 2 * f + 3 * f + f + f + 2 * f + 4 * f
+    if element_bytes < f:
+        mapped += f + element_bytes
+    return mapped, 2 * f
 
 
 def sampler_bytes_per_logit(engine: str, element_bytes: int) -> int:
@@ -561,7 +592,16 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
             n * (2 * e + optimizer_bytes_per_param(e)) / shard
             for n, shard in optimizer_shards(inp, params, expert_params)
         )
-        work.memory_bytes += 2 * state_bytes
+        if inp.on_cuda:  # a fused Adam (TE's or apex's): one pass over each param's bytes, read and written
+            work.memory_bytes += 2 * state_bytes
+        else:  # torch's AdamW, tensor by tensor, over each rank's shard
+            mapped, fresh = torch_adamw_bytes_per_param(e, inp.actor.weight_decay > 0)
+            shard_params = sum(n / shard for n, shard in optimizer_shards(inp, params, expert_params))
+            work.memory_bytes += shard_params * mapped
+            work.fresh_bytes += shard_params * fresh
+        if inp.actor_dp > 1:  # DDP scales every local fp32 grad by 1 / dp before reducing it (read and written;
+            # param_and_grad_buffer.py's start_grad_sync, the experts' buffer by 1 / dp too)
+            work.memory_bytes += params * 2 * FP32_BYTES
         work.param_tensors += _optimizer_tensors(inp, stage)
         # DP's gradient reduction (megatron DDP, grad_reduce_in_fp32: megatron_backend/actor_train.py): the fp32 main
         # grads of the dense params over DP, of the routed experts over the expert-DP group (planner.plan's
@@ -569,11 +609,15 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
         # distributed optimizer a reduce-scatter and, after the step, an all-gather of the params in their dtype:
         # (n - 1) / n of the bucket each, n - 1 steps each. The expert-DP group strides the experts' TP x EP: it
         # spans what DP's does
-        grad_bytes = FP32_BYTES + e if inp.distributed_optimizer else 2 * FP32_BYTES  # per param and ring pass
         for count, n in ((params - expert_params, inp.actor_dp), (expert_params, inp.expert_dp)):
             if n == 1 or not count:
                 continue
-            _add_by_key(work.link_bytes, _by_link(inp, {"dp": count * grad_bytes * (n - 1) / n}))
+            sent = count * (n - 1) / n
+            if inp.distributed_optimizer:
+                _add_by_key(work.reduce_scatter_bytes, _by_link(inp, {"dp": sent * FP32_BYTES}))
+                _add_by_key(work.all_gather_bytes, _by_link(inp, {"dp": sent * e}))
+            else:
+                _add_by_key(work.link_bytes, _by_link(inp, {"dp": sent * 2 * FP32_BYTES}))
             work.collective_steps += math.ceil(count / max(40_000_000, 1_000_000 * n)) * 2 * (n - 1)
         if inp.actor_dp > 1:  # the grad norm's all-reduce
             work.collective_steps += 2 * (inp.actor_dp - 1)
@@ -674,7 +718,8 @@ def reference_check_work(inp: PlanInputs) -> PhaseWork:
 
 def _summed(*parts: tuple[PhaseWork, float]) -> PhaseWork:
     """``parts``, each (work, times), run one after another on one rank; the first one's bubble (a fraction)."""
-    by_key = ("link_bytes", "exchange_bytes", "gemms")  # {link: bytes}, {link: bytes}, {rows: weight bytes}
+    # {link: bytes} each, {rows: weight bytes}
+    by_key = ("link_bytes", "exchange_bytes", "reduce_scatter_bytes", "all_gather_bytes", "gemms")
     counts = {
         f.name: sum(getattr(work, f.name) * times for work, times in parts)
         for f in fields(PhaseWork)
@@ -750,8 +795,11 @@ def phase_work(plan: Plan, lengths: StepLengths | None = None) -> dict[str, Phas
             if state == "actor_grads":  # released, handed back zeroed, never copied (megatron_backend/actor_offload.py)
                 work.fresh_bytes += state_bytes[state] if state in phase.adds else 0
             elif state in (*ACTOR_STATE, "ref_params"):  # an offload or onload copies it over the host link
-                work.host_bytes += state_bytes[state]
-                work.host_storages += storages[state] if state in phase.drops else 0
+                if state in phase.drops:
+                    work.host_bytes += state_bytes[state]
+                    work.host_storages += storages[state]
+                else:
+                    work.host_in_bytes += state_bytes[state]
             elif state in sizes and state in phase.adds and engine_sleeps:  # a wake maps and touches it
                 work.fresh_bytes += sizes[state]
         out[phase.name] = work
@@ -785,15 +833,23 @@ def raw_terms(work: PhaseWork, inp: PlanInputs, speed: SpeedSpec) -> dict[str, f
     over_links = dict(work.link_bytes)
     if not exchange:  # unmeasured: the sync's exchange crosses the link as the collectives' bytes do
         _add_by_key(over_links, work.exchange_bytes)
+    scatter, gather = speed.gloo_reduce_scatter_bytes_per_s, speed.gloo_all_gather_bytes_per_s
+    buckets = 0.0
+    if scatter and gather:  # CPU: gloo's measured rates, not stretched (the probe's two ranks share the cores)
+        buckets = sum(work.reduce_scatter_bytes.values()) / scatter + sum(work.all_gather_bytes.values()) / gather
+    else:
+        _add_by_key(over_links, work.reduce_scatter_bytes)
+        _add_by_key(over_links, work.all_gather_bytes)
     return {
         "compute": flops / speed.flops(inp.dtype) * compute_stretch,
         "gemm": gemm * shared,
         "memory": (memory_bytes / speed.memory_bytes_per_s + work.fresh_bytes / speed.fresh_write_bytes_per_s) * over,
         "vocab": work.vocab_bytes / speed.memory_bytes_per_s * over,
         "draws": work.draws * speed.seconds_per_draw * over,
-        "host": work.host_bytes / speed.host_bytes_per_s,
+        "host": work.host_bytes / speed.host_bytes_per_s + work.host_in_bytes / speed.onload_bytes_per_s,
         "link": sum(b / getattr(speed, f"{link}_bytes_per_s") for link, b in over_links.items()),
         "exchange": sum(work.exchange_bytes.values()) / exchange if exchange else 0.0,
+        "buckets": buckets,
         # gloo's steps at the measured all-reduce's half, not stretched: the probe's two ranks already share the
         # node's cores, and more groups do not slow one (two TP-2 groups over 4 processes on 2 cores all-reduce in
         # 1.0-1.15 ms, one group of 2 in 1.6-1.7: docs/plan-validation.md); unmeasured, as any collective's
@@ -812,7 +868,7 @@ def raw_terms(work: PhaseWork, inp: PlanInputs, speed: SpeedSpec) -> dict[str, f
 
 
 def _does_work(work: PhaseWork) -> bool:
-    moves = work.memory_bytes or work.fresh_bytes or work.vocab_bytes or work.host_bytes or work.host_storages
+    moves = work.memory_bytes or work.fresh_bytes or work.vocab_bytes or work.host_bytes or work.host_in_bytes
     return bool(
         work.flops
         or work.gemms

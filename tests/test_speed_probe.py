@@ -9,15 +9,18 @@ from tests.planner_inputs import CPU_SPEED
 from tools.speed_probe import measure_gloo
 
 
-def test_the_gloo_probe_times_an_all_reduce_and_an_exchange_between_two_spawned_ranks():
+def test_the_gloo_probe_times_an_all_reduce_an_exchange_and_a_buckets_collectives_between_two_spawned_ranks():
     rates = measure_gloo(calls=20, exchanges=2)
     assert rates["all_reduce_seconds"] > 0 and rates["exchange_bytes_per_s"] > 0
+    assert rates["reduce_scatter_bytes_per_s"] > 0 and rates["all_gather_bytes_per_s"] > 0
     # what the probe writes is a speed the model takes
     speed = SpeedSpec(
         **{
             **vars(CPU_SPEED),
             "gloo_all_reduce_seconds": rates["all_reduce_seconds"],
             "gloo_exchange_bytes_per_s": rates["exchange_bytes_per_s"],
+            "gloo_reduce_scatter_bytes_per_s": rates["reduce_scatter_bytes_per_s"],
+            "gloo_all_gather_bytes_per_s": rates["all_gather_bytes_per_s"],
         }
     )
     assert speed.gloo_exchange_bytes_per_s == rates["exchange_bytes_per_s"]
@@ -29,3 +32,5 @@ def test_the_gloo_probe_times_an_all_reduce_and_an_exchange_between_two_spawned_
         SpeedSpec(**{**vars(CPU_SPEED), "gloo_all_reduce_seconds": 0.0})
     with pytest.raises(ValueError, match="gloo_exchange_bytes_per_s=-1.0 must be > 0"):
         SpeedSpec(**{**vars(CPU_SPEED), "gloo_exchange_bytes_per_s": -1.0})
+    with pytest.raises(ValueError, match="gloo_all_gather_bytes_per_s=0.0 must be > 0"):
+        SpeedSpec(**{**vars(CPU_SPEED), "gloo_all_gather_bytes_per_s": 0.0})

@@ -117,6 +117,23 @@ def test_every_step_phase_is_timed_and_only_those():
     assert step.phase("train").seconds > 0 and step.phase("rollout").seconds > 0
 
 
+def test_an_offload_copies_out_at_the_host_rate_and_an_onload_in_at_its_own():
+    """The offload's bytes cross out at ``host_bytes_per_s``, the onload's in at ``host_in_bytes_per_s`` (on CPU the
+    probe's read back into fresh pages, slower than the write out), or at the same rate where only one is known (a
+    datasheet's PCIe)."""
+    from planner.step_time import raw_terms
+
+    inp = make_inputs()
+    work = phase_work(make_plan(inp))
+    out, back = work["offload_optimizer"], work["onload_optimizer"]
+    assert out.host_bytes == back.host_in_bytes > 0 and out.host_in_bytes == back.host_bytes == 0
+    both_ways = dataclasses.replace(CPU, host_bytes_per_s=3e9, host_in_bytes_per_s=2e9)
+    assert raw_terms(out, inp, both_ways)["host"] == pytest.approx(out.host_bytes / 3e9)
+    assert raw_terms(back, inp, both_ways)["host"] == pytest.approx(back.host_in_bytes / 2e9)
+    one_rate = dataclasses.replace(both_ways, host_in_bytes_per_s=None)
+    assert raw_terms(back, inp, one_rate)["host"] == pytest.approx(back.host_in_bytes / 3e9)
+
+
 def test_the_work_follows_the_counts():
     inp = make_inputs()
     base = phase_work(make_plan(inp))
@@ -136,6 +153,7 @@ def test_the_work_follows_the_counts():
     # grads are released and handed back zeroed (megatron_backend/actor_offload.py): nothing crosses to the host
     grads = base["onload_grads"].fresh_bytes
     assert not _does_work(base["offload_grads"]) and grads > 0 and base["onload_grads"].host_bytes == 0
+    assert base["onload_grads"].host_in_bytes == 0
     # the train phase runs trainer.ppo_epochs train steps (run/loop.py); the rollout is the same
     epochs = phase_work(make_plan(dataclasses.replace(inp, ppo_epochs=3)))
     assert epochs["train"].flops == pytest.approx(3 * base["train"].flops)
@@ -159,27 +177,98 @@ def test_a_pipeline_pays_its_bubble_and_tp_its_all_reduces():
 def test_dp_reduces_fp32_main_grads_and_the_experts_over_their_own_group():
     """megatron DDP reduces the fp32 main grads (grad_reduce_in_fp32, megatron_backend/actor_train.py) whatever the
     model's dtype: a ring all-reduce sends 2 x 4 bytes x (n - 1) / n per param; the distributed optimizer's
-    reduce-scatter 4 and its all-gather of the params their dtype's. The routed experts reduce over the expert-DP
-    group: at EP = DP = 2 it is one rank, and they cross no link."""
+    reduce-scatter 4 and its all-gather of the params their dtype's, each in its own count. The routed experts reduce
+    over the expert-DP group: at EP = DP = 2 it is one rank, and they cross no link."""
     from planner.plan import actor_stage_counts
 
     for dtype, e in (("float32", 4), ("bfloat16", 2)):
         inp = dataclasses.replace(make_inputs(dtype=dtype), actor_dp=2, ranks_per_node=2)
         params, _ = actor_stage_counts(inp, 0)
-        for distributed, per_param in ((False, 8), (True, 4 + e)):
-            train = phase_work(make_plan(dataclasses.replace(inp, distributed_optimizer=distributed)))["train"]
-            assert train.link_bytes == {"intra_node": pytest.approx(params * per_param / 2)}, (dtype, distributed)
+        ring = phase_work(make_plan(inp))["train"]
+        assert ring.link_bytes == {"intra_node": pytest.approx(params * 8 / 2)}, dtype
+        assert ring.reduce_scatter_bytes == ring.all_gather_bytes == {}
+        sharded = phase_work(make_plan(dataclasses.replace(inp, distributed_optimizer=True)))["train"]
+        assert sharded.link_bytes == {}
+        assert sharded.reduce_scatter_bytes == {"intra_node": pytest.approx(params * 4 / 2)}, dtype
+        assert sharded.all_gather_bytes == {"intra_node": pytest.approx(params * e / 2)}, dtype
     moe_shape = ModelShape.from_pretrained("tiny:qwen3_moe")
     moe = make_inputs(shape=moe_shape, dtype="bfloat16", actor_dp=2, ranks_per_node=2).with_actor(ep=2)
     assert moe.expert_dp == 1
     params, experts = actor_stage_counts(moe, 0)
     assert experts > 0
-    links = [
-        phase_work(make_plan(dataclasses.replace(moe, distributed_optimizer=d)))["train"].link_bytes["intra_node"]
-        for d in (False, True)
-    ]
-    # the EP all-to-all is the same in both; the dense params send 8 / 2 against (4 + 2) / 2 bytes each
-    assert links[0] - links[1] == pytest.approx(params - experts)
+    works = [phase_work(make_plan(dataclasses.replace(moe, distributed_optimizer=d)))["train"] for d in (False, True)]
+    # the EP all-to-all is the same in both; the dense params' ring sends 8 / 2 bytes each, the experts nothing
+    assert works[0].link_bytes["intra_node"] - works[1].link_bytes["intra_node"] == pytest.approx(
+        4 * (params - experts)
+    )
+    assert works[1].reduce_scatter_bytes == {"intra_node": pytest.approx(4 * (params - experts) / 2)}
+
+
+def test_the_distributed_optimizers_collectives_on_cpu_run_at_gloos_measured_rates():
+    """On CPU the reduce-scatter's bytes take the probe's gloo reduce-scatter rate and the all-gather's its
+    all-gather rate (tools/speed_probe.py), with no constant (the column has none to fit); unmeasured (a CUDA
+    device, or a CPU speed without the probe's rates) they cross the link as every collective's bytes do."""
+    from planner.step_time import COLUMN_CONSTANT, raw_terms
+
+    inp = dataclasses.replace(make_inputs(), actor_dp=2, ranks_per_node=2, distributed_optimizer=True)
+    work = phase_work(make_plan(inp))["train"]
+    scattered, gathered = work.reduce_scatter_bytes["intra_node"], work.all_gather_bytes["intra_node"]
+    measured = dataclasses.replace(CPU, gloo_reduce_scatter_bytes_per_s=3e8, gloo_all_gather_bytes_per_s=5e8)
+    raw = raw_terms(work, inp, measured)
+    assert raw["buckets"] == pytest.approx(scattered / 3e8 + gathered / 5e8)
+    assert COLUMN_CONSTANT["buckets"] is None
+    unmeasured = raw_terms(work, inp, dataclasses.replace(CPU, gloo_reduce_scatter_bytes_per_s=None))
+    assert unmeasured["buckets"] == 0
+    assert unmeasured["link"] - raw["link"] == pytest.approx((scattered + gathered) / CPU.intra_node_bytes_per_s)
+
+
+def test_the_cpu_optimizer_step_is_torchs_adamw_pass_by_pass():
+    """On CPU megatron steps with torch's AdamW (no TE or apex), one op at a time: per shard param 64 bytes through
+    mapped memory and 8 into fresh tensors (the sqrt and its division), 8 more with weight decay, and a 16-bit model's
+    copy from the fp32 masters (4 + 2); DDP's 1 / dp scaling reads and writes every local fp32 grad. Counted against
+    the ops torch's own AdamW runs on a CPU tensor (torch's dispatcher sees each)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from planner.plan import actor_stage_counts, optimizer_shards
+    from planner.step_time import torch_adamw_bytes_per_param
+
+    class Passes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.mapped = self.fresh = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor) and a.dim()]
+            read = sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+            if not tensors:  # the step count's scalar
+                return out
+            if func._schema.name.endswith("_"):  # in place: its first argument written back
+                self.mapped += read + tensors[0].numel() * tensors[0].element_size()
+            elif isinstance(out, torch.Tensor) and out.dim():
+                self.mapped += read
+                self.fresh += out.numel() * out.element_size()
+            return out
+
+    n = 4096
+    for decay in (0.0, 0.1):
+        param = torch.nn.Parameter(torch.randn(n))
+        optimizer = torch.optim.AdamW([param], lr=1e-3, weight_decay=decay, foreach=None)
+        param.grad = torch.randn(n)
+        optimizer.step()  # the states exist
+        with Passes() as passes:
+            optimizer.step()
+        assert (passes.mapped / n, passes.fresh / n) == torch_adamw_bytes_per_param(4, decay > 0), decay
+    assert torch_adamw_bytes_per_param(2, False) == (64 + 6, 8)
+
+    inp = dataclasses.replace(make_inputs(dtype="float32"), actor_dp=2, ranks_per_node=2, distributed_optimizer=True)
+    params, experts = actor_stage_counts(inp, 0)
+    shard = sum(count / ranks for count, ranks in optimizer_shards(inp, params, experts))
+    on_one = phase_work(make_plan(dataclasses.replace(inp, actor_dp=1, distributed_optimizer=False)))["train"]
+    on_two = phase_work(make_plan(inp))["train"]
+    # the step over half the params, and the grads' scaling over all of them
+    assert on_one.memory_bytes - on_two.memory_bytes == pytest.approx(64 * (params - shard) - 8 * params)
 
 
 def test_an_oversubscribed_pipeline_pays_the_larger_of_its_bubble_and_the_cores_share():
@@ -520,17 +609,17 @@ def test_the_optimizer_step_reads_and_writes_each_ranks_shard_the_experts_over_e
     """With the distributed optimizer each rank steps its shard (planner.plan.optimizer_shards): the dense params'
     over DP, the routed experts' over the expert-DP group, which at EP = DP = 2 is one rank: every expert's
     param, grad and states are read and written on each rank, as the memory plan holds them."""
-    from planner.plan import actor_stage_counts, optimizer_bytes_per_param
+    from planner.plan import actor_stage_counts
+    from planner.step_time import torch_adamw_bytes_per_param
 
     moe = make_inputs(shape=ModelShape.from_pretrained("tiny:qwen3_moe"), actor_dp=2, ranks_per_node=2).with_actor(ep=2)
+    assert not moe.on_cuda
     params, experts = actor_stage_counts(moe, 0)
-    per_param = 2 * moe.element_bytes + optimizer_bytes_per_param(moe.element_bytes)  # param, grad, states
-    memory = [
-        phase_work(make_plan(dataclasses.replace(moe, distributed_optimizer=d)))["train"].memory_bytes
-        for d in (False, True)
-    ]
-    # read and written: the dense half of the shard saved, the experts whole on both
-    assert memory[0] - memory[1] == pytest.approx(2 * (params - experts) * per_param / 2)
+    mapped, fresh = torch_adamw_bytes_per_param(moe.element_bytes, weight_decay=False)  # param, grad, states
+    works = [phase_work(make_plan(dataclasses.replace(moe, distributed_optimizer=d)))["train"] for d in (False, True)]
+    # the dense half of the shard saved, the experts whole on both
+    assert works[0].memory_bytes - works[1].memory_bytes == pytest.approx((params - experts) * mapped / 2)
+    assert works[0].fresh_bytes - works[1].fresh_bytes == pytest.approx((params - experts) * fresh / 2)
 
 
 def test_the_distributed_optimizer_steps_the_tensors_its_shard_overlaps():

@@ -45,6 +45,9 @@ PROBED_LATER = (
     "gemm_seconds_per_weight_byte",
     "gloo_all_reduce_seconds",
     "gloo_exchange_bytes_per_s",
+    "host_in_bytes_per_s",
+    "gloo_reduce_scatter_bytes_per_s",
+    "gloo_all_gather_bytes_per_s",
 )  # rates the probe gained after some runs were made
 
 

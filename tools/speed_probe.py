@@ -6,9 +6,10 @@ model scales by a rank's share of the cores, planner.speed.SpeedSpec.compute_str
 - ``memory_bytes_per_s``: a 64 MiB copy into a buffer that already exists, its bytes read plus written; the links
   between ranks (on CPU copies in memory): the same copy's bytes;
 - ``fresh_bytes_per_s``: 64 MiB written into a new buffer (a fresh mapping on CPU: its page faults), freed after;
-- ``host_bytes_per_s``: a 64 MiB storage offloaded and onloaded as the actor's offloader does
-  (``megatron_backend.memory.HostCopy``: a ``pwrite`` into a temp file, the storage released, grown again and
-  filled by a ``preadv``), its bytes both ways over the round trip's median time;
+- ``host_bytes_per_s``, ``host_in_bytes_per_s``: a 64 MiB storage offloaded and onloaded as the actor's offloader
+  does (``megatron_backend.memory.HostCopy``: a ``pwrite`` into a temp file and the storage released; then grown
+  again and filled by a ``preadv``), its bytes over each direction's median time (the way in is slower: its pages
+  are fresh);
 - ``gemm_seconds_per_weight_byte``: per dtype and row count (1 to 256), one ``F.linear`` of [rows, 512] by a
   [768, 512] weight (an expert's gate and up; a decode step's rows), cycling through 96 MiB of weights (more than
   this machine's last-level cache: each is read from memory), its seconds over the weight's bytes;
@@ -20,6 +21,12 @@ model scales by a rank's share of the cores, planner.speed.SpeedSpec.compute_str
 - ``gloo_exchange_bytes_per_s``: the same two ranks each send 16 MiB to the other and receive as much, with the
   weight sync's own transport (``TorchP2PTransport``, weight_sync/transport.py), the bytes one way over the median
   of 9 (gloo over loopback on 2 cores sends and receives at ~1.0-1.2 GB/s each way, a third of the copy's rate);
+- ``gloo_reduce_scatter_bytes_per_s``, ``gloo_all_gather_bytes_per_s``: the same two ranks reduce-scatter a
+  :data:`GLOO_BUCKET_BYTES` fp32 buffer and all-gather into one, as megatron's DDP reduces a bucket of grads and
+  the distributed optimizer gathers the params (torch.distributed.reduce_scatter_tensor and all_gather_into_tensor,
+  megatron/core/distributed/param_and_grad_buffer.py), the bytes one rank sends (half the buffer) over the median of
+  3 (gloo's reduce-scatter runs at ~0.3 GB/s, its all-gather at ~0.45 on this VM: a twentieth of a copy, and the same
+  per byte from 16 to 122 MiB);
 - ``draw_seconds``: one element of ``exponential_`` over a [64, 16384] fp32 buffer (the native sampler's
   ``torch.multinomial`` draws one per vocab entry of each row: planner/step_time.py).
 
@@ -33,6 +40,7 @@ import os
 import statistics
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -53,6 +61,8 @@ GLOO_ROWS = (8, 512)  # fp32: a decode step's hidden rows, what the native engin
 GLOO_CALLS = 1000  # the mean of 400 moved by +-25% between probes a minute apart; of 1000, by +-10%
 GLOO_EXCHANGE_BYTES = 16 * 2**20  # each way: a weight sync bucket's size (weight_sync.bucket_mb's scale)
 GLOO_EXCHANGES = 9
+GLOO_BUCKET_BYTES = 64 * 2**20  # memory_cpu's one DDP bucket is 122 MB; the rate per byte is the same from 16 MiB
+GLOO_BUCKET_REPEATS = 3
 HOST_BYTES = 64 * 2**20
 
 
@@ -93,7 +103,7 @@ def _measure() -> SpeedSpec:
             torch.add(x, y, out=out)
 
     op = _median_seconds(small_ops, 5) / SMALL_OPS
-    host = measure_host_round_trip()
+    host_out, host_in = measure_host_copies()
     gloo = measure_gloo()
     noise = torch.empty(DRAWS)
     draw = _median_seconds(noise.exponential_, 5) / noise.numel()
@@ -104,7 +114,8 @@ def _measure() -> SpeedSpec:
         flops_per_s=flops,
         memory_bytes_per_s=2 * copy,  # a copy reads and writes
         fresh_bytes_per_s=fresh,
-        host_bytes_per_s=host,
+        host_bytes_per_s=host_out,
+        host_in_bytes_per_s=host_in,
         intra_node_bytes_per_s=copy,
         inter_node_bytes_per_s=copy,
         op_seconds=op,
@@ -112,6 +123,8 @@ def _measure() -> SpeedSpec:
         draw_seconds=draw,
         gloo_all_reduce_seconds=gloo["all_reduce_seconds"],
         gloo_exchange_bytes_per_s=gloo["exchange_bytes_per_s"],
+        gloo_reduce_scatter_bytes_per_s=gloo["reduce_scatter_bytes_per_s"],
+        gloo_all_gather_bytes_per_s=gloo["all_gather_bytes_per_s"],
         cores=os.cpu_count() or 1,
         source={"all": how},
         measured=True,
@@ -138,20 +151,26 @@ def _gemm_seconds_per_weight_byte(dtype: torch.dtype) -> dict[int, float]:
     return table
 
 
-def measure_host_round_trip(repeats: int = 5) -> float:
-    """Bytes per second both ways of the actor's CPU offload and onload of one :data:`HOST_BYTES` storage (the
-    offloader's copies; not its ``malloc_trim``, whose ``gc.collect`` a run's frozen heap makes cheap)."""
+def measure_host_copies(repeats: int = 5) -> tuple[float, float]:
+    """Bytes per second of the actor's CPU offload of one :data:`HOST_BYTES` storage (written out, the storage
+    released) and of its onload (the storage grown again, read back), each the median of ``repeats`` round trips
+    after a warm one (the offloader's copies; not its ``malloc_trim``, whose ``gc.collect`` a run's frozen heap makes
+    cheap)."""
     storage = torch.ones(HOST_BYTES // 4).untyped_storage()
-
-    def round_trip() -> None:
+    out_seconds, in_seconds = [], []
+    for _ in range(repeats + 1):
         host_file = HostFile()
+        start = time.perf_counter()
         host = HostCopy(torch.empty(0, dtype=torch.uint8).set_(storage), host_file)
         storage.resize_(0)
+        middle = time.perf_counter()
         storage.resize_(host.nbytes)
         host.copy_to(torch.empty(0, dtype=torch.uint8).set_(storage))
+        end = time.perf_counter()
         host_file.close()
-
-    return 2 * HOST_BYTES / _median_seconds(round_trip, repeats)
+        out_seconds.append(middle - start)
+        in_seconds.append(end - middle)
+    return HOST_BYTES / statistics.median(out_seconds[1:]), HOST_BYTES / statistics.median(in_seconds[1:])
 
 
 def measure_gloo(calls: int = GLOO_CALLS, exchanges: int = GLOO_EXCHANGES) -> dict[str, float]:
@@ -196,12 +215,37 @@ def _gloo_rank(calls: int, exchanges: int, out: str) -> None:
         transport.submit_recv(receive, peer)
         transport.run()
         times.append(time.perf_counter() - start)
+    bucket = _bucket_seconds()
     if dist.get_rank() == 0:
         rates = {
             "all_reduce_seconds": max(total - work, 0.0) / calls,
             "exchange_bytes_per_s": GLOO_EXCHANGE_BYTES / statistics.median(times[1:]),
+            **{f"{name}_bytes_per_s": GLOO_BUCKET_BYTES / 2 / seconds for name, seconds in bucket.items()},
         }
         Path(out).write_text(json.dumps(rates))
+
+
+def _bucket_seconds() -> dict[str, float]:
+    """A DDP bucket's reduce-scatter and the params' all-gather over this rank's gloo group (of two), each the median
+    of :data:`GLOO_BUCKET_REPEATS` after a warm one."""
+    full = torch.ones(GLOO_BUCKET_BYTES // 4)
+    shard = torch.empty(full.numel() // dist.get_world_size())
+    collectives = {
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
+        "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
+    }
+    seconds = {}
+    with warnings.catch_warnings():  # torch 2.13 names these deprecated; megatron-core 0.16 calls them
+        warnings.simplefilter("ignore", FutureWarning)
+        for name, collective in collectives.items():
+            times = []
+            for _ in range(GLOO_BUCKET_REPEATS + 1):  # the first warms gloo's buffers
+                dist.barrier()
+                start = time.perf_counter()
+                collective()
+                times.append(time.perf_counter() - start)
+            seconds[name] = statistics.median(times[1:])
+    return seconds
 
 
 def main() -> int:
