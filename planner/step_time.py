@@ -172,7 +172,7 @@ class PhaseWork:
     # the link as the collectives' bytes
     reduce_scatter_bytes: dict[str, float] = field(default_factory=dict)
     all_gather_bytes: dict[str, float] = field(default_factory=dict)
-    host_storages: float = 0.0  # storages an offload copies out (CPU: a file created, sized and mapped for each)
+    host_storages: float = 0.0  # storages an offload copies out (CPU: one pwrite each into the offload's file)
     actor_ops: float = 0.0  # forward
     actor_backward_ops: float = 0.0  # autograd's: each op's node is also the engine's to schedule
     engine_layer_steps: float = 0.0
