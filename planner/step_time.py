@@ -588,15 +588,12 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
     if train:  # the optimizer step: read and write params, grads and states; DP's gradient reduction
         params, expert_params = actor_stage_counts(inp, stage)
         # each rank steps its shard: the dense params' over DP, the routed experts' over the expert-DP group
-        state_bytes = sum(
-            n * (2 * e + optimizer_bytes_per_param(e)) / shard
-            for n, shard in optimizer_shards(inp, params, expert_params)
-        )
+        shards = optimizer_shards(inp, params, expert_params)
         if inp.on_cuda:  # a fused Adam (TE's or apex's): one pass over each param's bytes, read and written
-            work.memory_bytes += 2 * state_bytes
+            work.memory_bytes += 2 * sum(n * (2 * e + optimizer_bytes_per_param(e)) / shard for n, shard in shards)
         else:  # torch's AdamW, tensor by tensor, over each rank's shard
             mapped, fresh = torch_adamw_bytes_per_param(e, inp.actor.weight_decay > 0)
-            shard_params = sum(n / shard for n, shard in optimizer_shards(inp, params, expert_params))
+            shard_params = sum(n / shard for n, shard in shards)
             work.memory_bytes += shard_params * mapped
             work.fresh_bytes += shard_params * fresh
         if inp.actor_dp > 1:  # DDP scales every local fp32 grad by 1 / dp before reducing it (read and written;

@@ -66,14 +66,17 @@ GLOO_BUCKET_REPEATS = 3
 HOST_BYTES = 64 * 2**20
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    fn()  # warm
+def _median_seconds(fn, repeats: int, before=None) -> float:
+    """The median seconds of ``repeats`` calls of ``fn`` after a warm one; ``before`` (a gloo group's barrier: the
+    ranks start each call together) runs ahead of every call, outside the time."""
     times = []
-    for _ in range(repeats):
+    for _ in range(repeats + 1):
+        if before is not None:
+            before()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times[1:])  # the first warms
 
 
 def measure_cpu_speed() -> SpeedSpec:
@@ -207,19 +210,18 @@ def _gloo_rank(calls: int, exchanges: int, out: str) -> None:
     peer = 1 - dist.get_rank()
     send, receive = torch.ones(GLOO_EXCHANGE_BYTES // 4), torch.empty(GLOO_EXCHANGE_BYTES // 4)
     transport = TorchP2PTransport()
-    times = []
-    for _ in range(exchanges + 1):  # the first warms the buffers
-        dist.barrier()
-        start = time.perf_counter()
-        transport.submit_send(send, peer)  # as the weight sync moves a bucket
+
+    def exchange() -> None:  # as the weight sync moves a bucket
+        transport.submit_send(send, peer)
         transport.submit_recv(receive, peer)
         transport.run()
-        times.append(time.perf_counter() - start)
+
+    exchange_seconds = _median_seconds(exchange, exchanges, before=dist.barrier)
     bucket = _bucket_seconds()
     if dist.get_rank() == 0:
         rates = {
             "all_reduce_seconds": max(total - work, 0.0) / calls,
-            "exchange_bytes_per_s": GLOO_EXCHANGE_BYTES / statistics.median(times[1:]),
+            "exchange_bytes_per_s": GLOO_EXCHANGE_BYTES / exchange_seconds,
             **{f"{name}_bytes_per_s": GLOO_BUCKET_BYTES / 2 / seconds for name, seconds in bucket.items()},
         }
         Path(out).write_text(json.dumps(rates))
@@ -234,18 +236,12 @@ def _bucket_seconds() -> dict[str, float]:
         "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
         "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
     }
-    seconds = {}
     with warnings.catch_warnings():  # torch 2.13 names these deprecated; megatron-core 0.16 calls them
         warnings.simplefilter("ignore", FutureWarning)
-        for name, collective in collectives.items():
-            times = []
-            for _ in range(GLOO_BUCKET_REPEATS + 1):  # the first warms gloo's buffers
-                dist.barrier()
-                start = time.perf_counter()
-                collective()
-                times.append(time.perf_counter() - start)
-            seconds[name] = statistics.median(times[1:])
-    return seconds
+        return {
+            name: _median_seconds(collective, GLOO_BUCKET_REPEATS, before=dist.barrier)
+            for name, collective in collectives.items()
+        }
 
 
 def main() -> int:
