@@ -37,6 +37,12 @@ _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 # allocations of this size or more are mmapped, and unmapped on free (configure_host_allocator)
 MMAP_THRESHOLD_BYTES = 4 << 10
+# ... unless glibc's free heap can serve them: it maps a buffer only when no free chunk fits (sysmalloc), and the
+# heap keeps up to M_TOP_PAD / M_TRIM_THRESHOLD (128 KiB each) free at its top. Measured (minor faults per decode
+# step of the native engine under this allocator, tiny:qwen2 and tiny:qwen2_memory at 1, 8 and 64 sequences:
+# docs/plan-validation.md, 2026-11-30 afternoon): its new tensors of 16 KiB or more fault every page in, smaller ones
+# mostly come from the heap. The step-time model (planner/step_time.py) counts the first kind's pages.
+FAULTING_TENSOR_BYTES = 16 << 10
 
 
 def configure_host_allocator(mmap_threshold_bytes: int = MMAP_THRESHOLD_BYTES, arena_max: int = 1) -> bool:

@@ -53,6 +53,7 @@ import functools
 import math
 from dataclasses import dataclass, field, fields
 
+from colocation.host_memory import FAULTING_TENSOR_BYTES
 from colocation.phases import ACTOR_STATE, step_phases
 from modelspec.family import layer_parts
 from planner.calibration import Calibration, load
@@ -77,6 +78,7 @@ from planner.sizes import (
     local_packed_attention_backward_padding_bytes_per_token,
     local_packed_attention_padding_bytes_per_token,
     megatron_padded_vocab,
+    native_new_tensor_bytes_per_row,
     stage_layers,
     vllm_padded_vocab,
 )
@@ -104,7 +106,7 @@ COLUMN_CONSTANT = {
     "host": "host_efficiency",
     "link": "link_efficiency",
     "collective_ops": "collective_step_ops",
-    "gloo": None,  # a measured rate (SpeedSpec.gloo_all_reduce_seconds): nothing to fit
+    "gloo": "gloo_collective_factor",  # SpeedSpec.gloo_all_reduce_seconds, as a rollout pays it
     "exchange": None,  # a measured rate (SpeedSpec.gloo_exchange_bytes_per_s): nothing to fit
     "buckets": None,  # measured rates (SpeedSpec.gloo_reduce_scatter_bytes_per_s, ...): nothing to fit
     "storage_ops": "host_storage_ops",
@@ -386,11 +388,12 @@ def _engine_work(inp: PlanInputs, lengths: StepLengths) -> PhaseWork:
     flops = 2 * (active - lookup - table) * tokens + 2 * table * sampled + attention
     weight_reads = steps * (params - lookup) * e
     gemms: dict[float, float] = {}
+    allocated = 0.0
     if r.engine == "native":  # torch's F.linear, each at its row count (rollout/native/model.py): no FLOPs or
         # weight reads of its own beside them
         flops, weight_reads = attention, 0.0
         layer_bytes, expert_bytes = (params - lookup - table) * e, expert_params * e
-        gemms = _native_engine_gemms(inp, lengths, seqs, waves, steps, layer_bytes, expert_bytes, table * e)
+        gemms, allocated = _native_engine_passes(inp, lengths, seqs, waves, steps, layer_bytes, expert_bytes, table * e)
     vocab = vllm_padded_vocab(s.vocab_size)  # the sampler's rows, gathered over TP
     sampler = sampled * vocab * sampler_bytes_per_logit(r.engine, e)
     tp_bytes = tokens * 2 * s.num_layers * s.hidden_size * e * 2 * (r.tp - 1) / r.tp
@@ -413,7 +416,7 @@ def _engine_work(inp: PlanInputs, lengths: StepLengths) -> PhaseWork:
     return PhaseWork(
         flops=flops,
         memory_bytes=weight_reads + kv_read,
-        fresh_bytes=kv_gathered,
+        fresh_bytes=kv_gathered + allocated,
         gemms=gemms,
         vocab_bytes=sampler,
         draws=sampled * sampler_draws(r.engine, vocab),
@@ -424,7 +427,7 @@ def _engine_work(inp: PlanInputs, lengths: StepLengths) -> PhaseWork:
     )
 
 
-def _native_engine_gemms(
+def _native_engine_passes(
     inp: PlanInputs,
     lengths: StepLengths,
     seqs: int,
@@ -433,33 +436,51 @@ def _native_engine_gemms(
     layer_bytes: float,
     expert_bytes: float,
     table_bytes: float,
-) -> dict[float, float]:
-    """The native engine's GEMMs on one rank as {rows: weight bytes multiplied at that row count}
-    (rollout/native/model.py): per wave a prefill of its prompts' tokens, then decode steps of its running
-    sequences (the wave's decoded tokens over its steps); the lm_head on the sampled rows only. ``layer_bytes``: the
-    layers' weights (the routed experts', ``expert_bytes``, among them; their norms' few bytes too), ``table_bytes``:
-    the lm_head's. An MoE layer runs each local expert it routes rows to on those rows alone (``moe``'s loop): of R
-    rows' top-k choices over E experts, a local expert is hit with probability 1 - (1 - k/E)^R and the local share
-    of the R k choices, R k / ep, spreads over the hit ones."""
-    s = inp.shape
+) -> tuple[dict[float, float], float]:
+    """The native engine's passes on one rank (rollout/native/model.py): per wave a prefill of its prompts' tokens,
+    then decode steps of its running sequences (the wave's decoded tokens over its steps). Returns its GEMMs as
+    {rows: weight bytes multiplied at that row count}, the lm_head on the sampled rows only, and the bytes of the new
+    tensors whose pages it faults in (CPU). ``layer_bytes``: the layers' weights (the routed experts',
+    ``expert_bytes``, among them; their norms' few bytes too), ``table_bytes``: the lm_head's. An MoE layer runs each
+    local expert it routes rows to on those rows alone (``moe``'s loop): of R rows' top-k choices over E experts, a
+    local expert is hit with probability 1 - (1 - k/E)^R and the local share of the R k choices, R k / ep, spreads
+    over the hit ones.
+
+    On CPU a run's allocator maps each buffer of a page or more afresh unless glibc's free heap still holds it
+    (colocation/host_memory.py ``configure_host_allocator``): every new tensor of
+    ``colocation.host_memory.FAULTING_TENSOR_BYTES`` or more faults its pages in, at the measured fresh-write rate
+    (planner.sizes ``native_new_tensor_bytes_per_row``; the gathered KV blocks and scores are counted with the
+    context). CUDA's caching allocator reuses its blocks: nothing."""
+    s, e, r = inp.shape, inp.element_bytes, inp.rollout
     per_wave = seqs / waves
     decode_rows = seqs * lengths.mean_response / steps if steps else 0.0
     ep = inp.engine_expert_split[0] if s.is_moe else 1
     gemms: dict[float, float] = {}
+    allocated = 0.0
 
     def add(rows: float, weight_bytes: float) -> None:
         if rows > 0 and weight_bytes > 0:
             gemms[rows] = gemms.get(rows, 0.0) + weight_bytes
 
-    # (rows through the layers, rows through the lm_head, how many times): prefill, decode
-    for rows, sampled, times in ((per_wave * lengths.mean_prompt, per_wave, waves), (decode_rows, decode_rows, steps)):
+    def faulted(tensors: dict[int, int], rows: float, times: float) -> float:
+        return sum(n * times * rows * w for w, n in tensors.items() if rows * w >= FAULTING_TENSOR_BYTES)
+
+    scripted = r.tp == 1 and e == FP32_BYTES and not s.is_moe  # decode_tp1.py's TorchScript layers
+    # (rows through the layers, rows through the lm_head, how many times, prefill): prefill, decode
+    passes = ((per_wave * lengths.mean_prompt, per_wave, waves, True), (decode_rows, decode_rows, steps, False))
+    for rows, sampled, times, prefill in passes:
         add(rows, times * (layer_bytes - expert_bytes))
         add(sampled, times * table_bytes)
+        tensors = native_new_tensor_bytes_per_row(s, r.tp, e, prefill=prefill, scripted=scripted and not prefill)
+        if not inp.on_cuda:
+            allocated += faulted(tensors["token"], rows, times) + faulted(tensors["sampled"], sampled, times)
         if expert_bytes:
             k, local = s.moe_top_k, s.num_experts // ep
             hit = local * (1 - (1 - k / s.num_experts) ** rows)
             add(rows * k / ep / hit, times * expert_bytes * hit / local)
-    return gemms
+            if not inp.on_cuda:
+                allocated += faulted(tensors["expert"], rows * k / ep / hit, times * hit)
+    return gemms, allocated
 
 
 def moe_dispatch_steps(inp: PlanInputs, moe_layers: int, train: bool) -> int:

@@ -707,3 +707,123 @@ def test_the_weight_syncs_exchange_on_cpu_runs_at_gloos_measured_exchange_rate()
     packed = phase_work(make_plan(dataclasses.replace(inp, sync_traffic=(staged,))))["weight_sync"]
     assert packed.fresh_bytes - sync.fresh_bytes == 14 << 20
     assert packed.memory_bytes - sync.memory_bytes == (8 << 20) + 2 * (6 << 20)
+
+
+MIN_ROW_BYTES = 64  # [N, a few] tensors are left out: the norms' [N, 1], the scheduler's [N, max_tokens] log-probs
+
+
+def _decode_step_new_tensors(engine, prompt_tokens: int, batch: int) -> dict[int, int]:
+    """{bytes per row: how many} of the floating-point tensors of :data:`MIN_ROW_BYTES` a row or more that one decode
+    step of ``engine`` allocates (a new storage, whatever the op: ``reshape`` and ``to`` make one when they copy): a
+    generate of three tokens less one of two, ``batch`` prompts of ``prompt_tokens`` tokens, every sequence running."""
+    from collections import Counter
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from rollout.engine import SamplingParams
+
+    class NewTensors(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.rows = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)}
+            for t in tree_flatten(out)[0]:
+                new = torch.is_tensor(t) and t.untyped_storage().data_ptr() not in inputs | {0}
+                if new and t.is_floating_point() and t.untyped_storage().nbytes() >= MIN_ROW_BYTES * batch:
+                    assert t.untyped_storage().nbytes() % batch == 0, (func, t.shape)
+                    self.rows[t.untyped_storage().nbytes() // batch] += 1
+            return out
+
+    prompts = [[1, *range(5, 4 + prompt_tokens)] for _ in range(batch)]
+    counted = []
+    for tokens in (2, 3):
+        mode = NewTensors()
+        with mode:
+            engine.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True, seed=0))
+        counted.append(mode.rows)
+    return dict(counted[1] - counted[0])
+
+
+@pytest.mark.parametrize(
+    ("family", "dtype"), [("qwen2", "float32"), ("qwen2", "bfloat16"), ("qwen3", "float32"), ("qwen3", "bfloat16")]
+)
+def test_the_native_engines_new_tensors_are_counted(tiny_model_dirs, family, dtype):
+    """planner.sizes.native_new_tensor_bytes_per_row against what a real engine's decode step allocates (TP 1: fp32
+    through TorchScript, 16-bit eager; Qwen2's qkv bias, Qwen3's q / k norms). What grows with the context (the
+    gathered blocks, scores, masks) is told apart by its size: the step is taken at two contexts (15 and 40 cached
+    tokens) and only the tensors both allocate at the same size per row are compared. The sampler's logsumexp and
+    multinomial fill [N, V] tensors inside their kernels, out of the dispatcher's sight (their pages are counted in
+    test_the_native_samplers_kernels_fault_their_counted_tensors)."""
+    from collections import Counter
+
+    from configs.rollout import RolloutConfig
+    from planner.sizes import FP32_BYTES, native_new_tensor_bytes_per_row
+    from rollout.native import NativeEngine
+
+    engine = NativeEngine(
+        RolloutConfig(cpu_capacity_gb=0.25, activation_reserve_mb=16, max_num_seqs=8),
+        tiny_model_dirs[family],
+        device="cpu",
+        dtype=dtype,
+    )
+    shape, batch = engine.shape, 8
+    short, long = (Counter(_decode_step_new_tensors(engine, p, batch)) for p in (15, 40))
+    seen = short & long  # the same size at both contexts
+    assert long - seen, "a context-sized tensor (the gathered blocks) was expected at the longer context"
+    e = engine.dtype.itemsize
+    scripted = e == FP32_BYTES  # TP 1, fp32, dense
+    counted = native_new_tensor_bytes_per_row(shape, 1, e, prefill=False, scripted=scripted)
+    expected = Counter(counted["token"]) + Counter(counted["sampled"])
+    expected[shape.vocab_size * FP32_BYTES] -= 2  # logsumexp's and multinomial's, inside their kernels
+    assert seen == +expected
+
+
+_SAMPLER_PAGES = """
+import json, resource, torch
+from colocation.host_memory import configure_host_allocator
+configure_host_allocator()
+from rollout.engine import SamplingParams
+from rollout.native.sampling import Sampler
+faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+out = {}
+for dtype in ("float32", "bfloat16"):
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=0), torch.device("cpu"))
+    logits = torch.randn(32, 16384).to(getattr(torch, dtype))
+    sampler(logits)  # warm
+    pages = []
+    for _ in range(3):
+        before = faults()
+        sampler(logits)
+        pages.append(faults() - before)
+    out[dtype] = pages
+print(json.dumps(out))
+"""
+
+
+def test_the_native_samplers_kernels_fault_their_counted_tensors():
+    """The native sampler at temperature 1 on [32, 16384] logits, under the run's allocator
+    (colocation/host_memory.py): each [32, V] fp32 tensor that planner.sizes.native_new_tensor_bytes_per_row counts
+    for it (logsumexp's ``self - max`` and multinomial's draws inside their kernels, the temperature's quotient, the
+    softmax; in 16-bit the ``float`` copy too) is a fresh mapping of 512 pages and one more for its header: the page
+    faults of a call are exactly that many (measured 2052 and 2565; a tensor more or fewer is 513 off)."""
+    import json
+    import subprocess
+    import sys
+
+    from modelspec.tiny import tiny_hf_config
+    from planner.sizes import FP32_BYTES, native_new_tensor_bytes_per_row
+
+    out = subprocess.run([sys.executable, "-c", _SAMPLER_PAGES], capture_output=True, text=True, check=True)
+    faults = json.loads(out.stdout.splitlines()[-1])
+    shape = ModelShape.from_hf_config(tiny_hf_config("qwen2", vocab_size=16384))
+    row = shape.vocab_size * FP32_BYTES
+    for dtype, e in (("float32", 4), ("bfloat16", 2)):
+        sampled = native_new_tensor_bytes_per_row(shape, 1, e, prefill=False)["sampled"]
+        lm_head = 1 if shape.vocab_size * e == row else 0  # the lm_head's [N, P] logits: not the sampler's
+        tensors = sampled[row] - lm_head
+        assert faults[dtype] == [tensors * (32 * row // 4096 + 1)] * 3, (dtype, faults[dtype], tensors)

@@ -35,6 +35,7 @@ TIME_CONSTANTS = (
     "host_efficiency",
     "link_efficiency",
     "collective_step_ops",  # one sequential step of a collective (its latency), in op_seconds
+    "gloo_collective_factor",  # a rollout's gloo collective over the probe's all-reduce between two idle ranks
     "host_storage_ops",  # one storage an offload copies out (its host buffer's set-up), in op_seconds
     "actor_op_factor",  # seconds of one counted actor forward op over op_seconds
     "actor_backward_op_factor",  # the same for backward's ops
