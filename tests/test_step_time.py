@@ -341,7 +341,7 @@ def _synthetic_rows(coefficients: dict[str, float]):
 
 def test_the_fit_recovers_known_constants_and_validation_catches_each_mutation():
     from tools.calibrate_time import fit
-    from tools.validate_time import check_run
+    from tools.validate_time import check_run, mutations
 
     # every constant nonzero (a fitted 0 would leave its term out of the rows)
     loaded = load("cpu_time")
@@ -362,6 +362,11 @@ def test_the_fit_recovers_known_constants_and_validation_catches_each_mutation()
         for factor in (2.0, 0.5):
             wrong = constants.with_values(**{name: constants.value(name) * factor})
             assert not check_run("synthetic", rows, wrong)["passed"], f"{name} x{factor} went unnoticed"
+    # make validate-time ARGS=--mutations: the same on every fitted constant, and each measured rate's seconds
+    # doubled or zeroed, each caught by the row its term dominates
+    found = mutations({"synthetic": rows}, constants)
+    assert len(found) == 2 * len(COLUMN_CONSTANT)
+    assert [m["mutation"] for m in found if not m["caught_by"]] == []
 
 
 def _full_width_bytes(fn, full: int) -> tuple[float, list[str]]:

@@ -9,7 +9,9 @@ one JSON line per configuration::
      "phases": {name: {"predicted_s", "measured_s", "error", "ok", "bound"}}}
 
 The step is the every-step phases' sum (save_checkpoint, eval and export_hf run on some steps). A step passes within
-15%, a phase within 25% or 50 ms. Exit 1 when any fails. ``--table`` adds a readable table on stderr. The tolerances
+15%, a phase within 25% or 50 ms. Exit 1 when any fails. ``--table`` adds a readable table on stderr.
+``--mutations`` checks the checks instead: which of them catch each fitted constant doubled or halved, and each measured
+rate's seconds doubled or zeroed. The tolerances
 are the issue's; CI checks the model's plumbing (tests/test_step_time.py), never a wall-clock time.
 """
 
@@ -63,13 +65,58 @@ def check_run(name: str, rows, constants: Calibration, device_kind: str = "cpu")
     }
 
 
+def validation_rows(names: list[str] | None = None, rerun: bool = False, repeats: int = REPEATS) -> dict[str, list]:
+    """Each validation configuration's rows (tools/calibrate_time.py ``run_rows``), its runs made where missing."""
+    specs = [spec for spec in VALIDATION_SET if not names or spec.name in names]
+    run_dirs = ensure_runs(specs, "validation", repeats=repeats, rerun=rerun)
+    return {spec.name: run_rows(spec, run_dirs[spec.name]) for spec in specs}
+
+
 def validate(
     names: list[str] | None = None, rerun: bool = False, constants: Calibration | None = None, repeats: int = REPEATS
 ) -> list[dict]:
     constants = constants or load_calibration("cpu_time")
-    specs = [spec for spec in VALIDATION_SET if not names or spec.name in names]
-    run_dirs = ensure_runs(specs, "validation", repeats=repeats, rerun=rerun)
-    return [check_run(spec.name, run_rows(spec, run_dirs[spec.name]), constants) for spec in specs]
+    return [check_run(name, rows, constants) for name, rows in validation_rows(names, rerun, repeats).items()]
+
+
+MUTATION_FACTORS = {"fitted": (2.0, 0.5), "measured": (2.0, 0.0)}
+
+
+def failed_checks(results: list[dict]) -> set[tuple[str, str]]:
+    """(configuration, phase or "step") of every check that fails."""
+    return {(r["config"], phase) for r in results for phase in r["failures"]}
+
+
+def mutations(rows_by_config: dict[str, list], constants: Calibration) -> list[dict]:
+    """Which checks catch a wrong term: each fitted constant doubled and halved, each measured rate's seconds (the
+    GEMM table's, the draws', gloo's buckets and exchange, the counted ops') doubled and zeroed, on the same rows. A
+    mutation is caught when a check that passed fails; ``caught_by`` names them."""
+    from planner.step_time import COLUMN_CONSTANT
+
+    def failures(constants_, scale: dict[str, float]) -> set[tuple[str, str]]:
+        results = []
+        for name, rows in rows_by_config.items():
+            scaled = [(phase, {c: v * scale.get(c, 1.0) for c, v in raw.items()}, m) for phase, raw, m in rows]
+            results.append(check_run(name, scaled, constants_))
+        return failed_checks(results)
+
+    baseline = failures(constants, {})
+    out = []
+    fitted = sorted({name for name in COLUMN_CONSTANT.values() if name is not None})
+    for name in fitted:
+        for factor in MUTATION_FACTORS["fitted"]:
+            mutated = constants.with_values(**{name: constants.value(name) * factor})
+            caught = sorted(failures(mutated, {}) - baseline)
+            out.append(
+                {"mutation": f"{name} x{factor:g}", "kind": "fitted", "caught_by": [" ".join(c) for c in caught]}
+            )
+    for column in sorted(c for c, name in COLUMN_CONSTANT.items() if name is None):
+        for factor in MUTATION_FACTORS["measured"]:
+            caught = sorted(failures(constants, {column: factor}) - baseline)
+            out.append(
+                {"mutation": f"{column} x{factor:g}", "kind": "measured", "caught_by": [" ".join(c) for c in caught]}
+            )
+    return out
 
 
 def format_rows(results: list[dict]) -> str:
@@ -93,8 +140,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", default=None, help="validation configurations (default: all)")
     parser.add_argument("--rerun", action="store_true", help="run again even where a finished run exists")
     parser.add_argument("--table", action="store_true", help="also print a readable table on stderr")
+    parser.add_argument(
+        "--mutations",
+        action="store_true",
+        help="instead: each fitted constant x2 and x0.5, each measured rate's seconds x2 and x0, and the checks that "
+        "catch each (one JSON line per mutation; exit 1 when one goes uncaught)",
+    )
     add_repeats_argument(parser, REPEATS)
     args = parser.parse_args(argv)
+    if args.mutations:
+        found = mutations(validation_rows(args.only, args.rerun, args.repeats), load_calibration("cpu_time"))
+        for m in found:
+            print(json.dumps(m), flush=True)
+        missed = [m["mutation"] for m in found if not m["caught_by"]]
+        print(
+            f"validate-time --mutations: {len(found) - len(missed)}/{len(found)} caught"
+            f"{'; uncaught: ' + ', '.join(missed) if missed else ''}",
+            file=sys.stderr,
+        )
+        return 1 if missed else 0
     results = validate(args.only, args.rerun, repeats=args.repeats)
     for r in results:
         print(json.dumps(r), flush=True)
