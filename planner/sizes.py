@@ -968,22 +968,23 @@ def native_new_tensor_bytes_per_row(
     embedding, each layer's tensors, the final norm), ``sampled`` (each sampled row: prefill's last hidden state,
     the logits and the sampler's [V] fp32 tensors at temperature > 0) and ``expert`` (each row an MoE layer routes
     to one of its local experts, per MoE layer). Left out: what grows with the context (the gathered KV blocks,
-    the scores and their softmax, the masks), [N, 1] and int64 [N] vectors, SDPA's internals.
+    the scores and their softmax, the masks), int64 [N] vectors, SDPA's internals.
 
-    A decode layer (eager, ``forward`` with ``attend``): the input norm (:func:`_native_norm_tensor_bytes`); qkv
-    ((Hq / t + 2 kv) d); Qwen3's q / k norm; rope's ``qk * cos``, ``roll`` and ``addcmul`` ((Hq / t + kv) d each);
-    the new K and V stacked (2 kv d); q reshaped for the grouped scores (a copy with more than one KV head: Hq d / t);
-    the attention output (Hq d / t); o_proj's add (TP 1 ``addmm``: h; TP > 1 ``mm``, then ``x +`` it: 2h); the
-    post norm; gate_up (2I / t), ``silu`` and its product with up (I / t each); down's add (as o_proj's). TorchScript
-    (``scripted``: TP 1, fp32, dense) runs each ``addmm`` as ``mm`` and an add: qkv's bias and both residual adds one
-    tensor more each. An MoE layer in place of the MLP: the router's logits (E; fp32 ``softmax`` and, 16-bit, the
-    ``float`` copy: E each), the zeroed output and ``x +`` it (h each) per token, and per expert row its gathered
-    input, gate_up, silu, product, fc2 and weighted copy (h, 2m / t, m / t, m / t, h, h). Prefill attends with SDPA
-    (eager): the valid tokens' K and V (kv d each), SDPA's output and its [B L, Hq d / t] copy in place of the decode's
-    stack, q copy and attention output. The logits: lm_head's [P / t] (TP > 1: t gathered parts of P / t and their
-    concatenation, P); the sampler: in 16-bit the ``float`` copy of the [V] logits, then logsumexp's
-    ``self - max``, the temperature's quotient, ``softmax`` and ``multinomial``'s exponential draws (fp32 [V] each).
-    tests/test_step_time.py checks the decode step's list against what a real engine allocates."""
+    A decode layer (eager, ``forward`` with ``attend``): the input norm (:func:`_native_norm_tensor_bytes`, its fp32
+    norms included); qkv ((Hq / t + 2 kv) d); Qwen3's q / k norm; rope's ``qk * cos``, ``roll`` and ``addcmul``
+    ((Hq / t + kv) d each); the new K and V stacked (2 kv d); q reshaped for the grouped scores (a copy with more than
+    one KV head: Hq d / t); the attention output (Hq d / t); o_proj's add (TP 1 ``addmm``: h; TP > 1 ``mm``, then
+    ``x +`` it: 2h); the post norm; gate_up (2I / t), ``silu`` and its product with up (I / t each); down's add (as
+    o_proj's). TorchScript (``scripted``: TP 1, fp32, dense) runs each ``addmm`` as ``mm`` and an add: qkv's bias and
+    both residual adds one tensor more each. An MoE layer in place of the MLP: the router's logits (E; fp32
+    ``softmax`` and, 16-bit, the ``float`` copy: E each), the zeroed output and ``x +`` it (h each) per token, and per
+    expert row its gathered input, gate_up, silu, product, fc2 and weighted copy (h, 2m / t, m / t, m / t, h, h).
+    Prefill attends with SDPA (eager): the valid tokens' K and V (kv d each) and SDPA's output (laid out by token: no
+    copy back) in place of the decode's stack, q copy and attention output. The logits: lm_head's [P / t] (TP > 1: t
+    gathered parts of P / t and their concatenation, P); the sampler: in 16-bit the ``float`` copy of the [V] logits,
+    then logsumexp's ``self - max``, the temperature's quotient, ``softmax`` and ``multinomial``'s exponential draws
+    (fp32 [V] each). tests/test_step_time.py checks the dense lists against what a real engine's decode step and
+    prefill allocate."""
     e, f, t = element_bytes, FP32_BYTES, rollout_tp
     h, d, i = shape.hidden_size, shape.head_dim, shape.intermediate_size // t
     hq, kv = shape.num_heads // t, engine_kv_heads_per_rank(shape, t)
@@ -996,8 +997,8 @@ def native_new_tensor_bytes_per_row(
             if width and times:
                 into[width] = into.get(width, 0) + times
 
-    def norm(width: int) -> tuple[int, ...]:
-        return _native_norm_tensor_bytes(width, e)
+    def norm(width: int, vectors: int = 1) -> tuple[int, ...]:
+        return _native_norm_tensor_bytes(width, e, vectors)
 
     residual_add = (h * e,) if t == 1 and not scripted else (h * e, h * e)
     qkv = (hq + 2 * kv) * d * e
@@ -1005,10 +1006,10 @@ def native_new_tensor_bytes_per_row(
     for layer in range(shape.num_layers):
         add(token, *norm(h), qkv, qkv if scripted and shape.qkv_bias else 0)
         if shape.qk_norm:
-            add(token, *norm((hq + kv) * d))
+            add(token, *norm((hq + kv) * d, hq + kv))
         add(token, *(3 * ((hq + kv) * d * e,)))
-        if prefill:
-            add(token, kv * d * e, kv * d * e, hq * d * e, hq * d * e)
+        if prefill:  # SDPA's output is laid out [B, L, Hq / t, d]: its transpose back to tokens is a view
+            add(token, kv * d * e, kv * d * e, hq * d * e)
         else:
             add(token, 2 * kv * d * e, hq * d * e if kv > 1 else 0, hq * d * e)
         add(token, *residual_add, *norm(h))
@@ -1026,12 +1027,14 @@ def native_new_tensor_bytes_per_row(
     return {"token": token, "sampled": sampled, "expert": expert}
 
 
-def _native_norm_tensor_bytes(width: int, element_bytes: int) -> tuple[int, ...]:
-    """The new tensors of ``NativeModel.rms_norm`` of ``width`` elements, per row beyond its [N, 1] norms: in fp32
-    the quotient (its ``mul_`` is in place); in 16-bit the fp32 copy, the fp32 quotient and the result cast back."""
+def _native_norm_tensor_bytes(width: int, element_bytes: int, vectors: int = 1) -> tuple[int, ...]:
+    """The new tensors of ``NativeModel.rms_norm`` over ``vectors`` vectors of ``width`` elements in all (per row):
+    the fp32 norms and their ``hypot`` with eps (``vectors`` each), the fp32 quotient (its ``mul_`` is in place);
+    in 16-bit the fp32 copy before them and the result cast back after."""
+    norms = (vectors * FP32_BYTES, vectors * FP32_BYTES, width * FP32_BYTES)
     if element_bytes == FP32_BYTES:
-        return (width * FP32_BYTES,)
-    return (width * FP32_BYTES, width * FP32_BYTES, width * element_bytes)
+        return norms
+    return (width * FP32_BYTES, *norms, width * element_bytes)
 
 
 def sampler_bytes(shape: ModelShape, num_seqs: int, vocab_tensors: int) -> int:

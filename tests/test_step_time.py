@@ -717,41 +717,49 @@ def test_the_weight_syncs_exchange_on_cpu_runs_at_gloos_measured_exchange_rate()
 MIN_ROW_BYTES = 64  # [N, a few] tensors are left out: the norms' [N, 1], the scheduler's [N, max_tokens] log-probs
 
 
-def _decode_step_new_tensors(engine, prompt_tokens: int, batch: int) -> dict[int, int]:
-    """{bytes per row: how many} of the floating-point tensors of :data:`MIN_ROW_BYTES` a row or more that one decode
-    step of ``engine`` allocates (a new storage, whatever the op: ``reshape`` and ``to`` make one when they copy): a
-    generate of three tokens less one of two, ``batch`` prompts of ``prompt_tokens`` tokens, every sequence running."""
+def _new_tensor_sizes(run, smallest: int) -> dict[int, int]:
+    """{bytes: how many} of the floating-point tensors of ``smallest`` bytes or more that ``run()`` allocates: every
+    op's output whose storage is none of its inputs' (``reshape`` and ``to`` make one when they copy)."""
     from collections import Counter
 
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
-    from rollout.engine import SamplingParams
-
     class NewTensors(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.rows = Counter()
+            self.sizes = Counter()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)}
             for t in tree_flatten(out)[0]:
                 new = torch.is_tensor(t) and t.untyped_storage().data_ptr() not in inputs | {0}
-                if new and t.is_floating_point() and t.untyped_storage().nbytes() >= MIN_ROW_BYTES * batch:
-                    assert t.untyped_storage().nbytes() % batch == 0, (func, t.shape)
-                    self.rows[t.untyped_storage().nbytes() // batch] += 1
+                if new and t.is_floating_point() and t.untyped_storage().nbytes() >= smallest:
+                    self.sizes[t.untyped_storage().nbytes()] += 1
             return out
+
+    mode = NewTensors()
+    with mode:
+        run()
+    return mode.sizes
+
+
+def _decode_step_new_tensors(engine, prompt_tokens: int, batch: int) -> dict[int, int]:
+    """{bytes per row: how many} of the floating-point tensors of :data:`MIN_ROW_BYTES` a row or more that one decode
+    step of ``engine`` allocates: a generate of three tokens less one of two, ``batch`` prompts of ``prompt_tokens``
+    tokens, every sequence running."""
+    from rollout.engine import SamplingParams
 
     prompts = [[1, *range(5, 4 + prompt_tokens)] for _ in range(batch)]
     counted = []
     for tokens in (2, 3):
-        mode = NewTensors()
-        with mode:
-            engine.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True, seed=0))
-        counted.append(mode.rows)
-    return dict(counted[1] - counted[0])
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True, seed=0)
+        counted.append(_new_tensor_sizes(lambda p=params: engine.generate(prompts, p), MIN_ROW_BYTES * batch))
+    step = counted[1] - counted[0]
+    assert all(size % batch == 0 for size in step), step
+    return {size // batch: n for size, n in step.items()}
 
 
 @pytest.mark.parametrize(
@@ -785,7 +793,38 @@ def test_the_native_engines_new_tensors_are_counted(tiny_model_dirs, family, dty
     counted = native_new_tensor_bytes_per_row(shape, 1, e, prefill=False, scripted=scripted)
     expected = Counter(counted["token"]) + Counter(counted["sampled"])
     expected[shape.vocab_size * FP32_BYTES] -= 2  # logsumexp's and multinomial's, inside their kernels
-    assert seen == +expected
+    assert seen == Counter({w: n for w, n in expected.items() if w >= MIN_ROW_BYTES and n > 0})
+
+
+@pytest.mark.parametrize(("family", "dtype"), [("qwen2", "float32"), ("qwen3", "bfloat16")])
+def test_the_native_engines_prefill_tensors_are_counted(tiny_model_dirs, family, dtype):
+    """The same list for a prefill (``prefill=True``: eager, SDPA) against a real engine's: 8 prompts of 24 tokens, one
+    token each (no decode step), every floating-point tensor of 512 bytes or more by its size: the per-token ones at
+    8 x 24 rows, the sampled ones at 8. The [B, 1, L, L] mask is bool; the sampler's two kernel-internal tensors as
+    above."""
+    from collections import Counter
+
+    from configs.rollout import RolloutConfig
+    from planner.sizes import FP32_BYTES, native_new_tensor_bytes_per_row
+    from rollout.engine import SamplingParams
+    from rollout.native import NativeEngine
+
+    seqs, length, smallest = 8, 24, 512
+    engine = NativeEngine(
+        RolloutConfig(cpu_capacity_gb=0.25, activation_reserve_mb=16, max_num_seqs=seqs),
+        tiny_model_dirs[family],
+        device="cpu",
+        dtype=dtype,
+    )
+    params = SamplingParams(max_tokens=1, ignore_eos=True, seed=0)
+    sizes = _new_tensor_sizes(lambda: engine.generate([[1, *range(5, 4 + length)]] * seqs, params), smallest)
+    counted = native_new_tensor_bytes_per_row(engine.shape, 1, engine.dtype.itemsize, prefill=True)
+    expected = Counter()
+    for kind, rows in (("token", seqs * length), ("sampled", seqs)):
+        for width, n in counted[kind].items():
+            expected[width * rows] += n
+    expected[engine.shape.vocab_size * FP32_BYTES * seqs] -= 2  # logsumexp's and multinomial's, inside their kernels
+    assert sizes == Counter({size: n for size, n in expected.items() if size >= smallest and n > 0})
 
 
 _SAMPLER_PAGES = """
