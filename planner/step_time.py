@@ -11,7 +11,8 @@ counted from the model's shape, the layouts and the batch (:class:`PhaseWork`):
   the engine's weights and the KV cache its sequences have written; the optimizer step reads and writes its states
   (on CPU torch's AdamW, op by op: :func:`torch_adamw_bytes_per_param`); DDP scales the grads before reducing them.
 - ``fresh_bytes``: bytes written into fresh allocations (on CPU each buffer of a page or more is a fresh mapping,
-  faulted in): an actor pass's activations and logits, a wake's weights and KV cache, the grads handed back zeroed.
+  faulted in): an actor pass's activations and logits, the native engine's context gathers and its new tensors of
+  16 KiB or more, a wake's weights and KV cache, the grads handed back zeroed.
 - ``vocab_bytes``: bytes through the elementwise passes over [rows, V] fp32 logits (:func:`sampler_bytes_per_logit`,
   :func:`logprob_bytes_per_logit`, counted from the kernels), and ``draws``, the native sampler's random draws.
 - ``host_bytes``, ``host_in_bytes``: what an offload copies out over the host link, and an onload in (its state's
@@ -37,8 +38,8 @@ seconds = flops / (peak x compute_efficiency) + draws x draw_seconds
           + sum link_bytes / (link x link_efficiency) + collective_steps x op_seconds x collective_step_ops
           + exchange_bytes / the probe's gloo exchange rate (CPU; else with link_bytes)
           + reduce_scatter_bytes, all_gather_bytes / the probe's gloo rate of each (CPU; else with link_bytes)
-          + gloo_steps x the probe's 2-rank gloo all-reduce / 2
-            (CPU: the native engine's collectives, measured, not stretched by the cores' oversubscription)
+          + gloo_steps x the probe's 2-rank gloo all-reduce / 2 x gloo_collective_factor
+            (CPU: the native engine's collectives, not stretched by the cores' oversubscription)
 
 with the pipeline's bubble (pp - 1) / (micro-batches x vpp) stretching the actor's passes and, on CPU, a rank's share
 of the cores its math and ops (the longer of the two: a rank waiting in the bubble leaves its core to the others); on CUDA the kernel launches overlap the device's work (:func:`combined_seconds`). The efficiencies and op factors are fitted (planner/calibration/<kind>_time.json,
@@ -465,21 +466,24 @@ def _native_engine_passes(
     def faulted(tensors: dict[int, int], rows: float, times: float) -> float:
         return sum(n * times * rows * w for w, n in tensors.items() if rows * w >= FAULTING_TENSOR_BYTES)
 
-    scripted = r.tp == 1 and e == FP32_BYTES and not s.is_moe  # decode_tp1.py's TorchScript layers
-    # (rows through the layers, rows through the lm_head, how many times, prefill): prefill, decode
-    passes = ((per_wave * lengths.mean_prompt, per_wave, waves, True), (decode_rows, decode_rows, steps, False))
-    for rows, sampled, times, prefill in passes:
+    decode_scripted = r.tp == 1 and e == FP32_BYTES and not s.is_moe  # decode_tp1.py's TorchScript layers
+    # (rows through the layers, rows through the lm_head, how many times, prefill; TorchScript): prefill, decode
+    passes = (
+        (per_wave * lengths.mean_prompt, per_wave, waves, True, False),
+        (decode_rows, decode_rows, steps, False, decode_scripted),
+    )
+    for rows, sampled, times, prefill, scripted in passes:
         add(rows, times * (layer_bytes - expert_bytes))
         add(sampled, times * table_bytes)
-        tensors = native_new_tensor_bytes_per_row(s, r.tp, e, prefill=prefill, scripted=scripted and not prefill)
-        if not inp.on_cuda:
-            allocated += faulted(tensors["token"], rows, times) + faulted(tensors["sampled"], sampled, times)
+        tensors = {} if inp.on_cuda else native_new_tensor_bytes_per_row(s, r.tp, e, prefill=prefill, scripted=scripted)
+        allocated += faulted(tensors.get("token", {}), rows, times) + faulted(
+            tensors.get("sampled", {}), sampled, times
+        )
         if expert_bytes:
             k, local = s.moe_top_k, s.num_experts // ep
             hit = local * (1 - (1 - k / s.num_experts) ** rows)
             add(rows * k / ep / hit, times * expert_bytes * hit / local)
-            if not inp.on_cuda:
-                allocated += faulted(tensors["expert"], rows * k / ep / hit, times * hit)
+            allocated += faulted(tensors.get("expert", {}), rows * k / ep / hit, times * hit)
     return gemms, allocated
 
 
