@@ -303,6 +303,34 @@ def test_fewer_than_one_run_per_configuration_is_refused_in_one_line(tool, capsy
         assert f"argument --repeats: {says}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "tool, args", [("validate_time", []), ("validate_time", ["--mutations"]), ("validate_plan", [])]
+)
+def test_an_unknown_configuration_name_is_refused_in_one_line_before_any_run(tool, args, capsys, monkeypatch):
+    """A misspelt ``--only`` once selected nothing: validate-time passed with no rows and ``--mutations`` called every
+    mutation uncaught. Now argparse's one-line error names it and the configurations there are; no run starts."""
+    import importlib
+
+    import tools.plan_runs as plan_runs
+
+    module = importlib.import_module(f"tools.{tool}")
+
+    def no_runs(*_args, **_kwargs):
+        raise AssertionError("a run started")
+
+    monkeypatch.setattr(module, "ensure_runs" if tool == "validate_time" else "ensure_run", no_runs)
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--only", "long_sequences", "long_sequnces", *args])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: --only long_sequnces: no such configuration; the configurations: tiny_cpu, " in err
+    assert "long_sequences, " in err
+    assert plan_runs.select_specs(plan_runs.VALIDATION_SET, ["long_sequences"]) == [
+        spec for spec in plan_runs.VALIDATION_SET if spec.name == "long_sequences"
+    ]
+    assert plan_runs.select_specs(plan_runs.VALIDATION_SET, None) == list(plan_runs.VALIDATION_SET)
+
+
 def test_a_runs_speeds_are_its_probes_with_todays_for_what_it_did_not_measure(tmp_path, monkeypatch):
     """tools/calibrate_time.py::run_speed: the speeds measured just before the run; a rate the probe gained later
     (PROBED_LATER) is today's, and a rate this model does not read (a probe's that was tried) is left out."""

@@ -289,6 +289,28 @@ def run_dir_for(spec: RunSpec, set_name: str, root: Path | None = None) -> Path:
     return (root or REPO / "runs") / set_name / spec.name
 
 
+def select_specs(specs, names: list[str] | None) -> list[RunSpec]:
+    """The ``specs`` that ``--only`` names (all of them when it names none), checked before any run starts: a name
+    none of them has is a ValueError that lists the names there are."""
+    if not names:
+        return list(specs)
+    known = [spec.name for spec in specs]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"--only {' '.join(unknown)}: no such configuration; the configurations: {', '.join(known)}")
+    return [spec for spec in specs if spec.name in names]
+
+
+def print_results(results: list[dict], table: str | None) -> list[str]:
+    """A validation's results as one JSON line each on stdout, then ``table`` (if any) on stderr; the names of the
+    configurations that failed."""
+    for result in results:
+        print(json.dumps(result), flush=True)
+    if table is not None:
+        print(table, file=sys.stderr)
+    return [result["config"] for result in results if not result["passed"]]
+
+
 def add_repeats_argument(parser: argparse.ArgumentParser, default: int) -> None:
     """``--repeats`` of make calibrate-time and validate-time: runs of each configuration, at least one."""
 
@@ -559,4 +581,14 @@ def check(
     }
 
 
-__all__ = ["FIT_SET", "VALIDATION_SET", "RunSpec", "asdict", "check", "ensure_run", "measured_phases"]
+__all__ = [
+    "FIT_SET",
+    "VALIDATION_SET",
+    "RunSpec",
+    "asdict",
+    "check",
+    "ensure_run",
+    "measured_phases",
+    "print_results",
+    "select_specs",
+]

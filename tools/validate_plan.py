@@ -21,7 +21,6 @@ failure ``<phase> launch bound``). Exit 1 when any phase fails. ``--table`` adds
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -34,7 +33,9 @@ from tools.plan_runs import (
     model_phases,
     plan_for,
     predicted_phases,
+    print_results,
     run_dir_for,
+    select_specs,
 )
 
 SET_NAME = "validation"
@@ -56,9 +57,7 @@ def validation_set():
 def validate(names: list[str] | None = None, rerun: bool = False, calibration=None, mutate=None) -> list[dict]:
     """One result per validation configuration (runs what is missing)."""
     results = []
-    for spec in validation_set():
-        if names and spec.name not in names:
-            continue
+    for spec in select_specs(validation_set(), names):
         run_dir = ensure_run(spec, run_dir_for(spec, SET_NAME), rerun=rerun)
         plan = plan_for(spec, calibration, run_dir)  # with the runtime level the run measured at launch
         model, bound = model_phases(plan, run_dir, mutate), predicted_phases(plan, mutate)
@@ -85,13 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rerun", action="store_true", help="run again even where a finished run exists")
     parser.add_argument("--table", action="store_true", help="also print a readable table on stderr")
     args = parser.parse_args(argv)
+    try:
+        select_specs(validation_set(), args.only)
+    except ValueError as e:
+        parser.error(str(e))
     start = time.monotonic()
     results = validate(args.only, args.rerun)
-    for r in results:
-        print(json.dumps(r), flush=True)
-    if args.table:
-        print(format_rows(results), file=sys.stderr)
-    failed = [r["config"] for r in results if not r["passed"]]
+    failed = print_results(results, format_rows(results) if args.table else None)
     print(
         f"validate-plan: {len(results) - len(failed)}/{len(results)} configurations within tolerance "
         f"({time.monotonic() - start:.0f} s){'; failed: ' + ', '.join(failed) if failed else ''}",

@@ -25,7 +25,7 @@ from planner.calibration import Calibration
 from planner.calibration import load as load_calibration
 from planner.step_time import combined_seconds, scaled_terms
 from tools.calibrate_time import REPEATS, run_rows
-from tools.plan_runs import VALIDATION_SET, add_repeats_argument, ensure_runs
+from tools.plan_runs import VALIDATION_SET, add_repeats_argument, ensure_runs, print_results, select_specs
 
 STEP_TOLERANCE = 0.15
 PHASE_TOLERANCE = 0.25
@@ -67,7 +67,7 @@ def check_run(name: str, rows, constants: Calibration, device_kind: str = "cpu")
 
 def validation_rows(names: list[str] | None = None, rerun: bool = False, repeats: int = REPEATS) -> dict[str, list]:
     """Each validation configuration's rows (tools/calibrate_time.py ``run_rows``), its runs made where missing."""
-    specs = [spec for spec in VALIDATION_SET if not names or spec.name in names]
+    specs = select_specs(VALIDATION_SET, names)
     run_dirs = ensure_runs(specs, "validation", repeats=repeats, rerun=rerun)
     return {spec.name: run_rows(spec, run_dirs[spec.name]) for spec in specs}
 
@@ -148,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_repeats_argument(parser, REPEATS)
     args = parser.parse_args(argv)
+    try:
+        select_specs(VALIDATION_SET, args.only)
+    except ValueError as e:
+        parser.error(str(e))
     if args.mutations:
         found = mutations(validation_rows(args.only, args.rerun, args.repeats), load_calibration("cpu_time"))
         for m in found:
@@ -160,11 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1 if missed else 0
     results = validate(args.only, args.rerun, repeats=args.repeats)
-    for r in results:
-        print(json.dumps(r), flush=True)
-    if args.table:
-        print(format_rows(results), file=sys.stderr)
-    failed = [r["config"] for r in results if not r["passed"]]
+    failed = print_results(results, format_rows(results) if args.table else None)
     steps_ok = sum(r["step_ok"] for r in results)
     print(
         f"validate-time: {steps_ok}/{len(results)} steps within {STEP_TOLERANCE:.0%}, "
