@@ -976,15 +976,14 @@ def native_new_tensor_bytes_per_row(
     one KV head: Hq d / t); the attention output (Hq d / t); o_proj's add (TP 1 ``addmm``: h; TP > 1 ``mm``, then
     ``x +`` it: 2h); the post norm; gate_up (2I / t), ``silu`` and its product with up (I / t each); down's add (as
     o_proj's). TorchScript (``scripted``: TP 1, fp32, dense) runs each ``addmm`` as ``mm`` and an add: qkv's bias and
-    both residual adds one tensor more each. An MoE layer in place of the MLP: the router's logits (E; fp32
-    ``softmax`` and, 16-bit, the ``float`` copy: E each), the zeroed output and ``x +`` it (h each) per token, and per
-    expert row its gathered input, gate_up, silu, product, fc2 and weighted copy (h, 2m / t, m / t, m / t, h, h).
+    both residual adds one tensor more each. An MoE layer in place of the MLP: :func:`native_moe_tensor_bytes`.
     Prefill attends with SDPA (eager): the valid tokens' K and V (kv d each) and SDPA's output (laid out by token: no
     copy back) in place of the decode's stack, q copy and attention output. The logits: lm_head's [P / t] (TP > 1: t
     gathered parts of P / t and their concatenation, P); the sampler: in 16-bit the ``float`` copy of the [V] logits,
     then logsumexp's ``self - max``, the temperature's quotient, ``softmax`` and ``multinomial``'s exponential draws
-    (fp32 [V] each). tests/test_step_time.py checks the dense lists against what a real engine's decode step and
-    prefill allocate."""
+    (fp32 [V] each). tests/test_step_time.py checks the lists against what a real engine allocates: the decode step at
+    TP 1 (TorchScript and eager) and TP 2 (two gloo ranks), the prefill, and the MoE layer's per token and per expert
+    row."""
     e, f, t = element_bytes, FP32_BYTES, rollout_tp
     h, d, i = shape.hidden_size, shape.head_dim, shape.intermediate_size // t
     hq, kv = shape.num_heads // t, engine_kv_heads_per_rank(shape, t)
@@ -1014,9 +1013,9 @@ def native_new_tensor_bytes_per_row(
             add(token, 2 * kv * d * e, hq * d * e if kv > 1 else 0, hq * d * e)
         add(token, *residual_add, *norm(h))
         if shape.is_moe_layer(layer):
-            num_experts, m = shape.num_experts, shape.moe_intermediate_size // t
-            add(token, num_experts * e, num_experts * f if e != f else 0, num_experts * f, h * e, h * e)
-            add(expert, h * e, 2 * m * e, m * e, m * e, h * e, h * e)
+            per_token, per_expert_row = native_moe_tensor_bytes(shape, t, e)
+            add(token, *per_token)
+            add(expert, *per_expert_row)
         else:
             add(token, 2 * i * e, i * e, i * e, *residual_add)
     add(token, *norm(h))
@@ -1025,6 +1024,20 @@ def native_new_tensor_bytes_per_row(
     add(sampled, padded // t * e, times=t if t > 1 else 0)
     add(sampled, vocab * f if e != f else 0, *(4 * (vocab * f,)))
     return {"token": token, "sampled": sampled, "expert": expert}
+
+
+def native_moe_tensor_bytes(
+    shape: ModelShape, rollout_tp: int, element_bytes: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """An MoE layer's new tensors in the native engine (rollout/native/model.py ``moe``, ``route`` and the block's add),
+    in place of the MLP's, as (bytes per token, bytes per expert row): per token the router's logits (E), in 16-bit
+    their fp32 copy (E), the fp32 ``softmax`` (E), the zeroed output (h) and the block's ``x +`` it (h); per row routed
+    to a local expert its gathered input (h), gate_up (2m / t), ``silu`` (m / t), the product (m / t), fc2's output
+    (h) and its weighted copy (h)."""
+    e, f, h = element_bytes, FP32_BYTES, shape.hidden_size
+    num_experts, m = shape.num_experts, shape.moe_intermediate_size // rollout_tp
+    per_token = (num_experts * e, *((num_experts * f,) if e != f else ()), num_experts * f, h * e, h * e)
+    return per_token, (h * e, 2 * m * e, m * e, m * e, h * e, h * e)
 
 
 def _native_norm_tensor_bytes(width: int, element_bytes: int, vectors: int = 1) -> tuple[int, ...]:

@@ -772,10 +772,7 @@ def test_the_native_engines_new_tensors_are_counted(tiny_model_dirs, family, dty
     tokens) and only the tensors both allocate at the same size per row are compared. The sampler's logsumexp and
     multinomial fill [N, V] tensors inside their kernels, out of the dispatcher's sight (their pages are counted in
     test_the_native_samplers_kernels_fault_their_counted_tensors)."""
-    from collections import Counter
-
     from configs.rollout import RolloutConfig
-    from planner.sizes import FP32_BYTES, native_new_tensor_bytes_per_row
     from rollout.native import NativeEngine
 
     engine = NativeEngine(
@@ -784,16 +781,120 @@ def test_the_native_engines_new_tensors_are_counted(tiny_model_dirs, family, dty
         device="cpu",
         dtype=dtype,
     )
-    shape, batch = engine.shape, 8
-    short, long = (Counter(_decode_step_new_tensors(engine, p, batch)) for p in (15, 40))
+    steps = [_decode_step_new_tensors(engine, prompt, 8) for prompt in (15, 40)]
+    seen, counted = _seen_against_counted(engine.shape, 1, engine.dtype.itemsize, steps)  # fp32: TorchScript
+    assert seen == counted
+
+
+def _seen_against_counted(shape, rollout_tp: int, e: int, steps: list[dict[int, int]]) -> tuple:
+    """(what a decode step allocated at both contexts alike, what planner.sizes counts of the :data:`MIN_ROW_BYTES`
+    a row or more) for an eager decode step at ``rollout_tp``; the sampler's two kernel-internal tensors taken out."""
+    from collections import Counter
+
+    from planner.sizes import FP32_BYTES, native_new_tensor_bytes_per_row
+
+    short, long = (Counter(step) for step in steps)
     seen = short & long  # the same size at both contexts
     assert long - seen, "a context-sized tensor (the gathered blocks) was expected at the longer context"
-    e = engine.dtype.itemsize
-    scripted = e == FP32_BYTES  # TP 1, fp32, dense
-    counted = native_new_tensor_bytes_per_row(shape, 1, e, prefill=False, scripted=scripted)
+    counted = native_new_tensor_bytes_per_row(
+        shape, rollout_tp, e, prefill=False, scripted=rollout_tp == 1 and e == FP32_BYTES and not shape.is_moe
+    )
     expected = Counter(counted["token"]) + Counter(counted["sampled"])
     expected[shape.vocab_size * FP32_BYTES] -= 2  # logsumexp's and multinomial's, inside their kernels
-    assert seen == Counter({w: n for w, n in expected.items() if w >= MIN_ROW_BYTES and n > 0})
+    return seen, Counter({w: n for w, n in expected.items() if w >= MIN_ROW_BYTES and n > 0})
+
+
+def _tp_decode_steps_new_tensors(rank: int, world_size: int, model_dir: str, dtype: str) -> tuple:
+    """One engine rank of a TP ``world_size`` native engine: (its model's shape, :func:`_decode_step_new_tensors` at
+    15 and 40 cached tokens, 8 sequences)."""
+    import torch.distributed as dist
+
+    from configs.rollout import RolloutConfig
+    from rollout.native import NativeEngine
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    engine = NativeEngine(
+        RolloutConfig(tp=world_size, cpu_capacity_gb=0.25, activation_reserve_mb=16, max_num_seqs=8),
+        model_dir,
+        group=dist.group.WORLD,
+        device="cpu",
+        dtype=dtype,
+    )
+    return engine.shape, [dict(_decode_step_new_tensors(engine, prompt, 8)) for prompt in (15, 40)]
+
+
+@pytest.mark.parametrize(("family", "dtype"), [("qwen2", "float32"), ("qwen3", "bfloat16")])
+def test_the_native_engines_tp2_new_tensors_are_counted(tiny_model_dirs, family, dtype):
+    """The same list at engine TP 2 (two gloo ranks, eager): the embedding's masked copy, o_proj's and down's ``mm``
+    then ``x +`` it, the lm_head's [P / 2] part, the two gathered parts and their concatenation, every layer's widths
+    halved, on each rank alike."""
+    from tests.dist import run_ranks
+
+    ranks = run_ranks(_tp_decode_steps_new_tensors, 2, tiny_model_dirs[family], dtype)
+    assert ranks[0] == ranks[1]
+    shape, steps = ranks[0]
+    seen, counted = _seen_against_counted(shape, 2, 4 if dtype == "float32" else 2, steps)
+    assert seen == counted
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_native_engines_moe_tensors_are_counted(tiny_model_dirs, dtype):
+    """An MoE layer's new tensors against planner.sizes (Qwen3-MoE, TP 1, eager), over a whole generate (prefill and
+    decode steps): inside ``NativeModel.moe`` each width's rows summed over its calls are the counted per-token
+    entries (the router's logits, their fp32 copy and softmax, the zeroed output: N rows each per call) plus the
+    counted per-expert entries (the gathered input, gate_up, silu, the product, fc2's output and its weighted copy:
+    one row per routed (token, choice), N k per call at EP 1). The block's ``x +`` of the output is outside."""
+    from collections import Counter
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from configs.rollout import RolloutConfig
+    from planner.sizes import native_moe_tensor_bytes
+    from rollout.engine import SamplingParams
+    from rollout.native import NativeEngine
+
+    engine = NativeEngine(
+        RolloutConfig(cpu_capacity_gb=0.25, activation_reserve_mb=16, max_num_seqs=8),
+        tiny_model_dirs["qwen3_moe"],
+        device="cpu",
+        dtype=dtype,
+    )
+    shape, model = engine.shape, engine.model
+    assert shape.is_moe
+    rows_by_width, calls = Counter(), []
+
+    class NewRows(TorchDispatchMode):  # {bytes per row: rows} of the floating-point tensors an op makes anew
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {
+                t.untyped_storage().data_ptr()
+                for t in torch.utils._pytree.tree_flatten((args, kwargs))[0]
+                if torch.is_tensor(t)
+            }
+            for t in torch.utils._pytree.tree_flatten(out)[0]:
+                if torch.is_tensor(t) and t.is_floating_point() and t.dim() == 2 and t.shape[0]:
+                    if t.untyped_storage().data_ptr() not in inputs | {0} and t.shape[1] * t.element_size() >= 64:
+                        rows_by_width[t.shape[1] * t.element_size()] += t.shape[0]
+            return out
+
+    moe = model.moe
+
+    def counted_moe(x, w, layer):
+        calls.append(x.shape[0])
+        with NewRows():
+            return moe(x, w, layer)
+
+    model.moe = counted_moe
+    engine.generate([[1, *range(5, 4 + n)] for n in (9, 14, 20)], SamplingParams(max_tokens=4, ignore_eos=True))
+    per_token, per_expert_row = native_moe_tensor_bytes(shape, 1, engine.dtype.itemsize)
+    tokens, expected = sum(calls), Counter()
+    for width in per_token:
+        expected[width] += tokens
+    expected[shape.hidden_size * engine.dtype.itemsize] -= tokens  # the block's ``x +`` of the output
+    for width in per_expert_row:
+        expected[width] += tokens * shape.moe_top_k
+    assert rows_by_width == Counter({w: n for w, n in expected.items() if w >= 64 and n > 0})
 
 
 @pytest.mark.parametrize(("family", "dtype"), [("qwen2", "float32"), ("qwen3", "bfloat16")])
