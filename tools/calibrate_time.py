@@ -1,7 +1,8 @@
 """``make calibrate-time``: fit the step-time model's efficiencies and op factors (planner/step_time.py) on the memory
-plan's fit set, with leave-one-run-out uncertainty, and write ``planner/calibration/cpu_time.json``.
+plan's fit set and two runs where fixed costs dominate, with leave-one-run-out uncertainty, and write
+``planner/calibration/cpu_time.json``.
 
-Each run of :data:`tools.plan_runs.FIT_SET` (run, or read from ``runs/calibration/<name>/`` as ``make calibrate``
+Each run of :data:`tools.plan_runs.TIME_FIT_SET` (run, or read from ``runs/calibration/<name>/`` as ``make calibrate``
 leaves it) gives one row per every-step phase: the phase's measured seconds (metrics.jsonl ``time/<phase>``, median
 over the steady steps 1..) against the model's raw terms (:func:`planner.step_time.raw_terms`: each term's seconds
 at efficiency 1 and op factor 1), at each steady step's recorded lengths, median over those steps, with the
@@ -28,7 +29,7 @@ from planner.calibration import TIME_CONSTANTS, Constant, from_json, write
 from planner.calibration import load as load_calibration
 from planner.speed import SpeedSpec
 from planner.step_time import COLUMN_CONSTANT, EFFICIENCIES, phase_work, raw_terms
-from tools.plan_runs import FIT_SET, add_repeats_argument, ensure_runs, plan_for, recorded_lengths_of
+from tools.plan_runs import TIME_FIT_SET, add_repeats_argument, ensure_runs, plan_for, recorded_lengths_of
 from tools.speed_probe import measure_cpu_speed
 
 COLUMNS = tuple(c for c, name in COLUMN_CONSTANT.items() if name is not None)  # fitted
@@ -167,8 +168,8 @@ def _as_constant(column: str, coefficient: float) -> float:
 
 def calibrate(rerun: bool = False, repeats: int = REPEATS) -> dict:
     prior = load_calibration("cpu_time")
-    run_dirs = ensure_runs(FIT_SET, "calibration", repeats=repeats, rerun=rerun)
-    rows_by_run = {spec.name: run_rows(spec, run_dirs[spec.name]) for spec in FIT_SET}
+    run_dirs = ensure_runs(TIME_FIT_SET, "calibration", repeats=repeats, rerun=rerun)
+    rows_by_run = {spec.name: run_rows(spec, run_dirs[spec.name]) for spec in TIME_FIT_SET}
     full = fit(rows_by_run, prior)
     loo = [fit({k: v for k, v in rows_by_run.items() if k != left}, prior) for left in rows_by_run]
     constants = {}

@@ -144,6 +144,33 @@ FIT_SET = (
 )
 
 
+# The step-time fit's runs (make calibrate-time): the fit set, and two where a fixed cost the others barely see
+# dominates a phase, so that its constant is pinned by the fit and not left to the others' few percent (the memory
+# fit, make calibrate, does not read them). Chosen after the validation set's one_sequence_decode and
+# micro_batches_of_one first ran (docs/plan-validation.md, 2026-11-30 evening), and unlike them in sizes.
+TIME_FIT_SET = FIT_SET + (
+    RunSpec(
+        "two_sequences_decode",
+        "tiny_cpu",
+        (
+            "rollout.tp=1",
+            "trainer.prompts_per_step=4",
+            "rollout.n_samples_per_prompt=1",
+            "rollout.max_new_tokens=128",
+            "actor.micro_batch_size=2",
+            IGNORE_EOS,
+        ),
+        "the native engine's fixed cost per layer step: two TP=1 replicas decode two sequences each for 128 steps",
+    ),
+    RunSpec(
+        "micro_batches_of_two",
+        "tiny_cpu",
+        ("trainer.prompts_per_step=2", "actor.micro_batch_size=2", "rollout.max_new_tokens=24", IGNORE_EOS),
+        "megatron's fixed cost per micro-batch: 8 micro-batches of two ~28-token rows per pass",
+    ),
+)
+
+
 def cuda_fit_set(device: str) -> tuple[RunSpec, ...]:
     """What `make calibrate` fits the CUDA constants on, on a GPU node whose GPUs are the planner preset
     ``device``: memory_cpu's 122 MB model (built here, no download) on one GPU, then two. Each run isolates
@@ -281,6 +308,29 @@ VALIDATION_SET = (
         "bf16, what users run: megatron's Float16Optimizer with fp32 main params beside the bf16 params, bf16 engine "
         "weights and KV cache; memory_cpu's sizes keep each state >= 60 MB (issue 40, defect 10: no bf16 run had been "
         "checked, and one measured ~120 MiB over its plan in every phase)",
+    ),
+    RunSpec(
+        "one_sequence_decode",
+        "tiny_cpu",
+        (
+            "rollout.tp=1",
+            "trainer.prompts_per_step=2",
+            "rollout.n_samples_per_prompt=1",
+            "rollout.max_new_tokens=256",
+            "actor.micro_batch_size=1",
+            IGNORE_EOS,
+        ),
+        "the native engine's fixed cost per layer step dominates: two TP=1 replicas decode one sequence each for 256 "
+        "steps (planned: ~75% of the rollout; native_layer_step_ops doubled or halved moves the rollout ~75% or "
+        "~37%, where no other configuration sees it)",
+    ),
+    RunSpec(
+        "micro_batches_of_one",
+        "tiny_cpu",
+        ("trainer.prompts_per_step=4", "actor.micro_batch_size=1", "rollout.max_new_tokens=16", IGNORE_EOS),
+        "megatron's fixed cost per micro-batch dominates: 32 micro-batches of one ~20-token row per pass (planned: "
+        "the actor's ops ~70% of train and old_logprob; actor_backward_op_factor and collective_step_ops doubled "
+        "move the step past 15%, where no other configuration sees them)",
     ),
 )
 
@@ -583,6 +633,7 @@ def check(
 
 __all__ = [
     "FIT_SET",
+    "TIME_FIT_SET",
     "VALIDATION_SET",
     "RunSpec",
     "asdict",
