@@ -88,7 +88,7 @@ def differences(before, after, path: str = "") -> list[str]:
 def test_every_plan_is_what_it_was_before_the_configs_moved():
     before = json.loads(gzip.decompress(RECORD.read_bytes()))
     after = capture()
-    assert len(after) == len(before) == 82  # 10 experiments x 2; 16 CPU configurations x 3, 7 CUDA x 2
+    assert len(after) == len(before) == 88  # 10 experiments x 2; 18 CPU configurations x 3, 7 CUDA x 2
     assert differences(before, after) == []
 
 
