@@ -367,6 +367,28 @@ def test_the_fit_recovers_known_constants_and_validation_catches_each_mutation()
     found = mutations({"synthetic": rows}, constants)
     assert len(found) == 2 * len(COLUMN_CONSTANT)
     assert [m["mutation"] for m in found if not m["caught_by"]] == []
+    assert all(not m["too_small"] and m["largest_move_of_tolerance"] >= 1 for m in found)
+
+
+def test_a_mutation_that_moves_no_check_by_its_tolerance_is_too_small_to_see():
+    """tools/validate_time.py::largest_move: each check's move over its tolerance (a phase's 25% or 50 ms, the
+    step's 15%), the largest of them; under 1 no check could catch the mutation."""
+    from tools.validate_time import largest_move
+
+    def result(rollout_s: float, log_s: float) -> dict:
+        phases = {"rollout": (rollout_s, 1.0), "log": (log_s, 0.01)}
+        return {
+            "predicted_step_s": rollout_s + log_s,
+            "measured_step_s": 1.01,
+            "phases": {k: {"predicted_s": p, "measured_s": m} for k, (p, m) in phases.items()},
+        }
+
+    base = [result(0.9, 0.01)]
+    assert largest_move(base, base) == 0
+    # the log phase 40 ms more: under its 50 ms floor (0.8), the step 0.04 / 0.1515 (0.26)
+    assert largest_move(base, [result(0.9, 0.05)]) == pytest.approx(0.8)
+    # the rollout 300 ms more: 1.2 of its 250 ms, 1.98 of the step's 151.5 ms
+    assert largest_move(base, [result(1.2, 0.01)]) == pytest.approx(0.3 / 0.1515)
 
 
 def _full_width_bytes(fn, full: int) -> tuple[float, list[str]]:
