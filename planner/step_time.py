@@ -40,6 +40,7 @@ seconds = flops / (peak x compute_efficiency) + draws x draw_seconds
           + reduce_scatter_bytes, all_gather_bytes / the probe's gloo rate of each (CPU; else with link_bytes)
           + gloo_steps x the probe's 2-rank gloo all-reduce / 2 x gloo_collective_factor
             (CPU: the native engine's collectives, not stretched by the cores' oversubscription)
+          + actor_gloo_steps x the probe's 2-rank gloo all-reduce / 2 (CPU: the actor's TP all-reduces, as measured)
 
 with the pipeline's bubble (pp - 1) / (micro-batches x vpp) stretching the actor's passes and, on CPU, a rank's share
 of the cores its math and ops (the longer of the two: a rank waiting in the bubble leaves its core to the others); on CUDA the kernel launches overlap the device's work (:func:`combined_seconds`). The efficiencies and op factors are fitted (planner/calibration/<kind>_time.json,
@@ -108,6 +109,7 @@ COLUMN_CONSTANT = {
     "link": "link_efficiency",
     "collective_ops": "collective_step_ops",
     "gloo": "gloo_collective_factor",  # SpeedSpec.gloo_all_reduce_seconds, as a rollout pays it
+    "actor_gloo": None,  # the measured SpeedSpec.gloo_all_reduce_seconds, as the actor pays it: nothing to fit
     "exchange": None,  # a measured rate (SpeedSpec.gloo_exchange_bytes_per_s): nothing to fit
     "buckets": None,  # measured rates (SpeedSpec.gloo_reduce_scatter_bytes_per_s, ...): nothing to fit
     "storage_ops": "host_storage_ops",
@@ -129,6 +131,7 @@ COLUMN_TERM = {
     "gemm": "compute",
     "collective_ops": "link",
     "gloo": "link",
+    "actor_gloo": "link",
     "exchange": "link",
     "buckets": "link",
     "storage_ops": "host",
@@ -162,9 +165,13 @@ class PhaseWork:
     # n - 1, a point-to-point send 1): their latency, which the bytes do not see
     collective_steps: float = 0.0
     # the native engine's collectives' steps on CPU: gloo's, timed at the probe's measured 2-rank all-reduce (2 steps;
-    # SpeedSpec.gloo_all_reduce_seconds). vLLM's CPU build all-reduces in shared memory (cpu_communicator.py
-    # _CPUSHMDistributed); the actor's larger messages are bytes over the fitted link
+    # SpeedSpec.gloo_all_reduce_seconds) times gloo_collective_factor, as a rollout pays it. vLLM's CPU build
+    # all-reduces in shared memory (cpu_communicator.py _CPUSHMDistributed)
     gloo_steps: float = 0.0
+    # the actor's TP all-reduces' steps on CPU (megatron's mappings.py and megatron_backend/logprobs.py, over gloo):
+    # at the probe's all-reduce, nothing fitted. Timed inside runs, a call takes what the probe's does (0.6-0.8 ms
+    # against its 0.83 on this VM, docs/plan-validation.md): both ranks run the same work, so neither waits on the other
+    actor_gloo_steps: float = 0.0
     # the weight sync's point-to-point exchange per link, the busier direction's bytes (links are full duplex): on
     # CPU at the probe's measured gloo exchange (SpeedSpec.gloo_exchange_bytes_per_s: ~1.1 GB/s each way, a third of
     # a copy), else over the link as the collectives' bytes
@@ -607,9 +614,13 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
         micro_batch_passes=mb.count * (2 if train else 1),
         link_bytes=_by_link(inp, {"tp": tp_bytes, "pp": pp_bytes, "ep": ep_bytes}),
         bubble=(a.pp - 1) / (mb.count * (a.vpp or 1)),
-        collective_steps=mb.count
-        * (all_reduces * 2 * (a.tp - 1) + p2p * (2 if train else 1) + moe_dispatch_steps(inp, moe_layers, train)),
+        collective_steps=mb.count * (p2p * (2 if train else 1) + moe_dispatch_steps(inp, moe_layers, train)),
     )
+    tp_steps = mb.count * all_reduces * 2 * (a.tp - 1)
+    if inp.on_cuda:
+        work.collective_steps += tp_steps
+    else:  # gloo's: at the probe's measured all-reduce
+        work.actor_gloo_steps = tp_steps
     if train:  # the optimizer step: read and write params, grads and states; DP's gradient reduction
         params, expert_params = actor_stage_counts(inp, stage)
         # each rank steps its shard: the dense params' over DP, the routed experts' over the expert-DP group
@@ -875,8 +886,11 @@ def raw_terms(work: PhaseWork, inp: PlanInputs, speed: SpeedSpec) -> dict[str, f
         # gloo's steps at the measured all-reduce's half, not stretched: the probe's two ranks already share the
         # node's cores, and more groups do not slow one (two TP-2 groups over 4 processes on 2 cores all-reduce in
         # 1.0-1.15 ms, one group of 2 in 1.6-1.7: docs/plan-validation.md); unmeasured, as any collective's
-        "collective_ops": (work.collective_steps + (0 if gloo else work.gloo_steps)) * speed.op_seconds * over,
+        "collective_ops": (work.collective_steps + (0 if gloo else work.gloo_steps + work.actor_gloo_steps))
+        * speed.op_seconds
+        * over,
         "gloo": work.gloo_steps * gloo / 2 if gloo else 0.0,
+        "actor_gloo": work.actor_gloo_steps * gloo / 2 if gloo else 0.0,
         "storage_ops": work.host_storages * speed.op_seconds * over,
         "actor_ops": work.actor_ops * speed.op_seconds * stretch,
         "actor_backward_ops": work.actor_backward_ops * speed.op_seconds * stretch,

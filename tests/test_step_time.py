@@ -994,3 +994,81 @@ def test_the_native_samplers_kernels_fault_their_counted_tensors():
         lm_head = 1 if shape.vocab_size * e == row else 0  # the lm_head's [N, P] logits: not the sampler's
         tensors = sampled[row] - lm_head
         assert faults[dtype] == [tensors * (32 * row // 4096 + 1)] * 3, (dtype, faults[dtype], tensors)
+
+
+def test_the_actors_tp_all_reduces_on_cpu_are_gloos_at_the_measured_all_reduce():
+    """On CPU the actor's TP all-reduces (megatron's mappings.py, megatron_backend/logprobs.py) run over gloo: their
+    ring steps are timed at the probe's 2-rank all-reduce, nothing fitted (COLUMN_CONSTANT: None). PP's sends stay
+    fitted collective steps; on CUDA (NCCL) the TP all-reduces do too."""
+    from planner.step_time import raw_terms
+
+    tp2 = dataclasses.replace(make_inputs().with_actor(tp=2), ranks_per_node=2)
+    works = phase_work(make_plan(tp2))
+    measured = dataclasses.replace(CPU, cores=2, gloo_all_reduce_seconds=1e-3)
+    for name in ("old_logprob", "train"):
+        work = works[name]
+        assert work.actor_gloo_steps > 0 and work.collective_steps == 0, name
+        raw = raw_terms(work, tp2, measured)
+        assert raw["actor_gloo"] == pytest.approx(work.actor_gloo_steps * 1e-3 / 2)
+        assert raw["collective_ops"] == 0 and raw["gloo"] == 0
+        unmeasured = raw_terms(work, tp2, dataclasses.replace(CPU, cores=2))
+        assert unmeasured["actor_gloo"] == 0
+        assert unmeasured["collective_ops"] == pytest.approx(work.actor_gloo_steps * CPU.op_seconds)
+    assert COLUMN_CONSTANT["actor_gloo"] is None
+    pp = phase_work(make_plan(dataclasses.replace(tp2.with_actor(pp=2), actor_dp=1, ranks_per_node=4)))["train"]
+    assert pp.collective_steps > 0 and pp.actor_gloo_steps > 0
+    on_cuda = dataclasses.replace(tp2, device=device_preset("H100-80GB"))
+    cuda = phase_work(make_plan(on_cuda))["old_logprob"]
+    assert cuda.actor_gloo_steps == 0 and cuda.collective_steps == works["old_logprob"].actor_gloo_steps
+
+
+def _tp_all_reduces_per_phase(rank, world_size, hf_dir):
+    """A TP=2 dense actor's log-prob pass, then one train step, on gloo: the all-reduces over the TP group in each."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from configs.actor import ActorConfig
+    from megatron_backend.actor import Actor
+    from megatron_backend.parallel import initialize_model_parallel
+    from modelspec import TokenBatch
+    from rl.losses import PolicyLoss, PolicyLossConfig
+
+    dims = initialize_model_parallel(tp=world_size, pp=1)
+    actor = Actor(hf_dir, ActorConfig(tp=world_size, micro_batch_size=2, lr=1e-4), dims)
+    tp_group = mpu.get_tensor_model_parallel_group()
+    counts = {"logprobs": 0, "train": 0}
+    current = ["logprobs"]
+    all_reduce = dist.all_reduce
+
+    def counting(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if group is tp_group:
+            counts[current[0]] += 1
+        return all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = counting  # megatron's mappings.py and logprobs.py look it up at call time
+    try:
+        ids = torch.randint(0, actor.shape.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+        batch = TokenBatch(input_ids=ids, loss_mask=torch.ones(4, 15), advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
+        batch.old_logprobs = actor.compute_logprobs(batch)
+        current[0] = "train"
+        actor.train_step(batch, PolicyLoss(PolicyLossConfig()))
+    finally:
+        dist.all_reduce = all_reduce
+    return counts
+
+
+def test_the_actors_tp_all_reduces_are_counted(tiny_model_dirs):
+    """The actor's TP all-reduces the step-time model times at gloo's measured all-reduce are the ones megatron and the
+    log-prob pass run, on two real ranks: per micro-batch 2 per layer and pass direction, the embedding's forward,
+    the output layer's backward and 4 per log-prob chunk."""
+    from tests.dist import run_ranks
+
+    shape = ModelShape.from_pretrained(tiny_model_dirs["qwen2"])
+    ranks = run_ranks(_tp_all_reduces_per_phase, 2, tiny_model_dirs["qwen2"])
+    assert ranks[0] == ranks[1]
+    inp = make_inputs(shape=shape, sequences_per_step=4, prompt_tokens=8, response_tokens=8, ranks_per_node=2)
+    inp = inp.with_actor(tp=2, micro_batch_size=2)
+    works = phase_work(make_plan(inp))
+    for phase, counted in (("logprobs", "old_logprob"), ("train", "train")):
+        assert ranks[0][phase] == works[counted].actor_gloo_steps / 2, (phase, ranks[0])

@@ -142,16 +142,16 @@ def mutations(rows_by_config: dict[str, list], constants: Calibration) -> list[d
 
 
 def format_rows(results: list[dict]) -> str:
-    lines = [f"{'config':<34}{'phase':<18}{'pred s':>9}{'meas s':>9}{'error':>8}  {'bound':<11}ok"]
+    lines = [f"{'config':<34}{'phase':<18}{'pred s':>9}{'meas s':>9}{'error':>8}  {'bound':<17}ok"]
     for r in results:
         step = f"{r['config']:<34}{'STEP':<18}{r['predicted_step_s']:>9.3f}{r['measured_step_s']:>9.3f}"
-        lines.append(f"{step}{r['step_error']:>+8.1%}  {'':<11}{'yes' if r['step_ok'] else 'NO'}")
+        lines.append(f"{step}{r['step_error']:>+8.1%}  {'':<17}{'yes' if r['step_ok'] else 'NO'}")
         for name, p in r["phases"].items():
             if max(p["predicted_s"], p["measured_s"]) < 0.02:
                 continue  # a few ms either way
             error = f"{p['error']:>+8.1%}" if p["error"] is not None else f"{'':>8}"
             lines.append(
-                f"{'':<34}{name:<18}{p['predicted_s']:>9.3f}{p['measured_s']:>9.3f}{error}  {p['bound']:<11}"
+                f"{'':<34}{name:<18}{p['predicted_s']:>9.3f}{p['measured_s']:>9.3f}{error}  {p['bound']:<17}"
                 f"{'yes' if p['ok'] else 'NO'}"
             )
     return "\n".join(lines)
