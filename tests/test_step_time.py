@@ -739,33 +739,39 @@ def test_the_weight_syncs_exchange_on_cpu_runs_at_gloos_measured_exchange_rate()
 MIN_ROW_BYTES = 64  # [N, a few] tensors are left out: the norms' [N, 1], the scheduler's [N, max_tokens] log-probs
 
 
-def _new_tensor_sizes(run, smallest: int) -> dict[int, int]:
-    """{bytes: how many} of the floating-point tensors of ``smallest`` bytes or more that ``run()`` allocates: every
-    op's output whose storage is none of its inputs' (``reshape`` and ``to`` make one when they copy)."""
-    from collections import Counter
-
+def _new_float_tensors(record):
+    """A dispatch mode calling ``record(t)`` for each floating-point tensor an op returns whose storage is none of its
+    inputs' (``reshape`` and ``to`` make one when they copy)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
     class NewTensors(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.sizes = Counter()
-
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)}
             for t in tree_flatten(out)[0]:
-                new = torch.is_tensor(t) and t.untyped_storage().data_ptr() not in inputs | {0}
-                if new and t.is_floating_point() and t.untyped_storage().nbytes() >= smallest:
-                    self.sizes[t.untyped_storage().nbytes()] += 1
+                if torch.is_tensor(t) and t.is_floating_point() and t.untyped_storage().data_ptr() not in inputs | {0}:
+                    record(t)
             return out
 
-    mode = NewTensors()
-    with mode:
+    return NewTensors()
+
+
+def _new_tensor_sizes(run, smallest: int) -> dict[int, int]:
+    """{bytes: how many} of the new floating-point tensors (:func:`_new_float_tensors`) of ``smallest`` bytes or more
+    that ``run()`` allocates."""
+    from collections import Counter
+
+    sizes = Counter()
+
+    def record(t):
+        if t.untyped_storage().nbytes() >= smallest:
+            sizes[t.untyped_storage().nbytes()] += 1
+
+    with _new_float_tensors(record):
         run()
-    return mode.sizes
+    return sizes
 
 
 def _decode_step_new_tensors(engine, prompt_tokens: int, batch: int) -> dict[int, int]:
@@ -868,9 +874,6 @@ def test_the_native_engines_moe_tensors_are_counted(tiny_model_dirs, dtype):
     one row per routed (token, choice), N k per call at EP 1). The block's ``x +`` of the output is outside."""
     from collections import Counter
 
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from configs.rollout import RolloutConfig
     from planner.sizes import native_moe_tensor_bytes
     from rollout.engine import SamplingParams
@@ -886,25 +889,15 @@ def test_the_native_engines_moe_tensors_are_counted(tiny_model_dirs, dtype):
     assert shape.is_moe
     rows_by_width, calls = Counter(), []
 
-    class NewRows(TorchDispatchMode):  # {bytes per row: rows} of the floating-point tensors an op makes anew
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            inputs = {
-                t.untyped_storage().data_ptr()
-                for t in torch.utils._pytree.tree_flatten((args, kwargs))[0]
-                if torch.is_tensor(t)
-            }
-            for t in torch.utils._pytree.tree_flatten(out)[0]:
-                if torch.is_tensor(t) and t.is_floating_point() and t.dim() == 2 and t.shape[0]:
-                    if t.untyped_storage().data_ptr() not in inputs | {0} and t.shape[1] * t.element_size() >= 64:
-                        rows_by_width[t.shape[1] * t.element_size()] += t.shape[0]
-            return out
+    def record(t):  # {bytes per row: rows} of the new [rows, width] floating-point tensors
+        if t.dim() == 2 and t.shape[0] and t.shape[1] * t.element_size() >= 64:
+            rows_by_width[t.shape[1] * t.element_size()] += t.shape[0]
 
     moe = model.moe
 
     def counted_moe(x, w, layer):
         calls.append(x.shape[0])
-        with NewRows():
+        with _new_float_tensors(record):
             return moe(x, w, layer)
 
     model.moe = counted_moe
