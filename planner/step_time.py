@@ -92,6 +92,10 @@ from planner.speed import SpeedSpec
 LOCAL_LAYER_OPS = {"forward": 131, "backward": 121}
 # the same count's ops outside the layers (embedding, final norm, output layer): per micro-batch and pass
 LOCAL_MODEL_OPS = {"forward": 25, "backward": 34}
+# the same count's ops per micro-batch outside the model, on the last stage (tests/test_step_time.py pins them): a
+# log-prob pass's (megatron_backend/logprobs.py over one chunk, the schedule's forward_step); in train beside those
+# the train loss's own and the backward of both
+LOSS_OPS = {"forward": 96, "backward": 178}
 QK_NORM_LAYER_OPS = {"forward": 13, "backward": 34}
 # an MoE layer of the local spec (megatron's router, the alltoall dispatcher, its SequentialMLP over the rank's
 # experts) beyond the dense layer's ops: (fixed, per local expert), the same dispatcher count; with Transformer
@@ -529,6 +533,9 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
         backward_ops = mb.count * (_layer_ops(inp, "backward", stage_layer_ids) + LOCAL_MODEL_OPS["backward"])
         if a.recompute == "full":
             ops *= 2
+    if stage == a.pp - 1:  # the log-prob pass and the loss around the model's output (megatron_backend/logprobs.py)
+        ops += mb.count * LOSS_OPS["forward"]
+        backward_ops += mb.count * LOSS_OPS["backward"] if train else 0
     # TP: 2 all-reduces of [tokens, h] per layer and pass direction; PP: the activations sent on; EP: the routed copies
     activation = tokens * s.hidden_size * e
     tp_bytes = activation * 2 * layers * (2 if train else 1) * 2 * (a.tp - 1) / a.tp

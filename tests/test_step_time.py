@@ -1065,3 +1065,70 @@ def test_the_actors_tp_all_reduces_are_counted(tiny_model_dirs):
     works = phase_work(make_plan(inp))
     for phase, counted in (("logprobs", "old_logprob"), ("train", "train")):
         assert ranks[0][phase] == works[counted].actor_gloo_steps / 2, (phase, ranks[0])
+
+
+def _actor_ops_by_micro_batches(rank, world_size, hf_dir):
+    """Torch ops of a TP=1 actor's log-prob pass and train step at 2 and 4 micro-batches of 2 sequences, after a warm-up:
+    (all, inside GPTModel.forward) for each."""
+    import megatron.core.models.gpt.gpt_model as gpt_model
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from configs.actor import ActorConfig
+    from megatron_backend.actor import Actor
+    from megatron_backend.parallel import initialize_model_parallel
+    from modelspec import TokenBatch
+    from rl.losses import PolicyLoss, PolicyLossConfig
+
+    class Count(TorchDispatchMode):
+        ops = 0
+        in_model = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    forward = gpt_model.GPTModel.forward
+
+    def counted_forward(self, *args, **kwargs):
+        before = Count.ops
+        out = forward(self, *args, **kwargs)
+        Count.in_model += Count.ops - before
+        return out
+
+    gpt_model.GPTModel.forward = counted_forward
+    actor = Actor(hf_dir, ActorConfig(tp=1, micro_batch_size=2, lr=1e-4), initialize_model_parallel(tp=1, pp=1))
+    out = {}
+    for sequences in (4, 4, 8):  # the first a warm-up: a first forward builds what later ones reuse
+        ids = torch.randint(0, actor.shape.vocab_size, (sequences, 16), generator=torch.Generator().manual_seed(0))
+        batch = TokenBatch(
+            input_ids=ids, loss_mask=torch.ones(sequences, 15), advantages=torch.linspace(-1, 1, sequences)
+        )
+        Count.ops = Count.in_model = 0
+        with Count():
+            batch.old_logprobs = actor.compute_logprobs(batch)
+        logprobs = (Count.ops, Count.in_model)
+        Count.ops = Count.in_model = 0
+        with Count():
+            actor.train_step(batch, PolicyLoss(PolicyLossConfig()))
+        counts = [logprobs, (Count.ops, Count.in_model)]
+        out[sequences // 2] = counts
+    return out
+
+
+def test_the_counted_loss_ops_are_what_torch_dispatches(tiny_model_dirs):
+    """Per micro-batch, the ops outside the model's forward: in a log-prob pass (the log-prob pass over the logits, the
+    schedule's forward_step) LOSS_OPS["forward"]; in train, beside the counted backward of the layers and the model,
+    that and LOSS_OPS["backward"] (the train loss's own ops and the backward of both)."""
+    from planner.step_time import LOSS_OPS
+
+    [counts] = run_ranks(_actor_ops_by_micro_batches, 1, tiny_model_dirs["qwen2"])
+    (lp2, train2), (lp4, train4) = counts[2], counts[4]
+    per_micro_batch = {
+        name: ((b[0] - a[0]) / 2, (b[1] - a[1]) / 2) for name, a, b in (("lp", lp2, lp4), ("tr", train2, train4))
+    }
+    lp_all, lp_model = per_micro_batch["lp"]
+    assert lp_all - lp_model == LOSS_OPS["forward"]
+    train_all, train_model = per_micro_batch["tr"]
+    backward = 4 * LOCAL_LAYER_OPS["backward"] + LOCAL_MODEL_OPS["backward"]
+    assert train_all - train_model - LOSS_OPS["forward"] - backward == LOSS_OPS["backward"]
