@@ -40,7 +40,8 @@ seconds = flops / (peak x compute_efficiency) + draws x draw_seconds
           + reduce_scatter_bytes, all_gather_bytes / the probe's gloo rate of each (CPU; else with link_bytes)
           + gloo_steps x the probe's 2-rank gloo all-reduce / 2 x gloo_collective_factor
             (CPU: the native engine's collectives, not stretched by the cores' oversubscription)
-          + actor_gloo_steps x the probe's 2-rank gloo all-reduce / 2 (CPU: the actor's TP all-reduces, as measured)
+          + actor_gloo_steps x the probe's 2-rank gloo all-reduce / 2 (CPU: the actor's TP all-reduces, stretched by
+            the oversubscription as measured inside runs)
 
 with the pipeline's bubble (pp - 1) / (micro-batches x vpp) stretching the actor's passes and, on CPU, a rank's share
 of the cores its math and ops (the longer of the two: a rank waiting in the bubble leaves its core to the others); on CUDA the kernel launches overlap the device's work (:func:`combined_seconds`). The efficiencies and op factors are fitted (planner/calibration/<kind>_time.json,
@@ -173,8 +174,10 @@ class PhaseWork:
     # all-reduces in shared memory (cpu_communicator.py _CPUSHMDistributed)
     gloo_steps: float = 0.0
     # the actor's TP all-reduces' steps on CPU (megatron's mappings.py and megatron_backend/logprobs.py, over gloo):
-    # at the probe's all-reduce, nothing fitted. Timed inside runs, a call takes what the probe's does (0.6-0.8 ms
-    # against its 0.83 on this VM, docs/plan-validation.md): both ranks run the same work, so neither waits on the other
+    # at the probe's all-reduce, nothing fitted, stretched by the cores' oversubscription. Timed inside runs
+    # (docs/plan-validation.md), a call takes what the probe's does at 2 ranks on 2 cores (0.6-0.9 ms against its
+    # 0.83: both ranks run the same work, so neither waits on the other) and 1.6-2.4 ms at 4 ranks (PP 2 x TP 2),
+    # where a rank waits for its partner's share of the cores
     actor_gloo_steps: float = 0.0
     # the weight sync's point-to-point exchange per link, the busier direction's bytes (links are full duplex): on
     # CPU at the probe's measured gloo exchange (SpeedSpec.gloo_exchange_bytes_per_s: ~1.1 GB/s each way, a third of
@@ -897,7 +900,7 @@ def raw_terms(work: PhaseWork, inp: PlanInputs, speed: SpeedSpec) -> dict[str, f
         * speed.op_seconds
         * over,
         "gloo": work.gloo_steps * gloo / 2 if gloo else 0.0,
-        "actor_gloo": work.actor_gloo_steps * gloo / 2 if gloo else 0.0,
+        "actor_gloo": work.actor_gloo_steps * gloo / 2 * over if gloo else 0.0,
         "storage_ops": work.host_storages * speed.op_seconds * over,
         "actor_ops": work.actor_ops * speed.op_seconds * stretch,
         "actor_backward_ops": work.actor_backward_ops * speed.op_seconds * stretch,

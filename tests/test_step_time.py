@@ -1008,6 +1008,11 @@ def test_the_actors_tp_all_reduces_on_cpu_are_gloos_at_the_measured_all_reduce()
         assert unmeasured["actor_gloo"] == 0
         assert unmeasured["collective_ops"] == pytest.approx(work.actor_gloo_steps * CPU.op_seconds)
     assert COLUMN_CONSTANT["actor_gloo"] is None
+    # 4 ranks on the 2 cores (PP 2 x TP 2): a call waits for its partner's share of the cores, stretched as an op is
+    # (measured inside tiny_cpu_pp_long_responses: 1.6-2.4 ms a call against the probe's 0.83), unlike the engine's
+    crowded = dataclasses.replace(tp2, ranks_per_node=4)
+    work = works["old_logprob"]
+    assert raw_terms(work, crowded, measured)["actor_gloo"] == pytest.approx(2 * work.actor_gloo_steps * 1e-3 / 2)
     pp = phase_work(make_plan(dataclasses.replace(tp2.with_actor(pp=2), actor_dp=1, ranks_per_node=4)))["train"]
     assert pp.collective_steps > 0 and pp.actor_gloo_steps > 0
     on_cuda = dataclasses.replace(tp2, device=device_preset("H100-80GB"))
