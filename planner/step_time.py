@@ -900,6 +900,7 @@ def raw_terms(work: PhaseWork, inp: PlanInputs, speed: SpeedSpec) -> dict[str, f
         * speed.op_seconds
         * over,
         "gloo": work.gloo_steps * gloo / 2 if gloo else 0.0,
+        # the actor's are stretched: at 4 ranks on 2 cores a call waits for its partner's share (PhaseWork)
         "actor_gloo": work.actor_gloo_steps * gloo / 2 * over if gloo else 0.0,
         "storage_ops": work.host_storages * speed.op_seconds * over,
         "actor_ops": work.actor_ops * speed.op_seconds * stretch,

@@ -103,9 +103,10 @@ def largest_move(base: list[dict], mutated: list[dict]) -> float:
 
 def mutations(rows_by_config: dict[str, list], constants: Calibration) -> list[dict]:
     """Which checks catch a wrong term: each fitted constant doubled and halved, each measured rate's seconds (the
-    GEMM table's, the draws', gloo's buckets and exchange, the counted ops') doubled and zeroed, on the same rows. A
-    mutation is caught when a check that passed fails; ``caught_by`` names them. ``too_small``: it moves no check by
-    its tolerance (:func:`largest_move`, ``largest_move_of_tolerance``), so that no check can catch it."""
+    GEMM table's, the draws', gloo's buckets, exchange and the actor's all-reduces, the counted ops') doubled and
+    zeroed, on the same rows. A mutation is caught when a check that passed fails; ``caught_by`` names them.
+    ``too_small``: it moves no check by its tolerance (:func:`largest_move`, ``largest_move_of_tolerance``), so that
+    no check can catch it."""
     from planner.step_time import COLUMN_CONSTANT
 
     def results(constants_, scale: dict[str, float]) -> list[dict]:
