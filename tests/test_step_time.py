@@ -856,7 +856,6 @@ def test_the_native_engines_tp2_new_tensors_are_counted(tiny_model_dirs, family,
     """The same list at engine TP 2 (two gloo ranks, eager): the embedding's masked copy, o_proj's and down's ``mm``
     then ``x +`` it, the lm_head's [P / 2] part, the two gathered parts and their concatenation, every layer's widths
     halved, on each rank alike."""
-    from tests.dist import run_ranks
 
     ranks = run_ranks(_tp_decode_steps_new_tensors, 2, tiny_model_dirs[family], dtype)
     assert ranks[0] == ranks[1]
@@ -1060,7 +1059,6 @@ def test_the_actors_tp_all_reduces_are_counted(tiny_model_dirs):
     """The actor's TP all-reduces the step-time model times at gloo's measured all-reduce are the ones megatron and the
     log-prob pass run, on two real ranks: per micro-batch 2 per layer and pass direction, the embedding's forward,
     the output layer's backward and 4 per log-prob chunk."""
-    from tests.dist import run_ranks
 
     shape = ModelShape.from_pretrained(tiny_model_dirs["qwen2"])
     ranks = run_ranks(_tp_all_reduces_per_phase, 2, tiny_model_dirs["qwen2"])
