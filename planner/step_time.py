@@ -97,6 +97,10 @@ LOCAL_MODEL_OPS = {"forward": 25, "backward": 34}
 # log-prob pass's (megatron_backend/logprobs.py over one chunk, the schedule's forward_step); in train beside those
 # the train loss's own and the backward of both
 LOSS_OPS = {"forward": 96, "backward": 178}
+# over several chunks (actor.logprob_chunk_tokens under a micro-batch's response rows) the same count's (fixed, per
+# chunk) instead; one chunk is off that line (4 fewer forward, 1 more backward: torch skips a slice that covers the
+# whole tensor)
+LOSS_CHUNKED_OPS = {"forward": (68, 32), "backward": (154, 23)}
 QK_NORM_LAYER_OPS = {"forward": 13, "backward": 34}
 # an MoE layer of the local spec (megatron's router, the alltoall dispatcher, its SequentialMLP over the rank's
 # experts) beyond the dense layer's ops: (fixed, per local expert), the same dispatcher count; with Transformer
@@ -536,9 +540,16 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
         backward_ops = mb.count * (_layer_ops(inp, "backward", stage_layer_ids) + LOCAL_MODEL_OPS["backward"])
         if a.recompute == "full":
             ops *= 2
+    # megatron_backend/logprobs.py's chunks of a micro-batch's response rows
+    chunks = math.ceil(mb.response_tokens / (a.logprob_chunk_tokens or mb.response_tokens or 1))
     if stage == a.pp - 1:  # the log-prob pass and the loss around the model's output (megatron_backend/logprobs.py)
-        ops += mb.count * LOSS_OPS["forward"]
-        backward_ops += mb.count * LOSS_OPS["backward"] if train else 0
+
+        def loss_ops(kind: str) -> int:
+            fixed, per_chunk = LOSS_CHUNKED_OPS[kind]
+            return mb.count * (LOSS_OPS[kind] if chunks == 1 else fixed + chunks * per_chunk)
+
+        ops += loss_ops("forward")
+        backward_ops += loss_ops("backward") if train else 0
     # TP: 2 all-reduces of [tokens, h] per layer and pass direction; PP: the activations sent on; EP: the routed copies
     activation = tokens * s.hidden_size * e
     tp_bytes = activation * 2 * layers * (2 if train else 1) * 2 * (a.tp - 1) / a.tp
@@ -612,7 +623,7 @@ def _actor_pass_work(inp: PlanInputs, stage: int, train: bool) -> PhaseWork:
         written += tokens * vocab * e * (2 if train else 1)
         vocab_bytes = rows * vocab * logprob_bytes_per_logit(e, False, keep, entropy)
         # megatron_backend/logprobs.py all-reduces 4 figures (max, sum of exp, target logit, sum p l) per chunk
-        all_reduces += 4 * math.ceil(mb.response_tokens / (a.logprob_chunk_tokens or mb.response_tokens or 1))
+        all_reduces += 4 * chunks
         if train:
             vocab_bytes += rows * vocab * logprob_bytes_per_logit(e, True, keep, entropy)
     work = PhaseWork(

@@ -1071,8 +1071,8 @@ def test_the_actors_tp_all_reduces_are_counted(tiny_model_dirs):
 
 
 def _actor_ops_by_micro_batches(rank, world_size, hf_dir):
-    """Torch ops of a TP=1 actor's log-prob pass and train step at 2 and 4 micro-batches of 2 sequences, after a warm-up:
-    (all, inside GPTModel.forward) for each."""
+    """Torch ops of a TP=1 actor's log-prob pass and train step at 2 and 4 micro-batches of 2 sequences, after a warm-up,
+    then at 2 in 4 and in 8 log-prob chunks: (all, inside GPTModel.forward) for each."""
     import megatron.core.models.gpt.gpt_model as gpt_model
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -1101,7 +1101,7 @@ def _actor_ops_by_micro_batches(rank, world_size, hf_dir):
 
     gpt_model.GPTModel.forward = counted_forward
     actor = Actor(hf_dir, ActorConfig(tp=1, micro_batch_size=2, lr=1e-4), initialize_model_parallel(tp=1, pp=1))
-    out = {}
+    out, batches = {}, {}
     for sequences in (4, 4, 8):  # the first a warm-up: a first forward builds what later ones reuse
         ids = torch.randint(0, actor.shape.vocab_size, (sequences, 16), generator=torch.Generator().manual_seed(0))
         batch = TokenBatch(
@@ -1114,16 +1114,30 @@ def _actor_ops_by_micro_batches(rank, world_size, hf_dir):
         Count.ops = Count.in_model = 0
         with Count():
             actor.train_step(batch, PolicyLoss(PolicyLossConfig()))
+        batches[sequences] = batch
         counts = [logprobs, (Count.ops, Count.in_model)]
         out[sequences // 2] = counts
+    # 2 micro-batches again (the 4th and 5th train steps: a 6th dispatches 63 ops fewer, whatever its chunks), each of
+    # 30 response rows in 8- and 4-row log-prob chunks: 4 and 8 chunks where the others had 1
+    for chunk in (8, 4):
+        actor.config.logprob_chunk_tokens = chunk
+        Count.ops = Count.in_model = 0
+        with Count():
+            actor.compute_logprobs(batches[4])
+        logprobs = (Count.ops, Count.in_model)
+        Count.ops = Count.in_model = 0
+        with Count():
+            actor.train_step(batches[4], PolicyLoss(PolicyLossConfig()))
+        out[f"chunk{chunk}"] = [logprobs, (Count.ops, Count.in_model)]
     return out
 
 
 def test_the_counted_loss_ops_are_what_torch_dispatches(tiny_model_dirs):
     """Per micro-batch, the ops outside the model's forward: in a log-prob pass (the log-prob pass over the logits, the
     schedule's forward_step) LOSS_OPS["forward"]; in train, beside the counted backward of the layers and the model,
-    that and LOSS_OPS["backward"] (the train loss's own ops and the backward of both)."""
-    from planner.step_time import LOSS_OPS
+    that and LOSS_OPS["backward"] (the train loss's own ops and the backward of both). Over several log-prob chunks
+    LOSS_CHUNKED_OPS' (fixed, per chunk) instead."""
+    from planner.step_time import LOSS_CHUNKED_OPS, LOSS_OPS
 
     [counts] = run_ranks(_actor_ops_by_micro_batches, 1, tiny_model_dirs["qwen2"])
     (lp2, train2), (lp4, train4) = counts[2], counts[4]
@@ -1135,3 +1149,16 @@ def test_the_counted_loss_ops_are_what_torch_dispatches(tiny_model_dirs):
     train_all, train_model = per_micro_batch["tr"]
     backward = 4 * LOCAL_LAYER_OPS["backward"] + LOCAL_MODEL_OPS["backward"]
     assert train_all - train_model - LOSS_OPS["forward"] - backward == LOSS_OPS["backward"]
+
+    # several chunks: per micro-batch (fixed, per chunk) beside the same model ops, at 4 and at 8 chunks
+    def outside(count):
+        return count[0] - count[1]
+
+    for pass_, kinds in ((0, ("forward",)), (1, ("forward", "backward"))):
+        one = outside(counts[2][pass_]) / 2 - sum(LOSS_OPS[k] for k in kinds)  # the pass's ops beyond the loss's
+        for chunks in (4, 8):
+            chunked = outside(counts[f"chunk{32 // chunks}"][pass_]) / 2 - one
+            assert chunked == sum(LOSS_CHUNKED_OPS[k][0] + chunks * LOSS_CHUNKED_OPS[k][1] for k in kinds), (
+                pass_,
+                chunks,
+            )
