@@ -362,3 +362,61 @@ def test_a_runs_speeds_are_its_probes_with_todays_for_what_it_did_not_measure(tm
     assert speed.gloo_all_reduce_seconds == 1e-3
     assert not hasattr(speed, "gloo_broadcast_seconds")
     assert calibrate_time.run_speed(tmp_path / "no-such-run") is today
+
+
+def test_validate_time_checks_the_calibration_file_it_is_given_and_refuses_a_bad_one_before_any_run(
+    tmp_path, capsys, monkeypatch
+):
+    """``--constants FILE`` (a refit ``tools/calibrate_time.py --out`` wrote, say on another machine's runs) is what
+    validate-time checks instead of the committed file; a file that is not the CPU step-time constants is refused
+    in one line before any run."""
+    import tools.validate_time as validate_time
+    from planner.calibration import load, write
+
+    def no_runs(*_args, **_kwargs):
+        raise AssertionError("a run started")
+
+    monkeypatch.setattr(validate_time, "ensure_runs", no_runs)
+    committed = load("cpu_time")
+    lacking = committed.to_json()
+    del lacking["constants"]["actor_op_factor"]
+    memory = load("cpu").to_json()
+    for name, text, says in (
+        ("absent.json", None, "not a calibration file (FileNotFoundError"),
+        ("broken.json", "{", "not a calibration file (JSONDecodeError"),
+        ("lacking.json", json.dumps(lacking), "missing constants ['actor_op_factor']"),
+        ("memory.json", json.dumps(memory), "device_kind 'cpu', not the CPU step-time constants"),
+    ):
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text)
+        with pytest.raises(SystemExit) as exit_:
+            validate_time.main(["--constants", str(path)])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert f"error: --constants {path}: " in err and says in err, err
+
+    # one row: a train phase of 0.5 s of counted actor ops at factor 1, measured at 1 s. The committed factor (28.5)
+    # fails it; the file's 2.0 predicts it exactly
+    rows = {"tiny_cpu": [("train", {"actor_ops": 0.5}, 1.0)]}
+    monkeypatch.setattr(validate_time, "validation_rows", lambda *_args, **_kwargs: rows)
+    path = write(committed.with_values(actor_op_factor=2.0), tmp_path / "refit.json")
+    assert validate_time.main(["--constants", str(path)]) == 0
+    [line] = capsys.readouterr().out.splitlines()
+    assert json.loads(line)["phases"]["train"]["predicted_s"] == 1.0
+    assert validate_time.main([]) == 1
+
+
+def test_calibrate_time_writes_its_fit_where_it_is_told(tmp_path, monkeypatch, capsys):
+    """``--out FILE``: the fit goes there, and planner/calibration/cpu_time.json stays as committed."""
+    import tools.calibrate_time as calibrate_time
+    from planner.calibration import CALIBRATION_DIR, load
+
+    committed_text = (CALIBRATION_DIR / "cpu_time.json").read_text()
+    fitted = load("cpu_time").with_values(phase_ops=123.0).constants
+    monkeypatch.setattr(calibrate_time, "calibrate", lambda *_args: {"constants": fitted, "runs": ["a"], "rows": {}})
+    out = tmp_path / "refit.json"
+    assert calibrate_time.main(["--out", str(out)]) == 0
+    assert json.loads(out.read_text())["constants"]["phase_ops"]["value"] == 123.0
+    assert f"wrote {out}" in capsys.readouterr().err
+    assert (CALIBRATION_DIR / "cpu_time.json").read_text() == committed_text

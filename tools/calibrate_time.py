@@ -205,6 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rerun", action="store_true", help="run the fit set again")
     add_repeats_argument(parser, REPEATS)
     parser.add_argument("--dry-run", action="store_true", help="print the fit, write nothing")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="write the fit here instead of planner/calibration/cpu_time.json (`make validate-time "
+        "ARGS='--constants FILE'` checks it)",
+    )
     args = parser.parse_args(argv)
     result = calibrate(args.rerun, args.repeats)
     prior = load_calibration("cpu_time")
@@ -217,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             constants=result["constants"],
             provenance={"runs": result["runs"], "tool": "tools/calibrate_time.py"},
         )
-        print(f"wrote {write(calibration)}", file=sys.stderr)
+        print(f"wrote {write(calibration, args.out)}", file=sys.stderr)
     return 0
 
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from planner.calibration import Calibration
+from planner.calibration import Calibration, from_json
 from planner.calibration import load as load_calibration
 from planner.step_time import combined_seconds, scaled_terms
 from tools.calibrate_time import REPEATS, run_rows
@@ -158,6 +159,21 @@ def format_rows(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _constants_file(path: Path, parser: argparse.ArgumentParser) -> Calibration:
+    """The CPU step-time constants in ``path`` (every one of them: planner.calibration checks), or argparse's one-line
+    error before any run."""
+    try:
+        constants = from_json(json.loads(path.read_text()), str(path))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        parser.error(f"--constants {path}: not a calibration file ({type(e).__name__}: {e})")
+    if constants.device_kind != "cpu_time":
+        parser.error(
+            f"--constants {path}: device_kind {constants.device_kind!r}, not the CPU step-time constants ('cpu_time'); "
+            f"`python -m tools.calibrate_time --out {path}` writes them"
+        )
+    return constants
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", default=None, help="validation configurations (default: all)")
@@ -169,14 +185,22 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: each fitted constant x2 and x0.5, each measured rate's seconds x2 and x0, and the checks that "
         "catch each (one JSON line per mutation; exit 1 when one that moves a check by its tolerance goes uncaught)",
     )
+    parser.add_argument(
+        "--constants",
+        type=Path,
+        default=None,
+        help="check this calibration file instead of planner/calibration/cpu_time.json (a refit that "
+        "`python -m tools.calibrate_time --out FILE` wrote, say, on another machine's runs)",
+    )
     add_repeats_argument(parser, REPEATS)
     args = parser.parse_args(argv)
     try:
         select_specs(VALIDATION_SET, args.only)
     except ValueError as e:
         parser.error(str(e))
+    constants = load_calibration("cpu_time") if args.constants is None else _constants_file(args.constants, parser)
     if args.mutations:
-        found = mutations(validation_rows(args.only, args.rerun, args.repeats), load_calibration("cpu_time"))
+        found = mutations(validation_rows(args.only, args.rerun, args.repeats), constants)
         for m in found:
             print(json.dumps(m), flush=True)
         small = [m["mutation"] for m in found if not m["caught_by"] and m["too_small"]]
@@ -188,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1 if missed else 0
-    results = validate(args.only, args.rerun, repeats=args.repeats)
+    results = validate(args.only, args.rerun, constants, repeats=args.repeats)
     failed = print_results(results, format_rows(results) if args.table else None)
     steps_ok = sum(r["step_ok"] for r in results)
     print(
