@@ -169,7 +169,7 @@ def _constants_file(path: Path, parser: argparse.ArgumentParser) -> Calibration:
     if constants.device_kind != "cpu_time":
         parser.error(
             f"--constants {path}: device_kind {constants.device_kind!r}, not the CPU step-time constants ('cpu_time'); "
-            f"`python -m tools.calibrate_time --out {path}` writes them"
+            "`python -m tools.calibrate_time --out FILE` writes them"
         )
     return constants
 
