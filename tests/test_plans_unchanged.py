@@ -15,13 +15,24 @@ import json
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
 
 RECORD = Path(__file__).parent / "data" / "plans_at_120ac35.json.gz"
 MIB = 2**20
 CUDA_PRESET = "H100-80GB"
+# the CPU plans size the device and the host from this machine's RAM (planner.devices: psutil.virtual_memory().total);
+# a VM's MemTotal moves by a few hundred KiB between boots and within one (24,684,084 kB when the record was made,
+# 24,683,656 kB on 2026-12-01), so the plans are captured at the recording machine's
+NODE_MEMORY_BYTES = 25_276_502_016
 
 
 def capture() -> dict[str, dict]:
+    with mock.patch("psutil.virtual_memory", return_value=SimpleNamespace(total=NODE_MEMORY_BYTES)):
+        return _capture()
+
+
+def _capture() -> dict[str, dict]:
     from planner import make_plan, variants
     from planner.inputs import StepLengths
     from planner.report import plan_json
