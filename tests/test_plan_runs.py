@@ -313,6 +313,10 @@ def test_fewer_than_one_run_per_configuration_is_refused_in_one_line(tool, capsy
         assert f"argument --repeats: {says}" in capsys.readouterr().err
 
 
+def _no_runs(*_args, **_kwargs):
+    raise AssertionError("a run started")
+
+
 @pytest.mark.parametrize(
     "tool, args", [("validate_time", []), ("validate_time", ["--mutations"]), ("validate_plan", [])]
 )
@@ -325,10 +329,7 @@ def test_an_unknown_configuration_name_is_refused_in_one_line_before_any_run(too
 
     module = importlib.import_module(f"tools.{tool}")
 
-    def no_runs(*_args, **_kwargs):
-        raise AssertionError("a run started")
-
-    monkeypatch.setattr(module, "ensure_runs" if tool == "validate_time" else "ensure_run", no_runs)
+    monkeypatch.setattr(module, "ensure_runs" if tool == "validate_time" else "ensure_run", _no_runs)
     with pytest.raises(SystemExit) as exit_:
         module.main(["--only", "long_sequences", "long_sequnces", *args])
     assert exit_.value.code == 2
@@ -373,10 +374,7 @@ def test_validate_time_checks_the_calibration_file_it_is_given_and_refuses_a_bad
     import tools.validate_time as validate_time
     from planner.calibration import load, write
 
-    def no_runs(*_args, **_kwargs):
-        raise AssertionError("a run started")
-
-    monkeypatch.setattr(validate_time, "ensure_runs", no_runs)
+    monkeypatch.setattr(validate_time, "ensure_runs", _no_runs)
     committed = load("cpu_time")
     lacking = committed.to_json()
     del lacking["constants"]["actor_op_factor"]
@@ -408,11 +406,19 @@ def test_validate_time_checks_the_calibration_file_it_is_given_and_refuses_a_bad
 
 
 def test_calibrate_time_writes_its_fit_where_it_is_told(tmp_path, monkeypatch, capsys):
-    """``--out FILE``: the fit goes there, and planner/calibration/cpu_time.json stays as committed."""
+    """``--out FILE``: the fit goes there, and planner/calibration/cpu_time.json stays as committed; a FILE whose
+    directory is not there is refused in one line before the fit's runs."""
     import tools.calibrate_time as calibrate_time
     from planner.calibration import CALIBRATION_DIR, load
 
     committed_text = (CALIBRATION_DIR / "cpu_time.json").read_text()
+    monkeypatch.setattr(calibrate_time, "calibrate", _no_runs)  # a directory that is not there: refused first
+    with pytest.raises(SystemExit) as exit_:
+        calibrate_time.main(["--out", str(tmp_path / "absent" / "refit.json")])
+    assert exit_.value.code == 2
+    assert f"error: --out {tmp_path / 'absent' / 'refit.json'}: no directory {tmp_path / 'absent'}" in (
+        capsys.readouterr().err
+    )
     fitted = load("cpu_time").with_values(phase_ops=123.0).constants
     monkeypatch.setattr(calibrate_time, "calibrate", lambda *_args: {"constants": fitted, "runs": ["a"], "rows": {}})
     out = tmp_path / "refit.json"

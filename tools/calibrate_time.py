@@ -213,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         "ARGS='--constants FILE'` checks it)",
     )
     args = parser.parse_args(argv)
+    if args.out is not None and not args.out.parent.is_dir():  # before the fit's runs, not after them
+        parser.error(f"--out {args.out}: no directory {args.out.parent}; make it, or write the fit elsewhere")
     result = calibrate(args.rerun, args.repeats)
     prior = load_calibration("cpu_time")
     for name in TIME_CONSTANTS:
