@@ -181,6 +181,30 @@ def engine_param_count(shape: ModelShape, rollout_tp: int, rollout_ep: int = 1, 
     return layers + vocab_rows * (1 if shape.tie_word_embeddings else 2) + h
 
 
+def engine_gemm_weights(
+    shape: ModelShape, rollout_tp: int, rollout_ep: int = 1, expert_tp: int | None = None
+) -> dict[tuple[int, int], int]:
+    """The weights one engine rank multiplies its rows by, as {(out, in): how many}: per layer each vLLM module's
+    weight (the parts it stacks along rows: qkv, o, gate_up, down; an MoE layer's router and each local expert's
+    w13 and w2), and the lm_head [P/t, h] (tied or not, the sampled rows meet it). rollout/native/model.py runs each
+    as ``F.linear`` / ``mm`` of [rows, in] by [out, in] (o and down through their transposed views)."""
+    sizes = engine_rank_sizes(shape, rollout_tp, rollout_ep, expert_tp)
+    counts: dict[tuple[int, int], int] = {}
+    for layer in range(shape.num_layers):
+        modules: dict[str, tuple[int, int, int]] = {}  # vLLM module -> (rows stacked, in, how many)
+        for part, kind in layer_parts(shape, layer):
+            dims = dims_size(part.kind_dims(kind), sizes)
+            if kind != "weight" or len(dims) != 2:  # a bias, a norm
+                continue
+            rows, columns, _ = modules.get(part.vllm, (0, dims[1], 0))
+            modules[part.vllm] = (rows + dims[0], columns, sizes["experts"] if part.expert else 1)
+        for out_features, in_features, how_many in modules.values():
+            counts[(out_features, in_features)] = counts.get((out_features, in_features), 0) + how_many
+    head = (vllm_padded_vocab(shape.vocab_size) // rollout_tp, shape.hidden_size)
+    counts[head] = counts.get(head, 0) + 1
+    return counts
+
+
 def kv_bytes_per_token(shape: ModelShape, rollout_tp: int, element_bytes: int) -> int:
     """KV-cache bytes per token on one engine rank: 2 (k, v) x L x KV heads per rank x d x e."""
     return 2 * shape.num_layers * engine_kv_heads_per_rank(shape, rollout_tp) * shape.head_dim * element_bytes

@@ -62,6 +62,10 @@ class SpeedSpec:
     # few rows) neither reads its weight at the copy's bandwidth nor reaches the matmul's FLOP/s. None: a CUDA
     # device's, whose GEMM reads its weight at the memory bandwidth and runs its FLOPs at the peak
     gemm_seconds_per_weight_byte: dict[str, dict[int, float]] | None = None
+    # CPU: the (out, in, how many) weights that table was measured at, the planned engine rank's, in the planned
+    # dtype only (the table is their byte-weighted mean; tools/speed_probe.py); None: its one default shape in each
+    # dtype, or no table
+    gemm_weights: tuple[tuple[int, int, int], ...] | None = None
     source: dict[str, str] = field(default_factory=dict)
     measured: bool = False  # measured on this machine (CPU) rather than read from a datasheet
 
@@ -97,6 +101,8 @@ class SpeedSpec:
                     f"speed {self.name!r}: gemm_seconds_per_weight_byte needs, per dtype, rows >= 1 and seconds > 0"
                 )
             object.__setattr__(self, "gemm_seconds_per_weight_byte", table)
+        if self.gemm_weights is not None:  # speed.json's lists as the tuples the probe made
+            object.__setattr__(self, "gemm_weights", tuple(tuple(int(n) for n in w) for w in self.gemm_weights))
 
     @property
     def fresh_write_bytes_per_s(self) -> float:

@@ -556,6 +556,22 @@ def test_a_skinny_gemm_is_timed_at_its_row_count_between_the_measured_ones():
         dataclasses.replace(CPU, gemm_seconds_per_weight_byte={"float32": {"0": 1e-10}})
 
 
+def test_the_probes_gemm_table_is_the_planned_weights_mean_by_their_bytes():
+    """tools/speed_probe.py: each shape's seconds per byte weighted by its bytes (out x in x how many); the planned
+    weights are measured in the planned dtype only, and a bad request is refused before anything is timed."""
+    from tools.speed_probe import measure_cpu_speed, mixed_gemm_table
+
+    tables = {(4, 2): {1: 1.0, 8: 10.0}, (2, 2): {1: 4.0, 8: 1.0}}
+    # bytes 4 x 2 x 3 = 24 and 2 x 2 x 2 = 8
+    assert mixed_gemm_table(tables, {(4, 2): 3, (2, 2): 2}) == pytest.approx({1: 7 / 4, 8: 31 / 4})
+    with pytest.raises(ValueError, match="dtype=None: gemm_weights are measured in the planned dtype"):
+        measure_cpu_speed({(768, 512): 1})
+    with pytest.raises(ValueError, match="every \\(out, in\\) and count must be >= 1"):
+        measure_cpu_speed({(768, 0): 1}, "float32")
+    recorded = dataclasses.replace(CPU, gemm_weights=[[768, 512, 8]])  # speed.json's lists
+    assert recorded.gemm_weights == ((768, 512, 8),)
+
+
 def test_the_native_engines_gemms_run_at_their_row_counts():
     """The native engine's linears (rollout/native/model.py) as {rows: weight bytes}: per wave a prefill of the
     prompts' tokens, then a decode step per response token of the wave's running sequences; the lm_head on the
@@ -1162,3 +1178,51 @@ def test_the_counted_loss_ops_are_what_torch_dispatches(tiny_model_dirs):
                 pass_,
                 chunks,
             )
+
+
+def _weights_multiplied(run) -> dict[tuple[int, int], int]:
+    """{(out, in): how many} of the distinct [out, in] weights ``run()`` multiplies rows by: the weight of each
+    ``linear``, the matrix operand of each ``mm`` / ``addmm`` (``x @ w.t()``'s [in, out] transposed view), told apart
+    by its storage and offset (an expert is a slice of its layer's [E, ...] tensor)."""
+    from collections import Counter
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: dict[tuple[int, int], tuple[int, int]] = {}
+
+    class Weights(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                w = args[-1]
+                assert w.stride(0) == 1, f"{func}: a weight operand [in, out] is an [out, in] weight's view"
+                seen[(w.untyped_storage().data_ptr(), w.storage_offset())] = (w.shape[1], w.shape[0])
+            elif func == torch.ops.aten.linear.default:  # [out, in] as it is
+                w = args[1]
+                seen[(w.untyped_storage().data_ptr(), w.storage_offset())] = tuple(w.shape)
+            return func(*args, **(kwargs or {}))
+
+    with Weights():
+        run()
+    return Counter(seen.values())
+
+
+@pytest.mark.parametrize(("family", "dtype"), [("qwen2", "float32"), ("qwen3", "bfloat16"), ("qwen3_moe", "float32")])
+def test_the_native_engines_gemm_weights_are_counted(tiny_model_dirs, family, dtype):
+    """planner.sizes.engine_gemm_weights (the shapes tools/speed_probe.py times the native engine's GEMMs at) against
+    the weights a real engine's generate multiplies by (TP 1: fp32 TorchScript decode, 16-bit eager; Qwen3-MoE's
+    router and every expert: 8 prompts of 15 tokens route to each)."""
+    from configs.rollout import RolloutConfig
+    from planner.sizes import engine_gemm_weights
+    from rollout.engine import SamplingParams
+    from rollout.native import NativeEngine
+
+    engine = NativeEngine(
+        RolloutConfig(cpu_capacity_gb=0.25, activation_reserve_mb=16, max_num_seqs=8),
+        tiny_model_dirs[family],
+        device="cpu",
+        dtype=dtype,
+    )
+    prompts = [[1, *range(5 + b, 19 + b)] for b in range(8)]
+    seen = _weights_multiplied(lambda: engine.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True, seed=0)))
+    assert seen == engine_gemm_weights(engine.shape, 1)

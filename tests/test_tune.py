@@ -8,6 +8,7 @@ import pytest
 
 import tools.speed_probe
 from colocation.phases import WAKE_STRATEGIES
+from planner.sizes import engine_gemm_weights
 from run.compose import compose, compose_from_file
 from run.memory_plan import plan_inputs
 from tests.planner_inputs import CPU_SPEED as CPU
@@ -113,12 +114,17 @@ def test_a_device_without_a_speed_profile_is_one_line(capsys):
 
 
 def test_a_model_that_fits_no_layout_is_one_line(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr(tools.speed_probe, "measure_cpu_speed", lambda: CPU)
+    probed = []
+    monkeypatch.setattr(tools.speed_probe, "measure_cpu_speed", lambda *args: probed.append(args) or CPU)
     args = ["--exp", "tiny_cpu", "--no-write", "--chart", str(tmp_path / "c.png"), "rollout.cpu_capacity_gb=0.001"]
     rc = tune.main([*args, "--max-layouts", "50"])
     err = capsys.readouterr().err.strip()
     assert rc == 1, err
     assert err.startswith("no layout of ") and "the smallest peak is" in err and len(err.splitlines()) == 1
+    # the CPU's GEMMs were probed at the experiment's own native engine rank's weights, in its dtype
+    cfg = compose("tiny_cpu")
+    shape = plan_inputs(cfg, None).shape
+    assert probed == [(engine_gemm_weights(shape, cfg.rollout.tp), "float32")]
 
 
 @pytest.mark.slow

@@ -404,7 +404,7 @@ def ensure_run(spec: RunSpec, run_dir: Path, rerun: bool = False, timeout_s: flo
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    _probe_speed(run_dir)
+    _probe_speed(run_dir, spec)
     cmd = [sys.executable, "-m", "run.main", "--exp", spec.exp, "--run-dir", str(run_dir), *spec.all_overrides]
     print(f"{spec.name}: running {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
     start = time.monotonic()
@@ -420,14 +420,16 @@ def ensure_run(spec: RunSpec, run_dir: Path, rerun: bool = False, timeout_s: flo
     return run_dir
 
 
-def _probe_speed(run_dir: Path) -> None:
-    """CPU: the machine's speeds just before the run (its speed.json), what make validate-time times it with."""
+def _probe_speed(run_dir: Path, spec: RunSpec) -> None:
+    """CPU: the machine's speeds just before the run (its speed.json), what make validate-time times it with; the
+    native engine's GEMMs at its rank's own weights (tools/speed_probe.py)."""
     import torch  # a heavy import this module's planner-only users never need
 
     if not torch.cuda.is_available():
-        from tools.speed_probe import measure_cpu_speed  # imports torch at its top
+        from tools.speed_probe import measure_cpu_speed_for  # imports torch at its top
 
-        (run_dir / "speed.json").write_text(json.dumps(vars(measure_cpu_speed())) + "\n")
+        speed = measure_cpu_speed_for(inputs_for(spec))
+        (run_dir / "speed.json").write_text(json.dumps(vars(speed)) + "\n")
 
 
 # ---------------------------------------------------------------- measured

@@ -10,9 +10,12 @@ model scales by a rank's share of the cores, planner.speed.SpeedSpec.compute_str
   does (``megatron_backend.memory.HostCopy``: a ``pwrite`` into a temp file and the storage released; then grown
   again and filled by a ``preadv``), its bytes over each direction's median time (the way in is slower: its pages
   are fresh);
-- ``gemm_seconds_per_weight_byte``: per dtype and row count (1 to 256), one ``F.linear`` of [rows, 512] by a
-  [768, 512] weight (an expert's gate and up; a decode step's rows), cycling through 96 MiB of weights (more than
-  this machine's last-level cache: each is read from memory), its seconds over the weight's bytes;
+- ``gemm_seconds_per_weight_byte``: per dtype and row count (1 to 256), ``F.linear`` of [rows, in] by each
+  [out, in] weight shape the planned model's engine rank multiplies by (``gemm_weights``,
+  planner.sizes.engine_gemm_weights; none given: one [768, 512], qwen2_memory's qkv), cycling through 96 MiB of
+  weights of that shape (more than most machines' last-level cache: each is read from memory), its seconds over
+  the weight's bytes, the shapes' mean weighted by their bytes. The shape matters: at 8 rows this VM's oneDNN runs
+  [4096, 512] (gate_up) at 20-21e-11 s/B and [768, 512] at 15-16e-11 (docs/plan-validation.md);
 - ``op_seconds``: one ``torch.add`` of 16-element tensors, the fixed cost a small op pays;
 - ``gloo_all_reduce_seconds``: one gloo all-reduce of [8, 512] fp32 (16 KiB: a decode step's rows) between two
   ranks spawned as a run's are, with a small matmul between calls as a layer's work, the mean over 1000 (not the median: on
@@ -47,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_backend.memory import HostCopy, HostFile
+from planner.sizes import engine_gemm_weights
 from planner.speed import SpeedSpec
 from weight_sync.transport import TorchP2PTransport
 
@@ -79,22 +83,44 @@ def _median_seconds(fn, repeats: int, before=None) -> float:
     return statistics.median(times[1:])  # the first warms
 
 
-def measure_cpu_speed() -> SpeedSpec:
+def measure_cpu_speed(gemm_weights: dict[tuple[int, int], int] | None = None, dtype: str | None = None) -> SpeedSpec:
+    """This machine's speeds. ``gemm_weights``: {(out, in): how many} of the planned engine rank's weights
+    (planner.sizes.engine_gemm_weights), the shapes the GEMM table is measured at, in the planned ``dtype`` only
+    (each shape costs ~1 s a dtype); None: :data:`GEMM_WEIGHT` in each of :data:`GEMM_DTYPES`."""
+    dtypes = {str(d).removeprefix("torch."): d for d in GEMM_DTYPES}
+    if gemm_weights is None:
+        weights, measured = {GEMM_WEIGHT: 1}, list(dtypes)
+    else:
+        weights, measured = dict(gemm_weights), [dtype]
+        if dtype not in dtypes:
+            raise ValueError(f"dtype={dtype!r}: gemm_weights are measured in the planned dtype, one of {list(dtypes)}")
+        if not weights or any(min(*shape, n) < 1 for shape, n in weights.items()):
+            raise ValueError(f"gemm_weights={gemm_weights}: every (out, in) and count must be >= 1")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _measure()
+        return _measure(weights, [dtypes[d] for d in measured], gemm_weights is not None)
     finally:
         torch.set_num_threads(threads)
 
 
-def _measure() -> SpeedSpec:
+def measure_cpu_speed_for(inputs) -> SpeedSpec:
+    """This machine's speeds for a plan of ``inputs`` (planner.inputs.PlanInputs): the native engine's GEMMs, which
+    the step-time model times through the GEMM table, at its rank's own weights in the model's dtype; vLLM's are
+    not timed so (the default table)."""
+    if inputs.rollout.engine != "native":
+        return measure_cpu_speed()
+    weights = engine_gemm_weights(inputs.shape, inputs.rollout.tp, *inputs.engine_expert_split)
+    return measure_cpu_speed(weights, inputs.dtype)
+
+
+def _measure(gemm_weights: dict[tuple[int, int], int], gemm_dtypes: list, planned: bool) -> SpeedSpec:
     flops = {}
     for dtype in (torch.float32, torch.bfloat16):
         a = torch.randn(MATMUL_N, MATMUL_N).to(dtype)
         b = torch.randn(MATMUL_N, MATMUL_N).to(dtype)
         flops[str(dtype).removeprefix("torch.")] = 2 * MATMUL_N**3 / _median_seconds(lambda: a @ b, 5)  # noqa: B023
-    gemm = {str(dtype).removeprefix("torch."): _gemm_seconds_per_weight_byte(dtype) for dtype in GEMM_DTYPES}
+    gemm = {str(dtype).removeprefix("torch."): _gemm_table(dtype, gemm_weights) for dtype in gemm_dtypes}
     src = torch.ones(COPY_BYTES // 4)
     dst = torch.empty_like(src)
     copy = COPY_BYTES / _median_seconds(lambda: dst.copy_(src), 5)
@@ -123,6 +149,7 @@ def _measure() -> SpeedSpec:
         inter_node_bytes_per_s=copy,
         op_seconds=op,
         gemm_seconds_per_weight_byte=gemm,
+        gemm_weights=sorted((*shape, n) for shape, n in gemm_weights.items()) if planned else None,
         draw_seconds=draw,
         gloo_all_reduce_seconds=gloo["all_reduce_seconds"],
         gloo_exchange_bytes_per_s=gloo["exchange_bytes_per_s"],
@@ -137,11 +164,31 @@ def _measure() -> SpeedSpec:
 GEMM_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _gemm_seconds_per_weight_byte(dtype: torch.dtype) -> dict[int, float]:
-    """Seconds per weight byte of ``F.linear`` at each of :data:`GEMM_ROWS`, the weights read from memory."""
-    out_features, in_features = GEMM_WEIGHT
+def _gemm_table(dtype: torch.dtype, weights: dict[tuple[int, int], int]) -> dict[int, float]:
+    """Seconds per weight byte at each of :data:`GEMM_ROWS` over ``weights`` ({(out, in): how many}): each shape's
+    measured, weighted by the bytes of that shape (a pass reads each weight once)."""
+    tables = {shape: _gemm_seconds_per_weight_byte(dtype, shape) for shape in weights}
+    return mixed_gemm_table(tables, weights)
+
+
+def mixed_gemm_table(
+    tables: dict[tuple[int, int], dict[int, float]], weights: dict[tuple[int, int], int]
+) -> dict[int, float]:
+    """{rows: seconds per byte} of ``weights`` ({(out, in): how many}) from each shape's table: the mean weighted by
+    each shape's bytes, out x in x how many."""
+    total = sum(out * inp * n for (out, inp), n in weights.items())
+    return {
+        rows: sum(tables[shape][rows] * shape[0] * shape[1] * n for shape, n in weights.items()) / total
+        for rows in tables[next(iter(weights))]
+    }
+
+
+def _gemm_seconds_per_weight_byte(dtype: torch.dtype, shape: tuple[int, int] = GEMM_WEIGHT) -> dict[int, float]:
+    """Seconds per weight byte of ``F.linear`` by an [out, in] = ``shape`` weight at each of :data:`GEMM_ROWS`, the
+    weights read from memory."""
+    out_features, in_features = shape
     weight_bytes = out_features * in_features * torch.finfo(dtype).bits // 8
-    ring = [torch.randn(GEMM_WEIGHT).to(dtype) for _ in range(GEMM_RING_BYTES // weight_bytes)]
+    ring = [torch.randn(shape).to(dtype) for _ in range(max(1, GEMM_RING_BYTES // weight_bytes))]
     table = {}
     for rows in GEMM_ROWS:
         x = torch.randn(rows, in_features).to(dtype)

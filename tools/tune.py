@@ -410,12 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster["device"] = args.device
     try:
         device_name = args.device or compose(args.exp, args.overrides).cluster.device
-        if device_name.lower() == "cpu":
-            from tools.speed_probe import measure_cpu_speed  # heavy library: torch, only for a CPU search
-
-            speed = measure_cpu_speed()
-        else:
-            speed = speed_preset(device_name)
+        speed = None if device_name.lower() == "cpu" else speed_preset(device_name)
         cluster_overrides = [f"cluster.{k}={v}" for k, v in cluster.items()]
         try:
             cfg = compose(args.exp, [*args.overrides, *cluster_overrides])
@@ -424,6 +419,10 @@ def main(argv: list[str] | None = None) -> int:
             cfg = compose(args.exp, [*args.overrides, *cluster_overrides, *flat])
         prompt = data_prompt_length(cfg)
         base = plan_inputs(cfg, prompt.tokens)
+        if speed is None:  # CPU: measured, the GEMMs at the experiment's own engine weights
+            from tools.speed_probe import measure_cpu_speed_for  # heavy library: torch, only for a CPU search
+
+            speed = measure_cpu_speed_for(base)
     except (ConfigError, ValueError) as exc:
         print(f"make tune: {exc}", file=sys.stderr)
         return 2
