@@ -13,7 +13,8 @@ model scales by a rank's share of the cores, planner.speed.SpeedSpec.compute_str
 - ``gemm_seconds_per_weight_byte``: per dtype and row count (1 to 256), ``F.linear`` of [rows, in] by each
   [out, in] weight shape the planned model's engine rank multiplies by (``gemm_weights``,
   planner.sizes.engine_gemm_weights; none given: one [768, 512], qwen2_memory's qkv), cycling through 96 MiB of
-  weights of that shape (more than most machines' last-level cache: each is read from memory), its seconds over
+  weights of that shape (more than most machines' last-level cache: each is read from memory; at most
+  :data:`GEMM_RING_WEIGHTS` of them), its seconds over
   the weight's bytes, the shapes' mean weighted by their bytes. The shape matters: at 8 rows this VM's oneDNN runs
   [4096, 512] (gate_up) at 20-21e-11 s/B and [768, 512] at 15-16e-11 (docs/plan-validation.md);
 - ``op_seconds``: one ``torch.add`` of 16-element tensors, the fixed cost a small op pays;
@@ -61,6 +62,10 @@ DRAWS = (64, 16384)
 GEMM_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 GEMM_WEIGHT = (768, 512)  # [out, in]
 GEMM_RING_BYTES = 96 * 2**20
+# at most this many weights a ring: a small weight's F.linear costs its call (~2-10 us), and 96 MiB of a tiny model's
+# [64, 64] bf16 weights are 12,288 calls a pass (~30 s for the table); 512 of them are still many passes' worth of
+# what such a model reads (a shape of 192 KiB or more fills the 96 MiB)
+GEMM_RING_WEIGHTS = 512
 GLOO_ROWS = (8, 512)  # fp32: a decode step's hidden rows, what the native engine all-reduces per layer
 GLOO_CALLS = 1000  # the mean of 400 moved by +-25% between probes a minute apart; of 1000, by +-10%
 GLOO_EXCHANGE_BYTES = 16 * 2**20  # each way: a weight sync bucket's size (weight_sync.bucket_mb's scale)
@@ -188,7 +193,9 @@ def _gemm_seconds_per_weight_byte(dtype: torch.dtype, shape: tuple[int, int] = G
     weights read from memory."""
     out_features, in_features = shape
     weight_bytes = out_features * in_features * torch.finfo(dtype).bits // 8
-    ring = [torch.randn(shape).to(dtype) for _ in range(max(1, GEMM_RING_BYTES // weight_bytes))]
+    ring = [
+        torch.randn(shape).to(dtype) for _ in range(min(GEMM_RING_WEIGHTS, max(1, GEMM_RING_BYTES // weight_bytes)))
+    ]
     table = {}
     for rows in GEMM_ROWS:
         x = torch.randn(rows, in_features).to(dtype)
