@@ -20,10 +20,11 @@ counted from the model's shape, the layouts and the batch (:class:`PhaseWork`):
   ``host_storages``: the storages an offload copies out, each to its own host buffer.
 - ``link_bytes``: per link (``intra_node``, ``inter_node``), what one rank sends in collectives: TP's 4 all-reduces
   per layer in train (2 forward, 2 backward; 2 in a forward) of tokens x h, PP's activation sends, EP's all-to-all of
-  the routed copies (dispatch and combine), DP's gradient all-reduce (no distributed optimizer), the reference
-  check's gather; in rollout the engine's TP all-reduces and, where vLLM's MoE layers span its replicas, their
-  all-gather and reduce-scatter. ``reduce_scatter_bytes``, ``all_gather_bytes``: the distributed optimizer's DP fp32
-  grads reduce-scattered and params gathered after the step (on CPU at gloo's measured rates, else over the link).
+  the routed copies (dispatch and combine), DP's gradient all-reduce (no distributed optimizer); in rollout the
+  engine's TP all-reduces and, where vLLM's MoE layers span its replicas, their all-gather and reduce-scatter.
+  ``reduce_scatter_bytes``, ``all_gather_bytes``: the distributed optimizer's DP fp32 grads reduce-scattered and
+  params gathered after the step, and the weight sync's reference check's gather (on CPU at gloo's measured rates,
+  else over the link).
   ``exchange_bytes``: the weight sync's engine weights sent and received point to point (on CPU at gloo's measured
   exchange rate, else over the link).
 - ``ops``: fixed costs by kind, in units of the device's ``op_seconds``: an actor layer's forward and backward (their
@@ -751,22 +752,26 @@ def reference_check_work(inp: PlanInputs) -> PhaseWork:
     """The weight sync's reference check on the rank that sends the most (weight_sync/reference.py; the sample:
     planner.plan.reference_sample). megatron_backend/checkpoint.py::gather_hf_tensors clones the rank's blocks
     (``own``) and all-gathers them with torch.distributed's all_gather_object over gloo
-    (:func:`all_gather_object_written_bytes`). Then the full HF tensors are assembled and compared with the engine's slices (both read). On CUDA those bytes are the host's, counted
-    at the host link's rate (a CUDA profile has no host memory rate); the gather crosses the link either way."""
+    (:func:`all_gather_object_written_bytes`). Then the full HF tensors are assembled and compared with the engine's
+    slices (both read). On CPU each fresh write copies a source the rank reads, but for the bytes gloo receives (the
+    gather's), and the gather runs at the probe's gloo all-gather rate (it is one). On CUDA the copies are the
+    host's, each copy's bytes once at the host link's rate as an offload's (a CUDA profile has no host memory
+    rate), the gather over the link."""
     sample = reference_sample(inp)
     if sample is None:
         return PhaseWork()
     e = inp.element_bytes
     own = max(sample.own)
     gathered = all_gather_object_written_bytes(own, sample.largest, sample.gathered, sample.ranks)
+    received = (sample.ranks - 1) * sample.largest
     written = e * (own + gathered + sample.full)  # the clones, the gather, the full tensors
-    crossing = e * (sample.ranks - 1) * sample.largest
+    read = written - e * received
     # the check's all_gather_object (sizes, then bytes) and its verdict's, each a ring of w - 1 steps
-    work = PhaseWork(link_bytes=_by_link(inp, {"world": crossing}), collective_steps=4 * (sample.ranks - 1))
+    work = PhaseWork(all_gather_bytes=_by_link(inp, {"world": e * received}), collective_steps=4 * (sample.ranks - 1))
     if inp.on_cuda:
         work.host_bytes = written + 2 * e * sample.full
     else:
-        work.fresh_bytes, work.memory_bytes = written, 2 * e * sample.full
+        work.fresh_bytes, work.memory_bytes = written, read + 2 * e * sample.full
     return work
 
 

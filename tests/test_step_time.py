@@ -752,6 +752,38 @@ def test_the_weight_syncs_exchange_on_cpu_runs_at_gloos_measured_exchange_rate()
     assert packed.memory_bytes - sync.memory_bytes == (8 << 20) + 2 * (6 << 20)
 
 
+def test_the_reference_checks_gather_runs_at_gloos_all_gather_rate_and_its_copies_read_their_sources():
+    """weight_sync/reference.py's check on CPU: its all_gather_object crosses at the probe's gloo all-gather rate
+    (SpeedSpec.gloo_all_gather_bytes_per_s, nothing fitted; unmeasured, over the link as before), and every copy it
+    makes into fresh memory reads its source, but for the bytes gloo receives from the other ranks."""
+    from planner.inputs import ReferenceSample
+    from planner.step_time import raw_terms, reference_check_work
+
+    mib = 1 << 20  # elements; fp32
+    sample = ReferenceSample(own=(3 * mib,), largest=3 * mib, gathered=5 * mib, full=5 * mib, ranks=2)
+    inp = dataclasses.replace(make_inputs(), reference_check=(sample,))
+    work = reference_check_work(inp)
+    assert (
+        work.all_gather_bytes == {"intra_node": 4 * 3 * mib} and not work.link_bytes
+    )  # one rank's 3 Mi from the other
+    copies = {  # elements each copy writes (gather_hf_tensors; torch 2.13's all_gather_object) and, after, reads
+        "clones": (3, 3),
+        "pickling, 4 copies": (4 * 3, 4 * 3),
+        "the gathered [2 x 3 Mi] tensor: its own part copied, the other received": (2 * 3, 3),
+        "tobytes of each rank's": (2 * 3, 2 * 3),
+        "unpickling, 2 copies of every rank's blocks": (2 * 5, 2 * 5),
+        "the full tensors, filled from the blocks": (5, 5),
+    }
+    assert work.fresh_bytes == 4 * mib * sum(w for w, _ in copies.values())
+    compared = 2 * 5  # the full tensors' slices and the engine's
+    assert work.memory_bytes == 4 * mib * (sum(r for _, r in copies.values()) + compared)
+    measured = dataclasses.replace(CPU, gloo_all_gather_bytes_per_s=1e9, gloo_reduce_scatter_bytes_per_s=1e9)
+    raw, unmeasured = raw_terms(work, inp, measured), raw_terms(work, inp, CPU)
+    assert raw["buckets"] == pytest.approx(4 * 3 * mib / 1e9) and raw["link"] == 0
+    assert unmeasured["buckets"] == 0
+    assert unmeasured["link"] == pytest.approx(4 * 3 * mib / CPU.intra_node_bytes_per_s)
+
+
 MIN_ROW_BYTES = 64  # [N, a few] tensors are left out: the norms' [N, 1], the scheduler's [N, max_tokens] log-probs
 
 
