@@ -296,6 +296,10 @@ SIZED_FAMILIES["qwen2_memory_kv4"] = (
     "Qwen2Config",
     dict(SIZED_FAMILIES["qwen2_memory"][1], num_key_value_heads=4),
 )
+# The step-time fit's deep model (tools/plan_runs.py TIME_FIT_SET, deep_layers): the tiny Qwen2 with 16 layers, so
+# that the fixed costs per layer (the actor's ops, the engine's layer steps, the sync's tensors) are four times the
+# tiny model's against the same costs per pass and per phase; no other fit run varies the layer count.
+SIZED_FAMILIES["qwen2_deep"] = ("Qwen2Config", dict(TINY_FAMILIES["qwen2"][1], num_hidden_layers=16))
 # ``make bench-sync``'s MoE layouts (ep2->tp2, tp2ep2->tp2): a Qwen3-MoE of 123 MB in fp32, 92% of it routed
 # experts (16 per layer, m = 384: m / 2 = 192 is a multiple of the 32 vLLM's CPU experts pad to), every layer
 # sparse, 4 KV heads of head_dim 64 (TP=2 splits them on both sides), top-2 normalised as Qwen3-30B-A3B.

@@ -126,6 +126,7 @@ COLUMN_CONSTANT = {
     "actor_ops": "actor_op_factor",
     "actor_backward_ops": "actor_backward_op_factor",
     "native_ops": "native_layer_step_ops",
+    "native_step_ops": "native_step_ops",
     "vllm_ops": "vllm_layer_step_ops",
     "tensor_ops": "param_tensor_ops",
     "plain_ops": None,  # counted ops at the measured op_seconds: nothing to fit
@@ -134,6 +135,7 @@ COLUMN_CONSTANT = {
 }
 COLUMN_TERM = {
     "native_ops": "engine_ops",
+    "native_step_ops": "engine_ops",
     "vllm_ops": "engine_ops",
     "actor_backward_ops": "actor_ops",
     "vocab": "memory",
@@ -198,6 +200,7 @@ class PhaseWork:
     actor_ops: float = 0.0  # forward
     actor_backward_ops: float = 0.0  # autograd's: each op's node is also the engine's to schedule
     engine_layer_steps: float = 0.0
+    engine_steps: float = 0.0  # decode steps and prefills: the engine's work per step outside its layers
     param_tensors: float = 0.0
     plain_ops: float = 0.0  # small torch ops counted one by one (the sync's checksums), at the device's op_seconds
     micro_batch_passes: float = 0.0  # a micro-batch's forward or backward: the schedule's and the loss's fixed cost
@@ -444,6 +447,7 @@ def _engine_work(inp: PlanInputs, lengths: StepLengths) -> PhaseWork:
         collective_steps=0.0 if gloo else collectives,
         gloo_steps=collectives if gloo else 0.0,
         engine_layer_steps=(steps + waves) * s.num_layers,  # decode steps + one prefill per wave
+        engine_steps=steps + waves,
     )
 
 
@@ -922,6 +926,9 @@ def raw_terms(work: PhaseWork, inp: PlanInputs, speed: SpeedSpec) -> dict[str, f
         "actor_ops": work.actor_ops * speed.op_seconds * stretch,
         "actor_backward_ops": work.actor_backward_ops * speed.op_seconds * stretch,
         f"{inp.rollout.engine}_ops": work.engine_layer_steps * speed.op_seconds * over,
+        # the native engine's step beyond its layers (its scheduler, sampler, embedding and lm_head): a decode step of
+        # tiny:qwen2 at 4 and 16 layers, timed alone, costs ~270-290 us beside ~57-86 us a layer (docs/plan-validation.md)
+        **({"native_step_ops": work.engine_steps * speed.op_seconds * over} if inp.rollout.engine == "native" else {}),
         "tensor_ops": work.param_tensors * speed.op_seconds * over,
         "plain_ops": work.plain_ops * speed.op_seconds * over,
         "micro_batch_ops": work.micro_batch_passes * speed.op_seconds * stretch,

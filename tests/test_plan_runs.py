@@ -30,7 +30,7 @@ def _config_key(spec) -> str:
 
 
 def test_fit_and_validation_sets_share_no_configuration():
-    assert TIME_FIT_SET[: len(FIT_SET)] == FIT_SET  # the step-time fit reads the memory fit's runs, and two more
+    assert TIME_FIT_SET[: len(FIT_SET)] == FIT_SET  # the step-time fit reads the memory fit's runs, and more
     fit = {_config_key(s) for s in TIME_FIT_SET}
     validation = [_config_key(s) for s in VALIDATION_SET]
     assert len(set(validation)) == len(validation) >= 6

@@ -134,6 +134,28 @@ def test_an_offload_copies_out_at_the_host_rate_and_an_onload_in_at_its_own():
     assert raw_terms(back, inp, one_rate)["host"] == pytest.approx(back.host_in_bytes / 3e9)
 
 
+def test_the_native_engines_steps_cost_beyond_their_layers():
+    """The native engine's fixed cost per step (each decode step, each wave's prefill) outside its layers, beside the
+    per-layer one: a 16-layer model has four times the layer steps of the 4-layer one and the same steps. vLLM's
+    engine has no such column (its per-layer one only)."""
+    from planner.step_time import raw_terms, scaled_terms
+
+    inp = make_inputs(rollout=dict(engine="native", max_num_seqs=8))
+    deep = dataclasses.replace(inp, shape=dataclasses.replace(inp.shape, num_layers=4 * inp.shape.num_layers))
+    rollout, deep_rollout = (phase_work(make_plan(i))["rollout"] for i in (inp, deep))
+    steps = inp.planned_lengths().longest_response + 1  # one wave of 8: its decode steps and its prefill
+    assert rollout.engine_steps == deep_rollout.engine_steps == steps
+    assert deep_rollout.engine_layer_steps == 4 * rollout.engine_layer_steps == 4 * steps * inp.shape.num_layers
+    raw = raw_terms(rollout, inp, CPU)
+    assert raw["native_step_ops"] == pytest.approx(steps * CPU.op_seconds * CPU.oversubscription(1))
+    constants = load("cpu_time")
+    with_steps = constants.with_values(native_step_ops=constants.value("native_step_ops") + 300.0)
+    more = scaled_terms(raw, with_steps)["engine_ops"] - scaled_terms(raw, constants)["engine_ops"]
+    assert more == pytest.approx(300.0 * raw["native_step_ops"])  # an engine op, as the per-layer ones
+    vllm = make_inputs(rollout=dict(engine="vllm"))
+    assert "native_step_ops" not in raw_terms(phase_work(make_plan(vllm))["rollout"], vllm, CPU)
+
+
 def test_the_work_follows_the_counts():
     inp = make_inputs()
     base = phase_work(make_plan(inp))

@@ -1,6 +1,6 @@
 """``make calibrate-time``: fit the step-time model's efficiencies and op factors (planner/step_time.py) on the memory
-plan's fit set and two runs where fixed costs dominate, with leave-one-run-out uncertainty, and write
-``planner/calibration/cpu_time.json``.
+plan's fit set and runs where fixed costs dominate (some on a 16-layer model), with leave-one-configuration-out
+uncertainty, and write ``planner/calibration/cpu_time.json``.
 
 Each run of :data:`tools.plan_runs.TIME_FIT_SET` (run, or read from ``runs/calibration/<name>/`` as ``make calibrate``
 leaves it) gives one row per every-step phase: the phase's measured seconds (metrics.jsonl ``time/<phase>``, median

@@ -144,10 +144,12 @@ FIT_SET = (
 )
 
 
-# The step-time fit's runs (make calibrate-time): the fit set, and two where a fixed cost the others barely see
+# The step-time fit's runs (make calibrate-time): the fit set, and more where a fixed cost the others barely see
 # dominates a phase, so that its constant is pinned by the fit and not left to the others' few percent (the memory
-# fit, make calibrate, does not read them). Chosen after the validation set's one_sequence_decode and
-# micro_batches_of_one first ran (docs/plan-validation.md, 2026-11-30 evening), and unlike them in sizes.
+# fit, make calibrate, does not read them). The first two were chosen after the validation set's one_sequence_decode
+# and micro_batches_of_one first ran (docs/plan-validation.md, 2026-11-30 evening), and unlike them in sizes; the
+# rest from the fit's own leave-one-out on a second VM (2026-12-01, day): a 16-layer model, so that the layer count
+# varies, and a second compute-heavy run.
 TIME_FIT_SET = FIT_SET + (
     RunSpec(
         "two_sequences_decode",
@@ -167,6 +169,54 @@ TIME_FIT_SET = FIT_SET + (
         "tiny_cpu",
         ("trainer.prompts_per_step=2", "actor.micro_batch_size=2", "rollout.max_new_tokens=24", IGNORE_EOS),
         "megatron's fixed cost per micro-batch: 8 micro-batches of two ~28-token rows per pass",
+    ),
+    RunSpec(
+        "deep_layers",
+        "tiny_cpu",
+        (
+            "model.path=tiny:qwen2_deep",
+            "rollout.max_new_tokens=32",
+            "trainer.prompts_per_step=8",
+            "actor.micro_batch_size=16",
+            IGNORE_EOS,
+        ),
+        "the fixed costs per layer apart from those per pass and per phase: 16 layers, four times the others' tiny "
+        "model (added when a refit on a second VM's runs left the actor's op factors and the engine's per-layer ops "
+        "unpinned: no fit run varied the layer count)",
+    ),
+    RunSpec(
+        "deep_decode",
+        "tiny_cpu",
+        (
+            "model.path=tiny:qwen2_deep",
+            "rollout.tp=1",
+            "trainer.prompts_per_step=4",
+            "rollout.n_samples_per_prompt=1",
+            "rollout.max_new_tokens=96",
+            "actor.micro_batch_size=4",
+            IGNORE_EOS,
+        ),
+        "the native engine's fixed cost per layer step at 16 layers, without gloo (TP=1): a second run beside "
+        "two_sequences_decode (deep_layers' TP=2 layer steps are gloo's)",
+    ),
+    RunSpec(
+        "deep_micro_batches",
+        "tiny_cpu",
+        (
+            "model.path=tiny:qwen2_deep",
+            "trainer.prompts_per_step=2",
+            "actor.micro_batch_size=2",
+            "rollout.max_new_tokens=24",
+            IGNORE_EOS,
+        ),
+        "micro_batches_of_two at 16 layers: the actor's ops per layer apart from its cost per micro-batch",
+    ),
+    RunSpec(
+        "memory_cpu_double_batch",
+        "memory_cpu",
+        ("trainer.prompts_per_step=8",),
+        "a second run where the actor's FLOPs dominate train: memory_cpu at twice its sequences (without it the "
+        "compute efficiency rests on memory_cpu alone)",
     ),
 )
 

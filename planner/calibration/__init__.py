@@ -40,6 +40,7 @@ TIME_CONSTANTS = (
     "actor_op_factor",  # seconds of one counted actor forward op over op_seconds
     "actor_backward_op_factor",  # the same for backward's ops
     "native_layer_step_ops",  # one native engine layer's step (decode or prefill), in op_seconds
+    "native_step_ops",  # one native engine step (decode or prefill) beyond its layers, in op_seconds
     "vllm_layer_step_ops",  # the same for vLLM
     "param_tensor_ops",  # one parameter tensor in an optimizer step or a weight sync
     "micro_batch_ops",  # one micro-batch's forward or backward beyond the model's ops (schedule, loss)
