@@ -128,6 +128,7 @@ COLUMN_CONSTANT = {
     "native_ops": "native_layer_step_ops",
     "native_step_ops": "native_step_ops",
     "vllm_ops": "vllm_layer_step_ops",
+    "vllm_step_ops": "vllm_step_ops",
     "tensor_ops": "param_tensor_ops",
     "plain_ops": None,  # counted ops at the measured op_seconds: nothing to fit
     "micro_batch_ops": "micro_batch_ops",
@@ -137,6 +138,7 @@ COLUMN_TERM = {
     "native_ops": "engine_ops",
     "native_step_ops": "engine_ops",
     "vllm_ops": "engine_ops",
+    "vllm_step_ops": "engine_ops",
     "actor_backward_ops": "actor_ops",
     "vocab": "memory",
     "draws": "compute",
@@ -926,9 +928,9 @@ def raw_terms(work: PhaseWork, inp: PlanInputs, speed: SpeedSpec) -> dict[str, f
         "actor_ops": work.actor_ops * speed.op_seconds * stretch,
         "actor_backward_ops": work.actor_backward_ops * speed.op_seconds * stretch,
         f"{inp.rollout.engine}_ops": work.engine_layer_steps * speed.op_seconds * over,
-        # the native engine's step beyond its layers (its scheduler, sampler, embedding and lm_head): a decode step of
+        # an engine's step beyond its layers (its scheduler, sampler, embedding and lm_head): a native decode step of
         # tiny:qwen2 at 4 and 16 layers, timed alone, costs ~270-290 us beside ~57-86 us a layer (docs/plan-validation.md)
-        **({"native_step_ops": work.engine_steps * speed.op_seconds * over} if inp.rollout.engine == "native" else {}),
+        f"{inp.rollout.engine}_step_ops": work.engine_steps * speed.op_seconds * over,
         "tensor_ops": work.param_tensors * speed.op_seconds * over,
         "plain_ops": work.plain_ops * speed.op_seconds * over,
         "micro_batch_ops": work.micro_batch_passes * speed.op_seconds * stretch,

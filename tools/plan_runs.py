@@ -212,6 +212,20 @@ TIME_FIT_SET = FIT_SET + (
         "micro_batches_of_two at 16 layers: the actor's ops per layer apart from its cost per micro-batch",
     ),
     RunSpec(
+        "deep_vllm",
+        "tiny_cpu",
+        (
+            "model.path=tiny:qwen2_deep",
+            "rollout.engine=vllm",
+            "rollout.max_new_tokens=32",
+            "trainer.prompts_per_step=8",
+            "actor.micro_batch_size=8",
+            IGNORE_EOS,
+        ),
+        "tiny_cpu_vllm at 16 layers: vLLM's cost per layer step apart from its cost per step (without it vLLM's "
+        "constant rests on tiny_cpu_vllm alone)",
+    ),
+    RunSpec(
         "memory_cpu_double_batch",
         "memory_cpu",
         ("trainer.prompts_per_step=8",),

@@ -42,6 +42,7 @@ TIME_CONSTANTS = (
     "native_layer_step_ops",  # one native engine layer's step (decode or prefill), in op_seconds
     "native_step_ops",  # one native engine step (decode or prefill) beyond its layers, in op_seconds
     "vllm_layer_step_ops",  # the same for vLLM
+    "vllm_step_ops",  # one vLLM engine step beyond its layers (its scheduler, sampler), in op_seconds
     "param_tensor_ops",  # one parameter tensor in an optimizer step or a weight sync
     "micro_batch_ops",  # one micro-batch's forward or backward beyond the model's ops (schedule, loss)
     "phase_ops",  # one phase's fixed cost (its barrier, its bookkeeping)
