@@ -149,7 +149,8 @@ FIT_SET = (
 # fit, make calibrate, does not read them). The first two were chosen after the validation set's one_sequence_decode
 # and micro_batches_of_one first ran (docs/plan-validation.md, 2026-11-30 evening), and unlike them in sizes; the
 # rest from the fit's own leave-one-out on a second VM (2026-12-01, day): a 16-layer model, so that the layer count
-# varies, and a second compute-heavy run.
+# varies, and a second compute-heavy run; deep_vllm after memory_cpu_vllm's validated rollout was read at -50%
+# (vLLM's constant rested on one fit run; docs/plan-validation.md says so).
 TIME_FIT_SET = FIT_SET + (
     RunSpec(
         "two_sequences_decode",
