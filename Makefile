@@ -120,7 +120,7 @@ calibrate: $(STAMP) ## fit the planner constants of this machine's device kind f
 validate-plan: $(STAMP) ## the memory plan vs the validation set's runs (never fitted on; runs what runs/validation/ lacks): one JSON line per config
 	@$(PY) -m tools.validate_plan $(ARGS)
 
-calibrate-time: $(STAMP) ## fit the step-time model's efficiencies and op factors on the fit set's runs and more (TIME_FIT_SET: 14 configurations), three of each in alternating order (reads runs/calibration/, runs what it lacks; ARGS=--rerun, --repeats N, --out FILE) -> planner/calibration/cpu_time.json
+calibrate-time: $(STAMP) ## fit the step-time model's efficiencies and op factors on the fit set's runs and more (TIME_FIT_SET: 16 configurations), three of each in alternating order (reads runs/calibration/, runs what it lacks; ARGS=--rerun, --repeats N, --out FILE) -> planner/calibration/cpu_time.json
 	@$(PY) -m tools.calibrate_time $(ARGS)
 
 validate-time: $(STAMP) ## the step-time model vs the validation set's runs (never fitted on; three of each, alternating): seconds per phase and per step, one JSON line per config

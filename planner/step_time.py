@@ -771,13 +771,12 @@ def reference_check_work(inp: PlanInputs) -> PhaseWork:
     gathered = all_gather_object_written_bytes(own, sample.largest, sample.gathered, sample.ranks)
     received = (sample.ranks - 1) * sample.largest
     written = e * (own + gathered + sample.full)  # the clones, the gather, the full tensors
-    read = written - e * received
     # the check's all_gather_object (sizes, then bytes) and its verdict's, each a ring of w - 1 steps
     work = PhaseWork(all_gather_bytes=_by_link(inp, {"world": e * received}), collective_steps=4 * (sample.ranks - 1))
     if inp.on_cuda:
         work.host_bytes = written + 2 * e * sample.full
-    else:
-        work.fresh_bytes, work.memory_bytes = written, read + 2 * e * sample.full
+    else:  # every copy reads its source but gloo's received bytes; the comparison reads both full tensors
+        work.fresh_bytes, work.memory_bytes = written, written - e * received + 2 * e * sample.full
     return work
 
 

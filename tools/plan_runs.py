@@ -150,7 +150,8 @@ FIT_SET = (
 # and micro_batches_of_one first ran (docs/plan-validation.md, 2026-11-30 evening), and unlike them in sizes; the
 # rest from the fit's own leave-one-out on a second VM (2026-12-01, day): a 16-layer model, so that the layer count
 # varies, and a second compute-heavy run; deep_vllm after memory_cpu_vllm's validated rollout was read at -50%
-# (vLLM's constant rested on one fit run; docs/plan-validation.md says so).
+# (vLLM's constant rested on one fit run; docs/plan-validation.md says so), and the two TP=1 vLLM runs from the fit's
+# terms after that (the TP=2 runs could not tell vLLM's cost per step from its collectives').
 TIME_FIT_SET = FIT_SET + (
     RunSpec(
         "two_sequences_decode",
@@ -225,6 +226,36 @@ TIME_FIT_SET = FIT_SET + (
         ),
         "tiny_cpu_vllm at 16 layers: vLLM's cost per layer step apart from its cost per step (without it vLLM's "
         "constant rests on tiny_cpu_vllm alone)",
+    ),
+    RunSpec(
+        "vllm_decode",
+        "tiny_cpu",
+        (
+            "rollout.engine=vllm",
+            "rollout.tp=1",
+            "trainer.prompts_per_step=4",
+            "rollout.n_samples_per_prompt=1",
+            "rollout.max_new_tokens=96",
+            "actor.micro_batch_size=2",
+            IGNORE_EOS,
+        ),
+        "vLLM's cost per step without collectives: two TP=1 engines decode two sequences each for 96 steps (the "
+        "vLLM runs above are TP=2, where its cost per step and its all-reduces' ops come together)",
+    ),
+    RunSpec(
+        "deep_vllm_decode",
+        "tiny_cpu",
+        (
+            "model.path=tiny:qwen2_deep",
+            "rollout.engine=vllm",
+            "rollout.tp=1",
+            "trainer.prompts_per_step=4",
+            "rollout.n_samples_per_prompt=1",
+            "rollout.max_new_tokens=96",
+            "actor.micro_batch_size=4",
+            IGNORE_EOS,
+        ),
+        "vllm_decode at 16 layers: vLLM's cost per layer step apart from its cost per step, without collectives",
     ),
     RunSpec(
         "memory_cpu_double_batch",
